@@ -1,0 +1,14 @@
+"""Test-wide JAX settings: CPU only, two fake devices, fast compiles.
+
+They must be set before jax is imported anywhere, which is why they live in the root conftest.
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=2").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)

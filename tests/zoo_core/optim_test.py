@@ -1,0 +1,111 @@
+"""Optimisers, schedules, weight-decay masks and lookahead."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import common
+from zoo_core import optim
+
+
+def _config(**optim_fields):
+    c = common.base_config()
+    c.total_steps = 100
+    for k, v in optim_fields.items():
+        if k.startswith("schedule_"):
+            c.schedule[k[len("schedule_"):]] = v
+        else:
+            c.optim[k] = v
+    return c
+
+
+def test_warmup_rsqrt_schedule_values():
+    c = _config(learning_rate=1.0, schedule_name="warmup_rsqrt", schedule_warmup_steps=4)
+    _, schedule = optim.make_optimizer(c)
+    # step s (0-based) uses n = s + 1: min(n / w, sqrt(w / n)).
+    np.testing.assert_allclose([schedule(s) for s in (0, 3, 15)], [0.25, 1.0, 0.5], rtol=1e-6)
+
+
+def test_warmup_linear_and_cosine_reach_peak_then_end():
+    for name in ("warmup_linear", "warmup_cosine"):
+        c = _config(learning_rate=2.0, schedule_name=name, schedule_warmup_steps=10, schedule_end_factor=0.1)
+        _, schedule = optim.make_optimizer(c)
+        np.testing.assert_allclose(schedule(0), 0.0, atol=1e-7)
+        np.testing.assert_allclose(schedule(10), 2.0, rtol=1e-6)
+        np.testing.assert_allclose(schedule(100), 0.2, rtol=1e-5)
+
+
+def test_one_cycle_peaks_at_pct_start():
+    c = _config(learning_rate=1.0, schedule_name="one_cycle", schedule_pct_start=0.3)
+    _, schedule = optim.make_optimizer(c)
+    values = np.array([schedule(s) for s in range(100)])
+    assert values.argmax() == 30 and values[0] == pytest.approx(1.0 / 25.0)
+
+
+def test_decay_mask_rules():
+    params = {"embed": {"embedding": jnp.ones((5, 3))}, "dense": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)},
+              "norm": {"scale": jnp.ones(3)}}
+    m = optim.decay_mask(params, "no_bias_norm")
+    assert m["dense"]["kernel"] and not m["dense"]["bias"] and not m["norm"]["scale"] and m["embed"]["embedding"]
+    m = optim.decay_mask(params, "no_bias_norm_embed")
+    assert m["dense"]["kernel"] and not m["embed"]["embedding"]
+    assert all(jax.tree_util.tree_leaves(optim.decay_mask(params, "all")))
+
+
+def test_adamw_decays_only_masked_leaves():
+    c = _config(learning_rate=0.1, weight_decay=0.5)
+    tx, _ = optim.make_optimizer(c)
+    params = {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(updates["kernel"], -0.05 * np.ones((2, 2)), rtol=1e-6)
+    np.testing.assert_allclose(updates["bias"], np.zeros(2))
+
+
+def test_lookahead_syncs_slow_weights_every_k_steps():
+    inner = optax.sgd(1.0)
+    tx = optim.lookahead(inner, sync_period=2, alpha=0.5)
+    params = jnp.array([0.0])
+    state = tx.init(params)
+    g = jnp.array([-1.0])  # sgd moves +1 per step
+    u, state = tx.update(g, state, params)
+    params = params + u
+    np.testing.assert_allclose(params, [1.0])          # fast step
+    u, state = tx.update(g, state, params)
+    params = params + u
+    np.testing.assert_allclose(params, [1.0])          # fast reaches 2, slow = 0 + 0.5 * (2 - 0) = 1
+    np.testing.assert_allclose(state.slow, [1.0])
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "radam", "lamb", "ranger"])
+def test_every_optimizer_decreases_a_quadratic(name):
+    c = _config(name=name, learning_rate=0.05, weight_decay=0.0 if name == "adam" else 1e-4)
+    tx, _ = optim.make_optimizer(c)
+    params = {"w": jnp.array([3.0, -2.0])}
+    state = tx.init(params)
+    loss = lambda p: jnp.sum(p["w"] ** 2)
+    for _ in range(100):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    assert loss(params) < 13.0 * 0.5
+
+
+def test_bad_optimizer_settings_raise():
+    with pytest.raises(ValueError, match="unknown optim.name 'sgdd'"):
+        optim.make_optimizer(_config(name="sgdd"))
+    with pytest.raises(ValueError, match="adam has no weight decay"):
+        optim.make_optimizer(_config(name="adam", weight_decay=0.1))
+    with pytest.raises(ValueError, match="unknown schedule.name"):
+        optim.make_optimizer(_config(schedule_name="step"))
+    with pytest.raises(ValueError, match="decay_mask"):
+        optim.decay_mask({"a": jnp.ones(2)}, "nope")
+
+
+def test_clipping_bounds_the_update():
+    c = _config(name="adamw", learning_rate=1.0, grad_clip_norm=1e-3, b1=0.0, b2=0.0, eps=0.0)
+    tx, _ = optim.make_optimizer(c)
+    params = {"w": jnp.zeros(4)}
+    updates, _ = tx.update({"w": jnp.full(4, 100.0)}, tx.init(params), params)
+    # Adam with b1 = b2 = 0 normalises the (clipped) gradient to sign: |update| = lr.
+    np.testing.assert_allclose(np.abs(updates["w"]), 1.0, rtol=1e-4)

@@ -1,0 +1,195 @@
+"""The shared trainer: metrics, sharded == single == pmap, accumulation, retracing, NaN stop, configs."""
+import functools
+import json
+import os
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs.core import synthetic
+from zoo_core import metrics as metrics_lib
+from zoo_core import models, optim, sharding, tasks, trainer
+from zoo_core.testing import assert_trees_close
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def _config(data_dir, **overrides):
+    c = synthetic.get_config("smoke")
+    c.unlock()
+    c.data.data_dir = data_dir
+    for k, v in overrides.items():
+        node = c
+        *path, last = k.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = v
+    return c
+
+
+class FixedLogits(nn.Module):
+    """Ignores its parameter-free input and returns logits given by the batch (scenic's FakeModel)."""
+
+    @nn.compact
+    def __call__(self, batch, *, train=False):
+        bias = self.param("bias", nn.initializers.zeros, (1,))
+        return {"logits": batch["logits"] + bias}, {"loss/const": jnp.float32(0.25)}
+
+
+def test_eval_step_metrics_match_numpy():
+    logits = np.array([[2.0, 0.0, 0.0], [0.0, 1.0, 3.0], [1.0, 1.0, 0.0], [0.0, 0.0, 9.0]], np.float32)
+    labels = np.array([0, 1, 1, 2])
+    mask = np.array([1, 1, 1, 0], np.float32)   # the last row is eval padding
+    batch = {"logits": logits, "label": labels, "example_mask": mask}
+    model = FixedLogits()
+    params = model.init(jax.random.PRNGKey(0), batch)["params"]
+    sums = trainer.eval_step(params, batch, model=model, task=tasks.classification())
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -logp[np.arange(4), labels]
+    np.testing.assert_allclose(sums["nll"][0] / sums["nll"][1], nll[:3].mean(), rtol=1e-6)
+    np.testing.assert_allclose(sums["accuracy"][0] / sums["accuracy"][1], 1 / 3, rtol=1e-6)   # only row 0 right
+    np.testing.assert_allclose(sums["loss/const"][0] / sums["loss/const"][1], 0.25, rtol=1e-6)
+
+
+def test_seq2seq_task_weights_tokens_not_sentences():
+    logits = jnp.log(jnp.array([[[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], [[0.9, 0.1], [0.5, 0.5], [0.5, 0.5]]]))
+    targets = jnp.array([[1, 1, 1], [0, 0, 0]])   # pad_id 0: the second sentence is all padding
+    targets = targets.at[1, 0].set(1)             # ... except one token
+    out = tasks.reduce_metrics(tasks.seq2seq()({"logits": logits}, {"targets": targets}), None)
+    expected = (3 * np.log(2) + -np.log(0.1)) / 4
+    np.testing.assert_allclose(out["nll"][0] / out["nll"][1], expected, rtol=1e-5)
+
+
+def _setup(c, batch):
+    model = models.MLPClassifier(**c.model)
+    tx, schedule = optim.make_optimizer(c)
+    init = functools.partial(trainer.init_state, model=model, tx=tx)
+    state = init(jax.random.PRNGKey(0), jax.tree_util.tree_map(lambda x: x[:1], batch))
+    step = functools.partial(trainer.train_step, model=model, tx=tx, task=tasks.classification(),
+                             schedule=schedule, accum_steps=int(c.optim.grad_accum_steps))
+    return state, step
+
+
+def _batches(n=3, b=8, f=8):
+    rng = np.random.default_rng(0)
+    return [{"inputs": rng.normal(size=(b, f)).astype(np.float32),
+             "label": rng.integers(0, 4, size=b)} for _ in range(n)]
+
+
+def test_sharded_equals_single_device_equals_pmap(data_dir):
+    assert jax.device_count() == 2, "conftest forces two CPU devices"
+    c = _config(data_dir, **{"optim.name": "adamw", "optim.weight_decay": 0.01})
+    batches = _batches()
+    state0, step = _setup(c, batches[0])
+
+    single = state0
+    f = jax.jit(step)
+    for b in batches:
+        single, _ = f(single, b)
+
+    mesh = sharding.make_mesh()
+    sharded = jax.device_put(state0, sharding.replicated(mesh))
+    f = jax.jit(step, out_shardings=(sharding.replicated(mesh), sharding.replicated(mesh)))
+    for b in batches:
+        gb = sharding.global_batch(b, mesh)
+        assert gb["inputs"].sharding.spec == P("data")
+        sharded, _ = f(sharded, gb)
+
+    pm = sharding.replicate_for_pmap(state0)
+    f = jax.pmap(functools.partial(step, axis_name="batch"), axis_name="batch")
+    for b in batches:
+        pm, _ = f(pm, sharding.pmap_batch(b))
+    pm = sharding.unreplicate(pm)
+
+    assert_trees_close(sharded.params, single.params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(pm.params, single.params, rtol=1e-5, atol=1e-6)
+    assert int(single.step) == int(sharded.step) == int(pm.step) == 3
+
+
+def test_gradient_accumulation_equals_full_batch(data_dir):
+    batches = _batches(n=2)
+    full_state, full_step = _setup(_config(data_dir), batches[0])
+    acc_state, acc_step = _setup(_config(data_dir, **{"optim.grad_accum_steps": 4}), batches[0])
+    for b in batches:
+        full_state, full_metrics = jax.jit(full_step)(full_state, b)
+        acc_state, acc_metrics = jax.jit(acc_step)(acc_state, b)
+    assert_trees_close(acc_state.params, full_state.params, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acc_metrics["train/total_loss"], full_metrics["train/total_loss"], rtol=1e-5)
+
+
+def test_train_step_does_not_retrace(data_dir):
+    batches = _batches(n=4)
+    state, step = _setup(_config(data_dir), batches[0])
+    @chex.assert_max_traces(n=1)
+    def traced(state, batch):
+        return step(state, batch)
+
+    f = jax.jit(traced, donate_argnums=(0,))
+    for b in batches:
+        state, _ = f(state, b)
+    chex.clear_trace_counter()
+
+
+def test_train_and_evaluate_learns_and_writes_artifacts(data_dir, tmp_path):
+    c = _config(data_dir, total_steps=60, batch_size=16, eval_batch_size=16, eval_max_examples=0,
+                log_every_steps=20, eval_every_steps=30, checkpoint_every_steps=20, **{"optim.learning_rate": 1e-2})
+    result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert result["eval/accuracy"] > 0.8
+    records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    losses = [r["train/total_loss"] for r in records if "train/total_loss" in r]
+    assert losses[-1] < 0.6 * losses[0]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["20", "40", "60"]
+    assert os.listdir(tmp_path / "best")               # best by eval/accuracy
+    assert json.load(open(tmp_path / "config.json"))["total_steps"] == 60
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+    # Running again finds the final checkpoint and trains no further.
+    again = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert again == {}
+
+
+def test_pmap_mode_trains(data_dir, tmp_path):
+    c = _config(data_dir, **{"parallel.mode": "pmap"})
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert os.listdir(tmp_path / "checkpoints") == ["2"]
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
+    c = _config(data_dir, total_steps=6, checkpoint_every_steps=2, log_every_steps=1, eval_every_steps=0)
+    class Poisoned(nn.Module):
+        """Its aux loss is NaN once the learning rate schedule has passed step 3 (via params drift)."""
+
+        @nn.compact
+        def __call__(self, batch, *, train=False):
+            out, aux = models.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
+            counter = self.param("counter", nn.initializers.zeros, ())
+            # counter moves by -lr * d(loss)/d(counter) = -lr * 1 per step: crosses -3.5e-3 at step 4.
+            nan = jnp.where(counter < -3.5e-3, jnp.nan, 0.0)
+            return out, {**aux, "loss/counter": counter + nan}
+
+    c.optim.name = "adam"
+    c.optim.learning_rate = 1e-3
+    with pytest.raises(trainer.NonFiniteError, match="at step 5"):
+        trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: Poisoned())
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("optim.name", "sgdd", "unknown optim.name"),
+    ("batch_size", 3, "divisible"),
+    ("parallel.mode", "spmd", "unknown parallel.mode"),
+    ("data.name", "nope", "unknown dataset"),
+    ("model.hidden", -1, "hidden"),
+])
+def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
+    c = _config(data_dir, **{field: value})
+    with pytest.raises(trainer.ConfigError, match=message):
+        trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert not os.path.exists(tmp_path / "checkpoints" / "2")

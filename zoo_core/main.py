@@ -1,0 +1,84 @@
+"""The command line shared by every `python -m <package>.train` entry point.
+
+    python -m agf_jax.train --config configs/agf/lra_listops.py:smoke --workdir /tmp/run \
+        --config.model.num_layers=3
+
+Flags: --config (ml_collections file[:args], with --config.a.b=value overrides), --workdir, and for
+multi-host runs --coordinator_address / --num_processes / --process_id (or the environment variables
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Configuration mistakes end the run with one
+line on stderr and exit status 2, before anything is compiled.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints and metrics (resumes from it)")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host runs)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "number of processes (multi-host runs)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's id in [0, num_processes)")
+
+
+def maybe_initialize_distributed() -> None:
+    """Calls jax.distributed.initialize when a coordinator is given by flag or environment."""
+    address = _COORDINATOR.value or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address:
+        return
+    num = _NUM_PROCESSES.value if _NUM_PROCESSES.value is not None else os.environ.get("JAX_NUM_PROCESSES")
+    pid = _PROCESS_ID.value if _PROCESS_ID.value is not None else os.environ.get("JAX_PROCESS_ID")
+    if num is None or pid is None:
+        raise ValueError("a coordinator address needs --num_processes and --process_id "
+                         "(or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
+    import jax
+    jax.distributed.initialize(coordinator_address=address, num_processes=int(num), process_id=int(pid),
+                               initialization_timeout=120)
+
+
+class _QuietLibraries:
+    """Drops INFO records from orbax and the grain/tfds internals: dozens of lines per checkpoint."""
+
+    _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/", "/etils/")
+
+    def filter(self, record) -> bool:
+        return record.levelno >= 30 or not any(n in record.pathname for n in self._NOISY)
+
+
+def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any], list] | None) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.get_absl_handler().addFilter(_QuietLibraries())
+    from zoo_core import trainer
+    config = _CONFIG.value
+    if config is None:
+        _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
+    workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(
+        flags.FLAGS["config"].config_filename))[0])
+    try:
+        maybe_initialize_distributed()
+        evaluators = evaluators_fn(config) if evaluators_fn else ()
+        trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators)
+    except trainer.ConfigError as e:
+        _fail(str(e))
+    except trainer.NonFiniteError as e:
+        _fail(str(e), status=3)
+
+
+def _fail(message: str, status: int = 2) -> None:
+    logging.error("%s", message)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def run(build_model: Callable[..., Any], evaluators_fn: Callable[[Any], list] | None = None) -> None:
+    """Parses flags and runs the shared trainer with the architecture's `Model` factory."""
+    try:
+        app.run(functools.partial(_main, build_model=build_model, evaluators_fn=evaluators_fn))
+    except ValueError as e:  # errors raised while ml_collections parses --config overrides
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

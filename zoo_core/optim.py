@@ -1,0 +1,141 @@
+"""Optimisers and learning-rate schedules built from `config.optim` and `config.schedule`.
+
+Optimisers: adamw, adam, radam, lamb, ranger (= lookahead(radam), Zhang et al. 2019 + Liu et al. 2020).
+Schedules: constant, one_cycle, warmup_linear, warmup_cosine, warmup_rsqrt.
+Every option that is set must be used: a weight decay given to an optimiser without decoupled decay,
+or an unknown name, raises instead of being ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+OPTIMIZERS = ("adamw", "adam", "radam", "lamb", "ranger")
+SCHEDULES = ("constant", "one_cycle", "warmup_linear", "warmup_cosine", "warmup_rsqrt")
+DECAY_MASKS = ("all", "no_bias_norm", "no_bias_norm_embed")
+
+
+def make_schedule(schedule: Any, *, learning_rate: float, total_steps: int) -> optax.Schedule:
+    """Builds the learning-rate schedule (a function of the optimiser step).
+
+    Args:
+      schedule: `config.schedule` with `name` and, per schedule, `warmup_steps`, `end_factor`
+        (final lr / peak for linear and cosine decay), `pct_start`, `div_factor`, `final_div_factor`
+        (one-cycle, as torch's OneCycleLR).
+      learning_rate: the peak learning rate.
+      total_steps: length of the run.
+    """
+    name = schedule.name
+    warmup = int(schedule.get("warmup_steps", 0))
+    if name == "constant":
+        if warmup:
+            return optax.linear_schedule(0.0, learning_rate, warmup)
+        return optax.constant_schedule(learning_rate)
+    if name == "one_cycle":
+        return optax.cosine_onecycle_schedule(
+            transition_steps=total_steps, peak_value=learning_rate, pct_start=schedule.pct_start,
+            div_factor=schedule.div_factor, final_div_factor=schedule.final_div_factor)
+    if name in ("warmup_linear", "warmup_cosine"):
+        if not 0 <= warmup < total_steps:
+            raise ValueError(f"schedule.warmup_steps={warmup} must be in [0, total_steps={total_steps})")
+        end = learning_rate * schedule.end_factor
+        if name == "warmup_linear":
+            decay = optax.linear_schedule(learning_rate, end, total_steps - warmup)
+        else:
+            decay = optax.cosine_decay_schedule(learning_rate, total_steps - warmup, alpha=schedule.end_factor)
+        return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup), decay], [warmup])
+    if name == "warmup_rsqrt":
+        # Vaswani et al. 2017: linear warm-up to the peak, then lr * sqrt(warmup / step).
+        if warmup <= 0:
+            raise ValueError("schedule.warmup_steps must be > 0 for warmup_rsqrt")
+
+        def rsqrt(step):
+            step = jnp.asarray(step, jnp.float32) + 1.0
+            return learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
+        return rsqrt
+    raise ValueError(f"unknown schedule.name {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def decay_mask(params: Any, rule: str) -> Any:
+    """Pytree of bools: which parameters receive weight decay.
+
+    'all' decays everything; 'no_bias_norm' decays only tensors of rank >= 2 (kernels), so biases,
+    norm scales and scalar coefficients are spared; 'no_bias_norm_embed' also spares any parameter whose
+    path mentions 'embed' or 'pos' (token and position tables).
+    """
+    if rule not in DECAY_MASKS:
+        raise ValueError(f"unknown optim.decay_mask {rule!r}; choose one of {', '.join(DECAY_MASKS)}")
+
+    def keep(path, leaf):
+        if rule == "all":
+            return True
+        if jnp.ndim(leaf) < 2:
+            return False
+        names = "/".join(str(getattr(k, "key", k)).lower() for k in path)
+        return not (rule == "no_bias_norm_embed" and ("embed" in names or "pos" in names))
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+class LookaheadState(NamedTuple):
+    inner: Any
+    slow: Any
+    count: jax.Array
+
+
+def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: float) -> optax.GradientTransformationExtraArgs:
+    """Lookahead (Zhang et al. 2019) keeping the slow weights inside the optimiser state.
+
+    Every `sync_period` steps the slow weights move `alpha` of the way to the fast weights and the fast
+    weights are reset to them. Unlike `optax.lookahead`, parameters stay a plain tree, so the trainer,
+    checkpoints and evaluation need no special case.
+    """
+    if sync_period < 1 or not 0.0 < alpha <= 1.0:
+        raise ValueError(f"lookahead needs sync_period >= 1 and 0 < alpha <= 1, got {sync_period}, {alpha}")
+
+    def init(params):
+        return LookaheadState(inner.init(params), jax.tree_util.tree_map(jnp.asarray, params),
+                              jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("lookahead needs params in update()")
+        fast_updates, inner_state = inner.update(updates, state.inner, params, **extra)
+        fast = optax.apply_updates(params, fast_updates)
+        count = state.count + 1
+        sync = count % sync_period == 0
+        slow = jax.tree_util.tree_map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
+        new_params = jax.tree_util.tree_map(lambda s, f: jnp.where(sync, s, f), slow, fast)
+        final_updates = jax.tree_util.tree_map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
+        return final_updates, LookaheadState(inner_state, slow, count)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make_optimizer(config: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Returns (tx, schedule) from `config.optim`, `config.schedule` and `config.total_steps`."""
+    o = config.optim
+    schedule = make_schedule(config.schedule, learning_rate=o.learning_rate, total_steps=config.total_steps)
+    name = o.name
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optim.name {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    mask = lambda params: decay_mask(params, o.decay_mask)
+    if name == "adam" and o.weight_decay:
+        raise ValueError("optim.weight_decay is set but adam has no weight decay: use optim.name='adamw'")
+    if name == "adamw":
+        core = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    elif name == "adam":
+        core = optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps)
+    elif name == "lamb":
+        core = optax.lamb(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+    else:  # radam, ranger: RAdam with decoupled weight decay
+        core = optax.chain(
+            optax.scale_by_radam(b1=o.b1, b2=o.b2, eps=o.eps),
+            optax.add_decayed_weights(o.weight_decay, mask=mask) if o.weight_decay else optax.identity(),
+            optax.scale_by_learning_rate(schedule))
+    if name == "ranger":
+        core = lookahead(core, o.lookahead_steps, o.lookahead_alpha)
+    parts = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm else []
+    return optax.chain(*parts, core), schedule

@@ -1,0 +1,109 @@
+"""Task heads of the trainer: how model outputs and a batch become per-example losses and metrics.
+
+A task maps `(outputs, batch)` to `{metric: (values [B], weights [B])}`. The trainer takes
+sum(values * weights * example_mask) / sum(weights * example_mask) for every metric, so padded eval
+batches are exact and token-level metrics (weights = tokens per example) average over tokens, not
+sentences. The metric named 'loss' is the one that is optimised; the model's `aux['loss/*']` terms are
+added to it by the trainer.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import optax
+
+Metrics = dict[str, tuple[jnp.ndarray, jnp.ndarray]]
+
+
+def _ones(x):
+    return jnp.ones(x.shape[:1], jnp.float32)
+
+
+def classification(label_smoothing: float = 0.0) -> Callable[[dict, dict], Metrics]:
+    """Cross-entropy on outputs['logits'] [B, K] against batch['label'] [B]; accuracy."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"task.label_smoothing must be in [0, 1), got {label_smoothing}")
+
+    def metrics(outputs, batch):
+        logits = outputs["logits"].astype(jnp.float32)
+        labels = batch["label"].astype(jnp.int32)
+        k = logits.shape[-1]
+        target = optax.smooth_labels(jax_one_hot(labels, k), label_smoothing)
+        w = _ones(labels)
+        return {
+            "loss": (optax.softmax_cross_entropy(logits, target), w),
+            "nll": (optax.softmax_cross_entropy_with_integer_labels(logits, labels), w),
+            "accuracy": ((jnp.argmax(logits, -1) == labels).astype(jnp.float32), w),
+        }
+    return metrics
+
+
+def forecast(key: str = "forecast") -> Callable[[dict, dict], Metrics]:
+    """MSE (the loss) and MAE of outputs[key] [B, ...] against batch['target'] [B, ...]."""
+
+    def metrics(outputs, batch):
+        pred = outputs[key].astype(jnp.float32)
+        target = batch["target"].astype(jnp.float32)
+        if pred.shape != target.shape:
+            raise ValueError(f"outputs[{key!r}] has shape {pred.shape} but batch['target'] has {target.shape}")
+        axes = tuple(range(1, pred.ndim))
+        err = pred - target
+        w = _ones(pred)
+        mse = jnp.mean(err ** 2, axis=axes)
+        return {"loss": (mse, w), "mse": (mse, w), "mae": (jnp.mean(jnp.abs(err), axis=axes), w)}
+    return metrics
+
+
+def seq2seq(label_smoothing: float = 0.0, pad_id: int = 0) -> Callable[[dict, dict], Metrics]:
+    """Token cross-entropy of outputs['logits'] [B, T, V] against batch['targets'] [B, T] (pad_id ignored).
+
+    Metrics: loss (smoothed), nll, token accuracy (token-weighted) and teacher-forced sequence accuracy.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"task.label_smoothing must be in [0, 1), got {label_smoothing}")
+
+    def metrics(outputs, batch):
+        logits = outputs["logits"].astype(jnp.float32)
+        targets = batch["targets"].astype(jnp.int32)
+        valid = (targets != pad_id).astype(jnp.float32)
+        tokens = jnp.maximum(valid.sum(-1), 1.0)
+        soft = optax.smooth_labels(jax_one_hot(targets, logits.shape[-1]), label_smoothing)
+        per_token = optax.softmax_cross_entropy(logits, soft) * valid
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * valid
+        correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * valid
+        return {
+            "loss": (per_token.sum(-1) / tokens, tokens),
+            "nll": (nll.sum(-1) / tokens, tokens),
+            "token_accuracy": (correct.sum(-1) / tokens, tokens),
+            "sequence_accuracy": ((correct.sum(-1) == valid.sum(-1)).astype(jnp.float32), _ones(targets)),
+        }
+    return metrics
+
+
+def jax_one_hot(labels, k):
+    return (labels[..., None] == jnp.arange(k)).astype(jnp.float32)
+
+
+TASKS = {"classification": classification, "forecast": forecast, "seq2seq": seq2seq}
+
+
+def make_task(config: Any) -> Callable[[dict, dict], Metrics]:
+    """Builds the task named `config.task.name` with the remaining `config.task` fields as options."""
+    options = dict(config.task)
+    name = options.pop("name")
+    if name not in TASKS:
+        raise ValueError(f"unknown task.name {name!r}; choose one of {', '.join(TASKS)}")
+    try:
+        return TASKS[name](**options)
+    except TypeError as e:
+        raise ValueError(f"task {name!r} got an option it does not have: {e}") from None
+
+
+def reduce_metrics(metrics: Metrics, example_mask: jnp.ndarray | None) -> dict[str, tuple[jnp.ndarray, jnp.ndarray]]:
+    """{name: (sum of values * weights * mask, sum of weights * mask)}: additive over batches/devices."""
+    out = {}
+    for name, (values, weights) in metrics.items():
+        w = weights if example_mask is None else weights * example_mask
+        out[name] = (jnp.sum(values * w), jnp.sum(w))
+    return out

@@ -1,0 +1,76 @@
+"""Test helpers shared by every package: fixed tolerances, golden files, tree comparison.
+
+Tolerances are constants on purpose: a test that needs a looser one must say why in review,
+never loosen it locally (see the developers' guide).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Mapping
+
+import numpy as np
+
+# Fixed tolerances (style.md §4.7).
+F32_SIMPLE = dict(rtol=1e-5, atol=1e-5)   # single kernels / layers in float32
+F32_MODEL = dict(rtol=1e-4, atol=1e-4)    # whole models in float32
+BF16 = dict(rtol=1e-2, atol=1e-2)         # bfloat16 against a float32 run
+F64 = dict(rtol=1e-6, atol=1e-6)          # float64 (gradient checks)
+GOLDEN_ATOL = 1e-5                        # |port - golden| <= GOLDEN_ATOL + GOLDEN_RTOL * |golden|
+GOLDEN_RTOL = 1e-5
+
+TESTDATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "testdata"
+
+
+class Golden:
+    """One golden case recorded from an original implementation (see tests/testdata/README.md).
+
+    Attributes:
+      meta: the decoded JSON `meta` record.
+      inputs: `input/<name>` arrays, keyed by name.
+      params: `param/<key>` arrays, keyed by the original state_dict key.
+      outputs: `output/<name>` arrays, keyed by name.
+    """
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        with np.load(self.path, allow_pickle=False) as f:
+            self.meta: dict[str, Any] = json.loads(str(f["meta"]))
+            self.inputs = _strip(f, "input/")
+            self.params = _strip(f, "param/")
+            self.outputs = _strip(f, "output/")
+
+
+def _strip(f, prefix: str) -> dict[str, np.ndarray]:
+    return {k[len(prefix):]: np.asarray(f[k]) for k in f.files if k.startswith(prefix)}
+
+
+def golden_excess(actual, expected) -> float:
+    """Largest violation of |a - e| <= GOLDEN_ATOL + GOLDEN_RTOL |e| (<= 0 means within tolerance)."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    if a.shape != e.shape:
+        raise ValueError(f"shape mismatch: got {a.shape}, golden has {e.shape}")
+    return float(np.max(np.abs(a - e) - (GOLDEN_ATOL + GOLDEN_RTOL * np.abs(e)), initial=-np.inf))
+
+
+def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float) -> None:
+    """Asserts two pytrees have the same structure and allclose leaves, naming the first bad leaf."""
+    import jax
+
+    a_leaves, a_def = jax.tree_util.tree_flatten_with_path(actual)
+    e_leaves, e_def = jax.tree_util.tree_flatten_with_path(expected)
+    if a_def != e_def:
+        raise AssertionError(f"tree structures differ:\n{a_def}\n{e_def}")
+    for (path, a), (_, e) in zip(a_leaves, e_leaves):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), rtol=rtol,
+                                   atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def param_shapes(params: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Flattens a parameter tree to {'a/b/kernel': shape}, for parameter-name snapshot tests."""
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(v)) for path, v in flat}
+

@@ -1,0 +1,425 @@
+"""The one trainer of the zoo: `train_and_evaluate(config, workdir, build_model)`.
+
+Architectures plug in through `build_model` (called as `build_model(**config.model)`), whose module maps
+`(batch, train=...)` to `(outputs, aux)`. The task (`config.task`) turns outputs into per-example
+metrics, and every `aux['loss/<name>']` scalar is added to the task loss, so regularisers need no fork
+of this loop.
+
+Steps, each a small function: validate the config, prepare the data, build the model and optimiser,
+make the abstract state (`jax.eval_shape`), restore or initialise it directly in its sharding, jit the
+steps once, loop. `train_step` and `eval_step` are pure module-level functions; the same `train_step`
+serves jit over a 'data' mesh (default) and pmap (`axis_name`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import signal
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from absl import logging
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zoo_core import checkpoint as ckpt_lib
+from zoo_core import data as data_lib
+from zoo_core import metrics as metrics_lib
+from zoo_core import optim, sharding, tasks
+from zoo_core.data import pipeline
+
+PARALLEL_MODES = ("jit", "pmap")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake found before compiling (the CLI prints its one line and exits 2)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradient became NaN or infinite; the run stops without saving that state."""
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step changes. The model, optimiser and task are static and live outside.
+
+    Attributes:
+      step: int32 [], optimiser steps taken.
+      params: the model's parameter tree.
+      opt_state: the optax state.
+      rng: uint32 [2], the run's dropout key; step `s` uses fold_in(rng, s), so a resumed run draws the
+        same masks as an uninterrupted one.
+      bad_step: int32 [], the first step whose loss or gradient was non-finite, or -1. A non-finite step
+        leaves params and opt_state untouched, and the host stops the run when it sees bad_step >= 0.
+    """
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    bad_step: jax.Array
+
+
+def init_state(rng: jax.Array, batch: Mapping[str, jax.Array], *, model, tx) -> TrainState:
+    """Initialises parameters on `batch` and the optimiser state; pure, so it can be eval_shape'd/jitted."""
+    param_rng, dropout_rng = jax.random.split(rng)
+    params = model.init({"params": param_rng, "dropout": dropout_rng}, batch, train=False)["params"]
+    return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=jax.random.fold_in(rng, 1), bad_step=jnp.full([], -1, jnp.int32))
+
+
+def _loss_and_metrics(params, batch, rng, *, model, task, train: bool):
+    outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {})
+    sums = tasks.reduce_metrics(task(outputs, batch), batch.get("example_mask"))
+    aux_losses = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items() if k.startswith("loss/")}
+    for k, v in aux_losses.items():
+        if v.ndim:
+            raise ValueError(f"aux[{k!r}] must be a scalar, got shape {v.shape}")
+    loss = sums["loss"][0] / sums["loss"][1] + sum(aux_losses.values(), jnp.zeros([], jnp.float32))
+    return loss, (sums, aux_losses)
+
+
+def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, task, schedule,
+               accum_steps: int = 1, axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimiser step on a global batch.
+
+    With `accum_steps > 1` the batch is split into that many micro-batches whose gradients are averaged
+    (a lax.scan, so only one micro-batch's activations are live) before one optimiser update; for tasks
+    whose loss is a per-example mean this equals the step on the whole batch.
+
+    Args:
+      state: the train state (donated by the caller's jit).
+      batch: dict of [B, ...] arrays (B the global batch; under pmap the per-device batch).
+      model, tx, task, schedule: static pieces bound with functools.partial.
+      accum_steps: micro-batches per step.
+      axis_name: the pmap axis; gradients and metrics are averaged over it.
+
+    Returns:
+      (new state, metrics): scalar train metrics (loss, task metrics, aux losses, l2 norms, lr, finite).
+    """
+    rng = jax.random.fold_in(state.rng, state.step)
+    if axis_name is not None:
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+    grad_fn = jax.value_and_grad(functools.partial(_loss_and_metrics, model=model, task=task, train=True),
+                                 has_aux=True)
+    if accum_steps == 1:
+        (loss, (sums, aux_losses)), grads = grad_fn(state.params, batch, rng)
+    else:
+        micro = jax.tree_util.tree_map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+
+        def accumulate(carry, inputs):
+            i, mb = inputs
+            out, g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+            return jax.tree_util.tree_map(jnp.add, carry, (out, g)), None
+
+        zero_out = jax.eval_shape(grad_fn, state.params, jax.tree_util.tree_map(lambda x: x[0], micro), rng)
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zero_out)
+        total, _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accum_steps), micro))
+        (loss, (sums, aux_losses)), grads = total
+        loss = loss / accum_steps
+        aux_losses = {k: v / accum_steps for k, v in aux_losses.items()}
+        grads = jax.tree_util.tree_map(lambda g: g / accum_steps, grads)
+    if axis_name is not None:
+        grads, loss, aux_losses = jax.lax.pmean((grads, loss, aux_losses), axis_name)
+        sums = jax.lax.psum(sums, axis_name)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        bad_step=jnp.where(finite | (state.bad_step >= 0), state.bad_step, state.step))
+    metrics = {f"train/{k}": s / jnp.maximum(n, 1e-12) for k, (s, n) in sums.items()}
+    metrics.update({f"train/{k}": v for k, v in aux_losses.items()})
+    metrics.update({
+        "train/total_loss": loss,
+        "train/l2_grads": grad_norm,
+        "train/l2_params": optax.tree.norm(state.params),
+        "train/l2_updates": optax.tree.norm(updates),
+        "train/learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
+    })
+    return new_state, metrics
+
+
+def eval_step(params, batch: Mapping[str, jax.Array], *, model, task,
+              axis_name: str | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Weighted metric sums {name: (sum, weight)} of one eval batch (additive over batches)."""
+    _, (sums, aux_losses) = _loss_and_metrics(params, batch, None, model=model, task=task, train=False)
+    count = sums["loss"][1]
+    sums = dict(sums, **{k: (v * count, count) for k, v in aux_losses.items()})
+    if axis_name is not None:
+        sums = jax.lax.psum(sums, axis_name)
+    return sums
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side.
+
+
+def validate_config(config) -> None:
+    """Checks that need no compile. Raises ValueError with one line naming the problem."""
+    mode = config.parallel.mode
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"unknown parallel.mode {mode!r}; choose one of {', '.join(PARALLEL_MODES)}")
+    if mode == "pmap" and jax.process_count() > 1:
+        raise ValueError("parallel.mode='pmap' is single-process only here; use the default 'jit' mode "
+                         "across processes")
+    for name in ("total_steps", "batch_size", "eval_batch_size", "log_every_steps"):
+        if int(config[name]) < 1:
+            raise ValueError(f"{name} must be >= 1, got {config[name]}")
+    devices = jax.device_count()
+    accum = int(config.optim.grad_accum_steps)
+    if accum < 1:
+        raise ValueError(f"optim.grad_accum_steps must be >= 1, got {accum}")
+    if config.batch_size % (devices * accum):
+        raise ValueError(f"batch_size {config.batch_size} must be divisible by devices ({devices}) x "
+                         f"optim.grad_accum_steps ({accum})")
+    if config.eval_batch_size % devices:
+        raise ValueError(f"eval_batch_size {config.eval_batch_size} must be divisible by the {devices} devices")
+
+
+def prepare_data(config) -> tuple[Any, Any]:
+    """Builds the dataset on first use (process 0 first, the others wait), returns (train, eval) sources."""
+    d = config.data
+    data_dir = pipeline.resolve_data_dir(d.data_dir)
+    builder = data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
+    if jax.process_index() == 0:
+        builder.download_and_prepare()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("zoo_data_prepared")
+        builder.download_and_prepare()   # a no-op read of what process 0 wrote
+    return builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
+
+
+def parameter_overview(params) -> str:
+    """A table of parameter paths, shapes and sizes, with the total."""
+    rows = [(jax.tree_util.keystr(p), tuple(x.shape), int(np.prod(x.shape)))
+            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    width = max([len(r[0]) for r in rows] + [4])
+    lines = [f"{'name':<{width}}  {'shape':<20} {'size':>10}"]
+    lines += [f"{n:<{width}}  {str(s):<20} {c:>10,}" for n, s, c in rows]
+    lines.append(f"{'total':<{width}}  {'':<20} {sum(r[2] for r in rows):>10,}")
+    return "\n".join(lines)
+
+
+def _mean_metrics(history: list[dict[str, jax.Array]]) -> dict[str, float]:
+    fetched = jax.device_get(history)
+    return {k: float(np.mean([np.asarray(m[k]) for m in fetched])) for k in fetched[0]}
+
+
+class _Terminate:
+    """Turns SIGTERM into a flag the loop polls, so the run can save and exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:   # not the main thread (e.g. inside a notebook worker): no handler
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        logging.warning("SIGTERM received: saving a checkpoint and exiting")
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
+                       evaluators: Iterable[Callable[[Any, Any, Any], Mapping[str, float]]] = ()) -> dict[str, float]:
+    """Trains `build_model(**config.model)` on `config.data` and evaluates it; resumes from `workdir`.
+
+    Args:
+      config: the resolved ml_collections config (see configs/common.py for every field).
+      workdir: where checkpoints, metrics.jsonl, TensorBoard files and config.json go.
+      build_model: the architecture's `Model` factory.
+      evaluators: extra host-side evaluations `fn(params, model, config) -> {name: value}` run with every
+        eval (e.g. decoding + BLEU); their results are logged under 'eval/'.
+
+    Returns:
+      The last eval metrics.
+
+    Raises:
+      ValueError: a configuration problem, before anything is compiled.
+      NonFiniteError: the loss or gradient became non-finite (the message names the step).
+    """
+    try:
+        validate_config(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    is_main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+    config_dict = json.loads(config.to_json_best_effort())
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_dict, f, indent=2, sort_keys=True)
+    logging.info("config:\n%s", config)
+    logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
+                 jax.process_index(), jax.process_count(), jax.devices())
+
+    # --- data, model, optimiser: every config error surfaces here, before any compile ---
+    pcount, pindex = jax.process_count(), jax.process_index()
+    rng = jax.random.PRNGKey(config.seed)
+    try:
+        train_source, eval_source = prepare_data(config)
+        model = build_model(**config.model.to_dict())
+        task = tasks.make_task(config)
+        tx, schedule = optim.make_optimizer(config)
+        example = sharding.numeric(next(pipeline.eval_batches(
+            eval_source, global_batch_size=config.eval_batch_size, process_index=pindex, process_count=pcount)))
+        example = jax.tree_util.tree_map(lambda x: x[:1], example)
+        init = functools.partial(init_state, model=model, tx=tx)
+        abstract = jax.eval_shape(init, rng, example)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    mode = config.parallel.mode
+    mesh = sharding.make_mesh()
+    logging.info("parameters:\n%s", parameter_overview(abstract.params))
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(abstract.params))
+    logging.info("parameter count: %s", f"{num_params:,}")
+
+    # --- restore or initialise, directly in the target sharding ---
+    ck = config.checkpoint
+    checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
+                                       best_mode=ck.best_mode)
+    replicated = sharding.replicated(mesh)
+    abstract_sharded = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract)
+    restored = checkpoints.restore_latest(abstract_sharded)
+    if restored is None:
+        state = jax.jit(init, out_shardings=replicated)(rng, example)
+        start = 0
+        logging.info("no checkpoint in %s: starting from scratch", workdir)
+    else:
+        start, state = restored
+        logging.info("resumed from the checkpoint at step %d", start)
+
+    # --- compiled steps ---
+    accum = int(config.optim.grad_accum_steps)
+    step_kw = dict(model=model, tx=tx, task=task, schedule=schedule, accum_steps=accum)
+    if mode == "jit":
+        p_train = jax.jit(functools.partial(train_step, **step_kw), donate_argnums=(0,),
+                          out_shardings=(replicated, replicated))
+        p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
+        to_device = lambda b: sharding.global_batch(b, mesh)
+        host_state = lambda s: s
+    else:
+        p_train = jax.pmap(functools.partial(train_step, axis_name="batch", **step_kw), axis_name="batch",
+                           donate_argnums=(0,))
+        p_eval = jax.pmap(functools.partial(eval_step, model=model, task=task, axis_name="batch"),
+                          axis_name="batch")
+        state = sharding.replicate_for_pmap(jax.device_get(state))
+        to_device = sharding.pmap_batch
+        host_state = sharding.unreplicate
+
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+    if start == 0:
+        writer.write_text("config", f"```\n{config}\n```")
+    extra_evaluators = list(evaluators)
+
+    def params_of(s):
+        return host_state(s).params
+
+    def run_eval(s, step) -> dict[str, float]:
+        totals: dict[str, list[float]] = {}
+        params = s.params
+        for batch in pipeline.eval_batches(eval_source, global_batch_size=config.eval_batch_size,
+                                           process_index=pindex, process_count=pcount,
+                                           max_examples=config.eval_max_examples or None):
+            sums = jax.device_get(p_eval(params, to_device(batch)))
+            if mode == "pmap":
+                sums = sharding.unreplicate(sums)
+            for k, (v, n) in sums.items():
+                acc = totals.setdefault(k, [0.0, 0.0])
+                acc[0] += float(v)
+                acc[1] += float(n)
+        result = {f"eval/{k}": v / max(n, 1e-12) for k, (v, n) in totals.items()}
+        for evaluator in extra_evaluators:
+            result.update({f"eval/{k}": float(v) for k, v in evaluator(params_of(s), model, config).items()})
+        writer.write(step, result)
+        logging.info("step %d eval: %s", step, ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items())))
+        return result
+
+    def check_finite(s) -> None:
+        bad = int(jax.device_get(host_state(s).bad_step))
+        if bad >= 0:
+            raise NonFiniteError(f"non-finite loss or gradient at step {bad + 1}: stopping; the last good "
+                                 f"checkpoint in {workdir} is kept")
+
+    def save(s, step, *, force=False):
+        check_finite(s)
+        checkpoints.save(step, host_state(s), config_dict, force=force)
+
+    # --- the loop ---
+    train_iter = pipeline.train_batches(train_source, global_batch_size=config.batch_size, seed=config.seed,
+                                        process_index=pindex, process_count=pcount, start_step=start)
+    progress = None
+    if is_main and config.progress_bar:
+        from tqdm.auto import tqdm
+        progress = tqdm(total=config.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    history: list[dict[str, jax.Array]] = []
+    last_eval: dict[str, float] = {}
+    t0, steps_since = time.time(), 0
+    try:
+        with _Terminate() as term:
+            for step in range(start + 1, config.total_steps + 1):
+                state, metrics = p_train(state, to_device(next(train_iter)))
+                history.append(metrics if mode == "jit" else sharding.unreplicate(metrics))
+                steps_since += 1
+                if progress is not None:
+                    progress.update(1)
+                if step % config.log_every_steps == 0 or step == config.total_steps:
+                    check_finite(state)
+                    summary = _mean_metrics(history)
+                    summary["train/steps_per_second"] = steps_since / max(time.time() - t0, 1e-9)
+                    history, t0, steps_since = [], time.time(), 0
+                    writer.write(step, summary)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{summary['train/total_loss']:.4g}")
+                if config.eval_every_steps and (step % config.eval_every_steps == 0 or step == config.total_steps):
+                    check_finite(state)
+                    last_eval = run_eval(state, step)
+                    checkpoints.maybe_save_best(step, host_state(state), config_dict, last_eval)
+                if (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0) \
+                        or step == config.total_steps:
+                    save(state, step)
+                if term.requested:
+                    save(state, step, force=True)
+                    logging.warning("saved the checkpoint at step %d after SIGTERM; exiting", step)
+                    break
+    finally:
+        if progress is not None:
+            progress.close()
+        writer.flush()
+        writer.close()
+        checkpoints.close()
+    return last_eval
+
+
+def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints"):
+    """Restores only the parameters of the newest checkpoint in workdir/<which> (for notebooks, decoding).
+
+    Returns:
+      (model, params, step).
+    """
+    import orbax.checkpoint as ocp
+    model = build_model(**config.model.to_dict())
+    mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), which))
+    step = mngr.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    return model, restored.state["params"], step
