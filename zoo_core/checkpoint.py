@@ -93,12 +93,17 @@ class Checkpoints:
             logging.warning("could not read the best checkpoint's metric (%s); best tracking restarts", e)
 
     def _move_aside(self, step: int) -> None:
-        src = os.path.join(self.workdir, "checkpoints", str(step))
-        n = 0
-        while os.path.exists(dst := os.path.join(self.workdir, "damaged", f"{step}-{n}")):
-            n += 1
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.move(src, dst)
+        import jax
+        if jax.process_index() == 0:   # one mover on a shared filesystem; the others wait for it
+            src = os.path.join(self.workdir, "checkpoints", str(step))
+            n = 0
+            while os.path.exists(dst := os.path.join(self.workdir, "damaged", f"{step}-{n}")):
+                n += 1
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.move(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"zoo_checkpoint_moved_{step}")
         # The manager caches its step list: rebuild it so the moved step is forgotten.
         self.last.close()
         self.last = self._manager("checkpoints", self._keep)

@@ -70,15 +70,29 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         _fail(str(e), status=3)
 
 
-def _fail(message: str, status: int = 2) -> None:
-    logging.error("%s", message)
+def _fail(message: str, status: int = 2, *, log: bool = True) -> None:
+    if log:
+        logging.error("%s", message)
     print(f"error: {message}", file=sys.stderr)
     sys.exit(status)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with config mistakes (unknown key, bad value, broken file) reduced to one line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"bad flag: {e}", log=False)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        # ml_collections reports an unknown --config.a.b override as AttributeError("'b'").
+        detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")
+        detail = " ".join(detail.replace("\\", "").replace("'", "").replace('"', "").split())
+        bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        _fail(f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})",
+              log=False)
+
+
 def run(build_model: Callable[..., Any], evaluators_fn: Callable[[Any], list] | None = None) -> None:
     """Parses flags and runs the shared trainer with the architecture's `Model` factory."""
-    try:
-        app.run(functools.partial(_main, build_model=build_model, evaluators_fn=evaluators_fn))
-    except ValueError as e:  # errors raised while ml_collections parses --config overrides
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    app.run(functools.partial(_main, build_model=build_model, evaluators_fn=evaluators_fn),
+            flags_parser=_parse_flags)

@@ -1,0 +1,102 @@
+"""Runs the real CLI in subprocesses: SIGKILL + resume is exact, SIGTERM saves, config errors are one line."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.entry
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = ""          # one device, as a user's plain CPU run
+    return env
+
+
+def _cmd(workdir, data_dir, *overrides):
+    return [sys.executable, "-m", "zoo_core.train", "--config", "configs/core/synthetic.py",
+            "--workdir", str(workdir), f"--config.data.data_dir={data_dir}", "--config.progress_bar=False",
+            "--config.eval_every_steps=0", *overrides]
+
+
+LONG = ("--config.total_steps=300", "--config.checkpoint_every_steps=25", "--config.log_every_steps=25")
+
+
+def _params(workdir, step):
+    mngr = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
+    state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    mngr.close()
+    return state["params"], state["opt_state"]
+
+
+def _wait_for(path, proc, timeout=120):
+    t0 = time.time()
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    work = tmp_path_factory.mktemp("full")
+    data = tmp_path_factory.mktemp("data")
+    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    return work, data
+
+
+def test_sigkill_then_resume_gives_exactly_the_uninterrupted_parameters(uninterrupted, tmp_path):
+    full, data = uninterrupted
+    work = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(work / "checkpoints" / "100", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = sorted(int(s) for s in os.listdir(work / "checkpoints") if s.isdigit())
+    assert 300 not in done, "the run finished before it could be killed"
+    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    p_full, o_full = _params(str(full), 300)
+    p_res, o_res = _params(str(work), 300)
+    for a, b in zip(jax.tree_util.tree_leaves((p_full, o_full)), jax.tree_util.tree_leaves((p_res, o_res))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
+    _, data = uninterrupted
+    work = tmp_path / "term"
+    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(work / "checkpoints" / "50", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "after SIGTERM" in err
+    steps = sorted(int(s) for s in os.listdir(work / "checkpoints") if s.isdigit())
+    assert steps[-1] >= 50 and steps[-1] < 300
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("--config.nope=3", "invalid config override: nope"),
+    ("--config.total_steps=abc", "bad flag"),
+    ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'"),
+    ("--config.model.hidden=-4", "hidden must be >= 1"),
+])
+def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override, expected):
+    _, data = uninterrupted
+    proc = subprocess.run(_cmd(tmp_path / "w", data, "--config.total_steps=2", override), cwd=ROOT, env=_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr
