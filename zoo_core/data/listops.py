@@ -1,0 +1,212 @@
+"""`lra_listops`: ListOps generated with the Long Range Arena algorithm (Tay et al., ICLR 2021).
+
+Follows `lra_benchmarks/data/listops.py` (htgn.md §4.1): a random tree of operators MIN, MAX, MED
+(floor of the median) and SM (sum mod 10) over digits 0-9. A node at depth < max_depth is a digit
+with probability 1 - VALUE_P = 0.75, otherwise an operator with U{2..max_args} children; at max_depth
+it is always a digit; the root is at depth 1. The length of a tree is its token count (operator,
+digits and closing brackets; LRA's "( )" pair parentheses are not tokens) and roots are rejection
+sampled with min_length < length < max_length (strict, as LRA). Examples are deduplicated over all
+three splits and split in generation order (LRA: set iteration order, equally arbitrary).
+
+Tokenisation as `lra_benchmarks/listops/input_pipeline.py` after the bracket fix (issues #6, #14):
+parentheses stripped, the closing bracket kept as a token. Fixed ids (LRA's are in set order):
+
+  0 = padding, 1..10 = digits 0..9, 11 = [MIN, 12 = [MAX, 13 = [MED, 14 = [SM, 15 = ]
+
+so VOCAB_SIZE = 16 (LRA's encoder also reserves an OOV id, which generated data never uses).
+
+Features: 'inputs' int32 [max_length] (0 = padding, so the mask is inputs != 0), 'label' int64 in
+[0, 10). Splits 'train', 'validation', 'test'.
+
+Settings: the defaults are the standard LRA 2K task (96k/2k/2k, lengths in (500, 2000), depth 10,
+10 arguments). CPU_SMALL_OPTIONS is a small setting (2k/256/256, lengths in (20, 200)) that builds
+in about a second.
+
+Generation differs from LRA's loop only in speed: a tree is abandoned as soon as it reaches
+max_length tokens. That changes which random numbers the rejected trees consume, but not the
+distribution of accepted trees (the stopping rule only looks at the part already drawn).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from zoo_core.data import base
+
+PAD_ID = 0
+DIGIT_IDS = tuple(range(1, 11))  # digit d -> d + 1
+MIN_ID, MAX_ID, MED_ID, SM_ID, END_ID = 11, 12, 13, 14, 15
+OPERATOR_IDS = (MIN_ID, MAX_ID, MED_ID, SM_ID)  # LRA's OPERATORS order; FIRST/LAST are disabled there
+VOCAB_SIZE = 16
+NUM_CLASSES = 10
+TOKENS = {PAD_ID: "<pad>", **{d + 1: str(d) for d in range(10)},
+          MIN_ID: "[MIN", MAX_ID: "[MAX", MED_ID: "[MED", SM_ID: "[SM", END_ID: "]"}
+
+VALUE_P = 0.25  # LRA: a node below max_depth is an operator with probability VALUE_P
+
+CPU_SMALL_OPTIONS = dict(max_length=200, min_length=20, num_train=2000, num_validation=256,
+                         num_test=256)
+
+
+@dataclasses.dataclass
+class ListOpsConfig(tfds.core.BuilderConfig):
+    max_length: int = 2000
+    min_length: int = 500
+    max_depth: int = 10
+    max_args: int = 10
+    num_train: int = 96_000
+    num_validation: int = 2_000
+    num_test: int = 2_000
+    seed: int = 0
+
+
+def apply_operator(op: int, args: list[int]) -> int:
+    """The value of operator token `op` on digit values `args` (LRA's `to_value`)."""
+    if op == MIN_ID:
+        return min(args)
+    if op == MAX_ID:
+        return max(args)
+    if op == MED_ID:
+        # int(np.median(args)): the mean of the two middle values for an even count, truncated.
+        s = sorted(args)
+        n = len(s)
+        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) // 2
+    if op == SM_ID:
+        return sum(args) % 10
+    raise ValueError(f"token id {op} is not an operator")
+
+
+class _TooLong(Exception):
+    pass
+
+
+_MAX_STALL = 200_000
+
+
+def _tree(rng: random.Random, depth: int, max_depth: int, max_args: int, limit: int,
+          out: list[int]) -> int:
+    """Appends one random subtree's token ids to `out` and returns its value.
+
+    Raises _TooLong as soon as len(out) reaches `limit` (the tree would be rejected anyway).
+    """
+    r = rng.random() if depth < max_depth else 1.0
+    if r > VALUE_P:
+        value = rng.randrange(10)
+        out.append(value + 1)
+        if len(out) >= limit:
+            raise _TooLong
+        return value
+    # Same draw order as LRA: argument count, then the children, then the operator.
+    num_args = rng.randint(2, max_args)
+    slot = len(out)
+    out.append(PAD_ID)  # the operator token; written once it is drawn
+    args = [_tree(rng, depth + 1, max_depth, max_args, limit, out) for _ in range(num_args)]
+    op = OPERATOR_IDS[rng.randrange(len(OPERATOR_IDS))]
+    out[slot] = op
+    out.append(END_ID)
+    if len(out) >= limit:
+        raise _TooLong
+    return apply_operator(op, args)
+
+
+def generate(num_examples: int, *, max_length: int, min_length: int, max_depth: int, max_args: int,
+             seed: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Distinct random ListOps expressions with min_length < len < max_length tokens.
+
+    Returns:
+      (token id tuples in generation order, their labels in [0, 10)).
+    """
+    rng = random.Random(seed)
+    examples: dict[tuple[int, ...], int] = {}
+    stalled = 0  # draws since the last new expression: guards settings with too few distinct ones
+    while len(examples) < num_examples:
+        stalled += 1
+        if stalled > _MAX_STALL:
+            raise ValueError(f"only {len(examples)} distinct ListOps expressions found after {_MAX_STALL} "
+                             f"draws in a row without a new one; {num_examples} requested: widen "
+                             f"min_length={min_length}..max_length={max_length} or ask for fewer examples")
+        out: list[int] = []
+        try:
+            value = _tree(rng, 1, max_depth, max_args, max_length, out)
+        except _TooLong:
+            continue
+        if len(out) > min_length:
+            key = tuple(out)
+            if key not in examples:
+                examples[key] = value
+                stalled = 0
+    return list(examples), list(examples.values())
+
+
+def decode(ids) -> str:
+    """Token ids -> the expression as text, padding dropped (e.g. '[MAX 2 9 [MIN 4 7 ] 0 ]')."""
+    return " ".join(TOKENS[int(i)] for i in ids if int(i) != PAD_ID)
+
+
+class LraListops(tfds.core.GeneratorBasedBuilder):
+    """LRA ListOps: 'inputs' int32 [max_length] (0 = pad), 'label' int64 in [0, 10)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    BUILDER_CONFIGS = [ListOpsConfig(name="default")]
+
+    def _info(self):
+        c = self.builder_config
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=__doc__,
+            features=tfds.features.FeaturesDict({
+                "inputs": tfds.features.Tensor(shape=(c.max_length,), dtype=np.int32),
+                "label": tfds.features.Scalar(dtype=np.int64),
+            }),
+            supervised_keys=("inputs", "label"),
+            metadata=tfds.core.MetadataDict(vocab_size=VOCAB_SIZE, num_classes=NUM_CLASSES,
+                                            tokens={str(k): v for k, v in TOKENS.items()}),
+        )
+
+    def _split_generators(self, dl_manager):
+        c = self.builder_config
+        sizes = {"train": c.num_train, "validation": c.num_validation, "test": c.num_test}
+        seqs, labels = generate(sum(sizes.values()), max_length=c.max_length, min_length=c.min_length,
+                                max_depth=c.max_depth, max_args=c.max_args, seed=c.seed)
+        splits, start = {}, 0
+        for name, n in sizes.items():
+            splits[name] = self._generate_examples(seqs[start:start + n], labels[start:start + n],
+                                                   c.max_length)
+            start += n
+        return splits
+
+    def _generate_examples(self, seqs, labels, max_length):
+        for i, (seq, label) in enumerate(zip(seqs, labels)):
+            inputs = np.zeros((max_length,), np.int32)
+            inputs[:len(seq)] = seq
+            yield i, {"inputs": inputs, "label": label}
+
+
+def _check(c: ListOpsConfig) -> None:
+    if c.max_depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {c.max_depth}")
+    if c.max_args < 2:
+        raise ValueError(f"max_args must be >= 2, got {c.max_args}")
+    if not 0 <= c.min_length < c.max_length - 1:
+        raise ValueError(f"need 0 <= min_length < max_length - 1 (lengths are strictly between them), "
+                         f"got min_length={c.min_length}, max_length={c.max_length}")
+    if c.max_depth == 1 and c.min_length >= 1:
+        raise ValueError(f"max_depth=1 only yields single digits (length 1); min_length={c.min_length} "
+                         f"rejects them all")
+    for name in ("num_train", "num_validation", "num_test"):
+        if getattr(c, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(c, name)}")
+
+
+def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
+    """Returns the (unprepared) ListOps builder.
+
+    Options: max_length (2000), min_length (500), max_depth (10), max_args (10), num_train (96000),
+    num_validation (2000), num_test (2000), seed (0). See CPU_SMALL_OPTIONS for a small setting.
+    """
+    config = base.config_from_options(ListOpsConfig, options, dataset="lra_listops")
+    _check(config)
+    return LraListops(data_dir=data_dir, config=config, file_format="array_record")
