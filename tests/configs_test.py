@@ -1,0 +1,42 @@
+"""Every config file loads with ':smoke', is locked, and names a known dataset, task, optimiser and model."""
+import importlib
+import pathlib
+
+import pytest
+
+from zoo_core import data as data_lib
+from zoo_core import optim, tasks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BUILDERS = {
+    "core": ("zoo_core.models", "MLPClassifier"),
+    "agf": ("agf_jax.model", "Model"),
+    "samovar": ("samovar_jax.model", "Model"),
+    "htgn": ("htgn_jax.model", "Model"),
+}
+CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*/*.py") if p.name != "__init__.py"
+                      and p.parent.name in BUILDERS)
+
+
+def test_there_are_configs_for_every_folder_that_exists():
+    assert {p.parent.name for p in CONFIG_FILES} == {
+        d.name for d in (ROOT / "configs").iterdir() if d.is_dir() and d.name in BUILDERS
+        and any(f.name != "__init__.py" for f in d.glob("*.py"))}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_config_loads_and_builds(path):
+    module = importlib.import_module(f"configs.{path.parent.name}.{path.stem}")
+    assert "python -m" in (module.__doc__ or ""), "the config docstring gives its command line"
+    c = module.get_config("smoke")
+    assert c.is_locked
+    assert c.total_steps <= 5, "smoke runs are seconds long"
+    assert c.data.name in data_lib.DATASETS
+    tasks.make_task(c)
+    optim.make_optimizer(c)
+    module_name, attr = BUILDERS[path.parent.name]
+    getattr(importlib.import_module(module_name), attr)(**c.model.to_dict())
+    full = module.get_config()
+    assert full.total_steps >= c.total_steps
+    with pytest.raises(ValueError, match="unknown config argument"):
+        module.get_config("no_such_option=1")
