@@ -1,0 +1,1 @@
+"""Benchmark scripts built on `zoo_core.bench` (run them from the repo root; see README.md)."""

@@ -1,0 +1,115 @@
+"""Tests of the benchmark harness (zoo_core/bench.py) on tiny functions."""
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from zoo_core import bench
+from zoo_core.testing import TESTDATA
+
+
+def _gram_sum(x):  # [T, D] -> scalar; XLA keeps the [T, T] Gram matrix as a temp buffer
+    return jax.nn.softmax(x @ x.T).sum()
+
+
+def _make_gram(case, n):
+    return _gram_sum, (jax.ShapeDtypeStruct((n, 8), jnp.float32),)
+
+
+def test_time_jitted_repeats_and_positive_times():
+    out = bench.time_jitted(_gram_sum, jnp.ones((16, 8)), warmup=1, repeats=4)
+    assert len(out["all_s"]) == 4
+    assert all(t > 0 for t in out["all_s"])
+    assert 0 < out["min_s"] <= out["median_s"] <= max(out["all_s"])
+    assert out["compile_s"] > 0
+
+
+def test_time_jitted_rejects_bad_counts():
+    with pytest.raises(ValueError, match="repeats"):
+        bench.time_jitted(_gram_sum, jnp.ones((16, 8)), repeats=0)
+
+
+def test_compiled_memory_grows_with_size():
+    small = bench.compiled_memory(_gram_sum, jax.ShapeDtypeStruct((64, 8), jnp.float32))
+    large = bench.compiled_memory(_gram_sum, jax.ShapeDtypeStruct((256, 8), jnp.float32))
+    for mem in (small, large):
+        assert all(isinstance(v, int) and v >= 0 for v in mem.values()), mem
+    assert large["temp_bytes"] > small["temp_bytes"] >= 64 * 64 * 4
+    assert large["argument_bytes"] == 256 * 8 * 4
+    assert large["total_bytes"] >= large["temp_bytes"] + large["argument_bytes"]
+
+
+def test_reference_matmul_and_process_memory():
+    assert bench.reference_matmul(64, warmup=0, repeats=2) > 0
+    mem = bench.process_memory()
+    assert mem["peak_rss_bytes"] >= mem["rss_bytes"] > 0
+    device = bench.device_memory()  # None on CPU, which keeps no statistics
+    assert device is None or all(isinstance(v, int) for v in device.values())
+
+
+def test_run_scaling_guard_skips_and_stops_case():
+    seen = []
+
+    def make_fn(case, n):
+        seen.append((case, n))
+        return _make_gram(case, n)
+
+    # 64x64 floats fit in 64 KiB; 512x512 (1 MiB temp) do not, and 1024 must not even be tried.
+    records = bench.run_scaling(["a", "b"], [64, 512, 1024], make_fn, repeats=2, max_bytes=2**16,
+                                mem_factor=1.0, ref_n=64)
+    assert seen == [("a", 64), ("a", 512), ("b", 64), ("b", 512)]
+    assert [(r.case, r.n, r.status) for r in records] == [
+        ("a", 64, "ok"), ("a", 512, "skipped"), ("b", 64, "ok"), ("b", 512, "skipped")]
+    ok, skipped = records[0], records[1]
+    assert len(ok.all_s) == 2 and ok.median_s > 0 and ok.est_bytes <= 2**16
+    assert ok.flops > 0 and ok.gflops > 0 and ok.ref_gflops > 0 and ok.frac_peak > 0
+    assert skipped.est_bytes > 2**16 and "max_bytes" in skipped.reason
+    assert skipped.median_s is None and skipped.all_s is None
+
+
+def test_run_scaling_records_oom_and_reraises_other_errors():
+    def make_fn(case, n):
+        if n > 16:
+            raise MemoryError("cannot allocate")
+        return _make_gram(case, n)
+
+    records = bench.run_scaling(["a"], [16, 32, 64], make_fn, repeats=1, max_bytes=2**30, ref_n=None)
+    assert [(r.n, r.status) for r in records] == [(16, "ok"), (32, "oom")]
+    assert "cannot allocate" in records[1].reason
+
+    def broken(case, n):
+        raise TypeError("a bug, not a benchmark result")
+
+    with pytest.raises(TypeError):
+        bench.run_scaling(["a"], [16], broken, max_bytes=2**30, ref_n=None)
+    with pytest.raises(ValueError, match="ascending"):
+        bench.run_scaling(["a"], [32, 16], _make_gram, max_bytes=2**30)
+
+
+def test_write_json_and_plot(tmp_path):
+    records = bench.run_scaling(["a"], [16, 32, 512], _make_gram, repeats=1, max_bytes=2**16,
+                                mem_factor=1.0, ref_n=64)
+    path = bench.write_json(tmp_path / "out" / "r.json", records, dict(benchmark="test"))
+    data = json.loads(path.read_text())
+    assert data["meta"]["benchmark"] == "test"
+    assert data["meta"]["backend"] == "cpu" and data["meta"]["jax"] == jax.__version__
+    assert data["meta"]["ref_gflops"] == max(r.ref_gflops for r in records if r.ref_gflops)
+    assert [r["status"] for r in data["records"]] == ["ok", "ok", "skipped"]
+    png = bench.plot(data["records"], tmp_path / "r.png", title="t", max_bytes=2**16)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "skipped" in bench.format_table(records)
+
+
+def test_softmax_attention_script_runs(tmp_path):
+    # benchmarks/ is not an installed package: load the script from the repo by path.
+    path = TESTDATA.parent.parent / "benchmarks" / "softmax_attention.py"
+    spec = importlib.util.spec_from_file_location("softmax_attention_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    records = module.main(["--lengths", "16,32", "--heads", "2", "--head_dim", "4", "--repeats",
+                           "1", "--ref_n", "64", "--out_dir", str(tmp_path)])
+    assert [r.status for r in records] == ["ok", "ok"]
+    assert (tmp_path / "softmax_attention.json").exists()
+    assert (tmp_path / "softmax_attention.png").exists()

@@ -1,0 +1,602 @@
+"""Benchmark harness: timing, memory and scaling sweeps for jitted JAX functions.
+
+Everything the architecture scaling scripts in `benchmarks/` share lives here:
+
+* `time_jitted`: median / min of `repeats` timed calls after `warmup` calls, with the compile time
+  reported separately (compile is never inside a timed call).
+* `compiled_memory`: XLA's own buffer-assignment figures for a compiled executable (argument,
+  output, temp, generated-code bytes). They are known *before* anything is run, which is what the
+  out-of-memory guard of `run_scaling` uses.
+* `process_memory` / `reset_peak_rss` / `device_memory`: what the process and the accelerator
+  actually used.
+* `reference_matmul`: GFLOP/s of a float32 matmul measured *now*. A 2-core CPU shared with other
+  processes loses half its throughput (platform spec §7), so a benchmark times this reference in
+  the same run and states results as ratios to it rather than as raw seconds only.
+* `run_scaling`: the sweep over cases × sequence lengths, producing `Result` records; `write_json`
+  and `plot` store them.
+
+A scaling script reduces to a `make_fn(case, n) -> (fn, args)` closure; see
+`benchmarks/softmax_attention.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # psutil comes with tensorflow-datasets; everything below works without it.
+    import psutil
+except ImportError:  # pragma: no cover
+    psutil = None
+
+_GIB = 1024**3
+# Default fraction of free memory a single benchmark may claim (estimate from XLA's buffer
+# assignment). The margin covers allocator fragmentation, XLA scratch and the other processes.
+DEFAULT_MEMORY_FRACTION = 0.8
+# The guard multiplies XLA's estimate by this on CPU. XLA:CPU hands parts of the graph to library
+# fusions (YNNPACK `__ynn_fusion`) that allocate scratch outside the buffer assignment: softmax
+# attention fwd+bwd (jax 0.10.2) grew the process RSS by up to 1.94x the compiled estimate.
+CPU_MEMORY_FACTOR = 2.0
+# Records with a smaller estimate do not recalibrate the guard factor: their RSS growth is noise
+# (allocator caches, runtime set-up), not the executable's buffers.
+CALIBRATE_MIN_BYTES = 32 * 2**20
+
+# Status values of a `Result`.
+OK, SKIPPED, OOM = "ok", "skipped", "oom"
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing.
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+
+def _time_compiled(compiled: Callable, args: Sequence[Any], warmup: int,
+                   repeats: int) -> dict[str, Any]:
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+    return dict(median_s=statistics.median(times), min_s=min(times), all_s=times)
+
+
+def _compile(fn: Callable, args: Sequence[Any]) -> tuple[Any, float]:
+    """Lowers and compiles `jax.jit(fn)` for `args` (arrays or `jax.ShapeDtypeStruct`s)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def time_jitted(fn: Callable, *args: Any, warmup: int = 1, repeats: int = 5) -> dict[str, Any]:
+    """Times `jax.jit(fn)(*args)`: compile once, `warmup` untimed calls, then `repeats` timed ones.
+
+    Every call is followed by `block_until_ready` on all outputs, so the times are device times
+    plus dispatch, never just dispatch.
+
+    Args:
+      fn: a function of arrays (jitted or not; it is jitted here).
+      *args: concrete arrays (pytrees of arrays) to call it with.
+      warmup: untimed calls after compiling (>= 0).
+      repeats: timed calls (>= 1).
+
+    Returns:
+      dict(median_s, min_s, all_s: list of `repeats` floats, compile_s: lower+compile time).
+    """
+    _check_counts(warmup, repeats)
+    compiled, compile_s = _compile(fn, args)
+    return dict(_time_compiled(compiled, args, warmup, repeats), compile_s=compile_s)
+
+
+def reference_matmul(n: int = 2048, dtype: Any = jnp.float32, *, warmup: int = 1,
+                     repeats: int = 5) -> float:
+    """Measures the machine's matmul throughput right now, in GFLOP/s.
+
+    GFLOP/s = 2 n^3 / (best of `repeats` times), as in platform spec §7 (about 200 f32 on an idle
+    2-core CPU, about half that under load). On a GPU use a larger `n` (e.g. 8192): 2048 is
+    dominated by launch overhead there.
+
+    Args:
+      n: the square matrix size.
+      dtype: operand dtype.
+      warmup: untimed calls.
+      repeats: timed calls; the best one counts.
+
+    Returns:
+      GFLOP/s as a float.
+    """
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32), dtype)
+    b = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32), dtype)
+    t = time_jitted(jnp.matmul, a, b, warmup=warmup, repeats=repeats)
+    return 2.0 * n**3 / t["min_s"] / 1e9
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory.
+
+_MEMORY_FIELDS = dict(argument_bytes="argument_size_in_bytes", output_bytes="output_size_in_bytes",
+                      temp_bytes="temp_size_in_bytes", alias_bytes="alias_size_in_bytes",
+                      generated_code_bytes="generated_code_size_in_bytes")
+
+
+def _memory_of(compiled: Any) -> dict[str, int | None]:
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):  # some backends do not implement it
+        stats = None
+    out: dict[str, int | None] = {k: None for k in _MEMORY_FIELDS}
+    out["total_bytes"] = None
+    if stats is None:
+        return out
+    for key, attr in _MEMORY_FIELDS.items():
+        value = getattr(stats, attr, None)
+        out[key] = None if value is None else int(value)
+    # Aliased (donated) buffers are counted both as argument and output: subtract them once.
+    # `peak_memory_in_bytes` is not used: on CPU it leaves out the temp buffers.
+    parts = [out[k] for k in ("argument_bytes", "output_bytes", "temp_bytes")]
+    if None not in parts:
+        out["total_bytes"] = (sum(parts) + (out["generated_code_bytes"] or 0)
+                              - (out["alias_bytes"] or 0))
+    return out
+
+
+def compiled_memory(fn: Callable, *args: Any) -> dict[str, int | None]:
+    """XLA's memory analysis of `jax.jit(fn).lower(*args).compile()`, without running it.
+
+    Args:
+      fn: a function of arrays.
+      *args: arrays or `jax.ShapeDtypeStruct`s (nothing is allocated for the latter).
+
+    Returns:
+      dict of ints (or all None when the backend does not report): argument_bytes, output_bytes,
+      temp_bytes, alias_bytes, generated_code_bytes and total_bytes = argument + output + temp +
+      generated code - alias, the estimate of the executable's peak footprint.
+    """
+    compiled, _ = _compile(fn, args)
+    return _memory_of(compiled)
+
+
+def reset_peak_rss() -> bool:
+    """Resets the process's peak-RSS mark (Linux `/proc/self/clear_refs`); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def process_memory() -> dict[str, int | None]:
+    """Current and peak resident set size of this process, in bytes.
+
+    The peak is the high-water mark since process start or since the last successful
+    `reset_peak_rss()`; it includes the Python/JAX baseline (a few hundred MB).
+    """
+    status = {}
+    try:  # Linux: both values from one read, so peak >= current always holds.
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    status[line[:5]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss, peak = status.get("VmRSS"), status.get("VmHWM")
+    if rss is None and psutil is not None:
+        info = psutil.Process().memory_info()
+        rss, peak = info.rss, getattr(info, "peak_wset", None)  # peak_wset: Windows only
+    if peak is None:
+        try:
+            import resource
+
+            # ru_maxrss is in KiB on Linux and in bytes on macOS.
+            scale = 1 if sys.platform == "darwin" else 1024
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        except ImportError:  # pragma: no cover (Windows)
+            pass
+    return dict(rss_bytes=rss, peak_rss_bytes=peak)
+
+
+def device_memory(device: Any = None) -> dict[str, int] | None:
+    """`device.memory_stats()` (GPU/TPU: bytes_in_use, peak_bytes_in_use, bytes_limit, ...).
+
+    Returns None on backends that keep no statistics (CPU). The peak is a lifetime high-water mark.
+    """
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return None if not stats else {k: int(v) for k, v in stats.items()}
+
+
+def default_max_bytes(fraction: float = DEFAULT_MEMORY_FRACTION) -> int:
+    """`fraction` of the accelerator's memory limit, or of the host's available RAM on CPU."""
+    stats = device_memory()
+    if stats and "bytes_limit" in stats:
+        return int(fraction * stats["bytes_limit"])
+    if psutil is not None:
+        available = psutil.virtual_memory().available
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(fraction * available)
+
+
+def _is_oom(err: BaseException) -> bool:
+    text = str(err)
+    return (isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text
+            or "out of memory" in text.lower())
+
+
+# ----------------------------------------------------------------------------------------------
+# Records and the scaling sweep.
+
+
+@dataclasses.dataclass
+class Result:
+    """One (case, n) measurement.
+
+    Attributes:
+      case: the case name (one line in the plots).
+      n: the swept size (sequence length).
+      status: 'ok', 'skipped' (guard: estimate above max_bytes) or 'oom' (allocation failed).
+      reason: why it was skipped / failed, or a note (e.g. the case stopped on `max_run_s`).
+      median_s, min_s, all_s: timed calls (seconds); None unless status == 'ok'.
+      compile_s: lower + compile time.
+      est_bytes: compiled-memory estimate (`compiled_memory(...)['total_bytes']`).
+      guard_factor: the factor the guard applied to `est_bytes` (see `run_scaling`).
+      memory: the full `compiled_memory` dict.
+      flops: FLOPs per call (XLA cost analysis, or `info['flops']` from `make_fn`).
+      gflops: flops / median_s / 1e9.
+      ref_gflops: reference matmul GFLOP/s measured just before this record.
+      frac_peak: gflops / ref_gflops (fraction of the machine's measured peak).
+      time_over_ref: median_s / time of one reference matmul (machine-independent-ish time).
+      rss_base_bytes: process RSS before the timed calls (inputs already allocated).
+      peak_rss_bytes: process RSS high-water mark during the calls (per record where
+        `peak_rss_per_record`, else since process start).
+      peak_rss_per_record: whether the peak mark was reset before this record.
+      device_peak_bytes: accelerator peak bytes in use (lifetime mark), None on CPU.
+      info: extra values returned by `make_fn` (e.g. heads, head width).
+    """
+    case: str
+    n: int
+    status: str
+    reason: str | None = None
+    median_s: float | None = None
+    min_s: float | None = None
+    all_s: list[float] | None = None
+    compile_s: float | None = None
+    est_bytes: int | None = None
+    guard_factor: float | None = None
+    memory: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    flops: float | None = None
+    gflops: float | None = None
+    ref_gflops: float | None = None
+    frac_peak: float | None = None
+    time_over_ref: float | None = None
+    rss_base_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    peak_rss_per_record: bool = False
+    device_peak_bytes: int | None = None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flops_of(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if isinstance(cost, (list, tuple)):  # older jax returned one dict per computation
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
+def materialize(args: Any, seed: int = 0) -> Any:
+    """Replaces every `jax.ShapeDtypeStruct` leaf by an array (standard normal if float, else 0).
+
+    Concrete leaves pass through unchanged.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            return jnp.asarray(rng.standard_normal(leaf.shape, dtype=np.float32), leaf.dtype)
+        return jnp.zeros(leaf.shape, leaf.dtype)
+
+    return jax.tree_util.tree_map(make, args)
+
+
+def _fmt_bytes(b: float | None) -> str:
+    return "-" if b is None else f"{b / _GIB:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.1f} MiB"
+
+
+def _measure(case: str, n: int, make_fn: Callable, *, warmup: int, repeats: int, max_bytes: int,
+             factor: float, ref_n: int | None) -> Result:
+    made = make_fn(case, n)
+    if len(made) not in (2, 3):
+        raise ValueError(f"make_fn must return (fn, args) or (fn, args, info), "
+                         f"got {len(made)} items")
+    fn, args = made[0], tuple(made[1])
+    info = dict(made[2]) if len(made) == 3 else {}
+    compiled, compile_s = _compile(fn, args)
+    memory = _memory_of(compiled)
+    est = memory["total_bytes"]
+    res = Result(case=case, n=n, status=SKIPPED, compile_s=compile_s, est_bytes=est,
+                 guard_factor=factor, memory=memory,
+                 flops=info.pop("flops", None) or _flops_of(compiled), info=info)
+    if est is None:
+        res.reason = "no compiled memory analysis on this backend: memory guard inactive"
+    elif est * factor > max_bytes:
+        res.reason = (f"estimated {_fmt_bytes(est)} x {factor:.2f} > max_bytes "
+                      f"{_fmt_bytes(max_bytes)}")
+        return res
+    concrete = materialize(args)
+    if ref_n:
+        res.ref_gflops = reference_matmul(ref_n, repeats=3)
+    res.peak_rss_per_record = reset_peak_rss()
+    res.rss_base_bytes = process_memory()["rss_bytes"]
+    timing = _time_compiled(compiled, concrete, warmup, repeats)
+    res.peak_rss_bytes = process_memory()["peak_rss_bytes"]
+    res.device_peak_bytes = (device_memory() or {}).get("peak_bytes_in_use")
+    res.status = OK
+    res.median_s, res.min_s, res.all_s = timing["median_s"], timing["min_s"], timing["all_s"]
+    if res.flops:
+        res.gflops = res.flops / res.median_s / 1e9
+    if res.ref_gflops:
+        res.time_over_ref = res.median_s / (2.0 * ref_n**3 / (res.ref_gflops * 1e9))
+        if res.gflops:
+            res.frac_peak = res.gflops / res.ref_gflops
+    return res
+
+
+def run_scaling(cases: Iterable[str], lengths: Iterable[int],
+                make_fn: Callable[[str, int], tuple], *, warmup: int = 1, repeats: int = 3,
+                max_bytes: int | None = None, mem_factor: float | None = None,
+                max_run_s: float | None = None, ref_n: int | None = 2048,
+                log: Callable[[str], Any] | None = None) -> list[Result]:
+    """Sweeps every case over increasing lengths, guarding memory before anything runs.
+
+    For each (case, n): `make_fn(case, n)` gives `(fn, args)` or `(fn, args, info)`, where `args`
+    are arrays or (better) `jax.ShapeDtypeStruct`s, materialised with random data only after the
+    guard passed, and `info` is a dict stored in the record (an `info['flops']` overrides XLA's
+    count). The function is compiled, its compiled-memory estimate times a factor compared with
+    `max_bytes`, and only then are inputs allocated and calls timed. The factor starts at
+    `mem_factor` and, where the process peak RSS is measured per record, rises to the largest
+    measured (peak RSS growth / estimate) ratio seen so far in the case (records estimated at
+    >= `CALIBRATE_MIN_BYTES`), so an estimate that proves low at moderate n is corrected before
+    the large n. A case stops after its first record that is skipped by the guard or runs out of
+    memory (that record says why), and after its first record whose median exceeds `max_run_s`.
+    Other exceptions propagate.
+
+    Args:
+      cases: case names.
+      lengths: sizes to sweep, ascending.
+      make_fn: `(case, n) -> (fn, args[, info])`.
+      warmup: untimed calls per record.
+      repeats: timed calls per record.
+      max_bytes: memory guard; None means `default_max_bytes()` (80% of available RAM on CPU,
+        80% of the accelerator's limit on GPU).
+      mem_factor: initial guard factor on the estimate; None means `CPU_MEMORY_FACTOR` (2.0) on
+        CPU and 1.0 on accelerators (their allocators follow XLA's buffer assignment).
+      max_run_s: stop a case once its median time exceeds this (None: no limit).
+      ref_n: size of the float32 reference matmul timed before each record (None: skip it).
+      log: called with one line per record (e.g. `print`), or None.
+
+    Returns:
+      The records, in sweep order.
+    """
+    _check_counts(warmup, repeats)
+    lengths = list(lengths)
+    if lengths != sorted(lengths):
+        raise ValueError(f"lengths must be ascending (a case stops at its first failure), "
+                         f"got {lengths}")
+    if max_bytes is None:
+        max_bytes = default_max_bytes()
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    if mem_factor is None:
+        mem_factor = CPU_MEMORY_FACTOR if jax.default_backend() == "cpu" else 1.0
+    if mem_factor <= 0:
+        raise ValueError(f"mem_factor must be positive, got {mem_factor}")
+    records = []
+    for case in cases:
+        factor = mem_factor
+        for n in lengths:
+            try:
+                res = _measure(case, n, make_fn, warmup=warmup, repeats=repeats,
+                               max_bytes=max_bytes, factor=factor, ref_n=ref_n)
+            except Exception as err:  # noqa: BLE001 (only out-of-memory is recorded; see _is_oom)
+                if not _is_oom(err):
+                    raise
+                res = Result(case=case, n=n, status=OOM, reason=f"{type(err).__name__}: "
+                             f"{str(err).splitlines()[0][:300] if str(err) else ''}")
+            gc.collect()  # drop this record's inputs before the next, larger one
+            if (res.status == OK and res.peak_rss_per_record
+                    and (res.est_bytes or 0) >= CALIBRATE_MIN_BYTES):
+                factor = max(factor, (res.peak_rss_bytes - res.rss_base_bytes) / res.est_bytes)
+            stop = res.status != OK
+            if not stop and max_run_s is not None and res.median_s > max_run_s:
+                res.reason = f"median {res.median_s:.1f} s > max_run_s {max_run_s}: case stopped"
+                stop = True
+            records.append(res)
+            if log is not None:
+                log(format_table([res], header=False))
+            if stop:
+                break
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# Output: JSON, table, plot.
+
+
+def machine_meta() -> dict[str, Any]:
+    """Versions, backend, device and CPU facts, load and the XLA settings that affect timings."""
+    dev = jax.devices()[0]
+    try:
+        cpus_usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (macOS)
+        cpus_usable = os.cpu_count()
+    meta = dict(
+        time_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        python=platform.python_version(), jax=jax.__version__,
+        jaxlib=_jaxlib_version(),
+        backend=jax.default_backend(), device_kind=dev.device_kind, device_count=jax.device_count(),
+        cpu_count=os.cpu_count(), cpus_usable=cpus_usable, machine=platform.machine(),
+        total_ram_bytes=psutil.virtual_memory().total if psutil is not None else None,
+        loadavg=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        # The test conftest turns this on; timings taken with it are not representative.
+        jax_disable_most_optimizations=_config_value("jax_disable_most_optimizations"),
+    )
+    return meta
+
+
+def _config_value(name: str) -> Any:
+    try:
+        return jax.config.read(name)
+    except (AttributeError, KeyError):  # pragma: no cover (older/newer config API)
+        return None
+
+
+def _jaxlib_version() -> str | None:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except (ImportError, AttributeError):  # pragma: no cover
+        return None
+
+
+def _as_dicts(records: Iterable[Result | dict]) -> list[dict[str, Any]]:
+    return [r.to_dict() if isinstance(r, Result) else dict(r) for r in records]
+
+
+def write_json(path: str | os.PathLike, records: Iterable[Result | dict],
+               meta: dict[str, Any] | None = None) -> pathlib.Path:
+    """Writes `{'meta': machine_meta() | meta, 'records': [...]}` to `path` (parents created).
+
+    `meta['ref_gflops']` defaults to the best reference GFLOP/s among the records.
+
+    Returns:
+      The path written.
+    """
+    rows = _as_dicts(records)
+    full = machine_meta()
+    refs = [r["ref_gflops"] for r in rows if r.get("ref_gflops")]
+    full["ref_gflops"] = max(refs) if refs else None
+    full.update(meta or {})
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(dict(meta=full, records=rows), indent=1, default=_json_default)
+    path.write_text(text + "\n")
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return str(obj)
+
+
+def format_table(records: Iterable[Result | dict], header: bool = True) -> str:
+    """Fixed-width table: case, n, status, median, GFLOP/s, fraction of peak, memory, reason."""
+    def num(v, width, spec):
+        return ("-" if v is None else format(v, spec)).rjust(width)
+
+    lines = []
+    if header:
+        lines.append(f"{'case':<20} {'n':>7} {'status':>7} {'median_s':>10} {'GFLOP/s':>8} "
+                     f"{'frac_pk':>7} {'est_mem':>11} {'peak_rss':>11}  reason")
+    for r in _as_dicts(records):
+        lines.append(f"{r['case']:<20} {r['n']:>7} {r['status']:>7} "
+                     f"{num(r['median_s'], 10, '.4g')} {num(r['gflops'], 8, '.1f')} "
+                     f"{num(r['frac_peak'], 7, '.2f')} {_fmt_bytes(r['est_bytes']):>11} "
+                     f"{_fmt_bytes(r['peak_rss_bytes']):>11}  {r['reason'] or ''}")
+    return "\n".join(lines)
+
+
+def _measured_bytes(r: dict[str, Any]) -> int | None:
+    if r["device_peak_bytes"]:
+        return r["device_peak_bytes"]
+    if r["peak_rss_per_record"] and r["peak_rss_bytes"] and r["rss_base_bytes"] is not None:
+        return max(r["peak_rss_bytes"] - r["rss_base_bytes"], 1)
+    return None
+
+
+def plot(records: Iterable[Result | dict], path: str | os.PathLike, *, title: str | None = None,
+         max_bytes: int | None = None) -> pathlib.Path:
+    """Log-log plots of median time and memory against n, one line per case (PNG via Agg).
+
+    Memory shows the compiled estimate (solid) and, dotted, the measured accelerator peak or, on
+    CPU, the growth of the process peak RSS during the timed calls (`peak_rss_bytes -
+    rss_base_bytes`, where the peak was reset per record). A record skipped by the memory guard
+    appears as an 'x' at its compiled estimate.
+
+    Returns:
+      The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _as_dicts(records)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, case in enumerate(dict.fromkeys(r["case"] for r in rows)):
+        color = f"C{i}"
+        ok = [r for r in rows if r["case"] == case and r["status"] == OK]
+        bad = [r for r in rows if r["case"] == case and r["status"] != OK and r["est_bytes"]]
+        ax_t.plot([r["n"] for r in ok], [r["median_s"] for r in ok], "o-", color=color, label=case)
+        ax_m.plot([r["n"] for r in ok], [r["est_bytes"] for r in ok], "o-", color=color,
+                  label=f"{case} (compiled)")
+        measured = [(r["n"], _measured_bytes(r)) for r in ok if _measured_bytes(r)]
+        if measured:
+            ax_m.plot(*zip(*measured), ":", color=color, label=f"{case} (measured)")
+        if bad:
+            ax_m.plot([r["n"] for r in bad], [r["est_bytes"] for r in bad], "x", color=color,
+                      markersize=10, label=f"{case} ({bad[0]['status']}, compiled)")
+    if max_bytes:
+        ax_m.axhline(max_bytes, color="gray", linestyle="--", label="max_bytes")
+    for ax, ylabel in ((ax_t, "median time [s]"), (ax_m, "memory [bytes]")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("n")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
