@@ -1,0 +1,411 @@
+"""Tests for htgn_jax.graph: windowed / causal / Cross-Graph GAT against dense masked oracles."""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from htgn_jax import graph as G
+from zoo_core.testing import F32_SIMPLE, F64, param_shapes
+
+B, N, H, D, W, NG = 2, 7, 2, 4, 2, 2      # batch, tokens, heads, head dim, window, globals
+WIDTH = H * D
+
+# One compile per call site instead of one per primitive (eager mode compiles every op shape).
+window_attention = jax.jit(G.window_graph_attention,
+                           static_argnames=("window", "num_global", "causal"))
+cross_attention = jax.jit(G.cross_graph_attention, static_argnames=("window", "num_global", "rho"))
+dense_attention = jax.jit(G.dense_graph_attention)
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+
+
+def _lengths_mask(lengths, total):
+    return jnp.arange(total)[None, :] < jnp.asarray(lengths)[:, None]
+
+
+def _features(version, seed, length, dtype=jnp.float32):
+    """(query, key, value, attn, (a_t, a_s) or None) for the pure kernels."""
+    if version == "v2":
+        q, k = _normal(seed, (B, length, H, D), dtype), _normal(seed + 1, (B, length, H, D), dtype)
+        return q, k, k, _normal(seed + 2, (H, D), dtype)
+    z = _normal(seed, (B, length, H, D), dtype)
+    q, k, ones = jax.jit(G.gat_v1_features)(z, _normal(seed + 1, (H, D), dtype),
+                                   _normal(seed + 2, (H, D), dtype))
+    return q, k, z, ones
+
+
+def _dense_kl(probs, adj):
+    """Reference KL sum/count from dense probs `[B, H, Lq, Lk]` and adjacency `[B, Lq, Lk]`."""
+    p = np.asarray(probs, np.float64)
+    n = np.asarray(adj).sum(-1)                                            # [B, Lq]
+    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1)  # [B, H, Lq]
+    kl = plogp + np.log(np.maximum(n, 1))[:, None]
+    has = np.broadcast_to((n > 0)[:, None], kl.shape)
+    return kl[has].sum(), has.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure kernels against the dense masked oracle.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("num_global", [0, NG])
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_matches_dense(version, num_global, padded):
+    length = N + num_global
+    q, k, v, attn = _features(version, 0, length)
+    mask = _lengths_mask([length, length - 3] if padded else [length, length], length)
+    rel_bias = _normal(5, (H, 2 * W + 1))
+    global_bias = _normal(6, (H,)) if num_global else None
+    out, aux = window_attention(q, k, v, attn, window=W, num_global=num_global, mask=mask,
+                                        rel_bias=rel_bias, global_bias=global_bias)
+    adj = G.window_adjacency(mask, window=W, num_global=num_global)
+    bias = G.window_bias_matrix(rel_bias, global_bias, length=length, window=W,
+                                num_global=num_global)
+    ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
+    np.testing.assert_allclose(out, ref, **F32_SIMPLE)
+    kl_sum, kl_count = _dense_kl(probs, adj)
+    assert float(aux["kl_count"]) == kl_count
+    np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
+    if padded:   # padded nodes neither send nor receive
+        assert np.all(np.asarray(out)[1, length - 3:] == 0)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_causal_window_matches_dense(version):
+    q, k, v, attn = _features(version, 10, N)
+    mask = _lengths_mask([N, N - 2], N)
+    rel_bias = _normal(13, (H, W + 1))
+    out, _ = window_attention(q, k, v, attn, window=W, causal=True, mask=mask,
+                                      rel_bias=rel_bias)
+    adj = G.window_adjacency(mask, window=W, causal=True)
+    bias = G.window_bias_matrix(rel_bias, None, length=N, window=W, causal=True)
+    ref, _ = dense_attention(q, k, v, attn, adj, bias=bias)
+    np.testing.assert_allclose(out, ref, **F32_SIMPLE)
+    # Causality: changing future inputs leaves the past bit-identical.
+    k2 = k.at[:, 4:].add(3.0)
+    v2 = v.at[:, 4:].add(3.0) if version == "v1" else k2
+    out2, _ = window_attention(q, k2, v2, attn, window=W, causal=True, mask=mask,
+                                       rel_bias=rel_bias)
+    np.testing.assert_array_equal(out2[:, :4], out[:, :4])
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_cross_graph_matches_dense(version):
+    t, rho, wx = 6, 0.75, 1
+    length = N + NG
+    q, _, _, attn = _features(version, 20, t)
+    _, k, v, _ = _features(version, 30, length)
+    if version == "v1":
+        q = q[..., :1]
+        attn = jnp.ones((H, 1))
+    mask = _lengths_mask([t, t - 2], t)
+    memory_lengths = [N, N - 3]
+    memory_mask = _lengths_mask([n + NG for n in memory_lengths], length)
+    rel_bias, global_bias = _normal(23, (H, 2 * wx + 1)), _normal(24, (H,))
+    out, aux = cross_attention(q, k, v, attn, window=wx, num_global=NG, rho=rho,
+                                       mask=mask, memory_mask=memory_mask, rel_bias=rel_bias,
+                                       global_bias=global_bias)
+    # Centres by hand: clip(round(rho * i), 0, N_b - 1), Python's round (half to even).
+    want = np.array([[min(round(rho * i), n - 1) for i in range(t)] for n in memory_lengths])
+    np.testing.assert_array_equal(aux["centres"], want)
+    adj = G.cross_graph_adjacency(mask, memory_mask, jnp.asarray(want), window=wx, num_global=NG)
+    bias = G.cross_graph_bias_matrix(rel_bias, global_bias, jnp.asarray(want),
+                                     memory_length=length, window=wx, num_global=NG)
+    ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
+    np.testing.assert_allclose(out, ref, **F32_SIMPLE)
+    kl_sum, kl_count = _dense_kl(probs, adj)
+    assert float(aux["kl_count"]) == kl_count
+    np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
+
+
+def test_fully_masked_rows_finite():
+    q, k, v, attn = _features("v2", 40, N + NG)
+    mask = _lengths_mask([0, N + NG], N + NG)           # example 0 is all padding
+
+    def loss(q, k, attn):
+        out, aux = window_attention(q, k, k, attn, window=W, num_global=NG, mask=mask)
+        return jnp.sum(out ** 2) + aux["kl_sum"]
+
+    out, _ = window_attention(q, k, k, attn, window=W, num_global=NG, mask=mask)
+    assert np.all(np.asarray(out)[0] == 0)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, attn)
+    assert all(np.all(np.isfinite(g_)) for g_ in grads)
+    assert np.all(np.asarray(grads[0])[0] == 0)
+
+
+def test_relative_bias_effect():
+    # With a = 0 the logits are the bias alone; a large bias on offset -1 copies the left
+    # neighbour, and the first token (no left neighbour) falls back to its remaining window.
+    _, _, v, _ = _features("v2", 50, N)
+    rel_bias = jnp.zeros((H, 2 * W + 1)).at[:, W - 1].set(40.0)
+    out, aux = window_attention(v, v, v, jnp.zeros((H, D)), window=W,
+                                        rel_bias=rel_bias)
+    np.testing.assert_allclose(out[:, 1:], v[:, :-1], **F32_SIMPLE)
+    np.testing.assert_allclose(out[:, 0], v[:, :W + 1].mean(axis=1), **F32_SIMPLE)
+    out0, aux0 = window_attention(v, v, v, jnp.zeros((H, D)), window=W)
+    assert float(aux0["kl_sum"]) < 1e-6 < float(aux["kl_sum"])   # uniform alpha: KL = 0
+
+
+def test_kl_hand_value():
+    # w=1, 3 tokens, 1 head, a = 0, biases (b_-1, b_0, b_+1) = (0, 1, 2):
+    # row 0 sees offsets {0,+1}: logits (1, 2); row 1 all three: (0, 1, 2); row 2 {-1,0}: (0, 1).
+    def kl(logits):
+        z = sum(math.exp(l) for l in logits)
+        return sum(math.exp(l) / z * (l - math.log(z)) for l in logits) + math.log(len(logits))
+
+    expected = (kl([1, 2]) + kl([0, 1, 2]) + kl([0, 1])) / 3
+    x = jnp.ones((1, 3, 1, 2))
+    out, aux = window_attention(x, x, x, jnp.zeros((1, 2)), window=1,
+                                        rel_bias=jnp.array([[0.0, 1.0, 2.0]]))
+    assert float(aux["kl_count"]) == 3
+    np.testing.assert_allclose(aux["kl_sum"] / aux["kl_count"], expected, **F32_SIMPLE)
+    np.testing.assert_allclose(expected, 0.16270162, rtol=1e-7)  # (2 * 0.1109441 + 0.2662167) / 3
+
+
+@pytest.fixture
+def x64():
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)
+
+
+def test_check_grads_float64(x64):
+    f64 = jnp.float64
+    length = N + NG
+    q, k, _, attn = _features("v2", 60, length, f64)
+    mask = _lengths_mask([length, length - 2], length)
+    rb, gb = _normal(63, (H, 2 * W + 1), f64), _normal(64, (H,), f64)
+    memory_mask = _lengths_mask([length, length - 3], length)
+
+    @jax.jit   # one compile for window + cross together
+    def f(q, k, attn, rb, gb):
+        out, aux = G.window_graph_attention(q, k, k, attn, window=W, num_global=NG, mask=mask,
+                                            rel_bias=rb, global_bias=gb)
+        out_x, aux_x = G.cross_graph_attention(q[:, :5], k, k, attn, window=1, num_global=NG,
+                                               rho=0.8, memory_mask=memory_mask,
+                                               rel_bias=rb[:, 1:4], global_bias=gb)
+        return out, aux["kl_sum"], out_x, aux_x["kl_sum"]
+
+    check_grads(f, (q, k, attn, rb, gb), order=1, modes=("rev",), **F64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax layers.
+# ---------------------------------------------------------------------------------------------
+
+
+def _init(layer, *args, **kwargs):
+    return jax.jit(layer.init)(jax.random.PRNGKey(0), *args, **kwargs)
+
+
+def _apply(layer, variables, *args, method=None, **kwargs):
+    fn = layer.apply if method is None else functools.partial(layer.apply, method=method)
+    return jax.jit(fn, static_argnames=("deterministic",))(variables, *args, **kwargs)
+
+
+def _randomise(variables, seed=7):
+    """Non-zero values for every parameter (bias inits are zero), so every path is exercised."""
+    leaves, tree = jax.tree_util.tree_flatten(variables)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(
+        tree, [0.5 * jax.random.normal(k_, l.shape, l.dtype) for k_, l in zip(keys, leaves)])
+
+
+def _project(x, kernel):
+    return jnp.einsum("bld,dhk->blhk", x, kernel)
+
+
+@functools.partial(jax.jit, static_argnames="version")
+def _layer_reference(p, x, version, adj, bias):
+    """The layer's maths written out from its parameter tree with the dense oracle."""
+    if version == "v2":
+        s, u = _project(x, p["target"]["kernel"]), _project(x, p["source"]["kernel"])
+        out, _ = dense_attention(s, u, u, p["attn"]["vector"], adj, bias=bias)
+    else:
+        z = _project(x, p["source"]["kernel"])
+        st = jnp.einsum("blhd,hd->blh", z, p["attn_target"]["vector"])[..., None]
+        ss = jnp.einsum("blhd,hd->blh", z, p["attn_source"]["vector"])[..., None]
+        out, _ = dense_attention(st, ss, z, jnp.ones((H, 1)), adj, bias=bias)
+    y = jnp.einsum("blhd,hdf->blf", out, p["output"]["kernel"]) + p["output"]["bias"]
+    return jnp.where(adj.any(-1)[..., None], y, 0)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_window_layer_matches_dense(version):
+    length = N + NG
+    x = _normal(70, (B, length, WIDTH))
+    mask = _lengths_mask([length, length - 3], length)
+    layer = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, version=version)
+    variables = _randomise(_init(layer, x, mask=mask))
+    y, aux = _apply(layer, variables, x, mask=mask)
+    p = variables["params"]
+    adj = G.window_adjacency(mask, window=W, num_global=NG)
+    bias = G.window_bias_matrix(p["rel_bias"], p["global_bias"], length=length, window=W,
+                                num_global=NG)
+    np.testing.assert_allclose(y, _layer_reference(p, x, version, adj, bias), **F32_SIMPLE)
+    assert aux["kl"].shape == () and float(aux["kl"]) > 0
+    if version == "v1":
+        return
+    # Padding invariance: appending pads changes nothing for the real nodes.
+    xp = jnp.concatenate([x, _normal(71, (B, 3, WIDTH))], axis=1)
+    mp = jnp.concatenate([mask, jnp.zeros((B, 3), bool)], axis=1)
+    yp, auxp = _apply(layer, variables, xp, mask=mp)
+    np.testing.assert_allclose(yp[:, :length], y, **F32_SIMPLE)
+    np.testing.assert_allclose(auxp["kl"], aux["kl"], **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("version,window", [("v1", W), ("v2", W), ("v2", 0)])
+def test_causal_step_matches_parallel(version, window):
+    x = _normal(80, (B, N, WIDTH))
+    layer = G.WindowGraphAttention(num_heads=H, window=window, causal=True, version=version)
+    variables = _randomise(_init(layer, x))
+    y, _ = _apply(layer, variables, x)
+    step = jax.jit(functools.partial(layer.apply, method=layer.step))
+    state = layer.apply(variables, B, method=layer.init_state)
+    ys = []
+    for t in range(N):
+        y_t, state = step(variables, state, x[:, t], t)
+        ys.append(y_t)
+    np.testing.assert_allclose(jnp.stack(ys, axis=1), y, **F32_SIMPLE)
+    assert state["value"].shape[1] == window and state["value"].dtype == jnp.float32
+    assert ("key" in state) == (version == "v1")
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_cross_layer_matches_dense_and_step(version):
+    t, rho, wx, length = 6, 1.5, 1, N + NG
+    x = _normal(90, (B, t, WIDTH))
+    memory = _normal(91, (B, length, WIDTH))
+    mask = _lengths_mask([t, t - 1], t)
+    memory_lengths = [N, N - 4]
+    memory_mask = _lengths_mask([n + NG for n in memory_lengths], length)
+    layer = G.CrossGraphAttention(num_heads=H, window=wx, num_global=NG, rho=rho,
+                                  version=version)
+    variables = _randomise(_init(layer, x, memory, mask=mask, memory_mask=memory_mask))
+    y, aux = _apply(layer, variables, x, memory, mask=mask, memory_mask=memory_mask)
+    p = variables["params"]
+    centres = jnp.asarray([[min(round(rho * i), n - 1) for i in range(t)]
+                           for n in memory_lengths])
+    adj = G.cross_graph_adjacency(mask, memory_mask, centres, window=wx, num_global=NG)
+    bias = G.cross_graph_bias_matrix(p["rel_bias"], p["global_bias"], centres,
+                                     memory_length=length, window=wx, num_global=NG)
+    if version == "v2":
+        s, u = _project(x, p["target"]["kernel"]), _project(memory, p["source"]["kernel"])
+        ref, _ = dense_attention(s, u, u, p["attn"]["vector"], adj, bias=bias)
+    else:
+        zx, zm = _project(x, p["source"]["kernel"]), _project(memory, p["source"]["kernel"])
+        st = jnp.einsum("blhd,hd->blh", zx, p["attn_target"]["vector"])[..., None]
+        ss = jnp.einsum("blhd,hd->blh", zm, p["attn_source"]["vector"])[..., None]
+        ref, _ = dense_attention(st, ss, zm, jnp.ones((H, 1)), adj, bias=bias)
+    ref = jnp.einsum("blhd,hdf->blf", ref, p["output"]["kernel"]) + p["output"]["bias"]
+    ref = jnp.where(mask[..., None], ref, 0)
+    np.testing.assert_allclose(y, ref, **F32_SIMPLE)
+    assert float(aux["kl"]) > 0
+    # Decoding: project the memory once, then one step per token.
+    cache = _apply(layer, variables, memory, memory_mask=memory_mask, method=layer.prepare_memory)
+    step = jax.jit(functools.partial(layer.apply, method=layer.step))
+    ys = jnp.stack([step(variables, cache, x[:, i], i) for i in range(t)], axis=1)
+    np.testing.assert_allclose(jnp.where(mask[..., None], ys, 0), y, **F32_SIMPLE)
+
+
+def test_layer_relative_bias_and_dropout():
+    x = _normal(100, (B, N + NG, WIDTH))
+    layer = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, dropout_rate=0.5)
+    variables = _randomise(_init(layer, x))
+    y, _ = _apply(layer, variables, x)
+    shifted = jax.tree_util.tree_map(lambda a: a, variables)
+    shifted["params"]["rel_bias"] = variables["params"]["rel_bias"].at[:, 0].add(5.0)
+    assert np.abs(np.asarray(_apply(layer, shifted, x)[0] - y)).max() > 1e-3
+    no_bias = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG,
+                                     use_relative_bias=False)
+    assert "rel_bias" not in _init(no_bias, x)["params"]
+    y_drop, _ = _apply(layer, variables, x, deterministic=False,
+                            rngs={"dropout": jax.random.PRNGKey(3)})
+    assert np.all(np.isfinite(y_drop)) and np.abs(np.asarray(y_drop - y)).max() > 1e-3
+
+
+def test_layer_dtype():
+    x = _normal(110, (B, N + NG, WIDTH))
+    layer = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, dtype=jnp.bfloat16)
+    variables = _init(layer, x)
+    y, aux = _apply(layer, variables, x)
+    assert y.dtype == jnp.bfloat16 and aux["kl"].dtype == jnp.float32
+    assert all(l.dtype == jnp.float32 for l in jax.tree_util.tree_leaves(variables))
+
+
+def test_param_snapshot():
+    x = _normal(120, (B, N + NG, WIDTH))
+    v2 = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, out_features=6)
+    assert param_shapes(_init(v2, x)["params"]) == {
+        "attn/vector": (H, D), "global_bias": (H,), "output/bias": (6,),
+        "output/kernel": (H, D, 6), "rel_bias": (H, 2 * W + 1), "source/kernel": (WIDTH, H, D),
+        "target/kernel": (WIDTH, H, D)}
+    v1 = G.WindowGraphAttention(num_heads=H, head_dim=3, window=W, causal=True, version="v1")
+    assert param_shapes(_init(v1, x)["params"]) == {
+        "attn_source/vector": (H, 3), "attn_target/vector": (H, 3), "output/bias": (WIDTH,),
+        "output/kernel": (H, 3, WIDTH), "rel_bias": (H, W + 1), "source/kernel": (WIDTH, H, 3)}
+    # head_dim=None follows the memory width (12 // 2 = 6) on both sides.
+    cross = G.CrossGraphAttention(num_heads=H, window=1, num_global=NG)
+    memory = _normal(121, (B, N + NG, 12))
+    assert param_shapes(_init(cross, x[:, :5], memory)["params"]) == {
+        "attn/vector": (H, 6), "global_bias": (H,), "output/bias": (WIDTH,),
+        "output/kernel": (H, 6, WIDTH), "rel_bias": (H, 3), "source/kernel": (12, H, 6),
+        "target/kernel": (WIDTH, H, 6)}
+
+
+def _raises(match, fn):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_bad_inputs():
+    x = jnp.ones((B, N + NG, WIDTH))
+    win = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG)
+    variables = _init(win, x)
+    _raises("`x` must have rank 3", lambda: win.apply(variables, x[0]))
+    _raises("`mask` must have shape", lambda: win.apply(variables, x, mask=jnp.ones((B, N))))
+    _raises("not divisible by num_heads",
+            lambda: _init(G.WindowGraphAttention(num_heads=3, window=W), x))
+    _raises("`window`", lambda: _init(G.WindowGraphAttention(num_heads=H, window=-1), x))
+    _raises("`version`",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
+    _raises("`num_global` must be 0",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, num_global=1,
+                                                 causal=True), x))
+    _raises("`step` needs causal=True",
+            lambda: win.apply(variables, {}, x[:, 0], 0, method=win.step))
+    _raises("`dropout_rate`",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), x))
+    cross = G.CrossGraphAttention(num_heads=H, window=1, num_global=NG)
+    _raises("`memory` must have rank 3", lambda: _init(cross, x, x[0]))
+    _raises("`memory_mask` must have shape",
+            lambda: _init(cross, x, x, memory_mask=jnp.ones((B, 3))))
+    _raises("`rho`", lambda: _init(G.CrossGraphAttention(num_heads=H, rho=-1.0), x, x))
+    _raises("`attn` must have shape",
+            lambda: window_attention(x[..., None], x[..., None], x[..., None],
+                                             jnp.ones((3, 1)), window=1))
+    # Raised while tracing, i.e. before anything is compiled.
+    _raises("`mask` must have shape",
+            lambda: jax.jit(lambda x_: win.apply(variables, x_, mask=jnp.ones((1, 1)))).lower(x))
+
+
+def test_memory_linear_in_length():
+    layer = G.WindowGraphAttention(num_heads=H, window=4, num_global=NG)
+    variables = _init(layer, jnp.ones((1, 16 + NG, 16)))
+    fwd = jax.jit(lambda v, x: layer.apply(v, x)[0])
+
+    def temp_bytes(n):
+        x = jax.ShapeDtypeStruct((1, n + NG, 16), jnp.float32)
+        return fwd.lower(variables, x).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(1024), temp_bytes(8192)
+    assert small > 0 and large / small < 8 * 1.5, (small, large)
