@@ -1,0 +1,567 @@
+"""AGF models of the reference harnesses (Wi, Choi, Park, IJCAI 2025; code jeongwhanchoi/agf).
+
+* `LRAClassifier` / `LRARetrieval`: `AGF_LRA` (Nystromformer/Primalformer LRA harness, spec §3.1):
+    learned token + position embeddings, pre-LN blocks, final LN times the mask, MEAN pooling over
+    all T positions (padding counts as zeros), Linear-ReLU-Linear head; retrieval is a
+    weight-shared dual encoder with the head on [x0, x1, x0*x1, x0-x1].
+* `UEAClassifier`: `AGF_UEA` (Flowformer/mvts_transformer lineage, spec §3.2): Linear input
+    projection times sqrt(d_model), learnable positional table, post-LN blocks with a 1x1-conv FFN,
+    final LN, activation, padding mask, flatten [B, T*E] -> Linear.
+
+Each takes `attention='agf' | 'softmax'` so the vanilla Transformer baseline runs on the same code.
+`Model(**config.model)` builds one of them from a `kind`, a `VARIANTS` size preset and overrides.
+
+Interface (BRIEF rule 7): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
+returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True`.
+
+aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
+    'loss/orthogonality': scalar, mean over the batch of 'orthogonality/per_sample' (already
+        weighted; the shared trainer adds it to the task loss).
+    'orthogonality/per_sample': [B], weighted mean over layers: the reference's `loss_ortho` (LRA,
+        reg applied inside each layer) or eta * `ortho_mean` (UEA, eta applied outside).
+    'orthogonality/per_layer': [L, B], what each layer returns as in the reference: times `reg`
+        for LRA, unweighted for UEA. Retrieval averages the two towers.
+    'filter/coefficients': [L, K+1], the effective c_k of each layer.
+Larger intermediates are sown (collection 'intermediates', only when made mutable):
+    'hidden_states' (embedded input and the output of every block, [B, T, E] each) and 'token_out'
+    (the encoder output after the final LN; LRA: times the mask). See `agf_jax.analysis`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agf_jax.layers import AGFAttention, SoftmaxAttention, torch_linear_kernel_init
+
+Array = jax.Array
+
+# Sizes only; the AGF hyperparameters of each task go in the configs (spec §3 tables).
+VARIANTS: dict[str, dict[str, int]] = {
+    # AGF_LRA shared settings: D=64, hidden 128, 2 heads x 32, 2 layers (spec §3.1).
+    "lra": dict(d_model=64, mlp_dim=128, num_heads=2, head_dim=32, num_layers=2),
+    # AGF_UEA options.py defaults: d_model 512, 8 heads (d=64), d_ff 2048, 2 layers (spec §3.2).
+    "uea": dict(d_model=512, mlp_dim=2048, num_heads=8, head_dim=64, num_layers=2),
+    # Smoke tests and CPU notebooks.
+    "tiny": dict(d_model=16, mlp_dim=32, num_heads=2, head_dim=8, num_layers=2),
+}
+
+ATTENTIONS = ("agf", "softmax")
+# PyTorch LayerNorm epsilon (Flax's default is 1e-6).
+LN_EPS = 1e-5
+# Keyword arguments that only make sense with attention='agf'.
+AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
+
+
+def _gelu(x):
+    return nn.gelu(x, approximate=False)   # PyTorch nn.GELU / F.gelu: exact erf form
+
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": _gelu, "relu": nn.relu}
+
+
+def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
+    """Builds the attention layer of a block from the owner's fields."""
+    if owner.attention == "agf":
+        return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
+                            order=owner.order, alpha=owner.alpha, beta=owner.beta,
+                            learn_c0=learn_c0, ortho_scale=ortho_scale, dtype=owner.dtype,
+                            param_dtype=owner.param_dtype, name=name)
+    return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
+                            dropout_rate=owner.attention_dropout, dtype=owner.dtype,
+                            param_dtype=owner.param_dtype, name=name)
+
+
+def _check_common(m) -> None:
+    if m.attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {m.attention!r}")
+    if m.attention == "agf" and m.attention_dropout:
+        raise ValueError("attention_dropout applies only to attention='softmax' (AGF has no "
+                         "attention dropout in the reference)")
+    for name in ("d_model", "mlp_dim", "num_heads", "num_layers", "num_classes"):
+        if getattr(m, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(m, name)}")
+
+
+def _dense(features: int, m, name: str) -> nn.Dense:
+    return nn.Dense(features, dtype=m.dtype, param_dtype=m.param_dtype,
+                    kernel_init=torch_linear_kernel_init(), name=name)
+
+
+def _layer_norm(m, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
+
+
+def _aux(ortho_layers: list, coeffs: list, weight: float) -> dict:
+    """aux dict from per-layer [B] regularisers; `weight` is applied on top (UEA eta, LRA 1)."""
+    if not ortho_layers:
+        return {}
+    per_layer = jnp.stack(ortho_layers)                       # [L, B]
+    per_sample = weight * jnp.mean(per_layer, axis=0)          # [B]
+    return {"loss/orthogonality": jnp.mean(per_sample),
+            "orthogonality/per_sample": per_sample,
+            "orthogonality/per_layer": per_layer,
+            "filter/coefficients": jnp.stack(coeffs)}
+
+
+# ---------------------------------------------------------------------------------------------
+# LRA (pre-LN encoder, spec §3.1).
+# ---------------------------------------------------------------------------------------------
+
+
+class LRABlock(nn.Module):
+    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`."""
+    d_model: int
+    mlp_dim: int
+    num_heads: int
+    head_dim: int
+    attention: str = "agf"
+    basis: str = "jacobi"
+    order: int = 3
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    ortho_weight: float = 0.0
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        self.attention_norm = _layer_norm(self, "attention_norm")
+        # LRA: c_0 is always frozen (the reference ignores fixI); `reg` is applied inside the layer.
+        self.attention_layer = _attention(self, ortho_scale=self.ortho_weight, learn_c0=False,
+                                          name="attention")
+        self.mlp_norm = _layer_norm(self, "mlp_norm")
+        self.mlp_in = _dense(self.mlp_dim, self, "mlp_in")
+        self.mlp_out = _dense(self.d_model, self, "mlp_out")
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, x, mask, *, deterministic: bool):
+        y, aux = self.attention_layer(self.attention_norm(x), mask=mask,
+                                      deterministic=deterministic)
+        x = x + self.dropout(y, deterministic=deterministic)
+        h = self.dropout(_gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
+        x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
+        return x, aux
+
+    def coefficients(self):
+        return self.attention_layer.coefficients()
+
+
+class LRAEncoder(nn.Module):
+    """Token + position embeddings, `num_layers` pre-LN blocks, final LN times the mask.
+
+    Attributes: see `LRAClassifier`.
+    """
+    vocab_size: int
+    max_len: int
+    d_model: int
+    mlp_dim: int
+    num_heads: int
+    head_dim: int
+    num_layers: int
+    attention: str = "agf"
+    basis: str = "jacobi"
+    order: int = 3
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    ortho_weight: float = 0.0
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        emb_init = nn.initializers.normal(stddev=0.02)
+        self.token_embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=emb_init,
+                                    dtype=self.dtype, param_dtype=self.param_dtype)
+        self.pos_embed = nn.Embed(self.max_len, self.d_model, embedding_init=emb_init,
+                                  dtype=self.dtype, param_dtype=self.param_dtype)
+        self.blocks = [LRABlock(d_model=self.d_model, mlp_dim=self.mlp_dim,
+                                num_heads=self.num_heads, head_dim=self.head_dim,
+                                attention=self.attention, basis=self.basis, order=self.order,
+                                alpha=self.alpha, beta=self.beta, ortho_weight=self.ortho_weight,
+                                dropout_rate=self.dropout_rate,
+                                attention_dropout=self.attention_dropout, dtype=self.dtype,
+                                param_dtype=self.param_dtype, name=f"block_{i:02d}")
+                       for i in range(self.num_layers)]
+        self.final_norm = _layer_norm(self, "final_norm")
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, ids: Array, mask: Array, *, deterministic: bool):
+        """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, per-layer `[B]`, coefficients)."""
+        t = ids.shape[1]
+        x = self.token_embed(ids) + self.pos_embed.embedding[:t].astype(
+            self.dtype or self.param_dtype)[None]
+        x = self.dropout(x, deterministic=deterministic)
+        self.sow("intermediates", "hidden_states", x)
+        orthos, coeffs = [], []
+        for block in self.blocks:
+            x, aux = block(x, mask, deterministic=deterministic)
+            self.sow("intermediates", "hidden_states", x)
+            if "orthogonality" in aux:
+                orthos.append(aux["orthogonality"])
+                coeffs.append(block.coefficients())
+        x = self.final_norm(x) * mask[:, :, None].astype(x.dtype)
+        self.sow("intermediates", "token_out", x)
+        return x, orthos, coeffs
+
+
+class _LRABase(nn.Module):
+    """Fields shared by the LRA classifier and the retrieval model.
+
+    Attributes:
+        num_classes: K.
+        vocab_size: V (token 0 is padding).
+        max_len: rows of the position table (the reference rounds max_seq_len up to a power of 2;
+            configs pass the rounded value). Inputs may be shorter.
+        d_model: E (`transformer_dim` = `embedding_dim`).
+        mlp_dim: block MLP width (`transformer_hidden_dim`), also the head's hidden width.
+        num_heads: H (`num_head`).
+        head_dim: D (`head_dim`).
+        num_layers: L.
+        attention: 'agf' | 'softmax'.
+        basis, order, alpha, beta: the AGF filter (`poly_type`, `K`, `alpha`, `beta`).
+        ortho_weight: gamma = `reg`, applied inside each layer as in the reference.
+        dropout_rate: `dropout_prob` (embeddings, attention output, MLP).
+        attention_dropout: softmax attention only.
+        pooling: 'mean' (the reference's MEAN: over all T positions) or 'cls' (the reference's CLS:
+            a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
+        dtype, param_dtype: compute and parameter dtypes.
+    """
+    num_classes: int
+    vocab_size: int
+    max_len: int
+    d_model: int
+    mlp_dim: int
+    num_heads: int
+    head_dim: int
+    num_layers: int
+    attention: str = "agf"
+    basis: str = "jacobi"
+    order: int = 3
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    ortho_weight: float = 0.0
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    pooling: str = "mean"
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def _setup_encoder(self):
+        _check_common(self)
+        if self.pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {self.pooling!r}")
+        self.encoder = LRAEncoder(
+            vocab_size=self.vocab_size, max_len=self.max_len, d_model=self.d_model,
+            mlp_dim=self.mlp_dim, num_heads=self.num_heads, head_dim=self.head_dim,
+            num_layers=self.num_layers, attention=self.attention, basis=self.basis,
+            order=self.order, alpha=self.alpha, beta=self.beta, ortho_weight=self.ortho_weight,
+            dropout_rate=self.dropout_rate, attention_dropout=self.attention_dropout,
+            dtype=self.dtype, param_dtype=self.param_dtype)
+        self.head_hidden = _dense(self.mlp_dim, self, "head_hidden")
+        self.head_out = _dense(self.num_classes, self, "head_out")
+
+    def _ids(self, batch: dict, key: str) -> Array:
+        if key not in batch:
+            raise ValueError(f"batch must contain {key!r} (int [B, T], 0 = padding); got keys "
+                             f"{sorted(batch)}")
+        ids = jnp.asarray(batch[key])
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"batch[{key!r}] must be int [B, T], got {ids.dtype} {ids.shape}")
+        if ids.shape[1] > self.max_len:
+            raise ValueError(f"batch[{key!r}] length {ids.shape[1]} exceeds max_len {self.max_len}")
+        return ids
+
+    def _encode(self, ids: Array, deterministic: bool):
+        mask = (ids != 0).astype(jnp.float32)
+        if self.pooling == "cls":
+            ids = jnp.concatenate([jnp.full_like(ids[:, :1], self.vocab_size - 1), ids[:, :-1]], 1)
+            mask = jnp.concatenate([jnp.ones_like(mask[:, :1]), mask[:, :-1]], 1)
+        x, orthos, coeffs = self.encoder(ids, mask, deterministic=deterministic)
+        pooled = x[:, 0] if self.pooling == "cls" else jnp.mean(x, axis=1)
+        return pooled, orthos, coeffs
+
+    def _head(self, z: Array) -> Array:
+        return self.head_out(nn.relu(self.head_hidden(z))).astype(jnp.float32)
+
+
+class LRAClassifier(_LRABase):
+    """AGF_LRA `ModelForSC`: encoder, pooling, Linear-ReLU-Linear head.
+
+    Batch: 'inputs' int `[B, T]` (0 = padding; mask = inputs != 0). Other keys are ignored (labels
+    belong to the loss). Returns ({'logits': `[B, K]`}, aux) as in the module docstring.
+    """
+
+    def setup(self):
+        self._setup_encoder()
+
+    def __call__(self, batch: dict, *, train: bool = False):
+        pooled, orthos, coeffs = self._encode(self._ids(batch, "inputs"), not train)
+        return {"logits": self._head(pooled)}, _aux(orthos, coeffs, 1.0)
+
+
+class LRARetrieval(_LRABase):
+    """AGF_LRA `ModelForSCDual`: a shared encoder on two documents, head on [x0, x1, x0*x1, x0-x1].
+
+    Batch: 'inputs1', 'inputs2' int `[B, T]` (0 = padding). The per-layer regulariser is the mean of
+    the two towers (the AGF reference's dual combination is not recorded in the spec; Primalformer's
+    dual wrapper, which AGF_LRA derives from, averages its towers the same way).
+    """
+
+    def setup(self):
+        self._setup_encoder()
+
+    def __call__(self, batch: dict, *, train: bool = False):
+        x0, o0, coeffs = self._encode(self._ids(batch, "inputs1"), not train)
+        x1, o1, _ = self._encode(self._ids(batch, "inputs2"), not train)
+        z = jnp.concatenate([x0, x1, x0 * x1, x0 - x1], axis=-1)
+        orthos = [0.5 * (a + b) for a, b in zip(o0, o1)]
+        return {"logits": self._head(z)}, _aux(orthos, coeffs, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# UEA (post-LN encoder, spec §3.2).
+# ---------------------------------------------------------------------------------------------
+
+
+class UEABlock(nn.Module):
+    """Post-LN block: x = LN1(x + Drop(Attn(x))); x = LN2(x + Drop(W2 Drop(act(W1 x)))).
+
+    The 1x1 Conv1d layers of the reference are position-wise Dense layers. x `[B, T, E]`.
+    """
+    d_model: int
+    mlp_dim: int
+    num_heads: int
+    head_dim: int
+    attention: str = "agf"
+    basis: str = "jacobi"
+    order: int = 3
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    learn_c0: bool = False
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    activation: str = "gelu"
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        # UEA: the layer's regulariser is unweighted; eta is applied by the model (spec §6).
+        self.attention_layer = _attention(self, ortho_scale=1.0, learn_c0=self.learn_c0,
+                                          name="attention")
+        self.attention_norm = _layer_norm(self, "attention_norm")
+        self.ffn_in = _dense(self.mlp_dim, self, "ffn_in")
+        self.ffn_out = _dense(self.d_model, self, "ffn_out")
+        self.ffn_norm = _layer_norm(self, "ffn_norm")
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, x, *, deterministic: bool):
+        # The reference UEA attention is never masked: padding is zero input (spec §2.2).
+        y, aux = self.attention_layer(x, deterministic=deterministic)
+        x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
+        h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
+        h = self.dropout(self.ffn_out(h), deterministic=deterministic)
+        return self.ffn_norm(x + h), aux
+
+    def coefficients(self):
+        return self.attention_layer.coefficients()
+
+
+def sinusoidal_table(length: int, width: int) -> np.ndarray:
+    """The reference's FixedPositionalEncoding table `[length, width]` (sin even, cos odd)."""
+    pos = np.arange(length, dtype=np.float32)[:, None]
+    div = np.exp(np.arange(0, width, 2, dtype=np.float32) * (-math.log(10000.0) / width))
+    pe = np.zeros((length, width), np.float32)
+    pe[:, 0::2] = np.sin(pos * div)
+    pe[:, 1::2] = np.cos(pos * div)[:, : width // 2]
+    return pe
+
+
+def _uniform(lo: float, hi: float):
+    """U(lo, hi) initialiser (the reference's learnable positional table uses U(-0.02, 0.02))."""
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, lo, hi)
+    return init
+
+
+class UEAClassifier(nn.Module):
+    """AGF_UEA `AGFClassiregressor` (classification).
+
+    Batch: 'inputs' float `[B, T, C]` with T == max_len (zero beyond each length), optional 'mask'
+    bool `[B, T]` (True = real step; default all True). The attention is not masked (reference);
+    only the encoder output is, before the flatten head.
+
+    Attributes:
+        num_classes: K.
+        feat_dim: C, input channels.
+        max_len: T; the flatten head has max_len * d_model inputs.
+        d_model: E.
+        mlp_dim: d_ff of the 1x1-conv feed-forward.
+        num_heads: H.
+        head_dim: D (None: d_model // num_heads, as the reference).
+        num_layers: L.
+        attention: 'agf' | 'softmax'.
+        basis, order, alpha, beta: the AGF filter.
+        learn_c0: True = reference without `--fixI` (c_0 = tanh(theta_0), filter 0 at init).
+        ortho_weight: gamma = `eta`, applied to the layer-mean regulariser.
+        dropout_rate: `dropout` (positional encoding, blocks, before the head).
+        attention_dropout: softmax attention only.
+        activation: 'gelu' | 'relu' (blocks and the output activation).
+        pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
+        dtype, param_dtype: compute and parameter dtypes.
+    """
+    num_classes: int
+    feat_dim: int
+    max_len: int
+    d_model: int
+    mlp_dim: int
+    num_heads: int
+    num_layers: int
+    head_dim: Optional[int] = None
+    attention: str = "agf"
+    basis: str = "jacobi"
+    order: int = 3
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    learn_c0: bool = False
+    ortho_weight: float = 0.1
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    activation: str = "gelu"
+    pos_encoding: str = "learnable"
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        _check_common(self)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
+        if self.pos_encoding not in ("learnable", "fixed"):
+            raise ValueError(f"pos_encoding must be 'learnable' or 'fixed', got "
+                             f"{self.pos_encoding!r}")
+        if self.attention == "softmax" and self.learn_c0:
+            raise ValueError("learn_c0 applies only to attention='agf'")
+        head_dim = self.head_dim or self.d_model // self.num_heads
+        if head_dim < 1:
+            raise ValueError(f"d_model {self.d_model} < num_heads {self.num_heads}")
+        self.input_proj = _dense(self.d_model, self, "input_proj")
+        if self.pos_encoding == "learnable":
+            self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),
+                                        (self.max_len, self.d_model), self.param_dtype)
+        self.blocks = [UEABlock(d_model=self.d_model, mlp_dim=self.mlp_dim,
+                                num_heads=self.num_heads, head_dim=head_dim,
+                                attention=self.attention, basis=self.basis, order=self.order,
+                                alpha=self.alpha, beta=self.beta, learn_c0=self.learn_c0,
+                                dropout_rate=self.dropout_rate,
+                                attention_dropout=self.attention_dropout,
+                                activation=self.activation, dtype=self.dtype,
+                                param_dtype=self.param_dtype, name=f"block_{i:02d}")
+                       for i in range(self.num_layers)]
+        self.final_norm = _layer_norm(self, "final_norm")
+        self.output = _dense(self.num_classes, self, "output")
+        self.dropout = nn.Dropout(self.dropout_rate)
+
+    def __call__(self, batch: dict, *, train: bool = False):
+        if "inputs" not in batch:
+            raise ValueError(f"batch must contain 'inputs' (float [B, T, C]); got keys "
+                             f"{sorted(batch)}")
+        x = jnp.asarray(batch["inputs"])
+        if x.ndim != 3 or x.shape[1] != self.max_len or x.shape[2] != self.feat_dim:
+            raise ValueError(f"batch['inputs'] must be [B, max_len={self.max_len}, "
+                             f"feat_dim={self.feat_dim}], got {x.shape}")
+        mask = batch.get("mask")
+        if mask is None:
+            mask = jnp.ones(x.shape[:2], bool)
+        mask = jnp.asarray(mask)
+        if mask.shape != x.shape[:2]:
+            raise ValueError(f"batch['mask'] must be [B, T] = {x.shape[:2]}, got {mask.shape}")
+        det = not train
+        h = self.input_proj(x) * math.sqrt(self.d_model)
+        if self.pos_encoding == "learnable":
+            pe = self.pos_embed
+        else:
+            pe = jnp.asarray(sinusoidal_table(self.max_len, self.d_model))
+        h = self.dropout(h + pe.astype(h.dtype)[None], deterministic=det)
+        self.sow("intermediates", "hidden_states", h)
+        orthos, coeffs = [], []
+        for block in self.blocks:
+            h, aux = block(h, deterministic=det)
+            self.sow("intermediates", "hidden_states", h)
+            if "orthogonality" in aux:
+                orthos.append(aux["orthogonality"])
+                coeffs.append(block.coefficients())
+        h = self.final_norm(h)
+        self.sow("intermediates", "token_out", h)
+        h = self.dropout(ACTIVATIONS[self.activation](h), deterministic=det)
+        h = h * mask[:, :, None].astype(h.dtype)
+        logits = self.output(h.reshape(h.shape[0], -1)).astype(jnp.float32)
+        return {"logits": logits}, _aux(orthos, coeffs, self.ortho_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Factory.
+# ---------------------------------------------------------------------------------------------
+
+KINDS: dict[str, type] = {
+    "lra_classifier": LRAClassifier,
+    "lra_retrieval": LRARetrieval,
+    "uea_classifier": UEAClassifier,
+}
+
+
+def model_kwargs(kind: str) -> tuple[str, ...]:
+    """The constructor kwargs accepted by `Model(kind=kind, ...)` besides `kind` and `variant`."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {tuple(KINDS)}, got {kind!r}")
+    return tuple(f.name for f in dataclasses.fields(KINDS[kind])
+                 if f.name not in ("parent", "name"))
+
+
+def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  # noqa: N802
+    """Builds a model from `config.model` (the only place that reads config values).
+
+    Args:
+        kind: 'lra_classifier' | 'lra_retrieval' | 'uea_classifier'.
+        variant: a key of `VARIANTS` giving d_model, mlp_dim, num_heads, head_dim, num_layers;
+            explicit kwargs override it. Without a variant those sizes must be given. For
+            kind='uea_classifier' the variant's head_dim is not used: unless passed explicitly,
+            head_dim = d_model // num_heads as in the reference.
+        **kwargs: the fields of the selected class (see `model_kwargs(kind)` and the class
+            docstrings).
+
+    Returns:
+        An unbound Linen module; `apply(variables, batch, train=...)` -> ({'logits'}, aux).
+
+    Raises:
+        ValueError: unknown kind/variant/kwarg, or an AGF-only kwarg with attention='softmax'.
+    """
+    allowed = model_kwargs(kind)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown Model kwargs for kind={kind!r}: {unknown}; allowed: {allowed}")
+    if kwargs.get("attention", "agf") == "softmax":
+        given = sorted(k for k in AGF_ONLY_KWARGS if k in kwargs)
+        if given:
+            raise ValueError(f"{given} apply only to attention='agf' (got attention='softmax')")
+    args = dict(VARIANTS[variant]) if variant is not None else {}
+    if kind == "uea_classifier" and "head_dim" not in kwargs:
+        # The UEA reference ties the head width to d_model // n_heads; derive it (head_dim=None)
+        # so that overriding d_model or num_heads alone stays consistent.
+        args.pop("head_dim", None)
+    args.update(kwargs)
+    missing = [f.name for f in dataclasses.fields(KINDS[kind])
+               if f.name not in ("parent", "name") and f.default is dataclasses.MISSING
+               and f.name not in args]
+    if missing:
+        raise ValueError(f"Model(kind={kind!r}) is missing required kwargs {missing}")
+    return KINDS[kind](**args)

@@ -1,0 +1,631 @@
+"""Pure AGF (Attentive Graph Filter) kernels: singular factors, polynomial filter, all forms.
+
+Paper: H. Wi, J. Choi, N. Park, "Learning Advanced Self-Attention for Linear Transformers in the
+Singular Value Domain", IJCAI 2025 (arXiv 2505.08516); reference code jeongwhanchoi/agf
+(`AGF_LRA/attention_svd.py`, `AGF_LRA/polyconv.py`, `AGF_UEA/models/AGF_Attention.py`). Section
+numbers below refer to the project spec `agf.md`, which was checked against the reference code
+(the paper's own equation numbers were not available to the spec writers).
+
+Notation (shape letters of the zoo): B batch, T sequence, H heads, D head width of the singular
+vectors, M value head width, K polynomial order.
+
+Non-causal AGF, per head (spec §2.2-2.3):
+
+        U = softmax_D(Z_U)                     left singular vectors, each token's row sums to 1
+        V = softmax_T(Z_V - 1e9 (1 - mask))    right singular vectors, each column sums to 1 over T
+        s = sigmoid(Z_S)                       token-specific "singular values", in (0, 1)^D
+        g = sum_k c_k P_k(s)                   elementwise polynomial filter, c_k = tanh(theta_k)
+        O = (U * g) (V^T Val)                  O(T D M); the implicit T x T matrix is never formed
+
+with the implicit attention matrix H_tj = sum_k U_tk g_tk V_jk (token-specific spectrum diag(g_t)).
+The orthogonality regulariser (spec §2.5, pitfall 5) is, per sample,
+mean_{H,D,D} |U^T U - I| + mean_{H,D,D} |V^T V - I|.
+
+**Causal AGF (an extension; the paper and the reference code do not have it).** For
+autoregressive use the right factor of token t is normalised over the prefix only,
+
+        V^(t)_jk = exp(Z_V[j,k]) / sum_{i<=t} exp(Z_V[i,k])   for j <= t,
+        O_t = (U_t * g_t) (V^(t)T Val_{<=t}) = sum_k A_tk N_t[k, :] / z_t[k],   A = U * g,
+
+with N_t = sum_{j<=t} exp(Z_V[j]) (x) Val_j [D, M] and z_t = sum_{j<=t} exp(Z_V[j]) [D]. This is an
+online softmax per (head, feature k), so the recurrent state is (N, z, m) with a running maximum m
+for stability: O(D M) per head, O(T D M) for the whole sequence. U, s and g are token-local and need
+no change. At the last position V^(T) equals the non-causal V, so the final causal output equals
+the non-causal one. Four forms compute the same numbers: `agf_parallel(causal=True)`
+(associative scan over the online-softmax monoid), `agf_chunked` (exact intra-chunk sums with
+per-row maxima plus a carried state), `agf_recurrent` (`jax.lax.scan`) and `agf_step`.
+
+*Regulariser in causal mode (design choice, documented here once).* `orthogonality_loss` is the same
+function in both modes: U is token-local, and V is taken as the whole-sequence softmax, which is
+V^(T), the right factor of the last (full) prefix. We do not average a per-prefix penalty: V^(t) has
+only t rows, so for t < D the columns cannot be orthonormal and |V^(t)T V^(t) - I| has a floor that
+would dominate early positions and make the penalty's scale depend on T. The regulariser only enters
+the loss, so it leaks no future information into any output. The recurrent forms (`agf_recurrent`,
+`agf_step`) are inference forms and do not compute it.
+
+All attention maths runs in float32 (float64 stays float64) whatever the input dtype, as the
+reference does under AMP (spec §2.3, pitfall 8); outputs are returned in that float type and callers
+cast back.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+BASES = ("jacobi", "chebyshev", "legendre", "monomial")
+# Defaults of the reference PolyConvFrame (spec §4).
+JACOBI_DEFAULT_ALPHA = 1.0
+JACOBI_DEFAULT_BETA = 0.2
+# The reference masks V by subtracting 1e9 from padded logits (spec §2.2); we do the same so that
+# fully padded sequences behave like the reference (uniform over the padded tokens).
+MASK_OFFSET = 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Polynomial basis and filter (spec §2.4).
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_basis(basis: str, alpha: Optional[float] = None, beta: Optional[float] = None,
+                  order: Optional[int] = None) -> tuple[Optional[float], Optional[float]]:
+    """Validates a basis name and returns the Jacobi parameters it uses.
+
+    'legendre' is Jacobi(0, 0) and 'chebyshev' is Jacobi(-1/2, -1/2) (a scaled T_k, as in the
+    reference); both fix alpha and beta, so passing either raises. 'monomial' has none.
+
+    Args:
+        basis: one of `BASES`.
+        alpha: Jacobi alpha; only for 'jacobi' (default 1.0, the reference default).
+        beta: Jacobi beta; only for 'jacobi' (default 0.2).
+        order: if given, also checks that the recurrence has no zero denominator up to this order.
+
+    Returns:
+        (alpha, beta) for the Jacobi family, (None, None) for 'monomial'.
+    """
+    if basis not in BASES:
+        raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
+    if basis != "jacobi" and (alpha is not None or beta is not None):
+        raise ValueError(f"alpha/beta apply only to basis='jacobi'; basis={basis!r} fixes them "
+                         f"(got alpha={alpha}, beta={beta})")
+    if basis == "monomial":
+        return None, None
+    if basis == "legendre":
+        return 0.0, 0.0
+    if basis == "chebyshev":
+        return -0.5, -0.5
+    a = JACOBI_DEFAULT_ALPHA if alpha is None else float(alpha)
+    b = JACOBI_DEFAULT_BETA if beta is None else float(beta)
+    if order is not None:
+        for k in range(2, int(order) + 1):
+            if k + a + b == 0 or 2 * k + a + b - 2 == 0:
+                raise ValueError(f"Jacobi recurrence is singular at k={k} for alpha={a}, beta={b}")
+    return a, b
+
+
+def _jacobi_abc(k: int, a: float, b: float) -> tuple[float, float, float]:
+    """Coefficients of P_k = (A x + B) P_{k-1} - C P_{k-2} for Jacobi (a, b), k >= 2 (spec §2.4)."""
+    s = 2 * k + a + b
+    big_a = s * (s - 1) / (2 * k * (k + a + b))
+    big_b = (s - 1) * (a * a - b * b) / (2 * k * (k + a + b) * (s - 2))
+    big_c = (k + a - 1) * (k + b - 1) * s / (k * (k + a + b) * (s - 2))
+    return big_a, big_b, big_c
+
+
+def _basis_iter(x: Array, order: int, basis: str, alpha, beta):
+    """Yields P_0(x), ..., P_order(x) through the three-term recurrence (two terms kept alive)."""
+    a, b = resolve_basis(basis, alpha, beta, order)
+    p_prev = None
+    p = jnp.ones_like(x)
+    yield p
+    for k in range(1, order + 1):
+        if basis == "monomial":
+            p_new = x * p
+        elif k == 1:
+            p_new = 0.5 * (a - b) + 0.5 * (a + b + 2) * x
+        else:
+            big_a, big_b, big_c = _jacobi_abc(k, a, b)
+            p_new = (big_a * x + big_b) * p - big_c * p_prev
+        p_prev, p = p, p_new
+        yield p
+
+
+def polynomial_basis(x: Array, order: int, *, basis: str = "jacobi", alpha: Optional[float] = None,
+                     beta: Optional[float] = None) -> Array:
+    """Evaluates P_0..P_K elementwise (spec §2.4); x is used as is (not mapped to [-1, 1]).
+
+    Args:
+        x: any shape `[...]`.
+        order: K >= 0.
+        basis, alpha, beta: see `resolve_basis`.
+
+    Returns:
+        `[..., K+1]`.
+    """
+    if order < 0:
+        raise ValueError(f"order must be >= 0, got {order}")
+    return jnp.stack(list(_basis_iter(x, order, basis, alpha, beta)), axis=-1)
+
+
+def filter_coefficients(theta: Optional[Array], theta_0: Optional[Array] = None) -> Array:
+    """Effective coefficients c_0..c_K of the filter (spec §2.4).
+
+    c_k = tanh(theta_k) for k >= 1. c_0 is the frozen constant 1 when `theta_0` is None (LRA, and
+    UEA with `fixI`), else tanh(theta_0) (UEA without `fixI`: the filter is 0 at init).
+
+    Args:
+        theta: `[K]` raw parameters for k = 1..K (None or `[0]` when K = 0).
+        theta_0: `[]` raw learnable parameter for k = 0, or None for the frozen c_0 = 1.
+
+    Returns:
+        `[K+1]` coefficients, float32 at least.
+    """
+    dtype = jnp.float32
+    if theta is not None:
+        dtype = jnp.promote_types(jnp.asarray(theta).dtype, jnp.float32)
+    if theta_0 is not None:
+        dtype = jnp.promote_types(dtype, jnp.asarray(theta_0).dtype)
+    c0 = jnp.ones((1,), dtype) if theta_0 is None else jnp.tanh(jnp.asarray(theta_0, dtype))[None]
+    if theta is None:
+        return c0
+    theta = jnp.asarray(theta, dtype)
+    if theta.ndim != 1:
+        raise ValueError(f"theta must be rank 1 [K], got shape {theta.shape}")
+    return jnp.concatenate([c0, jnp.tanh(theta)])
+
+
+def graph_filter(s: Array, coeffs: Array, *, basis: str = "jacobi", alpha: Optional[float] = None,
+                 beta: Optional[float] = None) -> Array:
+    """g = sum_k c_k P_k(s), elementwise, without materialising the K+1 basis values (spec §2.3).
+
+    Args:
+        s: `[...]` singular values in (0, 1).
+        coeffs: `[K+1]` effective coefficients (`filter_coefficients`).
+        basis, alpha, beta: see `resolve_basis`.
+
+    Returns:
+        `[...]`, the same shape as `s`.
+    """
+    coeffs = jnp.asarray(coeffs)
+    if coeffs.ndim != 1:
+        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {coeffs.shape}")
+    coeffs = coeffs.astype(s.dtype)
+    g = None
+    for k, p in enumerate(_basis_iter(s, coeffs.shape[0] - 1, basis, alpha, beta)):
+        g = coeffs[k] * p if g is None else g + coeffs[k] * p
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Singular factors (spec §2.2).
+# ---------------------------------------------------------------------------------------------
+
+
+def _float(x: Array) -> Array:
+    """Casts to float32, keeping float64 (the attention maths never runs in bf16/f16)."""
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _check_projections(zu, zv, zs=None, val=None, *, rank=4):
+    names = {"zu": zu, "zv": zv, "zs": zs, "val": val}
+    for name, arr in names.items():
+        if arr is not None and jnp.ndim(arr) != rank:
+            what = "[B, T, H, D]" if rank == 4 else "[B, H, D]"
+            raise ValueError(f"{name} must have rank {rank} {what}, got shape {jnp.shape(arr)}")
+    shape = jnp.shape(zu)
+    for name in ("zv", "zs"):
+        if names[name] is not None and jnp.shape(names[name]) != shape:
+            raise ValueError(f"{name} shape {jnp.shape(names[name])} != zu shape {shape}")
+    if val is not None and jnp.shape(val)[:-1] != shape[:-1]:
+        raise ValueError(f"val shape {jnp.shape(val)} must match zu {shape} except the last axis")
+
+
+def masked_logits(zv: Array, mask: Optional[Array]) -> Array:
+    """Applies the padding mask to the V logits as the reference does: Z_V - 1e9 (1 - mask).
+
+    Args:
+        zv: `[B, T, H, D]`.
+        mask: `[B, T]` bool or 0/1 float (1 = real token), or None.
+
+    Returns:
+        `[B, T, H, D]` float32 (or float64).
+    """
+    zv = _float(zv)
+    if mask is None:
+        return zv
+    mask = jnp.asarray(mask)
+    if mask.shape != zv.shape[:2]:
+        raise ValueError(f"mask must have shape [B, T] = {zv.shape[:2]}, got {mask.shape}")
+    return zv - MASK_OFFSET * (1.0 - mask.astype(zv.dtype))[:, :, None, None]
+
+
+def left_factor(zu: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
+                alpha: Optional[float] = None, beta: Optional[float] = None) -> Array:
+    """A = U * g, the token-local part of AGF: softmax over D times the filtered spectrum.
+
+    Args:
+        zu: `[..., D]` left-factor logits (the "query" projection).
+        zs: `[..., D]` singular-value logits (the "Sigma" projection).
+        coeffs: `[K+1]`.
+        basis, alpha, beta: see `resolve_basis`.
+
+    Returns:
+        `[..., D]` float32.
+    """
+    u = jax.nn.softmax(_float(zu), axis=-1)
+    g = graph_filter(jax.nn.sigmoid(_float(zs)), coeffs, basis=basis, alpha=alpha, beta=beta)
+    return u * g
+
+
+class AGFFactors(NamedTuple):
+    """Singular-domain factors of one AGF layer, all `[B, T, H, D]` float32.
+
+    Attributes:
+        u: left singular vectors, softmax over D.
+        v: right singular vectors, softmax over T (masked; the whole sequence even in causal mode).
+        s: singular values sigmoid(Z_S).
+        g: filtered spectrum sum_k c_k P_k(s).
+    """
+    u: Array
+    v: Array
+    s: Array
+    g: Array
+
+
+def agf_factors(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
+                alpha: Optional[float] = None, beta: Optional[float] = None,
+                mask: Optional[Array] = None) -> AGFFactors:
+    """Computes U, V, s and g (spec §2.2-2.3), for analysis and the explicit reference.
+
+    Args:
+        zu, zv, zs: `[B, T, H, D]` projections.
+        coeffs: `[K+1]`.
+        basis, alpha, beta: see `resolve_basis`.
+        mask: `[B, T]` padding mask applied to V only, or None.
+
+    Returns:
+        `AGFFactors`.
+    """
+    _check_projections(zu, zv, zs)
+    u = jax.nn.softmax(_float(zu), axis=-1)
+    v = jax.nn.softmax(masked_logits(zv, mask), axis=1)
+    s = jax.nn.sigmoid(_float(zs))
+    g = graph_filter(s, coeffs, basis=basis, alpha=alpha, beta=beta)
+    return AGFFactors(u, v, s, g)
+
+
+def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None) -> Array:
+    """Per-sample orthogonality regulariser on the post-softmax factors (spec §2.5, pitfall 5).
+
+    ortho_b = mean_{H,D,D} |U^T U - I| + mean_{H,D,D} |V^T V - I|, where U^T U = sum_t U_t U_t^T.
+    U is not masked (padded rows count, as in the reference); V uses the masked sequence softmax, so
+    padded rows of V are exactly 0. In causal mode the same function is used (see module docstring).
+
+    Args:
+        zu, zv: `[B, T, H, D]`.
+        mask: `[B, T]` or None.
+
+    Returns:
+        `[B]`, unweighted (the LRA layer multiplies it by `reg`, the UEA loss by `eta`).
+    """
+    _check_projections(zu, zv)
+    u = jax.nn.softmax(_float(zu), axis=-1)
+    v = jax.nn.softmax(masked_logits(zv, mask), axis=1)
+    eye = jnp.eye(u.shape[-1], dtype=u.dtype)
+    utu = jnp.einsum("bthd,bthe->bhde", u, u)
+    vtv = jnp.einsum("bthd,bthe->bhde", v, v)
+    return (jnp.mean(jnp.abs(utu - eye), axis=(1, 2, 3))
+            + jnp.mean(jnp.abs(vtv - eye), axis=(1, 2, 3)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forms.
+# ---------------------------------------------------------------------------------------------
+
+
+class AGFState(NamedTuple):
+    """Recurrent state of causal AGF per head: an online softmax over the prefix (float32).
+
+    Attributes:
+        num: `[B, H, D, M]` sum_j exp(Z_V[j] - m) (x) Val_j.
+        den: `[B, H, D]` sum_j exp(Z_V[j] - m).
+        max: `[B, H, D]` running maximum m of Z_V (-inf before the first token).
+    """
+    num: Array
+    den: Array
+    max: Array
+
+
+def init_state(batch_size: int, num_heads: int, head_dim: int, value_dim: Optional[int] = None,
+               dtype=jnp.float32) -> AGFState:
+    """Empty causal state (no tokens seen).
+
+    Args:
+        batch_size: B.
+        num_heads: H.
+        head_dim: D.
+        value_dim: M (defaults to D).
+        dtype: float32 (or float64); never a low-precision type.
+
+    Returns:
+        `AGFState` with num `[B, H, D, M]`, den and max `[B, H, D]`.
+    """
+    value_dim = head_dim if value_dim is None else value_dim
+    dtype = jnp.promote_types(dtype, jnp.float32)
+    return AGFState(num=jnp.zeros((batch_size, num_heads, head_dim, value_dim), dtype),
+                    den=jnp.zeros((batch_size, num_heads, head_dim), dtype),
+                    max=jnp.full((batch_size, num_heads, head_dim), -jnp.inf, dtype))
+
+
+def _check_state(state: AGFState, a: Array, val: Array, time_axis: bool = True):
+    b, h, d = (a.shape[0], a.shape[2], a.shape[3]) if time_axis else a.shape
+    want = (b, h, d, val.shape[-1])
+    if tuple(state.num.shape) != want or tuple(state.den.shape) != want[:3] or \
+        tuple(state.max.shape) != want[:3]:
+        raise ValueError(f"state shapes {state.num.shape}/{state.den.shape}/{state.max.shape} do "
+                         f"not match [B, H, D, M] = {want}")
+
+
+def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+                 basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
+                 mask: Optional[Array] = None, causal: bool = False) -> Array:
+    """AGF attention over a whole sequence, O(T D M) per head (spec §2.2-2.3).
+
+    Non-causal: O = (U * g) (V^T Val), exactly the reference. Causal (extension, see module
+    docstring): V is normalised over each prefix; computed with an associative scan of the
+    online-softmax monoid, O(T D M) memory, no T x T matrix.
+
+    Args:
+        zu: `[B, T, H, D]` left-factor logits (reference: query projection).
+        zv: `[B, T, H, D]` right-factor logits (reference: key projection).
+        zs: `[B, T, H, D]` singular-value logits (reference: Sigma projection).
+        val: `[B, T, H, M]` values.
+        coeffs: `[K+1]` filter coefficients.
+        basis, alpha, beta: see `resolve_basis`.
+        mask: `[B, T]` padding mask (1/True = real), applied to V only, or None.
+        causal: prefix-normalised V.
+
+    Returns:
+        `[B, T, H, M]` float32 (float64 for float64 inputs).
+    """
+    _check_projections(zu, zv, zs, val)
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    zv = masked_logits(zv, mask)
+    val = _float(val).astype(a.dtype)
+    if not causal:
+        v = jax.nn.softmax(zv, axis=1)
+        kv = jnp.einsum("bthd,bthm->bhdm", v, val)   # V^T Val: [B, H, D, M]
+        return jnp.einsum("bthd,bhdm->bthm", a, kv)
+    # Per-token elements (m, z, N) = (Z_V, 1, 1 (x) Val): combining prefixes is an associative
+    # log-sum-exp merge, so every prefix state is available in parallel.
+    m = zv
+    z = jnp.ones_like(zv)
+    num = jnp.broadcast_to(val[:, :, :, None, :], zv.shape + val.shape[-1:])
+    m, z, num = jax.lax.associative_scan(_merge, (m, z, num), axis=1)
+    return jnp.einsum("bthd,bthdm->bthm", a / z, num)
+
+
+def _merge(left, right):
+    """Associative merge of two online-softmax partial sums (m, z, N); element shapes broadcast."""
+    m1, z1, n1 = left
+    m2, z2, n2 = right
+    m = jnp.maximum(m1, m2)
+    w1 = jnp.exp(m1 - m)
+    w2 = jnp.exp(m2 - m)
+    return m, w1 * z1 + w2 * z2, w1[..., None] * n1 + w2[..., None] * n2
+
+
+def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, chunk_size: int,
+                basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
+                mask: Optional[Array] = None,
+                state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+    """Causal AGF in chunks of C tokens: O(T C D + T D M) time, a carried O(D M) state per head.
+
+    Within a chunk every row t uses its own running maximum M_t = max(m_prev, max_{j<=t} Z_V[j]),
+    so all exponentials are <= 1 and every denominator is >= 1 (exactly stable, no underflow of the
+    early rows); the previous chunks enter through the carried state rescaled by exp(m_prev - M_t).
+    T need not be a multiple of C: the tail is padded with tokens of weight exactly 0.
+
+    Args:
+        zu, zv, zs: `[B, T, H, D]`.
+        val: `[B, T, H, M]`.
+        coeffs: `[K+1]`.
+        chunk_size: C >= 1 (any value; need not divide T).
+        basis, alpha, beta: see `resolve_basis`.
+        mask: `[B, T]` or None.
+        state: `AGFState` of the tokens before this sequence, or None for an empty prefix.
+
+    Returns:
+        (y `[B, T, H, M]`, final `AGFState`).
+    """
+    _check_projections(zu, zv, zs, val)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    zv = masked_logits(zv, mask)
+    val = _float(val).astype(a.dtype)
+    b, t, h, d = a.shape
+    if state is None:
+        state = init_state(b, h, d, val.shape[-1], a.dtype)
+    _check_state(state, a, val)
+    state = AGFState(*(s.astype(a.dtype) for s in state))
+    c = chunk_size
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    if pad:
+        # Padded tokens: Z_V = -inf (weight exactly 0, max unchanged), A = 0, Val = 0.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        a = jnp.pad(a, widths)
+        val = jnp.pad(val, widths)
+        zv = jnp.pad(zv, widths, constant_values=-jnp.inf)
+
+    def to_chunks(x):  # [B, n*C, ...] -> [n, B, C, ...]
+        return jnp.moveaxis(x.reshape((b, n_chunks, c) + x.shape[2:]), 1, 0)
+
+    tril = jnp.tril(jnp.ones((c, c), bool))[None, :, :, None, None]   # [1, t, j, 1, 1]
+
+    def body(carry: AGFState, xs):
+        a_c, zv_c, val_c = xs                                   # [B, C, H, D], ..., [B, C, H, M]
+        row_max = jnp.maximum(carry.max[:, None], jax.lax.cummax(zv_c, axis=1))      # [B, C, H, D]
+        logits = zv_c[:, None, :] - row_max[:, :, None]                     # [B, t, j, H, D]
+        p = jnp.exp(jnp.where(tril, logits, -jnp.inf))
+        carry_scale = jnp.exp(carry.max[:, None] - row_max)                          # [B, C, H, D]
+        den = carry.den[:, None] * carry_scale + jnp.sum(p, axis=2)                  # >= 1
+        w = a_c / den
+        y = (jnp.einsum("bthd,bhdm->bthm", w * carry_scale, carry.num)
+             + jnp.einsum("bthd,btjhd,bjhm->bthm", w, p, val_c))
+        new_max = row_max[:, -1]
+        e = jnp.exp(zv_c - new_max[:, None])
+        old_scale = jnp.exp(carry.max - new_max)
+        new = AGFState(num=(carry.num * old_scale[..., None]
+                            + jnp.einsum("bjhd,bjhm->bhdm", e, val_c)),
+                       den=carry.den * old_scale + jnp.sum(e, axis=1),
+                       max=new_max)
+        return new, y
+
+    state, ys = jax.lax.scan(body, state, (to_chunks(a), to_chunks(zv), to_chunks(val)))
+    y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])[:, :t]
+    return y, state
+
+
+def _step_core(state: AGFState, a_t: Array, zv_t: Array, val_t: Array) -> tuple[AGFState, Array]:
+    new_max = jnp.maximum(state.max, zv_t)
+    old_scale = jnp.exp(state.max - new_max)
+    e = jnp.exp(zv_t - new_max)
+    num = state.num * old_scale[..., None] + e[..., None] * val_t[:, :, None, :]
+    den = state.den * old_scale + e
+    y = jnp.einsum("bhd,bhdm->bhm", a_t / den, num)
+    return AGFState(num, den, new_max), y
+
+
+def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+                  basis: str = "jacobi", alpha: Optional[float] = None,
+                  beta: Optional[float] = None, mask: Optional[Array] = None,
+                  state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+    """Causal AGF as a `jax.lax.scan` of `agf_step` over time (O(D M) state per head).
+
+    Args:
+        zu, zv, zs: `[B, T, H, D]`.
+        val: `[B, T, H, M]`.
+        coeffs: `[K+1]`.
+        basis, alpha, beta: see `resolve_basis`.
+        mask: `[B, T]` or None.
+        state: initial `AGFState` or None.
+
+    Returns:
+        (y `[B, T, H, M]`, final `AGFState`).
+    """
+    _check_projections(zu, zv, zs, val)
+    # The token-local factor is computed for the whole sequence first; only the parameter-free
+    # online softmax is scanned.
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    zv = masked_logits(zv, mask)
+    val = _float(val).astype(a.dtype)
+    b, _, h, d = a.shape
+    if state is None:
+        state = init_state(b, h, d, val.shape[-1], a.dtype)
+    _check_state(state, a, val)
+    state = AGFState(*(s.astype(a.dtype) for s in state))
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (a, zv, val))
+    state, ys = jax.lax.scan(lambda c, x: _step_core(c, *x), state, xs)
+    return jnp.moveaxis(ys, 0, 1), state
+
+
+def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Array, val_t: Array, coeffs: Array,
+             *, basis: str = "jacobi", alpha: Optional[float] = None,
+             beta: Optional[float] = None) -> tuple[AGFState, Array]:
+    """One causal AGF token: O(D M) per head.
+
+    Args:
+        state: `AGFState` of the prefix.
+        zu_t, zv_t, zs_t: `[B, H, D]` projections of the new token.
+        val_t: `[B, H, M]`.
+        coeffs: `[K+1]`.
+        basis, alpha, beta: see `resolve_basis`.
+
+    Returns:
+        (new `AGFState`, y_t `[B, H, M]`).
+    """
+    _check_projections(zu_t, zv_t, zs_t, val_t, rank=3)
+    a_t = left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta)
+    val_t = _float(val_t).astype(a_t.dtype)
+    _check_state(state, a_t, val_t, time_axis=False)
+    state = AGFState(*(s.astype(a_t.dtype) for s in state))
+    return _step_core(state, a_t, _float(zv_t).astype(a_t.dtype), val_t)
+
+
+def agf_attention_matrix(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
+                         alpha: Optional[float] = None, beta: Optional[float] = None,
+                         mask: Optional[Array] = None, causal: bool = False) -> Array:
+    """The implicit T x T attention matrix H_tj = sum_k U_tk g_tk V^(t)_jk; O(T^2 D), small T only.
+
+    Used as the explicit reference in tests and by `agf_jax.analysis`. Non-causal: V^(t) = V.
+    Causal: V^(t) is the softmax over the prefix j <= t (zero for j > t).
+
+    Args:
+        zu, zv, zs: `[B, T, H, D]`.
+        coeffs: `[K+1]`.
+        basis, alpha, beta: see `resolve_basis`.
+        mask: `[B, T]` or None.
+        causal: prefix normalisation.
+
+    Returns:
+        `[B, H, T, T]` (query t, key j); `O = H @ Val` per head.
+    """
+    _check_projections(zu, zv, zs)
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    zv = masked_logits(zv, mask)
+    if not causal:
+        v = jax.nn.softmax(zv, axis=1)
+        return jnp.einsum("bthd,bjhd->bhtj", a, v)
+    t = zv.shape[1]
+    allowed = jnp.tril(jnp.ones((t, t), bool))[None, :, :, None, None]            # [1, t, j, 1, 1]
+    logits = jnp.broadcast_to(zv[:, None], (zv.shape[0], t) + zv.shape[1:])      # [B, t, j, H, D]
+    v_t = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=2)
+    return jnp.einsum("bthd,btjhd->bhtj", a, v_t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax baseline (vanilla Transformer attention of the reference harnesses).
+# ---------------------------------------------------------------------------------------------
+
+
+def softmax_attention_weights(q: Array, k: Array, *, mask: Optional[Array] = None) -> Array:
+    """Scaled dot-product softmax weights, keys masked (float32).
+
+    Args:
+        q, k: `[B, T, H, D]`.
+        mask: `[B, T]` key padding mask, or None.
+
+    Returns:
+        `[B, H, T, T]` row-stochastic weights.
+    """
+    _check_projections(q, k)
+    q, k = _float(q), _float(k)
+    logits = jnp.einsum("bthd,bjhd->bhtj", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.shape != q.shape[:2]:
+            raise ValueError(f"mask must have shape [B, T] = {q.shape[:2]}, got {mask.shape}")
+        logits = jnp.where(mask.astype(bool)[:, None, None, :], logits, -MASK_OFFSET)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def softmax_attention(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None) -> Array:
+    """softmax(Q K^T / sqrt(D)) V per head, O(T^2) (the baseline).
+
+    Args:
+        q, k: `[B, T, H, D]`.
+        v: `[B, T, H, M]`.
+        mask: `[B, T]` key padding mask, or None.
+
+    Returns:
+        `[B, T, H, M]` float32.
+    """
+    w = softmax_attention_weights(q, k, mask=mask)
+    return jnp.einsum("bhtj,bjhm->bthm", w, _float(v).astype(w.dtype))

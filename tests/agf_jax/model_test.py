@@ -1,0 +1,180 @@
+"""Tests of the AGF models and the Model factory (agf_jax/model.py)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agf_jax import model as model_lib
+from agf_jax.model import VARIANTS, Model
+from zoo_core.testing import F32_MODEL, param_shapes
+
+B, T, C, K = 2, 7, 3, 4
+IDS = jnp.array([[3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 0, 0, 0]], jnp.int32)
+IDS2 = jnp.array([[2, 7, 1, 8, 2, 8, 0], [1, 4, 1, 4, 2, 1, 3]], jnp.int32)
+UEA_X = jax.random.normal(jax.random.key(0), (B, T, C))
+UEA_MASK = jnp.asarray(np.arange(T)[None] < np.array([[T], [5]]))
+LRA = dict(variant="tiny", num_classes=K, vocab_size=10, max_len=8, order=3, alpha=1.5, beta=2.0,
+           ortho_weight=0.1)
+UEA = dict(variant="tiny", num_classes=K, feat_dim=C, max_len=T, order=3, ortho_weight=0.5)
+CASES = {
+    "lra_classifier": (LRA, {"inputs": IDS}),
+    "lra_retrieval": (LRA, {"inputs1": IDS, "inputs2": IDS2}),
+    "uea_classifier": (UEA, {"inputs": UEA_X * (UEA_MASK[..., None]), "mask": UEA_MASK}),
+}
+
+
+def _perturb_thetas(params, seed=0):
+    """Non-zero thetas so that the filters are non-trivial (init is theta = 0)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    key = jax.random.key(seed)
+    out = []
+    for path, leaf in leaves:
+        if "theta" in jax.tree_util.keystr(path):
+            key, sub = jax.random.split(key)
+            leaf = 0.8 * jax.random.normal(sub, leaf.shape)
+        out.append(leaf)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_forward_shapes_finite_and_aux(kind):
+    kwargs, batch = CASES[kind]
+    model = Model(kind=kind, **kwargs)
+    variables = model.init(jax.random.key(1), batch)
+    variables = {"params": _perturb_thetas(variables["params"])}
+    apply = jax.jit(model.apply, static_argnames=("train",))
+    out, aux = apply(variables, batch)
+    assert set(out) == {"logits"} and out["logits"].shape == (B, K)
+    assert out["logits"].dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(out["logits"])))
+    layers = VARIANTS["tiny"]["num_layers"]
+    assert set(aux) == {"loss/orthogonality", "orthogonality/per_sample",
+                        "orthogonality/per_layer", "filter/coefficients"}
+    assert aux["loss/orthogonality"].shape == ()
+    assert aux["orthogonality/per_layer"].shape == (layers, B)
+    assert aux["filter/coefficients"].shape == (layers, 4)
+    per_layer = np.asarray(aux["orthogonality/per_layer"])
+    weight = 1.0 if kind.startswith("lra") else kwargs["ortho_weight"]   # LRA: reg is inside
+    np.testing.assert_allclose(aux["orthogonality/per_sample"], weight * per_layer.mean(0),
+                               **F32_MODEL)
+    np.testing.assert_allclose(aux["loss/orthogonality"], weight * per_layer.mean(), **F32_MODEL)
+    assert float(aux["loss/orthogonality"]) > 0.0
+    if kind == "lra_classifier":   # dropout only with train=True, driven by the 'dropout' rng
+        out_t, _ = apply(variables, batch, train=True, rngs={"dropout": jax.random.key(2)})
+        assert not np.allclose(out_t["logits"], out["logits"])
+        out_e, _ = apply(variables, batch)
+        np.testing.assert_array_equal(out_e["logits"], out["logits"])
+
+
+def test_lra_regulariser_weight_inside_layers():
+    kwargs, batch = CASES["lra_classifier"]
+    m1 = Model(kind="lra_classifier", **kwargs)
+    m2 = Model(kind="lra_classifier", **{**kwargs, "ortho_weight": 0.3})
+    v = {"params": _perturb_thetas(m1.init(jax.random.key(3), batch)["params"])}
+    out1, aux1 = m1.apply(v, batch)
+    out2, aux2 = m2.apply(v, batch)
+    np.testing.assert_allclose(aux2["orthogonality/per_layer"],
+                               3.0 * aux1["orthogonality/per_layer"], **F32_MODEL)
+    np.testing.assert_array_equal(out1["logits"], out2["logits"])
+
+
+def test_retrieval_towers_share_the_encoder():
+    kwargs, batch = CASES["lra_retrieval"]
+    dual = Model(kind="lra_retrieval", **kwargs)
+    v = {"params": _perturb_thetas(dual.init(jax.random.key(4), batch)["params"])}
+    _, aux = dual.apply(v, batch)
+    single = Model(kind="lra_classifier", **kwargs)
+    sv = single.init(jax.random.key(5), {"inputs": IDS})
+    sv = {"params": {**sv["params"], "encoder": v["params"]["encoder"]}}
+    _, a1 = single.apply(sv, {"inputs": IDS})
+    _, a2 = single.apply(sv, {"inputs": IDS2})
+    both = a1["orthogonality/per_layer"] + a2["orthogonality/per_layer"]
+    np.testing.assert_allclose(aux["orthogonality/per_layer"], 0.5 * both, **F32_MODEL)
+    assert v["params"]["head_hidden"]["kernel"].shape == (4 * VARIANTS["tiny"]["d_model"],
+                                                          VARIANTS["tiny"]["mlp_dim"])
+
+
+def test_param_name_snapshot():
+    kwargs, batch = CASES["lra_classifier"]
+    shapes = param_shapes(jax.eval_shape(Model(kind="lra_classifier", **kwargs).init,
+                                         jax.random.key(0), batch)["params"])
+    e, mlp = VARIANTS["tiny"]["d_model"], VARIANTS["tiny"]["mlp_dim"]
+    assert shapes["encoder/token_embed/embedding"] == (10, e)
+    assert shapes["encoder/pos_embed/embedding"] == (8, e)
+    assert shapes["encoder/block_01/attention/theta"] == (3,)
+    assert {k.split("/")[2] for k in shapes if k.startswith("encoder/block_00/")} == {
+        "attention_norm", "attention", "mlp_norm", "mlp_in", "mlp_out"}
+    assert shapes["head_out/kernel"] == (mlp, K)
+    kwargs, batch = CASES["uea_classifier"]
+    shapes = param_shapes(jax.eval_shape(Model(kind="uea_classifier", **kwargs).init,
+                                         jax.random.key(0), batch)["params"])
+    assert shapes["pos_embed"] == (T, e)
+    assert shapes["output/kernel"] == (T * e, K)
+    assert {k.split("/")[1] for k in shapes if k.startswith("block_00/")} == {
+        "attention", "attention_norm", "ffn_in", "ffn_out", "ffn_norm"}
+    assert {k.split("/")[0] for k in shapes} == {"input_proj", "pos_embed", "block_00", "block_01",
+                                                  "final_norm", "output"}
+
+
+@pytest.mark.parametrize("kind", ["lra_classifier", "uea_classifier"])
+def test_softmax_baseline(kind):
+    kwargs, batch = CASES[kind]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    model = Model(kind=kind, attention="softmax", **kwargs)
+    variables = model.init(jax.random.key(6), batch)
+    out, aux = model.apply(variables, batch)
+    assert out["logits"].shape == (B, K) and bool(jnp.all(jnp.isfinite(out["logits"])))
+    assert aux == {}
+    assert not any("sigma" in k or "theta" in k for k in param_shapes(variables["params"]))
+
+
+def test_uea_padding_is_masked_before_the_head():
+    kwargs, batch = CASES["uea_classifier"]
+    model = Model(kind="uea_classifier", **kwargs)
+    v = model.init(jax.random.key(7), batch)
+    (_, state) = model.apply(v, batch, mutable=["intermediates"])
+    assert len(state["intermediates"]["hidden_states"]) == VARIANTS["tiny"]["num_layers"] + 1
+    # With the output kernel rows of padded steps set to garbage, logits do not change.
+    p = jax.tree.map(lambda x: x, v["params"])
+    e = VARIANTS["tiny"]["d_model"]
+    kernel = p["output"]["kernel"].reshape(T, e, K)
+    p["output"]["kernel"] = kernel.at[5:].set(100.0).reshape(T * e, K)
+    out1, _ = model.apply(v, batch)
+    out2, _ = model.apply({"params": p}, batch)
+    np.testing.assert_allclose(out2["logits"][1], out1["logits"][1], **F32_MODEL)
+
+
+def test_factory_and_batch_errors():
+    with pytest.raises(ValueError, match="kind"):
+        Model(kind="imagenet", variant="tiny")
+    with pytest.raises(ValueError, match="variant"):
+        Model(kind="lra_classifier", variant="huge", num_classes=2, vocab_size=4, max_len=4)
+    with pytest.raises(ValueError, match="feat_dim"):
+        Model(kind="lra_classifier", variant="tiny", num_classes=2, vocab_size=4, max_len=4,
+              feat_dim=3)
+    with pytest.raises(ValueError, match="order"):
+        Model(kind="lra_classifier", variant="tiny", num_classes=2, vocab_size=4, max_len=4,
+              attention="softmax", order=3)
+    with pytest.raises(ValueError, match="missing"):
+        Model(kind="uea_classifier", variant="tiny", num_classes=2)
+    # UEA derives head_dim = d_model // num_heads (reference) unless it is passed explicitly.
+    assert Model(kind="uea_classifier", variant="tiny", num_classes=2, feat_dim=3, max_len=T,
+                 d_model=32).head_dim is None
+    assert Model(kind="uea_classifier", variant="tiny", num_classes=2, feat_dim=3, max_len=T,
+                 head_dim=4).head_dim == 4
+    model = Model(kind="lra_classifier", **LRA)
+    v = model.init(jax.random.key(8), {"inputs": IDS})
+    with pytest.raises(ValueError, match="inputs"):
+        model.apply(v, {"tokens": IDS})
+    with pytest.raises(ValueError, match="int"):
+        model.apply(v, {"inputs": IDS.astype(jnp.float32)})
+    with pytest.raises(ValueError, match="max_len"):
+        model.apply(v, {"inputs": jnp.ones((B, 9), jnp.int32)})
+    uea = Model(kind="uea_classifier", **UEA)
+    with pytest.raises(ValueError, match="max_len"):
+        uea.init(jax.random.key(0), {"inputs": jnp.ones((B, T + 1, C))})
+    with pytest.raises(ValueError, match="mask"):
+        uea.init(jax.random.key(0), {"inputs": UEA_X, "mask": UEA_MASK[:, :3]})
+    with pytest.raises(ValueError, match="attention"):
+        Model(kind="uea_classifier", **{**UEA, "attention": "performer"}).init(
+            jax.random.key(0), {"inputs": UEA_X})

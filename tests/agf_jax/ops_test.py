@@ -1,0 +1,327 @@
+"""Tests of the pure AGF kernels (agf_jax/ops.py): forms, masks, bases, n x n references, grads."""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from agf_jax import ops
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close
+
+B, H, D, M = 2, 2, 4, 3
+BASIS = dict(basis="jacobi", alpha=2.0, beta=-1.0)
+COEFFS = np.array([1.0, 0.6, -0.4, 0.3], np.float32)     # c_0..c_3, non-trivial filter
+
+
+def _inputs(t, seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    zu = 2.0 * jax.random.normal(ks[0], (B, t, H, D), dtype)
+    zv = 3.0 * jax.random.normal(ks[1], (B, t, H, D), dtype)   # wide range: tests the running max
+    zs = jax.random.normal(ks[2], (B, t, H, D), dtype)
+    val = jax.random.normal(ks[3], (B, t, H, M), dtype)
+    return zu, zv, zs, val
+
+
+def _mask(t):
+    # Second sample padded from position t - t//3 on (left part real).
+    lengths = np.array([t, max(1, t - t // 3)])
+    return jnp.asarray(np.arange(t)[None] < lengths[:, None])
+
+
+# Jitted forms: one compile per shape (eager lax.scan would retrace its closure on every call).
+parallel = jax.jit(functools.partial(ops.agf_parallel, **BASIS), static_argnames=("causal",))
+chunked = jax.jit(functools.partial(ops.agf_chunked, **BASIS), static_argnames=("chunk_size",))
+recurrent = jax.jit(functools.partial(ops.agf_recurrent, **BASIS))
+_step = jax.jit(functools.partial(ops.agf_step, **BASIS))
+
+
+def _step_loop(zu, zv, zs, val, coeffs, mask=None, state=None):
+    zv = ops.masked_logits(zv, mask)
+    state = ops.init_state(B, H, D, M) if state is None else state
+    ys = []
+    for t in range(zu.shape[1]):
+        state, y = _step(state, zu[:, t], zv[:, t], zs[:, t], val[:, t], coeffs)
+        ys.append(y)
+    return jnp.stack(ys, 1), state
+
+
+# ------------------------------------------------------------------------------------------
+# Causal forms.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,chunks", [(1, (1, 4)), (7, (3, 7, 16)), (16, (4, 5))])
+@pytest.mark.parametrize("masked", [False, True])
+def test_causal_forms_agree(t, chunks, masked):
+    zu, zv, zs, val = _inputs(t, seed=t)
+    # Always pass a mask (all ones when unmasked): same jit signature, fewer compiles.
+    mask = _mask(t) if masked else jnp.ones((B, t), bool)
+    y_par = parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=True)
+    y_rec, s_rec = recurrent(zu, zv, zs, val, COEFFS, mask=mask)
+    y_step, s_step = _step_loop(zu, zv, zs, val, COEFFS, mask)
+    assert y_par.shape == (B, t, H, M)
+    assert bool(jnp.all(jnp.isfinite(y_par)))
+    np.testing.assert_allclose(y_rec, y_par, **F32_SIMPLE)
+    np.testing.assert_allclose(y_step, y_par, **F32_SIMPLE)
+    assert_trees_close(s_step, s_rec, **F32_SIMPLE)
+    for c in chunks:
+        y_chk, s_chk = chunked(zu, zv, zs, val, COEFFS, chunk_size=c, mask=mask)
+        np.testing.assert_allclose(y_chk, y_par, **F32_SIMPLE, err_msg=f"chunk_size={c}")
+        assert_trees_close(s_chk, s_rec, **F32_SIMPLE)
+
+
+def test_causal_last_position_equals_noncausal():
+    # V^(T) is the whole-sequence softmax, so the last causal output is the non-causal one.
+    zu, zv, zs, val = _inputs(7, seed=3)
+    mask = _mask(7)
+    y_c = ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=True, **BASIS)
+    y_n = ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=False, **BASIS)
+    np.testing.assert_allclose(y_c[:, -1], y_n[:, -1], **F32_SIMPLE)
+    assert not np.allclose(y_c[:, 0], y_n[:, 0], atol=1e-3)
+
+
+def test_split_sequence_state_carry():
+    zu, zv, zs, val = _inputs(16, seed=4)
+    ones = jnp.ones((B, 16), bool)
+    y_full, s_full = recurrent(zu, zv, zs, val, COEFFS, mask=ones)
+    first, rest = slice(0, 7), slice(7, 16)
+    a = [x[:, first] for x in (zu, zv, zs, val)]
+    b = [x[:, rest] for x in (zu, zv, zs, val)]
+    # Any form continues any other's state: chunked -> chunked, chunked -> recurrent / step.
+    y_a, s_a = chunked(*a, COEFFS, chunk_size=3, mask=ones[:, first])
+    y_b, s_b = chunked(*b, COEFFS, chunk_size=3, mask=ones[:, rest], state=s_a)
+    np.testing.assert_allclose(jnp.concatenate([y_a, y_b], 1), y_full, **F32_SIMPLE)
+    assert_trees_close(s_b, s_full, **F32_SIMPLE)
+    y_c, _ = recurrent(*b, COEFFS, mask=ones[:, rest], state=s_a)
+    np.testing.assert_allclose(y_c, y_full[:, rest], **F32_SIMPLE)
+    y_d, s_d = _step_loop(*b, COEFFS, state=s_a)
+    np.testing.assert_allclose(y_d, y_full[:, rest], **F32_SIMPLE)
+    assert_trees_close(s_d, s_full, **F32_SIMPLE)
+
+
+def test_causality():
+    zu, zv, zs, val = _inputs(16, seed=5)
+    ones = jnp.ones((B, 16), bool)
+    t0 = 6
+    new = _inputs(16, seed=6)
+    future = [jnp.concatenate([a[:, :t0 + 1], b[:, t0 + 1:]], 1) for a, b in zip((zu, zv, zs, val),
+                                                                                 new)]
+    for fn in (lambda *a: parallel(*a, COEFFS, mask=ones, causal=True),
+               lambda *a: chunked(*a, COEFFS, chunk_size=4, mask=ones)[0]):
+        y1 = fn(zu, zv, zs, val)
+        y2 = fn(*future)
+        np.testing.assert_allclose(y2[:, :t0 + 1], y1[:, :t0 + 1], **F32_SIMPLE)
+        assert not np.allclose(y2[:, t0 + 1:], y1[:, t0 + 1:], atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# Masking.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_invariance(causal):
+    # Real rows do not depend on what sits at padded positions, and equal the unpadded run.
+    t, n = 16, 7
+    zu, zv, zs, val = _inputs(t, seed=7)
+    mask = jnp.asarray(np.arange(t)[None] < np.array([[t], [n]]))
+    y = parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=causal)
+    junk = _inputs(t, seed=8)
+    keep = mask[:, :, None, None]
+    mixed = [jnp.where(keep, a, 10 * b) for a, b in zip((zu, zv, zs, val), junk)]
+    y2 = parallel(*mixed, COEFFS, mask=mask, causal=causal)
+    np.testing.assert_allclose(y2[0], y[0], **F32_SIMPLE)
+    np.testing.assert_allclose(y2[1, :n], y[1, :n], **F32_SIMPLE)
+    # The padded sample equals the same tokens run unpadded (sample 0 is full length: skip it).
+    short = parallel(*(a[:, :n] for a in (zu, zv, zs, val)), COEFFS, mask=mask[:, :n],
+                     causal=causal)
+    np.testing.assert_allclose(y[1, :n], short[1], **F32_SIMPLE)
+
+
+def test_mask_float_and_bool_agree_and_v_rows_zero():
+    zu, zv, zs, val = _inputs(7, seed=9)
+    mask = _mask(7)
+    f_bool = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask, **BASIS)
+    f_float = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask.astype(jnp.float32), **BASIS)
+    np.testing.assert_array_equal(f_bool.v, f_float.v)
+    assert float(jnp.max(jnp.abs(f_bool.v[1, 5:]))) == 0.0       # padded rows of V are exactly 0
+    np.testing.assert_allclose(jnp.sum(f_bool.v, axis=1), 1.0, **F32_SIMPLE)
+    np.testing.assert_allclose(jnp.sum(f_bool.u, axis=-1), 1.0, **F32_SIMPLE)
+
+
+# ------------------------------------------------------------------------------------------
+# Bases and coefficients.
+# ------------------------------------------------------------------------------------------
+
+X = np.linspace(0.0, 1.0, 9)
+
+
+def _cheb_scale(k):
+    return math.factorial(2 * k) / (4 ** k * math.factorial(k) ** 2)
+
+
+def test_bases_against_closed_forms():
+    x = jnp.asarray(X, jnp.float32)
+    leg = np.asarray(ops.polynomial_basis(x, 3, basis="legendre"))
+    np.testing.assert_allclose(leg[:, 2], (3 * X ** 2 - 1) / 2, **F32_SIMPLE)
+    np.testing.assert_allclose(leg[:, 3], (5 * X ** 3 - 3 * X) / 2, **F32_SIMPLE)
+    cheb = np.asarray(ops.polynomial_basis(x, 4, basis="chebyshev"))
+    for k in range(5):   # Jacobi(-1/2, -1/2) = (2k)!/(4^k k!^2) T_k, not T_k itself
+        np.testing.assert_allclose(cheb[:, k], _cheb_scale(k) * np.cos(k * np.arccos(X)),
+                                   **F32_SIMPLE)
+    mono = np.asarray(ops.polynomial_basis(x, 3, basis="monomial"))
+    np.testing.assert_allclose(mono, X[:, None] ** np.arange(4), **F32_SIMPLE)
+    for a, b in [(2.0, -1.0), (1.5, 2.0), (2.0, -2.0), (1.0, 0.2)]:
+        jac = np.asarray(ops.polynomial_basis(x, 2, basis="jacobi", alpha=a, beta=b))
+        p1 = 0.5 * ((a - b) + (a + b + 2) * X)
+        p2 = ((a + 1) * (a + 2) / 2 + (a + 2) * (a + b + 3) * (X - 1) / 2
+              + (a + b + 3) * (a + b + 4) * (X - 1) ** 2 / 8)
+        np.testing.assert_allclose(jac[:, 0], 1.0)
+        np.testing.assert_allclose(jac[:, 1], p1, **F32_SIMPLE)
+        np.testing.assert_allclose(jac[:, 2], p2, **F32_SIMPLE)
+    # Default Jacobi parameters are the reference's (1.0, 0.2).
+    np.testing.assert_array_equal(ops.polynomial_basis(x, 3),
+                                  ops.polynomial_basis(x, 3, alpha=1.0, beta=0.2))
+
+
+def test_graph_filter_is_coefficient_sum():
+    s = jax.random.uniform(jax.random.key(0), (3, 5))
+    for kw in (BASIS, dict(basis="chebyshev"), dict(basis="legendre"), dict(basis="monomial")):
+        want = jnp.sum(ops.polynomial_basis(s, 3, **kw) * COEFFS, -1)
+        np.testing.assert_allclose(ops.graph_filter(s, COEFFS, **kw), want, **F32_SIMPLE)
+
+
+def test_filter_coefficients():
+    theta = jnp.array([0.5, -1.0])
+    np.testing.assert_allclose(ops.filter_coefficients(theta), [1.0, np.tanh(0.5), np.tanh(-1.0)],
+                               **F32_SIMPLE)
+    np.testing.assert_allclose(ops.filter_coefficients(theta, jnp.array(0.3)),
+                               [np.tanh(0.3), np.tanh(0.5), np.tanh(-1.0)], **F32_SIMPLE)
+    np.testing.assert_array_equal(ops.filter_coefficients(None), [1.0])
+    # At init (theta = 0) the frozen filter is exactly 1 and the learnable-c_0 filter exactly 0.
+    s = jax.random.uniform(jax.random.key(1), (4,))
+    assert np.all(ops.graph_filter(s, ops.filter_coefficients(jnp.zeros(3)), **BASIS) == 1.0)
+    assert np.all(ops.graph_filter(s, ops.filter_coefficients(jnp.zeros(3), jnp.zeros(())),
+                                   **BASIS) == 0.0)
+
+
+def test_basis_validation():
+    with pytest.raises(ValueError, match="basis"):
+        ops.resolve_basis("hermite")
+    with pytest.raises(ValueError, match="alpha"):
+        ops.resolve_basis("legendre", alpha=1.0)
+    with pytest.raises(ValueError, match="singular"):
+        ops.resolve_basis("jacobi", -1.0, -1.0, order=3)
+    assert ops.resolve_basis("chebyshev") == (-0.5, -0.5)
+
+
+# ------------------------------------------------------------------------------------------
+# Explicit n x n references.
+# ------------------------------------------------------------------------------------------
+
+
+def _numpy_reference(zu, zv, zs, val, coeffs, mask, alpha, beta):
+    """Independent float64 NumPy AGF with the explicit T x T matrix (spec §2.2-2.3)."""
+    zu, zv, zs, val = (np.asarray(a, np.float64) for a in (zu, zv, zs, val))
+    u = np.exp(zu - zu.max(-1, keepdims=True))
+    u /= u.sum(-1, keepdims=True)
+    zv = zv - 1e9 * (1 - np.asarray(mask, np.float64))[:, :, None, None]
+    v = np.exp(zv - zv.max(1, keepdims=True))
+    v /= v.sum(1, keepdims=True)
+    s = 1 / (1 + np.exp(-zs))
+    p = [np.ones_like(s), 0.5 * ((alpha - beta) + (alpha + beta + 2) * s)]
+    for k in range(2, len(coeffs)):
+        a_k, b_k, c_k = ops._jacobi_abc(k, alpha, beta)
+        p.append((a_k * s + b_k) * p[-1] - c_k * p[-2])
+    g = sum(c * pk for c, pk in zip(np.asarray(coeffs, np.float64), p))
+    hmat = np.einsum("bthd,bjhd->bhtj", u * g, v)
+    ortho = (np.abs(np.einsum("bthd,bthe->bhde", u, u) - np.eye(u.shape[-1])).mean((1, 2, 3))
+             + np.abs(np.einsum("bthd,bthe->bhde", v, v) - np.eye(u.shape[-1])).mean((1, 2, 3)))
+    return np.einsum("bhtj,bjhm->bthm", hmat, val), hmat, ortho
+
+
+def test_linear_path_equals_explicit_matrix():
+    zu, zv, zs, val = _inputs(7, seed=10)
+    mask = _mask(7)
+    y = ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=mask, **BASIS)
+    y_np, h_np, ortho_np = _numpy_reference(zu, zv, zs, val, COEFFS, mask, 2.0, -1.0)
+    np.testing.assert_allclose(y, y_np, **F32_SIMPLE)
+    hmat = ops.agf_attention_matrix(zu, zv, zs, COEFFS, mask=mask, **BASIS)
+    np.testing.assert_allclose(hmat, h_np, **F32_SIMPLE)
+    np.testing.assert_allclose(ops.orthogonality_loss(zu, zv, mask=mask), ortho_np, **F32_SIMPLE)
+
+
+def test_causal_matches_explicit_prefix_matrix():
+    zu, zv, zs, val = _inputs(7, seed=11)
+    hmat = ops.agf_attention_matrix(zu, zv, zs, COEFFS, causal=True, **BASIS)
+    assert float(jnp.max(jnp.abs(jnp.triu(hmat, 1)))) == 0.0
+    y = ops.agf_parallel(zu, zv, zs, val, COEFFS, causal=True, **BASIS)
+    np.testing.assert_allclose(y, jnp.einsum("bhtj,bjhm->bthm", hmat, val), **F32_SIMPLE)
+    # Row t of the causal matrix is the non-causal matrix of the prefix [0, t].
+    t = 4
+    h_prefix = ops.agf_attention_matrix(*(a[:, :t + 1] for a in (zu, zv, zs)), COEFFS, **BASIS)
+    np.testing.assert_allclose(hmat[:, :, t, :t + 1], h_prefix[:, :, t], **F32_SIMPLE)
+
+
+def test_float32_math_for_bf16_inputs():
+    zu, zv, zs, val = (a.astype(jnp.bfloat16) for a in _inputs(7, seed=12))
+    y = ops.agf_parallel(zu, zv, zs, val, COEFFS, **BASIS)
+    assert y.dtype == jnp.float32
+    _, state = ops.agf_chunked(zu, zv, zs, val, COEFFS, chunk_size=3, **BASIS)
+    assert all(s.dtype == jnp.float32 for s in state)
+
+
+def test_shape_errors():
+    zu, zv, zs, val = _inputs(7)
+    with pytest.raises(ValueError, match="rank 4"):
+        ops.agf_parallel(zu[0], zv, zs, val, COEFFS)
+    with pytest.raises(ValueError, match="mask"):
+        ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=jnp.ones((B, 6)))
+    with pytest.raises(ValueError, match="chunk_size"):
+        ops.agf_chunked(zu, zv, zs, val, COEFFS, chunk_size=0)
+    with pytest.raises(ValueError, match="state"):
+        ops.agf_recurrent(zu, zv, zs, val, COEFFS, state=ops.init_state(B, H, D + 1, M))
+
+
+# ------------------------------------------------------------------------------------------
+# Gradients (float64, order 1).
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def x64():
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)
+
+
+def test_check_grads_float64(x64):
+    zu, zv, zs, val = (a.astype(jnp.float64) for a in _inputs(7, seed=13))
+    zv = zv / 3.0
+    mask = _mask(7)
+    theta = jnp.array([0.7, -0.4, 0.3], jnp.float64)
+
+    def noncausal(zu, zv, zs, val, theta):
+        c = ops.filter_coefficients(theta)
+        y = ops.agf_parallel(zu, zv, zs, val, c, mask=mask, **BASIS)
+        return jnp.sum(y ** 2) + jnp.sum(ops.orthogonality_loss(zu, zv, mask=mask))
+
+    def causal_par(zu, zv, zs, val, theta):
+        return ops.agf_parallel(zu, zv, zs, val, ops.filter_coefficients(theta), causal=True,
+                                **BASIS)
+
+    def causal_chunk(zu, zv, zs, val, theta):
+        return ops.agf_chunked(zu, zv, zs, val, ops.filter_coefficients(theta), chunk_size=3,
+                               mask=mask, **BASIS)[0]
+
+    def causal_rec(zu, zv, zs, val, theta):
+        return ops.agf_recurrent(zu, zv, zs, val, ops.filter_coefficients(theta), **BASIS)[0]
+
+    def all_forms(*args):   # one function: one set of compiles for the four forms
+        return tuple(fn(*args) for fn in (noncausal, causal_par, causal_chunk, causal_rec))
+
+    check_grads(jax.jit(all_forms), (zu, zv, zs, val, theta), order=1, modes=("rev",), **F64)
