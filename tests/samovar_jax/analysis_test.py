@@ -1,0 +1,139 @@
+"""Tests of samovar_jax.analysis: lag matrices reproduce the chain and the model, path weights and
+counts, VAR-coefficient estimator and distance."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from samovar_jax import analysis, ops
+from samovar_jax.model import Model
+from zoo_core.testing import F32_MODEL, F32_SIMPLE
+
+B, T, H, D, L = 2, 7, 2, 4, 3
+E = H * D
+
+
+def _operands(seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 5)
+    g = (D * T) ** -0.25
+    x0 = jax.random.normal(k[0], (B, T, H, D))
+    q, v = (g * jax.random.normal(k[i], (L, B, T, H, D)) for i in (1, 2))
+    wk = 0.3 * jax.random.normal(k[3], (L, E, E))
+    theta = 0.3 * jax.random.normal(k[4], (H, D, D))
+    return x0, q, v, wk, theta
+
+
+@pytest.mark.parametrize("use_wk, structural, inside", [
+    (False, "lu", False), (True, "lu_inverse", False), (False, "lu", True), (False, None, False)])
+def test_lag_matrices_reproduce_the_mixture(use_wk, structural, inside):
+    x0, q, v, wk, theta = _operands()
+    wk = wk if use_wk else None
+    s = {"lu": ops.structural_matrix, "lu_inverse": ops.structural_matrix_inverse}.get(structural)
+    s = None if s is None else s(theta)
+    m = ops.var_chain_parallel(x0, q, v, key_kernels=wk).sum(0)                    # [B, T, H, D]
+    if inside:
+        m = m + x0
+    if s is not None:
+        m = jnp.einsum("bthd,hde->bthe", m, s)
+    z = m if inside else x0 + m
+    gamma = analysis.lag_matrices(q, v, key_kernels=wk, structural=s, shortcut_inside=inside)
+    assert gamma.shape == (B, T, T, E, E)
+    got = jnp.einsum("btjef,bjf->bte", gamma, x0.reshape(B, T, E))
+    np.testing.assert_allclose(got, z.reshape(B, T, E), **F32_SIMPLE)
+    assert np.all(np.asarray(gamma)[:, np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
+    if use_wk:
+        # Per-layer terms sum to the VAR part (Gamma without the shortcut).
+        layers = analysis.lag_matrices(q, v, key_kernels=wk, structural=s, per_layer=True)
+        eye = np.einsum("tj,ef->tjef", np.eye(T), np.eye(E))
+        np.testing.assert_allclose(layers.sum(0) + eye, gamma, **F32_SIMPLE)
+    else:
+        # Without W_k heads never mix in the key chain: every lag matrix is block-diagonal over heads.
+        blocks = np.asarray(gamma).reshape(B, T, T, H, D, H, D)
+        np.testing.assert_array_equal(blocks[:, :, :, 0, :, 1, :], 0.0)
+
+
+def test_model_lag_matrices_reproduce_the_prediction():
+    model = Model(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
+    batch = {"inputs": jax.random.normal(jax.random.PRNGKey(1), (2, 10, 2))}
+    params = model.init(jax.random.PRNGKey(2), batch)["params"]
+    res = analysis.model_lag_matrices(model, params, batch)
+    z = jnp.einsum("bctjef,bcjf->bcte", res["lags"], res["x0"])[:, :, 1::2]         # endogenous tokens
+    pred = ops.rms_norm(z, params["final_norm"]["scale"], 1e-5) @ params["head"]["kernel"] + params["head"]["bias"]
+    np.testing.assert_allclose(pred, model.apply({"params": params}, batch)[1]["next_patch"], **F32_MODEL)
+    assert res["heatmap"].shape == (2, 2, 8, 8, 3, 3)
+    w = params["head"]["kernel"]
+    var_part = analysis.lag_matrices(res["q"], res["v"], structural=res["structural"], include_shortcut=False)
+    np.testing.assert_allclose(res["heatmap"][1, 0, 5, 2], w.T @ var_part[1, 0, 5, 2] @ w, **F32_MODEL)
+    with pytest.raises(ValueError, match="LinTrans has no VAR chain"):
+        lin = Model(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8, kind="lintrans")
+        analysis.model_lag_matrices(lin, lin.init(jax.random.PRNGKey(2), batch)["params"], batch)
+
+
+def test_path_weights_count_paths():
+    # q = v = e_1 in every head: q_t . v_s = 1, so the summed path weight is the number of paths.
+    unit = jnp.zeros((L, 1, T, H, D)).at[..., 0].set(1.0)
+    weights = analysis.temporal_path_weights(unit, unit)
+    assert weights.shape == (L, 1, H, T, T)
+    for m in range(1, L + 1):
+        for t, j in itertools.product(range(T), repeat=2):
+            want = analysis.num_temporal_paths(t - j, m) if j <= t else 0
+            assert weights[m - 1, 0, 1, t, j] == want
+    # Brute force: non-increasing index chains t >= i_1 >= ... >= i_{m-1} >= j.
+    for lag, m in itertools.product(range(5), range(1, 4)):
+        chains = [c for c in itertools.product(range(lag + 1), repeat=m - 1) if list(c) == sorted(c)]
+        assert analysis.num_temporal_paths(lag, m) == len(chains)
+    assert analysis.total_num_paths(2, 3) == 1 + 1 + 3 + 6
+    with pytest.raises(ValueError):
+        analysis.num_temporal_paths(-1, 2)
+
+
+def test_path_weights_match_scalar_chain():
+    x0, q, v, _, _ = _operands(1)
+    w = analysis.temporal_path_weights(q, v)
+    a = jnp.einsum("lbthd,lbshd->lbhts", q, v) * jnp.tril(jnp.ones((T, T)))
+    np.testing.assert_allclose(w[2], a[2] @ a[1] @ a[0], **F32_SIMPLE)
+
+
+def test_jacobian_estimator_recovers_a_linear_var():
+    c, p, length = 3, 2, 12
+    coefs = 0.4 * jax.random.normal(jax.random.PRNGKey(3), (p, c, c))
+
+    def var_forecast(x):                                 # x [B, L, C] -> [B, 1, C], the exact VAR(2) predictor
+        return jnp.einsum("jab,njb->na", coefs, x[:, ::-1][:, :p])[:, None]
+
+    x = jax.random.normal(jax.random.PRNGKey(4), (4, length, c))
+    est = analysis.jacobian_var_coefficients(var_forecast, x, num_lags=4)
+    assert est.shape == (4, 4, c, c)
+    np.testing.assert_allclose(est[:, :p], np.broadcast_to(coefs, (4, p, c, c)), **F32_SIMPLE)
+    np.testing.assert_array_equal(est[:, p:], 0.0)
+    dist = analysis.var_coefficient_distance(coefs, est)
+    np.testing.assert_allclose(dist["rel_frobenius"], 0.0, atol=1e-6)
+    # Known distances: a perturbation on one lag and mass on a lag beyond the true order.
+    est2 = np.zeros((3, c, c))
+    est2[:p] = coefs
+    est2[0, 0, 1] += 0.3
+    est2[2, 1, 1] = 0.4
+    d2 = analysis.var_coefficient_distance(coefs, est2)
+    np.testing.assert_allclose(d2["frobenius"], 0.5, rtol=1e-6)
+    np.testing.assert_allclose(d2["rel_frobenius"], 0.5 / np.linalg.norm(np.asarray(coefs)), rtol=1e-6)
+    np.testing.assert_allclose(d2["max_abs"], 0.4, rtol=1e-6)
+    np.testing.assert_allclose(d2["per_lag"], [0.3, 0.0, 0.4], atol=1e-7)
+    with pytest.raises(ValueError, match="coefficients"):
+        analysis.var_coefficient_distance(coefs, est2[..., :2])
+
+
+def test_jacobian_estimator_on_a_model():
+    model = Model(num_channels=2, input_len=10, patch_len=1, variant="tiny", width=8)
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 10, 2))
+    params = model.init(jax.random.PRNGKey(6), {"inputs": x})["params"]
+    forecast = lambda xb: model.apply({"params": params}, {"inputs": xb})[0]["forecast"]  # noqa: E731
+    est = analysis.jacobian_var_coefficients(forecast, x, num_lags=10)
+    assert est.shape == (2, 10, 2, 2)
+    # Instance normalisation makes the forecaster equivariant to per-channel shifts and scalings
+    # (f(x + c) = f(x) + c, f(a x) = a f(x)), so over all lags sum_j A_j = I and
+    # sum_j A_j x_{L+1-j} = forecast (Euler's identity): exact checks of the estimator.
+    np.testing.assert_allclose(est.sum(1), np.broadcast_to(np.eye(2), (2, 2, 2)), **F32_MODEL)
+    euler = jnp.einsum("bjac,bjc->ba", est, x[:, ::-1])
+    np.testing.assert_allclose(euler, forecast(x)[:, 0], **F32_MODEL)

@@ -1,0 +1,87 @@
+"""Parity with goldens recorded from the reference PyTorch code (tests/testdata/samovar/, README there):
+conversion of the official state_dicts, every output in eval and train mode, and the CLI."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from samovar_jax import convert
+from zoo_core.testing import TESTDATA, Golden
+
+GOLDENS = sorted((TESTDATA / "samovar").glob("*.npz"))
+REPO_ROOT = pathlib.Path(convert.__file__).resolve().parent.parent
+
+
+def test_goldens_present():
+    assert [p.name for p in GOLDENS] == ["fixedvar.npz", "lintrans.npz", "samovar_padded.npz",
+                                         "samovar_synthetic.npz"]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("path", GOLDENS, ids=lambda p: p.stem)
+def test_golden_parity(path):
+    results = convert.check_golden(path)   # jit: each golden has its own shapes
+    assert {r.name for r in results} == {"forecast", "forecast_train", "ar_loss"}
+    for r in results:
+        assert r.ok, f"{path.name}: {r.name} [{r.mode}] max|diff| {r.max_abs:.3e} exceeds the golden criterion"
+
+
+@pytest.mark.reference
+def test_cli_checks_all_goldens():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "samovar_jax.convert", "--check", *map(str, GOLDENS)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "max|diff|" in line]
+    assert len(lines) == 3 * len(GOLDENS) and all(line.endswith(" ok") for line in lines), proc.stdout
+
+
+def test_cli_fails_on_a_wrong_golden(tmp_path, capsys):
+    g = np.load(TESTDATA / "samovar" / "lintrans.npz")
+    data = {k: g[k] for k in g.files}
+    data["output/forecast"] = data["output/forecast"] + 1e-3         # beyond 1e-5 + 1e-5 |golden|
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **data)
+    assert convert.main(["--check", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "forecast        [eval ]" in out and "FAIL" in out and "forecast_train  [train]" in out
+
+
+def test_conversion_names_unknown_missing_and_mismatched_keys():
+    g = Golden(TESTDATA / "samovar" / "samovar_padded.npz")
+    model = convert.model_from_meta(g.meta)
+    params = convert.convert_state_dict(g.params, model)              # pns.* accepted (no effect)
+    assert params["var"]["layer_01"]["query"]["kernel"].shape == (32, 32)
+    np.testing.assert_array_equal(params["var"]["layer_00"]["query"]["kernel"],
+                                  g.params["transformer.attn.0.q_proj.weight"].T)
+    np.testing.assert_array_equal(params["embedding"]["type"], g.params["pos_emb_2"][0, 0])
+    extra = dict(g.params, **{"transformer.attn.0.k_proj.weight": np.zeros((32, 32))})
+    with pytest.raises(ValueError, match=r"unknown state_dict keys: transformer\.attn\.0\.k_proj\.weight"):
+        convert.convert_state_dict(extra, model)
+    missing = {k: v for k, v in g.params.items() if k != "transformer.generate_S.LU"}
+    with pytest.raises(ValueError, match="no state_dict entry: structural/theta"):
+        convert.convert_state_dict(missing, model)
+    wrong = dict(g.params, **{"final_norm.weight": np.ones(16)})
+    with pytest.raises(ValueError, match=r"final_norm\.weight \(16,\) -> final_norm/scale needs \(32,\)"):
+        convert.convert_state_dict(wrong, model)
+    lintrans = convert.model_from_meta(Golden(TESTDATA / "samovar" / "lintrans.npz").meta)
+    with pytest.raises(ValueError, match="unknown state_dict keys"):
+        convert.convert_state_dict(g.params, lintrans)
+
+
+def test_reference_config_mapping():
+    meta = Golden(TESTDATA / "samovar" / "fixedvar.npz").meta
+    assert convert.kind_from_meta(meta) == "fixedvar"
+    kw = convert.model_kwargs_from_reference(meta["constructor_args"]["configs"], "fixedvar")
+    assert kw == dict(kind="fixedvar", variant="paper", num_channels=2, input_len=40, patch_len=2, num_targets=0,
+                      width=32, num_heads=2, num_layers=2, mlp_ratio=4, dropout=0.0, univariate=False)
+    with pytest.raises(ValueError, match="time_emb_dim"):
+        convert.model_kwargs_from_reference(dict(meta["constructor_args"]["configs"], time_emb_dim=4), "fixedvar")
+    with pytest.raises(ValueError, match="predictor"):
+        convert.model_kwargs_from_reference(meta["constructor_args"]["configs"], "samovar")
+    with pytest.raises(ValueError, match="official_class"):
+        convert.kind_from_meta({"official_class": "AGF_LRA/attention.py::Attention"})
