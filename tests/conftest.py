@@ -12,3 +12,15 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_disable_most_optimizations", True)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def x64():
+    """Runs a test with float64 enabled (gradient checks), restoring the previous setting after."""
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", old)

@@ -291,14 +291,6 @@ def test_shape_errors():
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 def test_check_grads_float64(x64):
     zu, zv, zs, val = (a.astype(jnp.float64) for a in _inputs(7, seed=13))
     zv = zv / 3.0

@@ -170,14 +170,6 @@ def test_kl_hand_value():
     np.testing.assert_allclose(expected, 0.16270162, rtol=1e-7)  # (2 * 0.1109441 + 0.2662167) / 3
 
 
-@pytest.fixture
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 def test_check_grads_float64(x64):
     f64 = jnp.float64
     length = N + NG

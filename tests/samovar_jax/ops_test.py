@@ -139,14 +139,6 @@ def test_causality():
         assert not np.allclose(a[:, :, cut:], b[:, :, cut:])
 
 
-@pytest.fixture
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
-
-
 def test_check_grads_float64(x64):
     x0, q, v, wk, mask = _chain_inputs(3, seed=4, dtype=jnp.float64)
     assert x0.dtype == jnp.float64
