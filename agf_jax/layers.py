@@ -97,7 +97,7 @@ class AGFAttention(nn.Module):
     theta_init: Initializer = nn.initializers.zeros_init()
 
     def setup(self):
-        # Validate every option before anything is traced (BRIEF rule 6).
+        # Validate every option before anything is traced: bad input fails with one clear error.
         if self.num_heads < 1 or self.head_dim < 1:
             raise ValueError(f"num_heads and head_dim must be >= 1, got {self.num_heads}, "
                              f"{self.head_dim}")

@@ -11,7 +11,7 @@
 Each takes `attention='agf' | 'softmax'` so the vanilla Transformer baseline runs on the same code.
 `Model(**config.model)` builds one of them from a `kind`, a `VARIANTS` size preset and overrides.
 
-Interface (BRIEF rule 7): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
+Interface (the zoo's model contract): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
 returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True`.
 
 aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
