@@ -1,0 +1,269 @@
+"""HRPE at linear cost: rotary encodings and closed-form spectral node encodings (HTGN spec §5.2).
+
+The HTGN card's HRPE builds a pairwise P_ij, an O(N^2 d) tensor that no kernel feature map can
+factorise. The spec replaces it with (a) rotary position encodings applied to q and k *before*
+the FAVOR+ feature map, and (b) spectral node encodings of the token graph, concatenated with the
+embeddings and projected by the model. Part (c), the in-window relative bias, lives with the
+graph attention (`graph.py`); the optional ALiBi-as-decay (d) is not implemented here.
+
+(a) Rotary (RoFormer, Su et al. 2021, §3.2-3.4): the pairs (x_{2i}, x_{2i+1}) of each head are
+rotated by the angle p * theta_i, theta_i = base^(-2i/D). Rotations keep norms, so the
+-||x||^2/2 term of the positive features is unchanged, and (R_m q)^T (R_n k) = q^T R_{n-m} k,
+hence the FAVOR+ estimate of exp((R_m q)^T (R_n k) / sqrt(D)) is relative in expectation.
+
+(b) Spectral (Laplacian eigenvector PE, Dwivedi et al. "Benchmarking GNNs"): for the path graph
+on N nodes the combinatorial Laplacian L = D - A has eigenpairs
+lambda_k = 2 - 2 cos(pi k / N), u_k(n) = cos(pi k (n + 1/2) / N) (DCT-II), and the adjacency has
+mu_k = 2 cos(pi k / (N + 1)), v_k(n) = sin(pi k (n + 1) / (N + 1)) (DST-I). Both are closed forms
+with canonical signs and no eigendecomposition. The H x W grid (image patches) has the product
+eigenvectors u_a(r) u_b(c), lambda = lambda_a + lambda_b. An arbitrary small graph uses `eigh`.
+
+Normalisation: every encoding is an eigenvector scaled to squared norm N/2, i.e. for the path
+exactly the cosines/sines above with entries in [-1, 1] whatever N (so the PE scale does not
+depend on the sequence length); modes that do not exist for a short path (k >= N for the
+Laplacian, k > N for the adjacency) are zero columns. The constant Laplacian mode k = 0 is
+dropped. Global nodes get no spectral PE (spec §5.2: they only shift the token eigenvalues).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+
+BASES = ("laplacian", "adjacency")
+
+
+def _check_basis(basis: str) -> None:
+    if basis not in BASES:
+        raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
+
+
+def _check_positive(value: Any, name: str) -> None:
+    if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# (a) Rotary position encoding
+# --------------------------------------------------------------------------------------------
+
+
+def rotary_frequencies(head_dim: int, *, base: float = 10000.0) -> np.ndarray:
+    """theta_i = base^(-2i/D) for i = 0..D/2-1, `[D/2]` (float64 NumPy, a trace-time constant)."""
+    if not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even int >= 2 for rotary encodings, "
+                         f"got {head_dim!r}")
+    return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def apply_rotary(x: Array, positions: Array, *, base: float = 10000.0) -> Array:
+    """Rotates each head's channel pairs (2i, 2i+1) by positions * theta_i (RoFormer §3.4).
+
+    Args:
+      x: queries or keys `[B, T, H, D]`, D even.
+      positions: integer or float positions, `[T]` or `[B, T]`.
+      base: frequency base (10000 as in RoFormer / the spec).
+
+    Returns:
+      The rotated array, `[B, T, H, D]`, in x's dtype (angles are computed in float32, float64
+      for float64 inputs).
+    """
+    if x.ndim != 4:
+        raise ValueError(f"x must have rank 4 [B, T, H, D], got shape {tuple(x.shape)}")
+    positions = jnp.asarray(positions)
+    if positions.shape not in ((x.shape[1],), tuple(x.shape[:2])):
+        raise ValueError(f"positions must have shape [T] = ({x.shape[1]},) or [B, T] = "
+                         f"{tuple(x.shape[:2])}, got {tuple(positions.shape)}")
+    dt = jnp.promote_types(x.dtype, jnp.float32)
+    theta = jnp.asarray(rotary_frequencies(x.shape[-1], base=base), dt)
+    angles = positions.astype(dt)[..., None] * theta  # [(B,) T, D/2]
+    if angles.ndim == 2:
+        angles = angles[None]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    pairs = x.astype(dt).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# (b) Spectral node encodings
+# --------------------------------------------------------------------------------------------
+
+
+def path_graph_eigenvalues(length: int, num_pe: int, *, basis: str = "laplacian") -> np.ndarray:
+    """Eigenvalues of the encoded modes k = 1..K of the path graph, `[K]` (NumPy).
+
+    Laplacian: lambda_k = 2 - 2 cos(pi k / N); adjacency: mu_k = 2 cos(pi k / (N + 1)).
+    """
+    _check_basis(basis)
+    _check_positive(length, "length")
+    _check_positive(num_pe, "num_pe")
+    k = np.arange(1, num_pe + 1, dtype=np.float64)
+    if basis == "laplacian":
+        return 2.0 - 2.0 * np.cos(np.pi * k / length)
+    return 2.0 * np.cos(np.pi * k / (length + 1))
+
+
+def _path_modes(n: Array, length: Array, num_pe: int, basis: str, xp=jnp) -> Array:
+    """Closed-form path modes at node index n of a path with `length` nodes (broadcasting).
+
+    `xp` is `jnp` (traced lengths) or `np` (static lengths: a trace-time constant).
+    """
+    k = xp.arange(1, num_pe + 1, dtype=n.dtype)
+    if basis == "laplacian":
+        pe = xp.cos(np.pi * k * (n + 0.5) / length)
+        exists = k < length
+    else:
+        pe = xp.sin(np.pi * k * (n + 1.0) / (length + 1.0))
+        exists = k <= length
+    return xp.where(exists, pe, 0.0)
+
+
+def path_graph_pe(length: int, num_pe: int, *, basis: str = "laplacian",
+                  dtype: Any = jnp.float32) -> Array:
+    """Closed-form spectral encodings of the path graph on `length` nodes (spec §5.2 (b)).
+
+    Args:
+      length: N, number of nodes (tokens).
+      num_pe: K, number of encoded modes (k = 1..K).
+      basis: 'laplacian' (DCT-II cosines, constant mode dropped; the default) or 'adjacency'
+        (DST-I sines, the top-K adjacency eigenvectors).
+      dtype: result dtype.
+
+    Returns:
+      `[N, K]`; column k-1 is mode k (zero if the mode does not exist for this N).
+    """
+    _check_basis(basis)
+    _check_positive(length, "length")
+    _check_positive(num_pe, "num_pe")
+    n = np.arange(length, dtype=np.float64)[:, None]
+    return jnp.asarray(_path_modes(n, float(length), num_pe, basis, xp=np), dtype)
+
+
+def masked_path_graph_pe(mask: Array, num_pe: int, *, basis: str = "laplacian",
+                         dtype: Any = jnp.float32) -> Array:
+    """Length-aware path encodings for a padded batch (spec §5.2: encoder uses the true length).
+
+    Example b gets the encodings of a path over its L_b = sum(mask[b]) real tokens, taken in
+    order (node index = number of real tokens before it, so left, right or interleaved padding
+    all work); padded positions get zeros. Appending pads therefore leaves the real tokens' PE
+    unchanged.
+
+    Args:
+      mask: `[B, T]`, True/1 for real tokens.
+      num_pe: K.
+      basis: 'laplacian' or 'adjacency'.
+      dtype: result dtype.
+
+    Returns:
+      `[B, T, K]`.
+    """
+    _check_basis(basis)
+    _check_positive(num_pe, "num_pe")
+    mask = jnp.asarray(mask)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must have rank 2 [B, T], got shape {tuple(mask.shape)}")
+    valid = mask.astype(bool)
+    index = jnp.cumsum(valid, axis=1).astype(jnp.float32) - 1.0  # node index among real tokens
+    lengths = jnp.sum(valid, axis=1).astype(jnp.float32)
+    pe = _path_modes(index[..., None], jnp.maximum(lengths, 1.0)[:, None, None], num_pe, basis)
+    return jnp.where(valid[..., None], pe, 0.0).astype(dtype)
+
+
+def grid_graph_modes(height: int, width: int, num_pe: int) -> tuple[np.ndarray, np.ndarray]:
+    """The K lowest non-constant Laplacian modes (a, b) of the H x W grid and their eigenvalues.
+
+    lambda_(a,b) = (2 - 2 cos(pi a / H)) + (2 - 2 cos(pi b / W)); ties (e.g. (a, b) and (b, a) on a
+    square grid) are ordered by (a, b), which makes the basis deterministic.
+
+    Returns:
+      (modes `[K, 2]` int, eigenvalues `[K]`), NumPy.
+    """
+    _check_positive(height, "height")
+    _check_positive(width, "width")
+    _check_positive(num_pe, "num_pe")
+    if num_pe > height * width - 1:
+        raise ValueError(f"num_pe must be <= height * width - 1 = {height * width - 1}, "
+                         f"got {num_pe}")
+    a, b = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
+    a, b = a.ravel(), b.ravel()
+    lam = (2.0 - 2.0 * np.cos(np.pi * a / height)) + (2.0 - 2.0 * np.cos(np.pi * b / width))
+    # Round before sorting so that float noise cannot reorder degenerate modes.
+    order = np.lexsort((b, a, np.round(lam, 12)))
+    order = order[1:num_pe + 1]  # drop the constant mode (0, 0)
+    return np.stack([a[order], b[order]], axis=1), lam[order]
+
+
+def grid_graph_pe(height: int, width: int, num_pe: int, *, dtype: Any = jnp.float32) -> Array:
+    """Spectral encodings of image patches on an H x W grid (row-major raster order).
+
+    u_(a,b)(r, c) = cos(pi a (r + 1/2) / H) cos(pi b (c + 1/2) / W), the K modes of lowest
+    eigenvalue excluding (0, 0) (spec §5.2). Each column is scaled to squared norm H W / 2.
+
+    Returns:
+      `[H * W, K]`.
+    """
+    modes, _ = grid_graph_modes(height, width, num_pe)
+    r = np.arange(height, dtype=np.float64)[:, None, None]
+    c = np.arange(width, dtype=np.float64)[None, :, None]
+    pe = (np.cos(np.pi * modes[:, 0] * (r + 0.5) / height)
+          * np.cos(np.pi * modes[:, 1] * (c + 0.5) / width)).reshape(height * width, num_pe)
+    pe = pe * math.sqrt(height * width / 2.0) / np.linalg.norm(pe, axis=0)
+    return jnp.asarray(pe, dtype)
+
+
+def adjacency_graph_pe(adjacency: Array, num_pe: int, *, basis: str = "laplacian",
+                       dtype: Any = jnp.float32) -> Array:
+    """Spectral encodings of an arbitrary small undirected graph, by eigendecomposition.
+
+    'laplacian': eigenvectors of L = diag(A 1) - A with the K smallest eigenvalues after the
+    first (for a connected graph, the constant one). 'adjacency': the K largest eigenvectors of A.
+    Signs are made canonical: the first entry with |u_n| > 1e-3 max|u| is positive (this gives
+    the closed-form signs on the path graph). Degenerate eigenvalues have no canonical basis.
+    Columns are scaled to squared norm N/2, as the closed forms.
+
+    Args:
+      adjacency: `[N, N]` symmetric non-negative weights.
+      num_pe: K.
+      basis: 'laplacian' or 'adjacency'.
+      dtype: result dtype.
+
+    Returns:
+      `[N, K]`.
+    """
+    _check_basis(basis)
+    _check_positive(num_pe, "num_pe")
+    adjacency = jnp.asarray(adjacency)
+    if adjacency.ndim != 2 or adjacency.shape[0] != adjacency.shape[1]:
+        raise ValueError(f"adjacency must be a square [N, N] matrix, got {tuple(adjacency.shape)}")
+    n = adjacency.shape[0]
+    limit = n - 1 if basis == "laplacian" else n
+    if num_pe > limit:
+        raise ValueError(f"num_pe must be <= {limit} for a {n}-node graph with basis={basis!r}, "
+                         f"got {num_pe}")
+    a = adjacency.astype(jnp.promote_types(adjacency.dtype, jnp.float32))
+    if basis == "laplacian":
+        _, vecs = jnp.linalg.eigh(jnp.diag(jnp.sum(a, axis=1)) - a)
+        vecs = vecs[:, 1:num_pe + 1]
+    else:
+        _, vecs = jnp.linalg.eigh(a)
+        vecs = vecs[:, ::-1][:, :num_pe]
+    big = jnp.abs(vecs) > 1e-3 * jnp.max(jnp.abs(vecs), axis=0, keepdims=True)
+    first = jnp.take_along_axis(vecs, jnp.argmax(big, axis=0)[None], axis=0)
+    vecs = vecs * jnp.where(first < 0, -1.0, 1.0)
+    return (vecs * math.sqrt(n / 2.0)).astype(dtype)
+
+
+def path_adjacency(length: int, *, radius: int = 1) -> np.ndarray:
+    """Adjacency `[N, N]` of the band graph |i - j| <= radius, i != j (radius 1 = the path)."""
+    _check_positive(length, "length")
+    _check_positive(radius, "radius")
+    idx = np.arange(length)
+    dist = np.abs(idx[:, None] - idx[None, :])
+    return ((dist >= 1) & (dist <= radius)).astype(np.float32)

@@ -1,0 +1,593 @@
+"""FAVOR+ linear attention as pure `jnp` functions (Performer; HTGN spec §2, §5.4).
+
+Reference: Choromanski et al., "Rethinking Attention with Performers", ICLR 2021
+(arXiv:2009.14794): attention as D^-1 A V with A = exp(Q K^T / sqrt(D)) replaced by
+phi(Q) phi(K)^T, bidirectional and unidirectional (prefix sums) (§2.1-2.2, Fig. 1); the positive
+random features of the softmax kernel (Lemma 1, §2.3); orthogonal random features (§2.4). The
+spec's equations are HTGN spec §2.2 (features), §2.5 (non-causal form and denominator guard) and
+§2.6 (causal forms). Algorithmically the functions follow
+google-research/google-research `performer/fast_attention/jax/fast_attention.py` (the goldens in
+`tests/testdata/performer/` were recorded from it), rewritten for this project.
+
+Layout (zoo shape letters): queries, keys and values are `[B, T, H, D]` (batch, time, heads, head
+width); keys/values may have another length S; features are `[B, T, H, M]` (M random features);
+the recurrent state is `FavorState(s [B, H, M, Dv], z [B, H, M])`. Accumulators and states are kept
+in float32 (float64 when the inputs are float64), whatever the compute dtype.
+
+Forms (all take the *features*, so every form is tested against every other with the same phi):
+
+* `favor_parallel`: non-causal, Z = phi(K)^T V, out = phi(Q) Z / phi(Q) phi(K)^T 1 (§2.5).
+* `favor_causal_quadratic`: the masked quadratic form tril(phi(Q) phi(K)^T) V (test oracle).
+* `favor_chunked`: causal, intra-chunk quadratic + inter-chunk carried (S, z) with `lax.scan`
+  over chunks and `jax.checkpoint` on the chunk body (§2.6, §5.4). Exactly equal to the quadratic
+  form in exact arithmetic for any chunk size, including chunks that do not divide T.
+* `favor_recurrent`: causal token-by-token `lax.scan` (prefix sums S_t, z_t; spec §2.6).
+* `favor_step`: one token of the recurrent form.
+
+Stabilisers (spec §5.4):
+
+* queries: per-token max over the features (cancels between numerator and denominator);
+* keys, `key_stabiliser='max'`: stop_gradient of the max over features and *valid* key positions,
+  one scalar per (batch, head). With no mask this is the original's stabiliser (used for the
+  golden parity tests, causal case included), but in a causal model it lets future keys leak into
+  past outputs through `eps` (spec §2.5);
+* keys, `key_stabiliser='constant'` (our extension, the causal default): a data-independent
+  constant c = min(M_w, 40), M_w = max_i ||w_i||^2 / 2. M_w bounds w^T x - ||x||^2/2 for every x
+  (complete the square), so exp() <= exp(M_w - c). c depends on Omega only, so every form stays
+  exactly causal and `favor_step` can stream. Two **deviations from a literal reading of the
+  spec** (which subtracts M_w and adds eps=1e-6 unscaled):
+  - `eps` and the denominator guard are scaled by exp(-c), i.e. the key features are
+    exp(-c) * (exp(w^T x - ||x||^2/2) + eps) / sqrt(M), so c cancels exactly, eps included, and
+    only keeps exp() in floating-point range. M_w is about D/2 + O(sqrt(D)); exp(-M_w) is ~1e-9
+    already at D=16, and an unscaled eps would swamp every key feature (measured at D=16: the
+    mean abs error vs exact softmax is 2.5-3.5x larger and does not improve with M).
+  - the cap at 40: for D=128, M_w is ~90 and exp(a - M_w) underflows float32 for almost every
+    key (measured: 99.9% zero features, NaN outputs). With the cap, features stay <= e^60 (no
+    overflow) while M_w < 100, i.e. D up to ~140 at m=256; below M_w = 40 (D <= ~32) c = M_w
+    exactly as in the spec.
+
+Random features: `gaussian_orthogonal_random_matrix` is the original Gaussian-orthogonal
+constructor (QR row blocks, rows rescaled by chi_D norms for `scaling=0`); with `fix_signs=False`
+a PRNG key gives the original's matrix. By default it adds the Haar sign correction of the QR
+factor (our fix of a bias of the original, see the function's docstring; it also makes the
+matrix independent of the backend's QR sign convention). `draw_projection(key, step,
+redraw_every=k)` is the redraw design (spec §2.4): a pure function of a PRNG key and the
+training-step counter, Omega = G(fold_in(key, step // k)), so a layer redraws every k steps
+deterministically (same key and step -> same matrix, under jit or not) and evaluation is frozen
+by passing the last training step (or none). k = 0 means never redraw (draw index 0 forever).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = Any
+
+FEATURE_MAPS = ("softmax", "relu", "elu", "exact")
+KEY_STABILISERS = ("max", "constant")
+RELU_EPS = 1e-3  # kernel_epsilon of the original's generalized (ReLU) attention
+
+
+class FavorState(NamedTuple):
+    """Recurrent state of causal linear attention (also the cross-attention cache).
+
+    Attributes:
+      s: numerator state sum_s phi(k_s) v_s^T, `[B, H, M, Dv]`, float32.
+      z: denominator state sum_s phi(k_s), `[B, H, M]`, float32.
+    """
+
+    s: Array
+    z: Array
+
+
+def _acc_dtype(*xs) -> Any:
+    """float32 for low-precision inputs, float64 when the inputs are float64 (gradient checks)."""
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Random projection matrices (paper §2.4; original GaussianOrthogonalRandomMatrix)
+# --------------------------------------------------------------------------------------------
+
+
+def gaussian_orthogonal_random_matrix(key: Array, num_features: int, dim: int, *,
+                                      scaling: int = 0, fix_signs: bool = True,
+                                      dtype: Any = jnp.float32) -> Array:
+    """Orthogonal random features matrix (ORF, paper §2.4), built as the original constructor.
+
+    floor(M/D) full D x D blocks plus one partial block; each block is the transposed Q factor of
+    the QR decomposition of an i.i.d. Gaussian D x D matrix (rows orthonormal within a block, the
+    partial block keeps its first rows). Rows are then rescaled: `scaling=0` by the norms of the
+    rows of an independent Gaussian [M, D] draw (chi_D, so every row is marginally N(0, I_D));
+    `scaling=1` by sqrt(D). The key-splitting order is the original's, so with `fix_signs=False`
+    the same key gives the original's matrix.
+
+    `fix_signs=True` (default, our correction) multiplies the columns of each Q by sign(diag R)
+    (Mezzadri 2007), which makes Q Haar-distributed. Without it the Householder QR's sign
+    convention gives every block row i a negative i-th coordinate on average (mean direction
+    about -0.4 e_i at D=4), so the rows are not marginally isotropic, the positive-feature kernel
+    estimate is biased, and the FAVOR+ error stops decreasing with M (measured: mean abs error
+    vs exact softmax stuck at ~1.5e-2 from M=256 to 16384 at D=4, while the corrected or i.i.d.
+    matrices converge). The goldens' matrix was made with the original (`fix_signs=False`).
+
+    Args:
+      key: a PRNG key.
+      num_features: M, the number of rows (random features).
+      dim: D, the head width.
+      scaling: 0 (chi-distributed row norms) or 1 (all row norms sqrt(D)).
+      fix_signs: make each block Haar-distributed (see above); False = the original.
+      dtype: dtype of the Gaussian draws and of the result.
+
+    Returns:
+      Omega, `[M, D]`.
+    """
+    if not isinstance(num_features, int) or num_features < 1:
+        raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+    if not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"dim must be a positive int, got {dim!r}")
+    if scaling not in (0, 1):
+        raise ValueError(f"scaling must be 0 or 1, got {scaling!r}")
+    num_blocks = -(-num_features // dim)
+
+    # The original splits sequentially (rng, sub = split(rng)) once per block; a scan reproduces
+    # that key chain, and the blocks are then drawn and factorised in one batched call.
+    def next_key(rng, _):
+        rng, sub = jax.random.split(rng)
+        return rng, sub
+
+    _, subkeys = jax.lax.scan(next_key, key, None, length=num_blocks)
+    gauss = jax.vmap(lambda k: jax.random.normal(k, (dim, dim), dtype))(subkeys)
+    q, r = jnp.linalg.qr(gauss)
+    if fix_signs:
+        signs = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1.0, 1.0).astype(q.dtype)
+        q = q * signs[:, None, :]  # column j of Q times sign(R_jj)
+    # Rows of each block are the columns of Q; the partial last block keeps its first rows.
+    matrix = jnp.swapaxes(q, -1, -2).reshape(num_blocks * dim, dim)[:num_features]
+    if scaling == 0:
+        multiplier = jnp.linalg.norm(jax.random.normal(key, (num_features, dim), dtype), axis=1)
+    else:
+        multiplier = jnp.full((num_features,), math.sqrt(dim), dtype)
+    return multiplier[:, None] * matrix
+
+
+def gaussian_iid_random_matrix(key: Array, num_features: int, dim: int, *,
+                               dtype: Any = jnp.float32) -> Array:
+    """Unstructured i.i.d. N(0, 1) projection `[M, D]` (the original's unstructured option)."""
+    return jax.random.normal(key, (num_features, dim), dtype)
+
+
+def draw_projection(key: Array, step: Array | int | None, *, num_features: int, dim: int,
+                    redraw_every: int = 0, orthogonal: bool = True, scaling: int = 0,
+                    fix_signs: bool = True, dtype: Any = jnp.float32) -> Array:
+    """The projection in force at training step `step`: a pure, deterministic redraw schedule.
+
+    Omega(step) = G(fold_in(key, step // redraw_every)), G the (orthogonal) Gaussian constructor.
+    Within a window of `redraw_every` steps the matrix is constant; `redraw_every=0` (or
+    `step=None`) always gives draw 0. `step` may be traced (it is only folded into the key).
+
+    Args:
+      key: base PRNG key of the layer (or of the model, to share Omega across layers).
+      step: training-step counter, int or int scalar array, or None.
+      num_features: M.
+      dim: D.
+      redraw_every: redraw period in steps; 0 = never.
+      orthogonal: ORF (True) or i.i.d. Gaussian rows (False).
+      scaling: row-norm mode of the orthogonal constructor (0 or 1).
+      fix_signs: Haar sign correction of the orthogonal constructor (see there).
+      dtype: result dtype.
+
+    Returns:
+      Omega, `[M, D]`.
+    """
+    if not isinstance(redraw_every, int) or redraw_every < 0:
+        raise ValueError(f"redraw_every must be an int >= 0, got {redraw_every!r}")
+    if step is None or redraw_every == 0:
+        index = jnp.zeros((), jnp.uint32)
+    else:
+        index = (jnp.asarray(step) // redraw_every).astype(jnp.uint32)
+    sub = jax.random.fold_in(key, index)
+    if orthogonal:
+        return gaussian_orthogonal_random_matrix(sub, num_features, dim, scaling=scaling,
+                                                 fix_signs=fix_signs, dtype=dtype)
+    return gaussian_iid_random_matrix(sub, num_features, dim, dtype=dtype)
+
+
+CONSTANT_STABILISER_CAP = 40.0
+
+
+def constant_key_stabiliser(projection: Array) -> Array:
+    """The causal key stabiliser c = min(M_w, 40), M_w = max_i ||w_i||^2 / 2 (module docstring).
+
+    M_w >= w_i^T x - ||x||^2 / 2 for all x, so every key feature's exp() is <= exp(M_w - c).
+    """
+    m_w = 0.5 * jnp.max(jnp.sum(jnp.square(projection), axis=-1))
+    return jnp.minimum(m_w, CONSTANT_STABILISER_CAP)
+
+
+# --------------------------------------------------------------------------------------------
+# Feature maps
+# --------------------------------------------------------------------------------------------
+
+
+def _check_mask(mask: Array | None, x: Array, name: str) -> None:
+    if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{name} must have shape [B, T] = {tuple(x.shape[:2])}, "
+                         f"got {tuple(mask.shape)}")
+
+
+def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
+                            mask: Array | None = None, eps: float = 1e-6,
+                            key_stabiliser: str = "max") -> Array:
+    """Positive random features of the softmax kernel exp(q^T k / sqrt(D)) (Lemma 1; spec §2.2).
+
+    phi(x)_i = (exp(w_i^T x' - ||x'||^2/2 - stab) + eps') / sqrt(M), with x' = x D^(-1/4), so that
+    E[phi(q)^T phi(k)] is proportional to exp(q^T k / sqrt(D)). `stab` and `eps'` are described in
+    the module docstring ('max': eps' = eps; 'constant': stab = c, eps' = eps * exp(-c)).
+
+    Args:
+      x: queries or keys, `[B, T, H, D]`.
+      projection: Omega, `[M, D]`.
+      is_query: per-token stabiliser (queries) or per-(batch, head) stabiliser (keys).
+      mask: optional key-padding mask `[B, T]` (True/1 = real token); keys only. Masked keys get
+        zero features and are left out of the 'max' stabiliser.
+      eps: the additive numerical stabiliser (the original factory's 1e-6).
+      key_stabiliser: 'max' or 'constant' (keys only).
+
+    Returns:
+      phi(x), `[B, T, H, M]`, in float32 (float64 for float64 inputs).
+    """
+    if x.ndim != 4:
+        raise ValueError(f"x must have rank 4 [B, T, H, D], got shape {tuple(x.shape)}")
+    if projection.ndim != 2 or projection.shape[1] != x.shape[-1]:
+        raise ValueError(f"projection must have shape [M, D={x.shape[-1]}], "
+                         f"got {tuple(projection.shape)}")
+    if key_stabiliser not in KEY_STABILISERS:
+        raise ValueError(f"key_stabiliser must be one of {KEY_STABILISERS}, got {key_stabiliser!r}")
+    if is_query and mask is not None:
+        raise ValueError("mask applies to keys only; pass is_query=False or mask=None")
+    _check_mask(mask, x, "mask")
+    dt = _acc_dtype(x, projection)
+    x = x.astype(dt)
+    projection = projection.astype(dt)
+    num_features, dim = projection.shape
+    normaliser = dim ** -0.25
+    ratio = num_features ** -0.5
+    x = normaliser * x
+    proj = jnp.einsum("bthd,md->bthm", x, projection)
+    half_sq = 0.5 * jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+    if is_query:
+        return ratio * (jnp.exp(proj - half_sq - jnp.max(proj, axis=-1, keepdims=True)) + eps)
+    if key_stabiliser == "constant":
+        stab = jax.lax.stop_gradient(constant_key_stabiliser(projection))
+        phi = ratio * (jnp.exp(proj - half_sq - stab) + eps * jnp.exp(-stab))
+    else:
+        valid = proj if mask is None else jnp.where(mask[:, :, None, None], proj, -jnp.inf)
+        stab = jnp.max(valid, axis=(1, 3), keepdims=True)
+        # A fully padded example has stab = -inf; any finite value works since its phi is zeroed.
+        stab = jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))
+        phi = ratio * (jnp.exp(proj - half_sq - stab) + eps)
+    if mask is not None:
+        phi = phi * mask[:, :, None, None].astype(dt)
+    return phi
+
+
+def relu_features(x: Array, eps: float = RELU_EPS) -> Array:
+    """Deterministic Performer-ReLU features relu(x) + eps (LRA's default generalized attention)."""
+    x = x.astype(_acc_dtype(x))
+    return jax.nn.relu(x) + eps
+
+
+def elu_features(x: Array) -> Array:
+    """elu(x) + 1 features (Katharopoulos et al., "Transformers are RNNs", 2020), positive.
+
+    Written as x + 1 (x > 0) / exp(x) (x <= 0): elu(x) + 1 = (exp(x) - 1) + 1 rounds to 0 for
+    x < -17 in float32, which would break positivity.
+    """
+    x = x.astype(_acc_dtype(x))
+    return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
+
+
+def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
+                   projection: Array | None = None, key_mask: Array | None = None,
+                   eps: float = 1e-6, key_stabiliser: str = "max") -> tuple[Array, Array, Array]:
+    """Query and key features plus the denominator guard, for any random/deterministic map.
+
+    Args:
+      q: queries `[B, T, H, D]`.
+      k: keys `[B, S, H, D]`.
+      feature_map: 'softmax' (FAVOR+), 'relu' or 'elu' ('exact' has no features).
+      projection: Omega `[M, D]`; required for 'softmax', must be None otherwise.
+      key_mask: optional `[B, S]` key-padding mask; masked keys get zero features.
+      eps: additive stabiliser of the softmax features and threshold of the denominator guard.
+      key_stabiliser: 'max' or 'constant' (softmax only; see the module docstring).
+
+    Returns:
+      (phi_q `[B, T, H, M]`, phi_k `[B, S, H, M]`, guard), where `guard` is the scalar threshold
+      to pass to `normalize` (eps, scaled by exp(-c) for the constant key stabiliser).
+    """
+    if feature_map not in ("softmax", "relu", "elu"):
+        raise ValueError(f"feature_map must be 'softmax', 'relu' or 'elu' here, "
+                         f"got {feature_map!r}")
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must have rank 4 [B, T, H, D], got {q.shape} and {k.shape}")
+    _check_mask(key_mask, k, "key_mask")
+    if feature_map == "softmax":
+        if projection is None:
+            raise ValueError("projection is required for feature_map='softmax'")
+        phi_q = softmax_kernel_features(q, projection, is_query=True, eps=eps)
+        phi_k = softmax_kernel_features(k, projection, is_query=False, mask=key_mask, eps=eps,
+                                        key_stabiliser=key_stabiliser)
+        guard = jnp.asarray(eps, phi_k.dtype)
+        if key_stabiliser == "constant":
+            guard = guard * jnp.exp(-jax.lax.stop_gradient(
+                constant_key_stabiliser(projection.astype(phi_k.dtype))))
+        return phi_q, phi_k, guard
+    if projection is not None:
+        raise ValueError(f"projection must be None for the deterministic "
+                         f"feature_map={feature_map!r}")
+    fn = relu_features if feature_map == "relu" else elu_features
+    phi_q, phi_k = fn(q), fn(k)
+    if key_mask is not None:
+        phi_k = phi_k * key_mask[:, :, None, None].astype(phi_k.dtype)
+    return phi_q, phi_k, jnp.asarray(eps, phi_k.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Linear-attention forms on features (Eqs. 5-6; spec §2.5, §2.6)
+# --------------------------------------------------------------------------------------------
+
+
+def normalize(num: Array, den: Array, guard: Array | float) -> Array:
+    """out = num / den with the original's guard den <- den + 2 guard [|den| <= guard] (§2.5).
+
+    Args:
+      num: numerator `[B, T, H, Dv]`.
+      den: denominator `[B, T, H]`.
+      guard: scalar threshold (see `favor_features`).
+
+    Returns:
+      `[B, T, H, Dv]`; rows with no valid key (den = 0) come out as 0.
+    """
+    den = den + 2.0 * guard * (jnp.abs(den) <= guard).astype(den.dtype)
+    return num * jnp.reciprocal(den)[..., None]
+
+
+def favor_parallel(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
+    """Non-causal linear attention: Z = phi(K)^T V, W = phi(Q) Z, t = phi(K)^T 1, R = phi(Q) t.
+
+    Args:
+      phi_q: `[B, T, H, M]`.
+      phi_k: `[B, S, H, M]` (zero at padded keys).
+      v: `[B, S, H, Dv]`.
+
+    Returns:
+      (numerator W `[B, T, H, Dv]`, denominator R `[B, T, H]`), before `normalize`.
+    """
+    v = v.astype(_acc_dtype(v, phi_k))
+    z_mat = jnp.einsum("bshm,bshd->bhmd", phi_k, v)
+    num = jnp.einsum("bthm,bhmd->bthd", phi_q, z_mat)
+    t = jnp.sum(phi_k, axis=1)
+    den = jnp.einsum("bthm,bhm->bth", phi_q, t)
+    return num, den
+
+
+def favor_causal_quadratic(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
+    """Masked quadratic causal form tril(phi(Q) phi(K)^T) V: the O(T^2) oracle for the tests.
+
+    Args:
+      phi_q: `[B, T, H, M]`; phi_k: `[B, T, H, M]`; v: `[B, T, H, Dv]`.
+
+    Returns:
+      (numerator `[B, T, H, Dv]`, denominator `[B, T, H]`).
+    """
+    v = v.astype(_acc_dtype(v, phi_k))
+    length = phi_q.shape[1]
+    scores = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
+    scores = scores * jnp.tril(jnp.ones((length, length), scores.dtype))
+    return jnp.einsum("bhij,bjhd->bihd", scores, v), jnp.einsum("bhij->bih", scores)
+
+
+def init_state(batch_size: int, num_heads: int, num_features: int, value_dim: int, *,
+               dtype: Any = jnp.float32) -> FavorState:
+    """Zero recurrent state: s `[B, H, M, Dv]`, z `[B, H, M]` (float32 by default)."""
+    return FavorState(jnp.zeros((batch_size, num_heads, num_features, value_dim), dtype),
+                      jnp.zeros((batch_size, num_heads, num_features), dtype))
+
+
+def _check_state(state: FavorState, phi_k: Array, v: Array) -> None:
+    b, h, m = phi_k.shape[0], phi_k.shape[-2], phi_k.shape[-1]
+    want_s, want_z = (b, h, m, v.shape[-1]), (b, h, m)
+    if tuple(state.s.shape) != want_s or tuple(state.z.shape) != want_z:
+        raise ValueError(f"state must have s {want_s} and z {want_z}, "
+                         f"got {tuple(state.s.shape)} and {tuple(state.z.shape)}")
+
+
+def favor_chunked(phi_q: Array, phi_k: Array, v: Array, *, chunk_size: int = 64,
+                  state: FavorState | None = None) -> tuple[Array, Array, FavorState]:
+    """Causal linear attention in chunked form (spec §2.6, §5.4).
+
+    Within a chunk of C tokens the masked quadratic form is used; across chunks the prefix state
+    (S, z) is carried by `lax.scan`, whose body is wrapped in `jax.checkpoint` so the backward
+    pass stores one carry per chunk. T is zero-padded to a multiple of C (zero key features add
+    nothing; padded query rows are dropped). Cost O(T C M + T M Dv) time, O(T (M + Dv)) memory.
+
+    Args:
+      phi_q: `[B, T, H, M]`.
+      phi_k: `[B, T, H, M]`.
+      v: `[B, T, H, Dv]`.
+      chunk_size: C >= 1 (clipped to T).
+      state: optional prefix state from earlier tokens (float32 `FavorState`).
+
+    Returns:
+      (numerator `[B, T, H, Dv]`, denominator `[B, T, H]`, final state).
+    """
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    dt = _acc_dtype(phi_q, phi_k, v)
+    phi_q, phi_k, v = phi_q.astype(dt), phi_k.astype(dt), v.astype(dt)
+    b, length, h, m = phi_q.shape
+    dv = v.shape[-1]
+    if state is None:
+        state = init_state(b, h, m, dv, dtype=dt)
+    _check_state(state, phi_k, v)
+    state = FavorState(state.s.astype(dt), state.z.astype(dt))
+    c = min(chunk_size, length)
+    n = -(-length // c)
+    pad = n * c - length
+
+    def chunks(x):
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, n, c) + x.shape[2:]), 1, 0)
+
+    tril = jnp.tril(jnp.ones((c, c), dt))
+
+    @jax.checkpoint
+    def body(carry, xs):
+        s, z = carry
+        qc, kc, vc = xs
+        scores = jnp.einsum("bihm,bjhm->bhij", qc, kc) * tril
+        num = jnp.einsum("bhij,bjhd->bihd", scores, vc) + jnp.einsum("bihm,bhmd->bihd", qc, s)
+        den = jnp.einsum("bhij->bih", scores) + jnp.einsum("bihm,bhm->bih", qc, z)
+        s = s + jnp.einsum("bjhm,bjhd->bhmd", kc, vc)
+        z = z + jnp.sum(kc, axis=1)
+        return FavorState(s, z), (num, den)
+
+    final, (num, den) = jax.lax.scan(body, state, (chunks(phi_q), chunks(phi_k), chunks(v)))
+    num = jnp.moveaxis(num, 0, 1).reshape(b, n * c, h, dv)[:, :length]
+    den = jnp.moveaxis(den, 0, 1).reshape(b, n * c, h)[:, :length]
+    return num, den, final
+
+
+def favor_step(state: FavorState, phi_q_t: Array, phi_k_t: Array,
+               v_t: Array) -> tuple[FavorState, Array, Array]:
+    """One token of causal linear attention (spec §2.6): S += phi(k_t) v_t^T, z += phi(k_t).
+
+    Args:
+      state: `FavorState(s [B, H, M, Dv], z [B, H, M])`.
+      phi_q_t: `[B, H, M]`.
+      phi_k_t: `[B, H, M]`.
+      v_t: `[B, H, Dv]`.
+
+    Returns:
+      (new state, numerator `[B, H, Dv]`, denominator `[B, H]`); the current token is included.
+    """
+    dt = state.s.dtype
+    phi_q_t, phi_k_t, v_t = phi_q_t.astype(dt), phi_k_t.astype(dt), v_t.astype(dt)
+    s = state.s + jnp.einsum("bhm,bhd->bhmd", phi_k_t, v_t)
+    z = state.z + phi_k_t
+    return (FavorState(s, z), jnp.einsum("bhm,bhmd->bhd", phi_q_t, s),
+            jnp.einsum("bhm,bhm->bh", phi_q_t, z))
+
+
+def favor_recurrent(phi_q: Array, phi_k: Array, v: Array, *,
+                    state: FavorState | None = None) -> tuple[Array, Array, FavorState]:
+    """Causal linear attention as a token-by-token `lax.scan` of `favor_step`.
+
+    Autodiff through this form saves every carry (O(T M Dv)); train with `favor_chunked`.
+
+    Args:
+      phi_q: `[B, T, H, M]`; phi_k: `[B, T, H, M]`; v: `[B, T, H, Dv]`.
+      state: optional initial state.
+
+    Returns:
+      (numerator `[B, T, H, Dv]`, denominator `[B, T, H]`, final state).
+    """
+    dt = _acc_dtype(phi_q, phi_k, v)
+    b, _, h, m = phi_q.shape
+    if state is None:
+        state = init_state(b, h, m, v.shape[-1], dtype=dt)
+    _check_state(state, phi_k, v)
+    state = FavorState(state.s.astype(dt), state.z.astype(dt))
+
+    def body(carry, xs):
+        carry, num, den = favor_step(carry, *xs)
+        return carry, (num, den)
+
+    xs = tuple(jnp.moveaxis(x.astype(dt), 1, 0) for x in (phi_q, phi_k, v))
+    final, (num, den) = jax.lax.scan(body, state, xs)
+    return jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1), final
+
+
+# --------------------------------------------------------------------------------------------
+# Exact softmax oracle and the end-to-end function
+# --------------------------------------------------------------------------------------------
+
+
+def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None,
+                            causal: bool = False) -> Array:
+    """Exact softmax(q k^T / sqrt(D)) v, O(T S) memory: the oracle mode (`feature_map='exact'`).
+
+    Args:
+      q: `[B, T, H, D]`; k: `[B, S, H, D]`; v: `[B, S, H, Dv]`.
+      key_mask: optional `[B, S]` key-padding mask.
+      causal: mask keys s > t (requires S == T).
+
+    Returns:
+      `[B, T, H, Dv]` in the accumulation dtype; rows with no valid key are 0 (as in FAVOR+).
+    """
+    _check_mask(key_mask, k, "key_mask")
+    dt = _acc_dtype(q, k, v)
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    valid = jnp.ones(logits.shape, bool)
+    if key_mask is not None:
+        valid = valid & key_mask.astype(bool)[:, None, None, :]
+    if causal:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(f"causal attention needs equal lengths, "
+                             f"got {q.shape[1]} and {k.shape[1]}")
+        valid = valid & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    # finfo.min / 2 instead of -inf keeps fully masked rows finite; they are zeroed below.
+    logits = jnp.where(valid, logits, jnp.finfo(dt).min / 2)
+    weights = jax.nn.softmax(logits, axis=-1) * jnp.any(valid, axis=-1, keepdims=True)
+    return jnp.einsum("bhts,bshd->bthd", weights, v)
+
+
+def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax",
+                    projection: Array | None = None, causal: bool = False,
+                    key_mask: Array | None = None, eps: float = 1e-6,
+                    key_stabiliser: str | None = None, causal_impl: str = "chunked",
+                    chunk_size: int = 64) -> Array:
+    """End-to-end FAVOR+ attention: features, the chosen form, then `normalize`.
+
+    Args:
+      q: `[B, T, H, D]`; k: `[B, S, H, D]`; v: `[B, S, H, Dv]`.
+      feature_map: 'softmax' | 'relu' | 'elu' | 'exact'.
+      projection: Omega `[M, D]` for 'softmax' (None otherwise).
+      causal: unidirectional attention (S == T).
+      key_mask: optional `[B, S]` key-padding mask.
+      eps: numerical stabiliser (features and denominator guard).
+      key_stabiliser: 'max' | 'constant'; None picks 'constant' when causal, else 'max'.
+      causal_impl: 'chunked' | 'recurrent' | 'quadratic'.
+      chunk_size: chunk length of the chunked form.
+
+    Returns:
+      `[B, T, H, Dv]` in float32 (float64 for float64 inputs).
+    """
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
+    if causal_impl not in ("chunked", "recurrent", "quadratic"):
+        raise ValueError(f"causal_impl must be 'chunked', 'recurrent' or 'quadratic', "
+                         f"got {causal_impl!r}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
+    if feature_map == "exact":
+        if projection is not None:
+            raise ValueError("projection must be None for feature_map='exact'")
+        return exact_softmax_attention(q, k, v, key_mask=key_mask, causal=causal)
+    if key_stabiliser is None:
+        key_stabiliser = "constant" if causal else "max"
+    phi_q, phi_k, guard = favor_features(q, k, feature_map=feature_map, projection=projection,
+                                         key_mask=key_mask, eps=eps, key_stabiliser=key_stabiliser)
+    if not causal:
+        num, den = favor_parallel(phi_q, phi_k, v)
+    elif causal_impl == "chunked":
+        num, den, _ = favor_chunked(phi_q, phi_k, v, chunk_size=chunk_size)
+    elif causal_impl == "recurrent":
+        num, den, _ = favor_recurrent(phi_q, phi_k, v)
+    else:
+        num, den = favor_causal_quadratic(phi_q, phi_k, v)
+    return normalize(num, den, guard)

@@ -1,0 +1,266 @@
+"""Tests of htgn_jax.layers.FavorAttention (HTGN spec §5.4, §5.14 items 2, 9, 10)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htgn_jax import ops
+from htgn_jax.layers import FavorAttention
+from zoo_core.testing import BF16, F32_SIMPLE, param_shapes
+
+B, T, H, D, M = 2, 7, 2, 4, 8
+E = H * D
+
+
+def _x(seed=0, length=T, width=E):
+    return jax.random.normal(jax.random.PRNGKey(seed), (B, length, width))
+
+
+def _layer(**kw):
+    kw = {"num_heads": H, "head_dim": D, **kw}
+    if kw.get("feature_map", "softmax") == "softmax":
+        kw.setdefault("num_features", M)
+    return FavorAttention(**kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _init(**kw):
+    layer = _layer(**kw)
+    return layer, jax.jit(layer.init)(jax.random.PRNGKey(1), _x())
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(layer):
+    # Layers are hashable by value, so equal layers share one jitted apply (and its compiles).
+    return jax.jit(lambda *a, **k: layer.apply(*a, **k),
+                   static_argnames=("method", "mutable", "deterministic"))
+
+
+def _apply(layer, *args, **kwargs):
+    """layer.apply under jit: one compile per shape instead of op-by-op dispatch."""
+    return _jitted_apply(layer)(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# Memory linearity (reusable helper)
+# ------------------------------------------------------------------------------------------
+
+
+def compiled_temp_bytes(fn, *args) -> int:
+    """Temporary buffer bytes of `jax.jit(fn)` compiled for `args` (arrays or ShapeDtypeStructs).
+
+    Nothing is executed or allocated, so long sequences are cheap to check.
+    """
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def assert_memory_at_most_linear(make_args, fn, *, n_small=1024, n_large=8192, slack=1.5):
+    """Asserts temp memory grows at most ~linearly from n_small to n_large (ratio < r * slack).
+
+    Args:
+      make_args: n -> tuple of arguments (use `jax.ShapeDtypeStruct` for the inputs).
+      fn: the function to compile.
+      n_small, n_large: the two sequence lengths.
+      slack: allowance for constant-size buffers and padding.
+
+    Returns:
+      The measured ratio (for negative controls).
+    """
+    small = compiled_temp_bytes(fn, *make_args(n_small))
+    large = compiled_temp_bytes(fn, *make_args(n_large))
+    ratio = large / max(small, 1)
+    assert ratio < (n_large / n_small) * slack, (small, large, ratio)
+    return ratio
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_grows_linearly(causal):
+    layer, variables = _init(causal=causal)
+    abstract = jax.eval_shape(lambda: variables)
+    make_args = lambda n: (abstract, jax.ShapeDtypeStruct((1, n, E), jnp.float32))
+    assert_memory_at_most_linear(make_args, layer.apply)
+    if not causal:  # negative control: the quadratic oracle must fail the same check
+        exact = _layer(feature_map="exact")
+        with pytest.raises(AssertionError):
+            assert_memory_at_most_linear(
+                lambda n: ({"params": abstract["params"]},
+                           jax.ShapeDtypeStruct((1, n, E), jnp.float32)), exact.apply)
+
+
+# ------------------------------------------------------------------------------------------
+# Parameters, dtypes
+# ------------------------------------------------------------------------------------------
+
+
+def test_param_snapshot():
+    _, variables = _init()
+    proj = {"kernel": (E, H, D), "bias": (H, D)}
+    want = {f"{n}/{p}": s for n in ("query", "key", "value") for p, s in proj.items()}
+    want.update({"out/kernel": (H, D, E), "out/bias": (E,)})
+    assert param_shapes(variables["params"]) == want
+    assert param_shapes(variables["random_features"]) == {"projection": (M, D)}
+    assert set(variables) == {"params", "random_features"}
+    relu = jax.eval_shape(_layer(feature_map="relu", out_features=5).init,
+                          jax.random.PRNGKey(1), _x())
+    assert set(relu) == {"params"}
+    assert param_shapes(relu["params"])["out/kernel"] == (H, D, 5)
+
+
+def test_dtype_policy():
+    layer, variables = _init(causal=True, chunk_size=3)
+    half = _layer(causal=True, chunk_size=3, dtype=jnp.bfloat16)
+    x = _x()
+    y32 = _apply(layer, variables, x)
+    y16 = _apply(half, variables, x)
+    assert y32.dtype == jnp.float32 and y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32), y32, **BF16)
+    bf_vars = jax.eval_shape(half.init, jax.random.PRNGKey(1), x)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(bf_vars))
+    ys, state = jax.eval_shape(functools.partial(half.apply, method="scan"), variables, x)
+    assert ys.dtype == jnp.bfloat16
+    assert state.s.dtype == state.z.dtype == jnp.float32
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({**variables, "params": p}, x) ** 2)))(
+        variables["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) and float(jnp.max(jnp.abs(g))) > 0
+               for g in jax.tree.leaves(grads))
+
+
+# ------------------------------------------------------------------------------------------
+# Forms agree on one parameter tree; causality; padding
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("feature_map", ["softmax", "relu"])
+def test_causal_call_scan_step_agree(feature_map):
+    layer, variables = _init(causal=True, chunk_size=3, feature_map=feature_map)
+    x = _x(seed=2)
+    y = _apply(layer, variables, x)
+    ys, final = _apply(layer, variables, x, method="scan")
+    np.testing.assert_allclose(ys, y, **F32_SIMPLE)
+
+    @jax.jit
+    def decode(variables, x):
+        state = layer.apply(variables, B, method="init_state")
+        outs = []
+        for t in range(T):
+            y_t, state = layer.apply(variables, state, x[:, t], t, method="step")
+            outs.append(y_t)
+        return jnp.stack(outs, 1), state
+
+    yd, state = decode(variables, x)
+    np.testing.assert_allclose(yd, y, **F32_SIMPLE)
+    for a, b in zip(state, final):
+        np.testing.assert_allclose(a, b, **F32_SIMPLE)
+    # Continuing a scan from a carried state (positions continue too).
+    y1, s1 = _apply(layer, variables, x[:, :3], method="scan")
+    y2, s2 = _apply(layer, variables, x[:, 3:], s1, positions=jnp.arange(3, T), method="scan")
+    np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), y, **F32_SIMPLE)
+
+
+def test_causal_layer_is_exactly_causal():
+    layer, variables = _init(causal=True, chunk_size=3)
+    x = _x(seed=3)
+    cut = 4
+    x2 = x.at[:, cut:].set(5.0 * _x(seed=4)[:, cut:])
+    y1, y2 = _apply(layer, variables, x), _apply(layer, variables, x2)
+    np.testing.assert_array_equal(y1[:, :cut], y2[:, :cut])
+    assert not np.allclose(y1[:, cut:], y2[:, cut:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_invariance(causal):
+    # Spec §5.14 item 9: appending pads does not change the outputs for real tokens.
+    layer, variables = _init(causal=causal, chunk_size=3)
+    x = _x(seed=5)
+    lengths = jnp.array([7, 4])
+    mask = jnp.arange(T)[None, :] < lengths[:, None]
+    y = _apply(layer, variables, x, mask=mask)
+    padded = jnp.concatenate([x, 9.0 * _x(seed=6, length=16 - T)], axis=1)
+    mask16 = jnp.arange(16)[None, :] < lengths[:, None]
+    y16 = _apply(layer, variables, padded, mask=mask16)
+    for b, n in enumerate((7, 4)):
+        np.testing.assert_allclose(y16[b, :n], y[b, :n], **F32_SIMPLE)
+
+
+def test_cross_attention_and_cache():
+    layer, variables = _init(use_rotary=False)
+    x, memory = _x(seed=7), _x(seed=8, length=16)
+    memory_mask = jnp.arange(16)[None, :] < jnp.array([[16], [5]])
+    y = _apply(layer, variables, x, memory, memory_mask=memory_mask, method="cross")
+    assert y.shape == (B, T, E)
+    cache = _apply(layer, variables, memory, memory_mask=memory_mask, method="cross_cache")
+    step = jax.jit(functools.partial(layer.apply, method="cross_step"))
+    steps = jnp.stack([step(variables, cache, x[:, t]) for t in range(T)], 1)
+    np.testing.assert_allclose(steps, y, **F32_SIMPLE)
+    # Masked memory equals truncated memory.
+    short = _apply(layer, variables, x[1:], memory[1:, :5], method="cross")
+    np.testing.assert_allclose(y[1:], short, **F32_SIMPLE)
+
+
+# ------------------------------------------------------------------------------------------
+# Random-feature redraw
+# ------------------------------------------------------------------------------------------
+
+
+def test_feature_redraw_schedule():
+    layer, variables = _init(redraw_every=5, projection_seed=3)
+    x = _x(seed=9)
+    params_only = {"params": variables["params"]}
+    frozen = _apply(layer, variables, x)
+    np.testing.assert_array_equal(_apply(layer, variables, x, step=0), frozen)
+    np.testing.assert_array_equal(_apply(layer, variables, x, step=4, deterministic=False), frozen)
+    np.testing.assert_array_equal(_apply(layer, params_only, x), frozen)
+    redrawn = _apply(layer, variables, x, step=5, deterministic=False)
+    assert not np.allclose(redrawn, frozen)
+    # With a mutable collection the draw in force is written back, and evaluation without a
+    # step then reuses it (frozen at evaluation).
+    y, updated = _apply(layer, variables, x, step=7, deterministic=False,
+                             mutable="random_features")
+    np.testing.assert_array_equal(y, redrawn)
+    want = ops.draw_projection(jax.random.PRNGKey(3), 7, num_features=M, dim=D, redraw_every=5)
+    np.testing.assert_array_equal(updated["random_features"]["projection"], want)
+    np.testing.assert_array_equal(_apply(layer, {**variables, **updated}, x), redrawn)
+    with pytest.raises(ValueError, match="step"):
+        _apply(layer, variables, x, deterministic=False)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,call,match", [
+    ({}, lambda l, v: l.apply(v, jnp.zeros((B, E))), "x must have rank 3"),
+    ({}, lambda l, v: l.apply(v, _x(), mask=jnp.ones((B, T + 1), bool)), "mask"),
+    ({}, lambda l, v: l.apply(v, _x(), positions=jnp.arange(T + 1)), "positions"),
+    ({"use_rotary": False}, lambda l, v: l.apply(v, _x(), positions=jnp.arange(T)), "positions"),
+    ({"feature_map": "cosine"}, None, "feature_map"),
+    ({"feature_map": "relu", "num_features": 8}, None, "num_features"),
+    ({"feature_map": "elu", "redraw_every": 10}, None, "redraw_every"),
+    ({"head_dim": 3}, None, "head_dim"),
+    ({"num_heads": 0}, None, "num_heads"),
+    ({"chunk_size": 0}, None, "chunk_size"),
+    ({}, lambda l, v: l.apply(v, _x(), method="scan"), "causal=True"),
+    ({"causal": True}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "causal=False"),
+    ({}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "use_rotary=False"),
+    ({"causal": True, "feature_map": "exact"}, lambda l, v: l.apply(v, B, method="init_state"),
+     "exact"),
+    ({"causal": True}, lambda l, v: l.apply(v, l.apply(v, B, method="init_state"), _x()[:, 0],
+                                            method="step"), "position is required"),
+    ({"causal": True}, lambda l, v: l.apply(v, _x()[:, :3], l.apply(v, B, method="init_state"),
+                                            method="scan"), "positions is required"),
+    ({"use_rotary": False}, lambda l, v: l.apply(v, _x(), _x(length=16), method="cross",
+                                                 memory_mask=jnp.ones((B, T), bool)),
+     "memory_mask"),
+])
+def test_bad_input_raises_value_error(kwargs, call, match):
+    layer = _layer(**kwargs)
+    if call is None:  # invalid field: raised by setup at the first (tracing) call
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(layer.init, jax.random.PRNGKey(0), _x())
+        return
+    _, variables = _init()  # the parameter tree does not depend on these options
+    with pytest.raises(ValueError, match=match):
+        call(layer, variables)
