@@ -1,0 +1,76 @@
+"""HTGN encoder-only image classifier on scikit-learn's 8x8 digits (htgn.md §5.1, §5.12 image).
+
+    python -m htgn_jax.train --config configs/htgn/digits.py --workdir runs/htgn_digits
+    python -m htgn_jax.train --config configs/htgn/digits.py:attention=softmax --workdir runs/digits_softmax
+    python -m htgn_jax.train --config configs/htgn/digits.py:smoke --workdir /tmp/digits_smoke
+
+The 8x8 image is cut into a 4x4 grid of 2x2 patches (16 tokens) with 2-D grid spectral encodings;
+global token 0 is the CLS token (`pool=mean` averages the tokens instead). Arguments:
+attention = favor | softmax; ablation = none | no_graph | no_hrpe | no_global | no_kl | gat_v1 |
+gat_v2 (no_global switches to mean pooling); pool = cls | mean; optimizer = adamw | lamb | ranger;
+patch_size (1, 2 or 4); steps; smoke.
+
+Data: 1,797 images, stratified 80/20 train/test split (`digits`).
+Expected: eval/accuracy >= 0.95 after the default 2000 steps (measured 0.964 at step 2000,
+0.96-0.97 from step 500 on; about 6 steps/s on a shared 2-core CPU).
+"""
+from configs import common
+from configs.htgn import apply_recipe
+
+
+def get_config(arg=None):
+    args = common.parse_arg(arg, smoke=False, attention="favor", ablation="none", pool="cls",
+                            optimizer="adamw", patch_size=2, steps=2000)
+    from htgn_jax import model as htgn_model
+
+    if args.ablation not in htgn_model.ABLATIONS:
+        raise ValueError(f"config argument ablation={args.ablation!r} must be one of "
+                         f"{tuple(htgn_model.ABLATIONS)}")
+    if args.attention not in htgn_model.ATTENTIONS:
+        raise ValueError(f"config argument attention={args.attention!r} must be one of "
+                         f"{htgn_model.ATTENTIONS}")
+    if args.patch_size not in (1, 2, 4):
+        raise ValueError(f"config argument patch_size={args.patch_size} must be 1, 2 or 4")
+    grid = 8 // args.patch_size
+    c = common.base_config()
+    c.total_steps = args.steps
+    c.batch_size = 64
+    c.eval_batch_size = 120
+    c.log_every_steps = 100
+    c.eval_every_steps = 500
+    c.checkpoint_every_steps = 500
+    c.checkpoint.best_metric = "eval/accuracy"
+    apply_recipe(c, optimizer=args.optimizer, learning_rate=2e-3,
+                 warmup_steps=max(1, args.steps // 10))
+
+    c.data.name = "digits"
+    c.data.options.test_fraction = 0.2
+
+    c.task.name = "classification"
+    c.task.label_smoothing = 0.1
+
+    c.model.kind = "classifier"
+    c.model.variant = "digits"
+    c.model.num_classes = 10
+    c.model.image_size = 8
+    c.model.patch_size = args.patch_size
+    # The 2-D 8-neighbourhood (+-1, +-W, +-W+-1) lies inside the raster window of radius W + 1.
+    c.model.window = grid + 1
+    c.model.num_pe = min(8, grid * grid - 1)
+    c.model.pool = args.pool
+    c.model.dropout_rate = 0.1
+    c.model.attention = args.attention
+    if args.attention == "favor":
+        for key, value in htgn_model.ABLATIONS[args.ablation].items():
+            c.model[key] = value
+        if args.ablation == "no_global":
+            c.model.pool = "mean"
+    elif args.ablation != "none":
+        raise ValueError("config argument ablation applies to attention=favor only")
+
+    if args.smoke:
+        common.smoke(c)
+        c.schedule.warmup_steps = 1
+        c.model.num_layers = 1
+    c.lock()
+    return c

@@ -1,0 +1,354 @@
+"""Tests of htgn_jax.model (HTGN spec §5.1, §5.7, §5.8, §5.13, §5.14 items 2, 9, 10)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htgn_jax import model as htgn_model
+from htgn_jax.model import EncoderBlock, Model
+from zoo_core.testing import F32_MODEL, param_shapes
+
+B, S, T = 2, 7, 7
+SRC_V, TGT_V = 11, 9
+SEQ = dict(kind="seq2seq", variant="test", source_vocab_size=SRC_V, target_vocab_size=TGT_V,
+           max_source_len=16, max_target_len=16)
+CLS = dict(kind="classifier", variant="digits", num_classes=10, d_model=16, num_heads=2,
+           mlp_dim=32, num_features=8)
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(3, SRC_V, (B, S)).astype(np.int32)
+    inputs[0, -1] = 2
+    inputs[1, 4], inputs[1, 5:] = 2, 0           # a padded example
+    targets = rng.integers(3, TGT_V, (B, T)).astype(np.int32)
+    targets[1, 5], targets[1, 6:] = 2, 0
+    return {"inputs": inputs, "targets": targets}
+
+
+def _image(seed=0):
+    return {"image": np.random.default_rng(seed).random((B, 8, 8, 1)).astype(np.float32)}
+
+
+def _shapes(model, batch):
+    """Variables shapes without running anything (jax.eval_shape traces only)."""
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)
+
+
+def _params(model, batch):
+    return param_shapes(_shapes(model, batch)["params"])
+
+
+def random_params(model, batch, seed=0):
+    """Parameters from the model's abstract init (eval_shape, nothing compiled): LayerNorm
+    scales 1 + noise, everything else N(0, 0.2^2). Compiling `model.init` costs as much as a
+    forward pass, and these tests only need some well-scaled parameters of the right shapes."""
+    shapes = _shapes(model, batch)["params"]
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        noise = rng.normal(0.0, 0.2, leaf.shape).astype(np.float32)
+        return jnp.asarray(noise + (1.0 if path[-1].key == "scale" else 0.0))
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@functools.lru_cache(maxsize=None)
+def _init(**kw):
+    model = Model(**{**SEQ, **kw})
+    return model, random_params(model, _batch())
+
+
+@functools.lru_cache(maxsize=None)
+def _forward(model):
+    return jax.jit(lambda p, b: model.apply({"params": p}, b))
+
+
+# ------------------------------------------------------------------------------------------
+# Forward pass, aux losses, causality, padding
+# ------------------------------------------------------------------------------------------
+
+
+def test_seq2seq_shapes_finite_and_weighted_kl():
+    model, params = _init()
+    out, aux = _forward(model)(params, _batch())
+    assert out["logits"].shape == (B, T, TGT_V) and out["logits"].dtype == jnp.float32
+    assert np.all(np.isfinite(out["logits"]))
+    assert set(aux) == {"loss/kl", "graph/kl"} and aux["loss/kl"].shape == ()
+    assert float(aux["graph/kl"]) > 0.0
+    np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * aux["graph/kl"], rtol=1e-6)
+
+
+def test_decoder_is_causal_bit_for_bit():
+    """Perturbing future target tokens leaves earlier logits identical (spec §5.14 item 2)."""
+    model, params = _init()
+    batch = _batch()
+    changed = dict(batch, targets=batch["targets"].copy())
+    cut = 3   # decoder inputs are [BOS] + targets[:-1]: targets[3:] feed positions 4.. only
+    changed["targets"][:, cut:] = np.where(changed["targets"][:, cut:] == 5, 6, 5)
+    changed["targets"][1, -1] = 0
+    a = _forward(model)(params, batch)[0]["logits"]
+    b = _forward(model)(params, changed)[0]["logits"]
+    np.testing.assert_array_equal(np.asarray(a[:, :cut + 1]), np.asarray(b[:, :cut + 1]))
+    assert not np.allclose(a[:, cut + 1:], b[:, cut + 1:])
+
+
+def test_encoder_is_invariant_to_appended_padding():
+    """Real tokens' memory does not change when pads are appended (spec §5.14 item 9)."""
+    model, params = _init()
+    inputs = _batch()["inputs"][:, :5]
+    inputs[1, 4] = 2
+    padded = np.pad(inputs, ((0, 0), (0, 3)))
+    encode = jax.jit(lambda p, x: model.apply({"params": p}, x, method="encode"))
+    m5, mask5 = encode(params, inputs)
+    m8, mask8 = encode(params, padded)
+    real = model.num_global + 5
+    np.testing.assert_array_equal(np.asarray(mask8[:, :real]), np.asarray(mask5))
+    np.testing.assert_allclose(m8[:, :real], m5, **F32_MODEL)
+
+
+def test_train_mode_dropout_drop_path_and_zero_kl_weight():
+    assert [htgn_model._drop_path_rate(0.2, i, 3) for i in range(3)] == [0.0, 0.1, 0.2]
+    assert htgn_model._drop_path_rate(0.2, 0, 1) == 0.0
+    _, params = _init()
+    # Same parameter tree as the default model: only rates and the KL weight differ.
+    model = Model(**SEQ, drop_path=0.2, dropout_rate=0.1, kl_weight=0.0)
+    run = jax.jit(lambda p, b, r: model.apply({"params": p}, b, train=True, rngs={"dropout": r}))
+    (a, aux), (b, _) = (run(params, _batch(), jax.random.PRNGKey(i)) for i in (1, 2))
+    assert np.all(np.isfinite(a["logits"])) and not np.allclose(a["logits"], b["logits"])
+    assert float(aux["loss/kl"]) == 0.0 and float(aux["graph/kl"]) > 0.0
+
+
+def test_classifier_shapes_and_aux():
+    model = Model(**CLS)
+    params = random_params(model, _image())
+    out, aux = jax.jit(lambda p, b: model.apply({"params": p}, b))(params, _image(1))
+    assert out["logits"].shape == (B, 10) and np.all(np.isfinite(out["logits"]))
+    np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * aux["graph/kl"], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Parameter trees: snapshot and ablation switches (spec §5.13)
+# ------------------------------------------------------------------------------------------
+
+SNAPSHOT = {
+    "decoder_block_00/cross_attention/key/bias": (2, 8),
+    "decoder_block_00/cross_attention/key/kernel": (16, 2, 8),
+    "decoder_block_00/cross_attention/out/bias": (16,),
+    "decoder_block_00/cross_attention/out/kernel": (2, 8, 16),
+    "decoder_block_00/cross_attention/query/bias": (2, 8),
+    "decoder_block_00/cross_attention/query/kernel": (16, 2, 8),
+    "decoder_block_00/cross_attention/value/bias": (2, 8),
+    "decoder_block_00/cross_attention/value/kernel": (16, 2, 8),
+    "decoder_block_00/cross_attention_norm/bias": (16,),
+    "decoder_block_00/cross_attention_norm/scale": (16,),
+    "decoder_block_00/cross_graph/attn/vector": (2, 8),
+    "decoder_block_00/cross_graph/global_bias": (2,),
+    "decoder_block_00/cross_graph/output/bias": (16,),
+    "decoder_block_00/cross_graph/output/kernel": (2, 8, 16),
+    "decoder_block_00/cross_graph/rel_bias": (2, 5),
+    "decoder_block_00/cross_graph/source/kernel": (16, 2, 8),
+    "decoder_block_00/cross_graph/target/kernel": (16, 2, 8),
+    "decoder_block_00/cross_graph_norm/bias": (16,),
+    "decoder_block_00/cross_graph_norm/scale": (16,),
+    "decoder_block_00/graph/attn/vector": (2, 8),
+    "decoder_block_00/graph/output/bias": (16,),
+    "decoder_block_00/graph/output/kernel": (2, 8, 16),
+    "decoder_block_00/graph/rel_bias": (2, 3),
+    "decoder_block_00/graph/source/kernel": (16, 2, 8),
+    "decoder_block_00/graph/target/kernel": (16, 2, 8),
+    "decoder_block_00/graph_norm/bias": (16,),
+    "decoder_block_00/graph_norm/scale": (16,),
+    "decoder_block_00/mlp_in/bias": (32,),
+    "decoder_block_00/mlp_in/kernel": (16, 32),
+    "decoder_block_00/mlp_norm/bias": (16,),
+    "decoder_block_00/mlp_norm/scale": (16,),
+    "decoder_block_00/mlp_out/bias": (16,),
+    "decoder_block_00/mlp_out/kernel": (32, 16),
+    "decoder_block_00/self_attention/key/bias": (2, 8),
+    "decoder_block_00/self_attention/key/kernel": (16, 2, 8),
+    "decoder_block_00/self_attention/out/bias": (16,),
+    "decoder_block_00/self_attention/out/kernel": (2, 8, 16),
+    "decoder_block_00/self_attention/query/bias": (2, 8),
+    "decoder_block_00/self_attention/query/kernel": (16, 2, 8),
+    "decoder_block_00/self_attention/value/bias": (2, 8),
+    "decoder_block_00/self_attention/value/kernel": (16, 2, 8),
+    "decoder_block_00/self_attention_norm/bias": (16,),
+    "decoder_block_00/self_attention_norm/scale": (16,),
+    "decoder_input/bias": (16,),
+    "decoder_input/kernel": (20, 16),
+    "decoder_norm/bias": (16,),
+    "decoder_norm/scale": (16,),
+    "encoder/block_00/graph/attn/vector": (2, 8),
+    "encoder/block_00/graph/global_bias": (2,),
+    "encoder/block_00/graph/output/bias": (16,),
+    "encoder/block_00/graph/output/kernel": (2, 8, 16),
+    "encoder/block_00/graph/rel_bias": (2, 5),
+    "encoder/block_00/graph/source/kernel": (16, 2, 8),
+    "encoder/block_00/graph/target/kernel": (16, 2, 8),
+    "encoder/block_00/graph_norm/bias": (16,),
+    "encoder/block_00/graph_norm/scale": (16,),
+    "encoder/block_00/mlp_in/bias": (32,),
+    "encoder/block_00/mlp_in/kernel": (16, 32),
+    "encoder/block_00/mlp_norm/bias": (16,),
+    "encoder/block_00/mlp_norm/scale": (16,),
+    "encoder/block_00/mlp_out/bias": (16,),
+    "encoder/block_00/mlp_out/kernel": (32, 16),
+    "encoder/block_00/self_attention/key/bias": (2, 8),
+    "encoder/block_00/self_attention/key/kernel": (16, 2, 8),
+    "encoder/block_00/self_attention/out/bias": (16,),
+    "encoder/block_00/self_attention/out/kernel": (2, 8, 16),
+    "encoder/block_00/self_attention/query/bias": (2, 8),
+    "encoder/block_00/self_attention/query/kernel": (16, 2, 8),
+    "encoder/block_00/self_attention/value/bias": (2, 8),
+    "encoder/block_00/self_attention/value/kernel": (16, 2, 8),
+    "encoder/block_00/self_attention_norm/bias": (16,),
+    "encoder/block_00/self_attention_norm/scale": (16,),
+    "encoder/final_norm/bias": (16,),
+    "encoder/final_norm/scale": (16,),
+    "encoder/global_tokens": (2, 16),
+    "encoder_input/bias": (16,),
+    "encoder_input/kernel": (20, 16),
+    "source_embed/embedding": (11, 16),
+    "target_embed/embedding": (9, 16),
+}
+
+
+def test_param_name_snapshot():
+    assert _params(Model(**SEQ, num_layers=1), _batch()) == SNAPSHOT
+
+
+def test_classifier_param_names():
+    shapes = _params(Model(**CLS, num_layers=1), _image())
+    top = {k: v for k, v in shapes.items() if not k.startswith("encoder/block_00/")}
+    assert top == {"encoder/final_norm/bias": (16,), "encoder/final_norm/scale": (16,),
+                   "encoder/global_tokens": (1, 16), "head/bias": (10,), "head/kernel": (16, 10),
+                   "patch_embed/bias": (16,), "patch_embed/kernel": (2 * 2 + 8, 16)}
+    assert shapes["encoder/block_00/graph/rel_bias"] == (2, 2 * 5 + 1)   # window W_p + 1 = 5
+
+
+def _has(shapes, part):
+    return any(part in k.split("/") for k in shapes)
+
+
+def test_ablation_switches_change_the_param_tree():
+    base = _params(Model(**SEQ), _batch())
+    no_graph = _params(Model(**SEQ, use_graph_conv=False), _batch())
+    assert not _has(no_graph, "graph") and not _has(no_graph, "cross_graph")
+    assert set(no_graph) < set(base)
+
+    no_hrpe = _params(Model(**SEQ, use_hrpe=False), _batch())
+    assert not _has(no_hrpe, "rel_bias") and not _has(no_hrpe, "encoder_input")
+    assert no_hrpe["source_pos_embed"] == (16, 16) and no_hrpe["target_pos_embed"] == (16, 16)
+    assert _has(no_hrpe, "graph")
+
+    no_global = _params(Model(**SEQ, num_global=0), _batch())
+    assert not _has(no_global, "global_tokens") and not _has(no_global, "global_bias")
+
+    v1 = _params(Model(**SEQ, gat_version="v1"), _batch())
+    assert _has(v1, "attn_target") and not _has(v1, "target")
+
+    assert _params(Model(**SEQ, kl_weight=0.0), _batch()) == base
+
+    last = _params(Model(**SEQ, cross_graph_layers="last"), _batch())
+    assert not any(k.startswith("decoder_block_00/cross_graph") for k in last)
+    assert any(k.startswith("decoder_block_01/cross_graph") for k in last)
+
+    post = _params(Model(**SEQ, norm="post"), _batch())
+    assert not _has(post, "final_norm") and not _has(post, "decoder_norm")
+
+    shared = _params(Model(**{**SEQ, "target_vocab_size": SRC_V}, share_embeddings=True),
+                     _batch())
+    assert shared["shared_embed/embedding"] == (SRC_V, 16) and not _has(shared, "target_embed")
+
+
+def test_softmax_baseline_has_the_same_attention_and_no_graph():
+    favor = _shapes(Model(**SEQ), _batch())
+    soft = _shapes(Model(**SEQ, attention="softmax"), _batch())
+    assert "random_features" in favor and "random_features" not in soft   # exact softmax
+    fp, sp = param_shapes(favor["params"]), param_shapes(soft["params"])
+    assert not _has(sp, "graph") and not _has(sp, "cross_graph")
+    assert {k: v for k, v in fp.items() if "attention/" in k} == \
+        {k: v for k, v in sp.items() if "attention/" in k}
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input raises one clear ValueError before any compile
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(d_model=18, num_heads=4), "d_model .18. must be divisible by num_heads"),
+    (dict(no_such_option=1), "unknown Model kwargs"),
+    (dict(attention="linear"), "attention must be one of"),
+    (dict(feature_map="cos"), "feature_map must be one of"),
+    (dict(gat_version="v3"), "gat_version must be one of"),
+    (dict(norm="mid"), "norm must be one of"),
+    (dict(window=-1), "window must be an int"),
+    (dict(dropout_rate=1.0), "dropout_rate must be in"),
+    (dict(share_embeddings=True), "share_embeddings=True needs equal vocab sizes"),
+    (dict(attention="softmax", feature_map="relu"), "feature_map applies to attention='favor'"),
+    (dict(use_graph_conv=False, attention_dropout=0.1), "attention_dropout"),
+    (dict(feature_map="relu", num_features=16), "num_features applies to"),
+])
+def test_bad_model_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Model(**{**SEQ, **kwargs})
+
+
+def test_bad_factory_arguments_raise():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Model(kind="lm")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        Model(**{**SEQ, "variant": "huge"})
+    with pytest.raises(ValueError, match="missing required kwargs"):
+        Model(kind="seq2seq", variant="tiny")
+    with pytest.raises(ValueError, match="pool='cls' reads global token 0"):
+        Model(**CLS, num_global=0)
+    with pytest.raises(ValueError, match="image_size .8. must be divisible by patch_size"):
+        Model(**CLS, patch_size=3)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda b: dict(b, inputs=b["inputs"][0]), r"batch\['inputs'\] must have rank 2"),
+    (lambda b: dict(b, targets=b["targets"][..., None]), r"batch\['targets'\] must have rank 2"),
+    (lambda b: dict(b, inputs=b["inputs"].astype(np.float32)), "integer ids"),
+    (lambda b: dict(b, inputs_mask=np.ones((B, S + 1), bool)), r"batch\['inputs_mask'\] must have"),
+    (lambda b: dict(b, targets=np.zeros((B, 17), np.int32)), "max_target_len=16"),
+    (lambda b: dict(b, inputs=np.ones((B, 17), np.int32)), "max_source_len=16"),
+    (lambda b: dict(b, targets=b["targets"][:1]), "batch size"),
+    (lambda b: {"inputs": b["inputs"]}, "must contain 'inputs'"),
+])
+def test_bad_seq2seq_batches_raise(change, match):
+    with pytest.raises(ValueError, match=match):
+        _shapes(Model(**SEQ), change(_batch()))
+
+
+def test_bad_images_raise():
+    with pytest.raises(ValueError, match=r"must have shape \[B, 8, 8, 1\]"):
+        _shapes(Model(**CLS), {"image": np.zeros((B, 8, 8), np.float32)})
+    with pytest.raises(ValueError, match="must contain 'image'"):
+        _shapes(Model(**CLS), {"pixels": np.zeros((B, 8, 8, 1), np.float32)})
+
+
+# ------------------------------------------------------------------------------------------
+# No O(N^2) memory (spec §5.11)
+# ------------------------------------------------------------------------------------------
+
+
+def test_encoder_block_memory_is_linear_in_length():
+    block = EncoderBlock(d_model=16, num_heads=2, mlp_dim=32, num_features=8, window=2,
+                         num_global=2)
+
+    def temp_bytes(n):
+        x = jax.ShapeDtypeStruct((1, n, 16), jnp.float32)
+        mask = jax.ShapeDtypeStruct((1, n), jnp.bool_)
+        pos = jax.ShapeDtypeStruct((n,), jnp.int32)
+        variables = jax.eval_shape(block.init, jax.random.PRNGKey(0), x, mask, pos)
+        fn = lambda v, x, m, p: block.apply(v, x, m, p)[0]
+        compiled = jax.jit(fn).lower(variables, x, mask, pos).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(1024), temp_bytes(8192)
+    assert large / small < 12, (small, large)

@@ -1,0 +1,62 @@
+"""End-to-end runs of `python -m htgn_jax.train` (number-words seq2seq and digits smoke configs)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.entry
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = ""                          # one device, as a user's plain CPU run
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"    # compile time dominates a 2-step run
+    return env
+
+
+def _start(config, workdir, data_dir):
+    cmd = [sys.executable, "-m", "htgn_jax.train", "--config", f"configs/htgn/{config}.py:smoke",
+           "--workdir", str(workdir), f"--config.data.data_dir={data_dir}"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both smoke runs, started together (each is mostly single-threaded compilation)."""
+    root = tmp_path_factory.mktemp("htgn_train")
+    procs = {name: _start(name, root / name, root / "data") for name in ("number_words", "digits")}
+    out = {}
+    for name, proc in procs.items():
+        log, _ = proc.communicate(timeout=600)
+        out[name] = (proc.returncode, log, root / name)
+    return out
+
+
+def _final_eval(workdir):
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if any(k.startswith("eval/") for k in r)][-1]
+
+
+def _check_run(run):
+    code, log, workdir = run
+    assert code == 0, log[-3000:]
+    assert (workdir / "checkpoints" / "2").is_dir(), sorted(os.listdir(workdir))
+    return _final_eval(workdir)
+
+
+def test_number_words_smoke_trains_checkpoints_and_scores_bleu(runs):
+    metrics = _check_run(runs["number_words"])
+    for key in ("eval/bleu", "eval/chrf", "eval/exact_match", "eval/token_accuracy",
+                "eval/loss/kl"):
+        assert key in metrics, sorted(metrics)
+    assert 0.0 <= metrics["eval/bleu"] <= 100.0 and 0.0 <= metrics["eval/exact_match"] <= 1.0
+
+
+def test_digits_smoke_trains_and_checkpoints(runs):
+    metrics = _check_run(runs["digits"])
+    assert "eval/accuracy" in metrics and "eval/bleu" not in metrics
