@@ -1,0 +1,22 @@
+"""AGF on LRA Image: grayscale CIFAR-10, 1024 pixels (agf.md §3.1).
+
+Filter from the reference's `best_agf.sh`: jacobi, K=6, alpha=1.5, beta=2.0, gamma = reg = 0.1.
+
+    python -m agf_jax.train --config configs/agf/lra_image.py --workdir runs/agf_lra_image \
+        --config.data.options.source_dir=/path/to/image
+    python -m agf_jax.train --config configs/agf/lra_image.py:attention=softmax --workdir runs/sm_lra_image \
+        --config.data.options.source_dir=/path/to/image
+    python -m agf_jax.train --config configs/agf/lra_image.py:smoke --workdir /tmp/agf_smoke
+
+Data: DIR/train.npz and DIR/test.npz with 'inputs' uint8 [N, 32, 32] (or RGB [N, 32, 32, 3])
+and 'label' [N] in 0..9 (zoo_core.data.lra_files).
+The smoke variant builds without them (tests/configs_test.py) but needs them to run.
+Harness: batch 256, 35000 steps (175 warm-up), eval on test every 175 steps, the best
+checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
+(agf.md §8.1); for context, Primalformer's table: Transformer 38.2.
+"""
+from configs.tasks import agf
+
+
+def get_config(arg=None):
+    return agf.lra_config(arg, "image", order=6, alpha=1.5, beta=2.0, reg=0.1)

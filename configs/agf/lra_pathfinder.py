@@ -1,0 +1,22 @@
+"""AGF on LRA Pathfinder: Pathfinder32 curv_contour_length_14, 1024 pixels (agf.md §3.1).
+
+Filter from the reference's `best_agf.sh`: jacobi, K=4, alpha=1.5, beta=-1.0, gamma = reg = 0.0001.
+
+    python -m agf_jax.train --config configs/agf/lra_pathfinder.py --workdir runs/agf_lra_pathfinder \
+        --config.data.options.source_dir=/path/to/pathfinder
+    python -m agf_jax.train --config configs/agf/lra_pathfinder.py:attention=softmax --workdir runs/sm_lra_pathfinder \
+        --config.data.options.source_dir=/path/to/pathfinder
+    python -m agf_jax.train --config configs/agf/lra_pathfinder.py:smoke --workdir /tmp/agf_smoke
+
+Data: DIR/train.npz and DIR/test.npz with 'inputs' uint8 [N, 32, 32] and 'label' [N] in
+{0, 1} (zoo_core.data.lra_files).
+The smoke variant builds without them (tests/configs_test.py) but needs them to run.
+Harness: batch 256, 62400 steps (312 warm-up), eval on test every 312 steps, the best
+checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
+(agf.md §8.1); for context, Primalformer's table: Transformer 74.2.
+"""
+from configs.tasks import agf
+
+
+def get_config(arg=None):
+    return agf.lra_config(arg, "pathfinder", order=4, alpha=1.5, beta=-1.0, reg=0.0001)

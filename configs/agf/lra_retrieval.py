@@ -1,0 +1,22 @@
+"""AGF on LRA Retrieval: AAN byte pairs, 4000 tokens each, dual encoder (agf.md §3.1).
+
+Filter from the reference's `best_agf.sh`: jacobi, K=5, alpha=2.0, beta=-1.5, gamma = reg = 0.0001.
+
+    python -m agf_jax.train --config configs/agf/lra_retrieval.py --workdir runs/agf_lra_retrieval \
+        --config.data.options.source_dir=/path/to/retrieval
+    python -m agf_jax.train --config configs/agf/lra_retrieval.py:attention=softmax --workdir runs/sm_lra_retrieval \
+        --config.data.options.source_dir=/path/to/retrieval
+    python -m agf_jax.train --config configs/agf/lra_retrieval.py:smoke --workdir /tmp/agf_smoke
+
+Data: DIR/train.tsv and DIR/test.tsv, lines 'label<TAB>text1<TAB>text2' or LRA's
+new_aan_pairs.{train,test}.tsv renamed (zoo_core.data.lra_files).
+The smoke variant builds without them (tests/configs_test.py) but needs them to run.
+Harness: batch 32, 30000 steps (800 warm-up), eval on test every 300 steps, the best
+checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
+(agf.md §8.1); for context, Primalformer's table: Transformer 79.4.
+"""
+from configs.tasks import agf
+
+
+def get_config(arg=None):
+    return agf.lra_config(arg, "retrieval", order=5, alpha=2.0, beta=-1.5, reg=0.0001)

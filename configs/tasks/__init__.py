@@ -1,0 +1,1 @@
+"""Task-level config pieces (datasets, splits, sizes) shared by the architecture configs."""

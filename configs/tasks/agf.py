@@ -1,0 +1,155 @@
+"""AGF's two reference harnesses as config builders, shared by the files in configs/agf/.
+
+Every configs/agf/<task>.py only states the reference's best hyperparameters for its task (agf.md §3
+tables) and calls `lra_config` or `uea_config`. Both accept the config argument string of
+`--config file.py:args`:
+
+  smoke              a seconds-long run (2 steps, tiny model, tiny data; see `common.smoke`)
+  attention=softmax  the vanilla Transformer baseline at the same size and budget (no filter, no
+                     orthogonality regulariser)
+  source_dir=DIR     (UEA only) the archive's .ts files; LRA file tasks take
+                     --config.data.options.source_dir=DIR instead
+
+Harness settings (agf.md §3.1, §3.2):
+  LRA  AdamW(0.9, 0.999, eps 1e-6, no weight decay), lr 1e-4, linear warm-up then linear decay to 0
+       (the reference's OneCycleLR(anneal_strategy='linear', pct_start=warmup/steps) starts at
+       lr/25 and ends at lr/2.5e5 instead of 0), dropout 0.1, D=64, 2 heads x 32, 2 layers,
+       MEAN pooling; per-task batch, warm-up, steps and eval interval from the table.
+  UEA  RAdam (Adam for SpokenArabicDigits), lr 1e-3 constant, batch 16, grad-norm clip 4.0, no weight
+       decay, 100 epochs (PEMS-SF 400), d_model 512, 8 heads, d_ff 2048, 2 layers, dropout 0.1,
+       learnable positions, seed 666. Evaluated on TEST after every epoch (the reference: every 2).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from configs import common
+from configs.tasks import lra, uea
+
+ATTENTIONS = ("agf", "softmax")
+
+# agf.md §3.1 table: batch, warm-up, train steps, eval every.
+LRA_HARNESS = {
+    "listops": dict(batch_size=32, warmup=1000, steps=5000, eval_every=50),
+    "text": dict(batch_size=32, warmup=8000, steps=20000, eval_every=500),
+    "retrieval": dict(batch_size=32, warmup=800, steps=30000, eval_every=300),
+    "image": dict(batch_size=256, warmup=175, steps=35000, eval_every=175),
+    "pathfinder": dict(batch_size=256, warmup=312, steps=62400, eval_every=312),
+}
+UEA_SEED = 666
+
+
+def _check_attention(attention: str) -> None:
+    if attention not in ATTENTIONS:
+        raise ValueError(f"config argument attention={attention!r}; choose one of "
+                         f"{', '.join(ATTENTIONS)}")
+
+
+def lra_config(arg, task: str, *, order: int, alpha: float, beta: float,
+               reg: float) -> ml_collections.ConfigDict:
+    """The AGF_LRA config of `task` with the Jacobi filter (order K, alpha, beta) and gamma = reg."""
+    args = common.parse_arg(arg, smoke=False, attention="agf")
+    _check_attention(args.attention)
+    h = LRA_HARNESS[task]
+    c = common.base_config()
+    facts = lra.set_data(c, task, smoke=args.smoke)
+    c.seed = 0
+    c.total_steps = h["steps"]
+    c.batch_size = h["batch_size"]
+    c.eval_batch_size = h["batch_size"]
+    c.log_every_steps = 50
+    c.eval_every_steps = h["eval_every"]
+    c.checkpoint_every_steps = 1000
+    c.checkpoint.best_metric = "eval/accuracy"
+    c.optim.name = "adamw"
+    c.optim.learning_rate = 1e-4
+    c.optim.b1, c.optim.b2, c.optim.eps = 0.9, 0.999, 1e-6
+    c.optim.weight_decay = 0.0
+    c.schedule.name = "warmup_linear"
+    c.schedule.warmup_steps = h["warmup"]
+    c.schedule.end_factor = 0.0
+
+    m = c.model
+    m.kind = "lra_retrieval" if task == "retrieval" else "lra_classifier"
+    m.variant = "lra"
+    m.num_classes = facts["classes"]
+    m.vocab_size = facts["vocab_size"]
+    m.max_len = lra.pow2_at_least(facts["length"])
+    m.attention = args.attention
+    m.dropout_rate = 0.1
+    m.pooling = "mean"
+    if args.attention == "agf":
+        m.basis = "jacobi"
+        m.order = order
+        m.alpha = float(alpha)
+        m.beta = float(beta)
+        m.ortho_weight = float(reg)
+    else:
+        m.attention_dropout = 0.1   # the harness's softmax attention dropout
+    if args.smoke:
+        common.smoke(c)
+        c.schedule.warmup_steps = 1
+        m.variant = "tiny"
+    c.lock()
+    return c
+
+
+def uea_config(arg, dataset: str, *, basis: str, order: int, alpha: float | None = None,
+               beta: float | None = None, fix_i: bool, eta: float, epochs: int = 100,
+               optimizer: str = "radam") -> ml_collections.ConfigDict:
+    """The AGF_UEA config of `dataset` (a key of `configs.tasks.uea.DATASETS`).
+
+    Args:
+      arg: the config argument string.
+      dataset: UEA dataset name.
+      basis, order, alpha, beta: the filter (alpha/beta only for 'jacobi').
+      fix_i: the reference's --fixI (c_0 frozen at 1); without it c_0 = tanh(theta_0) starts at 0.
+      eta: gamma, the weight of the orthogonality regulariser.
+      epochs: training epochs.
+      optimizer: 'radam' (the harness) or 'adam' (SpokenArabicDigits).
+    """
+    args = common.parse_arg(arg, smoke=False, attention="agf", source_dir="")
+    _check_attention(args.attention)
+    c = common.base_config()
+    data_name = uea.SMOKE_STANDIN if args.smoke and dataset not in uea.SHIPPED else dataset
+    facts = uea.set_data(c, data_name, source_dir=args.source_dir)
+    c.seed = UEA_SEED
+    c.batch_size = 16
+    c.eval_batch_size = 64
+    epoch = uea.steps_per_epoch(data_name, c.batch_size)
+    c.total_steps = epochs * epoch
+    c.log_every_steps = epoch
+    c.eval_every_steps = epoch            # test accuracy after every epoch (best + last reported)
+    c.checkpoint_every_steps = 10 * epoch
+    c.checkpoint.best_metric = "eval/accuracy"
+    c.optim.name = optimizer
+    c.optim.learning_rate = 1e-3
+    c.optim.weight_decay = 0.0
+    c.optim.grad_clip_norm = 4.0
+    c.schedule.name = "constant"
+
+    m = c.model
+    m.kind = "uea_classifier"
+    m.variant = "uea"
+    m.num_classes = facts["classes"]
+    m.feat_dim = facts["channels"]
+    m.max_len = facts["length"]
+    m.attention = args.attention
+    m.dropout_rate = 0.1
+    m.activation = "gelu"
+    m.pos_encoding = "learnable"
+    if args.attention == "agf":
+        m.basis = basis
+        m.order = order
+        if basis == "jacobi":
+            m.alpha = float(alpha)
+            m.beta = float(beta)
+        m.learn_c0 = not fix_i
+        m.ortho_weight = float(eta)
+    else:
+        m.attention_dropout = 0.1   # nn.MultiheadAttention(dropout=0.1) of the harness baseline
+    if args.smoke:
+        common.smoke(c)
+        m.variant = "tiny"
+    c.lock()
+    return c
