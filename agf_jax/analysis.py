@@ -270,3 +270,93 @@ def oversmoothing_profile(model, variables, batch: Mapping[str, Any], *, mask=No
         return np.stack([token_cosine_similarity(h, masks[i // per]) for i, h in enumerate(hidden)])
     return np.stack([token_cosine_similarity(h, mask) for h in hidden])
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer probes of a whole model and the over-smoothing of an attention operator (used by
+# notebooks/agf_filters.ipynb).
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_probes(model, variables, batch: Mapping[str, Any]) -> list[dict]:
+    """Every AGF attention layer of a model, rebuilt standalone, with the input it sees on `batch`.
+
+    The result plugs into the layer-level functions above (`implicit_attention`,
+    `softmax_attention_matrix`, `frequency_comparison`) for each block of a trained model.
+
+    Args:
+        model: an `agf_jax.model.LRAClassifier` or `UEAClassifier` with attention='agf'.
+        variables: {'params': ...} of that model.
+        batch: the model's batch.
+
+    Returns:
+        One dict per block, in order: 'name' (params path), 'layer' (an `AGFAttention` with the
+        block's fields), 'variables' ({'params': the block's attention params}), 'x' `[B, T, E]`
+        (the attention input: LN(h) for the pre-LN LRA blocks, h for the post-LN UEA blocks) and
+        'mask' (`[B, T]` float for LRA, None for UEA, whose attention is not masked).
+
+    Raises:
+        ValueError: another model class, or attention='softmax'.
+    """
+    import flax.linen as nn
+
+    from agf_jax import layers as layers_lib
+    from agf_jax import model as model_lib
+
+    if not isinstance(model, (model_lib.LRAClassifier, model_lib.UEAClassifier)):
+        raise ValueError(f"attention_probes supports LRAClassifier and UEAClassifier, got "
+                         f"{type(model).__name__}")
+    if model.attention != "agf":
+        raise ValueError(f"model.attention must be 'agf', got {model.attention!r}")
+    params = variables["params"] if "params" in variables else variables
+    _, state = model.apply({"params": params}, batch, mutable=["intermediates"])
+    hidden = _find_sown(state["intermediates"], "hidden_states")      # L+1 arrays [B, T, E]
+    is_lra = isinstance(model, model_lib.LRAClassifier)
+    blocks = params["encoder"] if is_lra else params
+    mask = (jnp.asarray(batch["inputs"]) != 0).astype(jnp.float32) if is_lra else None
+    head_dim = model.head_dim or model.d_model // model.num_heads
+    probes = []
+    for i in range(model.num_layers):
+        name = f"block_{i:02d}"
+        block = blocks[name]
+        layer = layers_lib.AGFAttention(
+            num_heads=model.num_heads, head_dim=head_dim, basis=model.basis, order=model.order,
+            alpha=model.alpha, beta=model.beta, learn_c0=False if is_lra else model.learn_c0)
+        x = jnp.asarray(hidden[i])
+        if is_lra:   # pre-LN: the attention sees LN(h)
+            norm = nn.LayerNorm(epsilon=model_lib.LN_EPS)
+            x = norm.apply({"params": block["attention_norm"]}, x)
+        probes.append(dict(name=("encoder/" if is_lra else "") + f"{name}/attention", layer=layer,
+                           variables={"params": block["attention"]}, x=x, mask=mask))
+    return probes
+
+
+def operator_oversmoothing(matrix, values, *, num_steps: int = 8, mask=None) -> np.ndarray:
+    """Token similarity after applying a T x T attention operator repeatedly to the values.
+
+    y_0 = Val, y_{k+1} = M y_k per head. A row-stochastic positive M (softmax) drives all tokens to
+    the same vector (similarity -> 1, over-smoothing); AGF's signed token-specific spectrum need not.
+
+    Args:
+        matrix: `[B, H, T, T]` (e.g. `implicit_attention` or `softmax_attention_matrix`).
+        values: `[B, T, H, D]`.
+        num_steps: applications of M.
+        mask: `[B, T]` real tokens for the similarity, or None.
+
+    Returns:
+        `[num_steps + 1, B]` mean pairwise cosine similarity of the tokens (heads concatenated).
+    """
+    m = np.asarray(matrix, np.float64)
+    y = np.asarray(values, np.float64)
+    if m.ndim != 4 or y.ndim != 4 or m.shape[-1] != y.shape[1] or m.shape[:2] != (y.shape[0], y.shape[2]):
+        raise ValueError(f"matrix must be [B, H, T, T] and values [B, T, H, D] with matching B, H, T; "
+                         f"got {m.shape} and {y.shape}")
+    if num_steps < 0:
+        raise ValueError(f"num_steps must be >= 0, got {num_steps}")
+    out = []
+    for _ in range(num_steps + 1):
+        out.append(token_cosine_similarity(y.reshape(y.shape[0], y.shape[1], -1), mask))
+        y = np.einsum("bhtj,bjhd->bthd", m, y)
+        # A global rescale per sample keeps y in range (cosines are scale-free).
+        y = y / np.maximum(np.max(np.abs(y), axis=(1, 2, 3), keepdims=True), 1e-300)
+    return np.stack(out)

@@ -275,3 +275,90 @@ def var_coefficient_distance(true_coefs, estimated) -> dict[str, np.ndarray]:
     norm = np.sqrt(np.sum(a ** 2, axis=(-1, -2, -3)))
     return {"rel_frobenius": fro / np.maximum(norm, 1e-300), "frobenius": fro,
             "max_abs": np.max(np.abs(diff), axis=(-1, -2, -3)), "per_lag": per_lag}
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention maps (for plots: SAMoVAR / FixedVAR VAR chain against LinTrans)
+# ---------------------------------------------------------------------------------------------
+
+def _causal_scores(q: Array, k: Array) -> Array:
+    """q, k [..., T, H, D] -> [..., H, T, T] unnormalised causal scores 1[s<=t] q_t . k_s."""
+    t = q.shape[-3]
+    scores = jnp.einsum("...thd,...shd->...hts", q.astype(jnp.float32), k.astype(jnp.float32))
+    return jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, 0.0)
+
+
+def var_attention_maps(model, params, batch: dict) -> Array:
+    """Per-layer attention scores of the VAR chain of a SAMoVAR / FixedVAR `Model` (eval mode).
+
+    Layer m attends with its query q^(m) to the key k^(m-1): x0 for m = 1, else the previous layer's
+    output o^(m-1) (times W_k^(m) in the "w/ W_k" ablation), spec §2.6:
+    a^(m)_{t,s} = 1[s<=t] q^(m)_t . k^(m-1)_s, per head, over all tokens (exogenous at even t).
+
+    Args:
+      model: `samovar_jax.model.Model` with kind 'samovar' or 'fixedvar'.
+      params: its params.
+      batch: {'inputs': [B, L_I, C]}.
+
+    Returns:
+      [L, B, C_t, H, T, T] float32.
+    """
+    from samovar_jax import ops  # pylint: disable=import-outside-toplevel
+
+    terms = model.apply({"params": params}, batch, method=type(model).var_terms)
+    x0, q, v, kernels = terms["x0"], terms["q"], terms["v"], terms["key_kernels"]
+    lead = x0.shape[:2]
+    fold = lambda a: a.reshape((-1,) + a.shape[-3:])  # noqa: E731  [B, C_t, T, H, D] -> [B', T, H, D]
+    x0f = fold(x0)
+    qf = jnp.stack([fold(a) for a in q])
+    vf = jnp.stack([fold(a) for a in v])
+    outs = ops.var_chain_parallel(x0f, qf, vf, key_kernels=kernels)
+    keys = [x0f] + [outs[m] for m in range(q.shape[0] - 1)]
+    maps = []
+    for m, k in enumerate(keys):
+        if kernels is not None:
+            flat = k.reshape(k.shape[:-2] + (-1,)) @ kernels[m].astype(k.dtype)
+            k = flat.reshape(k.shape)
+        maps.append(_causal_scores(qf[m], k))
+    maps = jnp.stack(maps)                                                        # [L, B', H, T, T]
+    return maps.reshape((maps.shape[0],) + lead + maps.shape[2:])
+
+
+def lintrans_attention_maps(model, params, batch: dict) -> Array:
+    """Per-block attention scores 1[s<=t] q_t . k_s of a LinTrans `Model` (eval mode, no normaliser).
+
+    The queries and keys are captured from the blocks' `attention/query` and `attention/key` Dense
+    outputs (Flax `capture_intermediates`), so this reads exactly what the forward pass used.
+
+    Args:
+      model: `samovar_jax.model.Model` with kind 'lintrans'.
+      params: its params.
+      batch: {'inputs': [B, L_I, C]} (cropped to the model's input_len if `crop_inputs`).
+
+    Returns:
+      [L, B, C_t, H, T, T] float32 (T tokens of the cropped window).
+    """
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+    if model.kind != "lintrans":
+        raise ValueError(f"lintrans_attention_maps needs kind='lintrans', got {model.kind!r}")
+    r = model.resolved
+    keep = lambda mdl, _: isinstance(mdl, nn.Dense) and mdl.name in ("query", "key")  # noqa: E731
+    _, state = model.apply({"params": params}, batch, capture_intermediates=keep, mutable=["intermediates"])
+    inter = state["intermediates"]
+    b = jnp.asarray(batch["inputs"]).shape[0]
+    maps = []
+    for i in range(r.num_layers):
+        att = inter[f"block_{i:02d}"]["attention"]
+        q, k = (att[n]["__call__"][0] for n in ("query", "key"))                  # [B', T, E]
+        split = lambda a: a.reshape(a.shape[:-1] + (r.num_heads, r.head_dim))   # noqa: E731
+        maps.append(_causal_scores(split(q), split(k)))
+    maps = jnp.stack(maps)                                                        # [L, B', H, T, T]
+    return maps.reshape((maps.shape[0], b, r.num_targets) + maps.shape[2:])
+
+
+def attention_maps(model, params, batch: dict) -> Array:
+    """`var_attention_maps` or `lintrans_attention_maps` by `model.kind`: [L, B, C_t, H, T, T]."""
+    if model.kind == "lintrans":
+        return lintrans_attention_maps(model, params, batch)
+    return var_attention_maps(model, params, batch)

@@ -1,0 +1,133 @@
+"""Scaling of AGF attention against softmax attention: forward+backward time and peak memory vs N.
+
+AGF (Wi, Choi, Park, IJCAI 2025; spec agf.md §2.6) computes O = (U * g) (V^T Val) per head in
+O(N d^2) time and O(N d + d^2) memory; softmax attention materialises the [B, H, N, N] logits. This
+script times `jax.grad` of a scalar loss with respect to every input of the attention core (the
+projections are identical in both and left out) at batch 1 for N = 1K, 2K, ..., 64K:
+
+  agf             non-causal AGF, `agf_jax.ops.agf_parallel`, plus the orthogonality regulariser
+                  (`ops.orthogonality_loss`), as in training; Jacobi filter K=5, alpha=2, beta=-1
+                  (the reference's ListOps setting); inputs Z_U, Z_V, Z_S, Val [1, N, H, d] and theta [K]
+  agf_causal      the causal extension, chunked form (`ops.agf_chunked`, --chunk_size, default 64)
+  agf_causal_scan the causal extension, associative-scan form (`ops.agf_parallel(causal=True)`),
+                  O(N d^2) memory per head
+  softmax         `jax.nn.dot_product_attention(q, k, v)`, q, k, v [1, N, H, d]
+  softmax_causal  the same with is_causal=True
+
+Head sizes (agf.md §3): --setting lra (default) is the AGF_LRA model, 2 heads x 32; --setting uea is
+AGF_UEA's 8 heads x 64. Lengths whose compiled-memory estimate exceeds the guard are recorded as
+skipped (zoo_core.bench.run_scaling), so softmax stops where it no longer fits.
+
+Run from the repo root:
+
+    python -m benchmarks.agf_scaling                       # both families, N = 1K ... 64K, LRA heads
+    python -m benchmarks.agf_scaling --setting uea --lengths 1024,4096,16384
+
+Writes benchmarks/results/agf_scaling[_uea].{json,png} (or --out_dir / --name) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agf_jax import ops
+from zoo_core import bench
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DEFAULT_LENGTHS = ",".join(str(1024 * 2**i) for i in range(7))  # 1024 ... 65536
+CASES = ("agf", "agf_causal", "agf_causal_scan", "softmax", "softmax_causal")
+SETTINGS = {"lra": (2, 32), "uea": (8, 64)}   # heads, head width (agf.md §3.1, §3.2)
+ORDER, ALPHA, BETA = 5, 2.0, -1.0             # the reference's best ListOps filter
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
+    p.add_argument("--setting", default="lra", choices=sorted(SETTINGS),
+                   help="head count and width of the AGF_LRA (2 x 32) or AGF_UEA (8 x 64) models")
+    p.add_argument("--chunk_size", type=int, default=64, help="chunk length of agf_causal")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max_gib", type=float, default=None,
+                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
+    p.add_argument("--max_run_s", type=float, default=120.0,
+                   help="stop a case once its median time exceeds this")
+    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
+    p.add_argument("--out_dir", default=str(RESULTS))
+    p.add_argument("--name", default=None, help="output file stem (default agf_scaling[_<setting>])")
+    args = p.parse_args(argv)
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.cases = args.cases.split(",")
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        p.error(f"unknown --cases {sorted(unknown)}; choose from {list(CASES)}")
+    if args.chunk_size < 1:
+        p.error(f"--chunk_size must be >= 1, got {args.chunk_size}")
+    if args.name is None:
+        args.name = "agf_scaling" if args.setting == "lra" else f"agf_scaling_{args.setting}"
+    return args
+
+
+def make_case(case: str, n: int, heads: int, head_dim: int, chunk_size: int):
+    """(fn, args, info) of one record: the gradient of a scalar loss of the attention core."""
+    spec = jax.ShapeDtypeStruct((1, n, heads, head_dim), jnp.float32)
+    info = dict(heads=heads, head_dim=head_dim)
+    if case.startswith("softmax"):
+        causal = case == "softmax_causal"
+
+        def softmax_loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(softmax_loss, argnums=(0, 1, 2)), (spec, spec, spec), info
+
+    def agf_loss(zu, zv, zs, val, theta):
+        c = ops.filter_coefficients(theta)
+        kw = dict(basis="jacobi", alpha=ALPHA, beta=BETA)
+        if case == "agf":
+            out = ops.agf_parallel(zu, zv, zs, val, c, **kw)
+        elif case == "agf_causal":
+            out, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=chunk_size, **kw)
+        else:
+            out = ops.agf_parallel(zu, zv, zs, val, c, causal=True, **kw)
+        # Training adds the orthogonality regulariser (two more O(N d^2) Gram matrices).
+        return jnp.sum(out) + jnp.sum(ops.orthogonality_loss(zu, zv))
+
+    # A fixed, non-trivial filter (theta is concrete: materialize() passes it through).
+    theta = jnp.asarray(np.linspace(-0.8, 0.8, ORDER), jnp.float32)
+    info.update(order=ORDER, alpha=ALPHA, beta=BETA)
+    if case == "agf_causal":
+        info["chunk_size"] = chunk_size
+    return jax.grad(agf_loss, argnums=(0, 1, 2, 3, 4)), (spec, spec, spec, spec, theta), info
+
+
+def main(argv=None) -> list[bench.Result]:
+    args = parse_args(argv)
+    heads, head_dim = SETTINGS[args.setting]
+
+    def make_fn(case: str, n: int):
+        return make_case(case, n, heads, head_dim, args.chunk_size)
+
+    max_bytes = int(args.max_gib * 2**30) if args.max_gib else bench.default_max_bytes()
+    records = bench.run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
+                                max_bytes=max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n,
+                                log=print)
+    meta = dict(benchmark="agf_scaling", what="forward+backward of the attention core, batch 1",
+                setting=args.setting, heads=heads, head_dim=head_dim, dtype="float32",
+                filter=dict(basis="jacobi", order=ORDER, alpha=ALPHA, beta=BETA),
+                chunk_size=args.chunk_size, max_bytes=max_bytes)
+    out = pathlib.Path(args.out_dir)
+    bench.write_json(out / f"{args.name}.json", records, meta)
+    title = f"AGF vs softmax attention, fwd+bwd, B=1, H={heads}, d={head_dim}, float32"
+    bench.plot(records, out / f"{args.name}.png", max_bytes=max_bytes, title=title)
+    print(bench.format_table(records))
+    print(f"wrote {out}/{args.name}.{{json,png}}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Scaling of HTGN's attention kernels against softmax attention: fwd+bwd time and memory vs length.
+
+Times `jax.grad` of `sum(out)` with respect to every input at batch 1 for N = 1K, 2K, ..., 64K
+tokens (htgn.md §5.11, "no N^2 term anywhere"):
+
+* `favor`: non-causal FAVOR+ (`htgn_jax.ops.favor_attention`, positive orthogonal random features,
+  m features, key stabiliser 'max'), the encoder self-attention and the cross-attention form;
+* `favor_causal`: causal FAVOR+ in the chunked form (`lax.scan` over chunks of C tokens, constant
+  key stabiliser), the decoder self-attention;
+* `gat`: windowed GATv2 with g global nodes (`htgn_jax.graph.window_graph_attention`: window +-w,
+  learned relative bias, globals attending to all nodes; N tokens + g globals), the encoder graph
+  convolution, O(N (2w+1+g) H D);
+* `gat_causal`: the decoder's causal window GAT (offsets -w..0, no globals);
+* `softmax`, `softmax_causal`: `jax.nn.dot_product_attention` (XLA implementation), the vanilla
+  Transformer's attention, O(N^2) memory.
+
+Defaults are the spec's base-mt sizes (§5.12): d = 512, H = 8 heads of D = 64, m = 256 features,
+w = 8, g = 4, chunk C = 64. The memory guard of `zoo_core.bench.run_scaling` records lengths whose
+compiled estimate does not fit as skipped (softmax stops there); `--max_run_s` stops a case once
+it gets too slow.
+
+Run from the repo root:
+
+    python -m benchmarks.htgn_scaling
+    python -m benchmarks.htgn_scaling --lengths 1024,2048 --cases favor,gat,softmax --repeats 1
+
+Writes benchmarks/results/htgn_scaling.{json,png} (or --out_dir) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from htgn_jax import graph, ops
+from zoo_core import bench
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DEFAULT_LENGTHS = ",".join(str(1024 * 2**i) for i in range(7))  # 1024 ... 65536
+CASES = ("favor", "favor_causal", "gat", "gat_causal", "softmax", "softmax_causal")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--heads", type=int, default=8, help="H (base-mt: 8)")
+    p.add_argument("--head_dim", type=int, default=64, help="D per head (base-mt: 512 / 8)")
+    p.add_argument("--features", type=int, default=256, help="m random features (base-mt: 256)")
+    p.add_argument("--window", type=int, default=8, help="GAT window radius w (base-mt: 8)")
+    p.add_argument("--globals", type=int, default=4, help="g global nodes of `gat` (base-mt: 4)")
+    p.add_argument("--chunk", type=int, default=64, help="C of the chunked causal FAVOR+")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max_gib", type=float, default=None,
+                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
+    p.add_argument("--max_run_s", type=float, default=60.0,
+                   help="stop a case once its median time exceeds this")
+    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
+    p.add_argument("--out_dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.cases = args.cases.split(",")
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        p.error(f"unknown --cases {sorted(unknown)}; choose from {list(CASES)}")
+    for name in ("heads", "head_dim", "features", "chunk", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    for name in ("window", "globals"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0")
+    return args
+
+
+def make_case(case: str, n: int, args, projection):
+    """(fn, arg specs, info) of one record: fn = grad of sum(attention output) w.r.t. all inputs."""
+    dtype = jnp.dtype(args.dtype)
+    h, d = args.heads, args.head_dim
+    seq = jax.ShapeDtypeStruct((1, n, h, d), dtype)
+    info = dict(heads=h, head_dim=d)
+    if case in ("favor", "favor_causal"):
+        causal = case == "favor_causal"
+
+        def loss(q, k, v):
+            out = ops.favor_attention(q, k, v, feature_map="softmax", projection=projection,
+                                      causal=causal, chunk_size=min(args.chunk, n))
+            return jnp.sum(out.astype(jnp.float32))
+        info.update(features=args.features, chunk=args.chunk if causal else None)
+        return jax.grad(loss, argnums=(0, 1, 2)), (seq, seq, seq), info
+    if case in ("gat", "gat_causal"):
+        causal = case == "gat_causal"
+        g = 0 if causal else args.globals
+        nodes = jax.ShapeDtypeStruct((1, g + n, h, d), dtype)
+        attn = jax.ShapeDtypeStruct((h, d), dtype)
+        k_offsets = len(graph.window_offsets(args.window, causal))
+        bias = jax.ShapeDtypeStruct((h, k_offsets), dtype)
+
+        def loss(target, source, attn, rel_bias):
+            # GATv2: the source projection is both the score key and the message (spec §3.4).
+            out, _ = graph.window_graph_attention(
+                target, source, source, attn, window=args.window, num_global=g, causal=causal,
+                rel_bias=rel_bias, global_bias=jnp.zeros((h,), dtype) if g else None)
+            return jnp.sum(out.astype(jnp.float32))
+        info.update(window=args.window, num_global=g)
+        return jax.grad(loss, argnums=(0, 1, 2, 3)), (nodes, nodes, attn, bias), info
+    if case in ("softmax", "softmax_causal"):
+        causal = case == "softmax_causal"
+
+        def loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2)), (seq, seq, seq), info
+    raise ValueError(f"unknown case {case!r}; choose from {CASES}")
+
+
+def main(argv=None) -> list[bench.Result]:
+    args = parse_args(argv)
+    projection = ops.draw_projection(jax.random.PRNGKey(0), None, num_features=args.features,
+                                     dim=args.head_dim).astype(args.dtype)
+
+    def make_fn(case: str, n: int):
+        return make_case(case, n, args, projection)
+
+    max_bytes = int(args.max_gib * 2**30) if args.max_gib else bench.default_max_bytes()
+    records = bench.run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
+                                max_bytes=max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n,
+                                log=print)
+    meta = dict(benchmark="htgn_scaling", what="forward+backward of one attention layer, batch 1",
+                heads=args.heads, head_dim=args.head_dim, features=args.features,
+                window=args.window, num_global=args.globals, chunk=args.chunk, dtype=args.dtype,
+                max_bytes=max_bytes)
+    out = pathlib.Path(args.out_dir)
+    bench.write_json(out / "htgn_scaling.json", records, meta)
+    title = (f"HTGN kernels vs softmax, fwd+bwd, B=1, H={args.heads}, D={args.head_dim}, "
+             f"m={args.features}, w={args.window}, g={args.globals}, {args.dtype}")
+    bench.plot(records, out / "htgn_scaling.png", max_bytes=max_bytes, title=title)
+    print(bench.format_table(records))
+    print(f"wrote {out}/htgn_scaling.{{json,png}}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

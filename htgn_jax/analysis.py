@@ -1,0 +1,351 @@
+"""Analysis helpers for HTGN: graph pictures, learned graph-attention maps, FAVOR+ error, test BLEU.
+
+Used by `notebooks/htgn_graphs.ipynb` and the results scripts; nothing here changes the model.
+
+* `window_graph_adjacency` / `cross_graph_adjacency_matrix`: the static stencil graphs of spec
+  §5.3 (window +-w plus g global nodes; causal window -w..0) and §5.5 (Cross-Graph: decoder node i
+  -> encoder tokens within w_x of c_i = round(rho i), plus the encoder globals) as dense boolean
+  matrices, for pictures only (the model never builds them).
+* `graph_attention_maps`: the attention coefficients alpha of every graph layer of a trained model
+  on a batch (GATv2/GAT, spec §3.1), as dense `[B, H, rows, cols]` maps. The layers return only
+  their KL terms, so the coefficients are recomputed from each layer's own inputs and parameters
+  by intercepting its `__call__` (`flax.linen.intercept_methods`), with the same kernels
+  (`graph.window_graph_attention`, `graph.cross_graph_attention`).
+* `favor_error_curve`: mean absolute error of FAVOR+ (Performer Lemma 1 positive orthogonal
+  features, spec §2.2-2.3) against exact softmax attention as the number of features m grows
+  (spec §5.14 test 3 as a curve).
+* `evaluate_translation`: BLEU / chrF / exact match of a trained number-words (or WMT) run on any
+  split, e.g. 'test' (the trainer evaluates `data.eval_split` only, and does nothing when asked to
+  resume a finished run).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from htgn_jax import graph, ops
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------
+# Static graphs (pictures).
+# ----------------------------------------------------------------------------------------------
+
+
+def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
+                           causal: bool = False) -> np.ndarray:
+    """Dense adjacency of the window + global graph over `[globals ; tokens]` (spec §5.3).
+
+    Args:
+      length: N tokens.
+      window: radius w.
+      num_global: g global nodes (0 when causal).
+      causal: offsets -w..0 (decoder).
+
+    Returns:
+      bool `[g + N, g + N]`: entry (i, j) is True when node i attends to node j.
+    """
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be a positive int, got {length!r}")
+    if causal and num_global:
+        raise ValueError(f"num_global must be 0 when causal, got {num_global}")
+    mask = jnp.ones((1, num_global + length), bool)
+    return np.asarray(graph.window_adjacency(mask, window=window, num_global=num_global,
+                                             causal=causal)[0])
+
+
+def cross_graph_adjacency_matrix(target_length: int, source_length: int, *, window: int,
+                                 num_global: int = 0, rho: float = 1.0) -> np.ndarray:
+    """Dense Cross-Graph adjacency (spec §5.5): decoder i -> encoder `[globals ; tokens]`.
+
+    Args:
+      target_length: T decoder nodes.
+      source_length: N valid encoder tokens.
+      window: w_x.
+      num_global: g encoder globals.
+      rho: centre ratio, c_i = clip(round(rho i), 0, N - 1).
+
+    Returns:
+      bool `[T, g + N]`.
+    """
+    for name, value in (("target_length", target_length), ("source_length", source_length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    centres = graph.cross_graph_centres(jnp.arange(target_length), rho,
+                                        jnp.asarray([source_length]))
+    return np.asarray(graph.cross_graph_adjacency(
+        jnp.ones((1, target_length), bool), jnp.ones((1, num_global + source_length), bool),
+        centres, window=window, num_global=num_global)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Learned graph-attention maps.
+# ----------------------------------------------------------------------------------------------
+
+
+def window_probs_to_dense(probs: Array, global_probs: Array | None, *, window: int,
+                          num_global: int = 0, causal: bool = False) -> np.ndarray:
+    """Scatters the stencil coefficients of `graph.window_graph_attention` into dense maps.
+
+    Args:
+      probs: token rows `[B, N, H, K + g]` (columns: window offsets, then the globals).
+      global_probs: global rows `[B, g, H, g + N]`, or None when g = 0.
+      window, num_global, causal: the layer's graph.
+
+    Returns:
+      float `[B, H, g + N, g + N]`: alpha_ij at (i, j), 0 off the graph.
+    """
+    probs = np.asarray(probs)
+    b, n, h, _ = probs.shape
+    g = num_global
+    offsets = graph.window_offsets(window, causal)
+    dense = np.zeros((b, h, g + n, g + n), probs.dtype)
+    rows = np.arange(n)
+    for k, o in enumerate(offsets):
+        cols = rows + o
+        ok = (cols >= 0) & (cols < n)
+        dense[:, :, g + rows[ok], g + cols[ok]] = probs[:, ok][..., k].transpose(0, 2, 1)
+    for j in range(g):
+        dense[:, :, g:, j] = probs[:, :, :, len(offsets) + j].transpose(0, 2, 1)
+    if g:
+        dense[:, :, :g, :] = np.asarray(global_probs).transpose(0, 2, 1, 3)
+    return dense
+
+
+def cross_probs_to_dense(probs: Array, centres: Array, *, window: int, num_global: int,
+                         memory_length: int) -> np.ndarray:
+    """Scatters Cross-Graph coefficients `[B, T, H, 2w+1+g]` into `[B, H, T, g + N]` maps.
+
+    Args:
+      probs: from `graph.cross_graph_attention` (columns: offsets -w..w around c_i, then globals).
+      centres: int `[B, T]` window centres c_i (encoder token index).
+      window: w_x.
+      num_global: g.
+      memory_length: g + N (the memory's node count).
+    """
+    probs, centres = np.asarray(probs), np.asarray(centres)
+    b, t, h, _ = probs.shape
+    g, n = num_global, memory_length - num_global
+    dense = np.zeros((b, h, t, memory_length), probs.dtype)
+    for k, o in enumerate(range(-window, window + 1)):
+        cols = centres + o                                                 # [B, T]
+        for bi in range(b):
+            ok = (cols[bi] >= 0) & (cols[bi] < n)
+            rows = np.nonzero(ok)[0]
+            dense[bi][:, rows, g + cols[bi, ok]] = probs[bi][rows][:, :, k].T
+    for j in range(g):
+        dense[:, :, :, j] = probs[:, :, :, 2 * window + 1 + j].transpose(0, 2, 1)
+    return dense
+
+
+def _module_path(module: nn.Module) -> str:
+    return "/".join(str(p) for p in module.scope.path)
+
+
+def _window_probe(module: graph.WindowGraphAttention, x: Array, mask: Array | None) -> dict:
+    mask = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask, bool)
+    q, k, v = module._self_features(x)   # pylint: disable=protected-access
+    rel_bias, global_bias = module._biases()   # pylint: disable=protected-access
+    _, st = graph.window_graph_attention(
+        q, k, v, module._attn_vector(v), window=module.window,   # pylint: disable=protected-access
+        num_global=module.num_global, causal=module.causal, mask=mask, rel_bias=rel_bias,
+        global_bias=global_bias, negative_slope=module.negative_slope)
+    return {"kind": "causal_window" if module.causal else "window", "window": module.window,
+            "num_global": module.num_global, "probs": st["probs"],
+            "global_probs": st.get("global_probs"), "mask": mask}
+
+
+def _cross_probe(module: graph.CrossGraphAttention, x: Array, memory: Array,
+                 mask: Array | None, memory_mask: Array | None) -> dict:
+    cache = module.prepare_memory(memory, memory_mask=memory_mask)
+    v = cache["value"]
+    q = module._query_features(x, v.shape[-1])   # pylint: disable=protected-access
+    rel_bias, global_bias = module._biases()   # pylint: disable=protected-access
+    _, st = graph.cross_graph_attention(
+        q, cache.get("key", v), v, module._attn_vector(v),   # pylint: disable=protected-access
+        window=module.window, num_global=module.num_global, rho=module.rho, mask=mask,
+        memory_mask=cache["mask"], rel_bias=rel_bias, global_bias=global_bias,
+        negative_slope=module.negative_slope)
+    return {"kind": "cross", "window": module.window, "num_global": module.num_global,
+            "probs": st["probs"], "centres": st["centres"], "memory_mask": cache["mask"],
+            "memory_length": memory.shape[1]}
+
+
+def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
+                         ) -> dict[str, dict[str, Any]]:
+    """Attention coefficients of every graph layer of `model` on `batch` (eval mode).
+
+    Args:
+      model: an htgn_jax `Seq2Seq` or `Classifier` (unbound).
+      params: its parameters.
+      batch: the model's batch (Seq2Seq: 'inputs' `[B, S]`, 'targets' `[B, T]`, teacher forced;
+        Classifier: 'image').
+
+    Returns:
+      {layer path (e.g. 'encoder/block_00/graph'): {'kind': 'window' | 'causal_window' |
+      'cross', 'map': float `[B, H, rows, cols]` dense alpha (rows: `[globals ; tokens]` or
+      decoder positions; cols: the sender nodes, encoder memory for 'cross'), plus 'window',
+      'num_global' and, for 'cross', 'centres' `[B, T]`}}, in call order. Every row of a map
+      over valid nodes sums to 1.
+    """
+    static: dict[str, dict[str, Any]] = {}
+
+    def run(params, batch):
+        records: dict[str, dict[str, Any]] = {}
+
+        def interceptor(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            module = context.module
+            if context.method_name != "__call__":
+                return out
+            if isinstance(module, graph.WindowGraphAttention):
+                records[_module_path(module)] = _window_probe(module, args[0],
+                                                              kwargs.get("mask"))
+            elif isinstance(module, graph.CrossGraphAttention):
+                records[_module_path(module)] = _cross_probe(module, args[0], args[1],
+                                                             kwargs.get("mask"),
+                                                             kwargs.get("memory_mask"))
+            return out
+
+        with nn.intercept_methods(interceptor):
+            model.apply({"params": params}, batch, train=False)
+        # Python facts (kind, window, g) leave the trace through `static`; arrays are returned.
+        for path, r in records.items():
+            static[path] = {k: v for k, v in r.items() if not isinstance(v, jax.Array)}
+        return {path: {k: v for k, v in r.items() if isinstance(v, jax.Array)}
+                for path, r in records.items()}
+
+    # A fresh jit per call (one trace, so `static` is always filled); eager would dispatch
+    # hundreds of small ops.
+    arrays = jax.jit(run)(params, dict(batch))
+    records = {path: dict(static[path], **jax.device_get(arrays[path])) for path in static}
+    out = {}
+    for path, r in records.items():
+        if r["kind"] == "cross":
+            dense = cross_probs_to_dense(r["probs"], r["centres"], window=r["window"],
+                                         num_global=r["num_global"],
+                                         memory_length=r["memory_length"])
+            out[path] = dict(kind="cross", map=dense, window=r["window"],
+                             num_global=r["num_global"], centres=np.asarray(r["centres"]))
+        else:
+            dense = window_probs_to_dense(r["probs"], r["global_probs"], window=r["window"],
+                                          num_global=r["num_global"],
+                                          causal=r["kind"] == "causal_window")
+            out[path] = dict(kind=r["kind"], map=dense, window=r["window"],
+                             num_global=r["num_global"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# FAVOR+ approximation error.
+# ----------------------------------------------------------------------------------------------
+
+
+def favor_error_curve(num_features: Sequence[int], *, length: int = 256, head_dim: int = 16,
+                      num_heads: int = 1, causal: bool = False, num_draws: int = 4,
+                      input_scale: float = 1.0, seed: int = 0) -> dict[str, np.ndarray]:
+    """FAVOR+ (positive orthogonal random features) against exact softmax attention.
+
+    q, k, v are i.i.d. N(0, input_scale^2) `[1, length, num_heads, head_dim]`; for every m in
+    `num_features` and every draw of Omega (`ops.draw_projection`, ORF with chi row norms) the
+    error is |FAVOR+(q, k, v) - softmax(q k^T / sqrt(D)) v| averaged over all outputs.
+
+    Args:
+      num_features: the m values.
+      length: T (= S).
+      head_dim: D.
+      num_heads: H.
+      causal: unidirectional attention (constant key stabiliser, chunked form).
+      num_draws: independent projections per m.
+      input_scale: standard deviation of q and k (larger = peakier softmax, harder to estimate).
+      seed: PRNG seed of the inputs and projections.
+
+    Returns:
+      {'num_features': int `[M]`, 'mean_abs_error': `[M, num_draws]`, 'relative_error':
+      `[M, num_draws]` (||err||_F / ||exact||_F), 'exact_mean_abs': scalar mean |exact output|}.
+    """
+    if not num_features or any(not isinstance(m, int) or m < 1 for m in num_features):
+        raise ValueError(f"num_features must be positive ints, got {num_features!r}")
+    if num_draws < 1:
+        raise ValueError(f"num_draws must be >= 1, got {num_draws}")
+    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
+    shape = (1, length, num_heads, head_dim)
+    q = input_scale * jax.random.normal(kq, shape)
+    k = input_scale * jax.random.normal(kk, shape)
+    v = jax.random.normal(kv, shape)
+    exact = ops.exact_softmax_attention(q, k, v, causal=causal)
+
+    @jax.jit
+    def errors(projection):
+        approx = ops.favor_attention(q, k, v, feature_map="softmax", projection=projection,
+                                     causal=causal, chunk_size=min(64, length))
+        diff = approx - exact
+        return jnp.mean(jnp.abs(diff)), jnp.linalg.norm(diff) / jnp.linalg.norm(exact)
+
+    mae = np.zeros((len(num_features), num_draws))
+    rel = np.zeros_like(mae)
+    for i, m in enumerate(num_features):
+        for d in range(num_draws):
+            proj = ops.draw_projection(jax.random.fold_in(kp, d), None, num_features=m,
+                                       dim=head_dim)
+            a, r = errors(proj)
+            mae[i, d], rel[i, d] = float(a), float(r)
+    return {"num_features": np.asarray(num_features), "mean_abs_error": mae,
+            "relative_error": rel, "exact_mean_abs": float(jnp.mean(jnp.abs(exact)))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Test-set translation metrics of a finished run.
+# ----------------------------------------------------------------------------------------------
+
+
+def evaluate_translation(workdir: str, config, *, split: str = "test",
+                         which: str = "checkpoints",
+                         max_examples: int = 0) -> dict[str, float]:
+    """Restores the newest checkpoint of a seq2seq run and scores its decoding of `split`.
+
+    The decoding options are the run's (`config.decode`: greedy or beam, cache); the metrics are
+    `htgn_jax.decoding.make_bleu_evaluator`'s (sacrebleu BLEU, chrF, exact match).
+
+    Args:
+      workdir: the run's workdir (checkpoints under workdir/<which>).
+      config: the run's config (`configs/htgn/number_words.py` etc.).
+      split: the split to decode ('test', 'validation', ...).
+      which: 'checkpoints' (the newest) or 'best'.
+      max_examples: 0 = the whole split.
+
+    Returns:
+      {'bleu', 'chrf', 'exact_match', 'step', 'num_examples', 'decode_seconds'}.
+    """
+    from htgn_jax import decoding, model as htgn_model   # pylint: disable=import-outside-toplevel
+    from zoo_core import trainer   # pylint: disable=import-outside-toplevel
+
+    if config.task.name != "seq2seq":
+        raise ValueError(f"evaluate_translation needs a seq2seq config, got task.name="
+                         f"{config.task.name!r}")
+    cfg = config.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.data.eval_split = split
+        cfg.eval_max_examples = 0
+        if "decode" not in cfg:
+            cfg.decode = {}
+        cfg.decode.max_examples = int(max_examples)
+    model, params, step = trainer.load_params(workdir, htgn_model.Model, cfg, which=which)
+    evaluate = decoding.make_bleu_evaluator(cfg)
+    t0 = time.perf_counter()
+    metrics = dict(evaluate(params, model, cfg))
+    metrics["decode_seconds"] = time.perf_counter() - t0
+    metrics["step"] = int(step)
+    from zoo_core import data as data_lib   # pylint: disable=import-outside-toplevel
+    from zoo_core.data import pipeline   # pylint: disable=import-outside-toplevel
+    builder = data_lib.make_builder(cfg.data.name, pipeline.resolve_data_dir(cfg.data.data_dir),
+                                    **cfg.data.options.to_dict())
+    n = len(builder.as_data_source(split))
+    metrics["num_examples"] = min(n, max_examples) if max_examples else n
+    return metrics

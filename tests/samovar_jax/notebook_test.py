@@ -1,0 +1,70 @@
+"""The SAMoVAR notebook runs end to end (smoke mode) and the attention-map helpers it uses are right."""
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from samovar_jax import analysis, ops
+from samovar_jax.model import Model
+from zoo_core.testing import F32_SIMPLE
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "samovar_var.ipynb"
+X = jax.random.normal(jax.random.PRNGKey(0), (2, 10, 2)) * 2.0 + 1.0
+BASE = dict(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
+
+
+def test_notebook_executes_in_smoke_mode_and_draws(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook stripped"
+    monkeypatch.setenv("ZOO_NOTEBOOK_SMOKE", "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()   # raises CellExecutionError on any error
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "display_data" and "image/png" in o.get("data", {})]
+    assert len(images) >= 3, "lag-weight, lag-matrix and attention-map figures"
+
+
+@pytest.mark.parametrize("kw", [dict(kind="samovar"), dict(kind="fixedvar"), dict(kind="samovar", use_key_proj=True)])
+def test_var_attention_maps_reproduce_every_layer_output(kw):
+    model = Model(**BASE, **kw)
+    params = model.init(jax.random.PRNGKey(1), {"inputs": X})["params"]
+    maps = analysis.var_attention_maps(model, params, {"inputs": X})                 # [L, B, C, H, T, T]
+    terms = model.apply({"params": params}, {"inputs": X}, method=Model.var_terms)
+    fold = lambda a: a.reshape((-1,) + a.shape[-3:])  # noqa: E731
+    q = jnp.stack([fold(a) for a in terms["q"]])
+    v = jnp.stack([fold(a) for a in terms["v"]])
+    o = ops.var_chain_parallel(fold(terms["x0"]), q, v, key_kernels=terms["key_kernels"])   # [L, B', T, H, D]
+    t = maps.shape[-1]
+    assert maps.shape == (2, 2, 2, 2, t, t)
+    flat = maps.reshape((2, -1) + maps.shape[3:])                                     # [L, B', H, T, T]
+    np.testing.assert_allclose(jnp.einsum("lbhts,lbshd->lbthd", flat, v), o, **F32_SIMPLE)
+    np.testing.assert_array_equal(np.triu(np.asarray(maps), 1), 0.0)
+
+
+def test_lintrans_attention_maps_reproduce_the_attention_outputs():
+    model = Model(**BASE, kind="lintrans")
+    params = model.init(jax.random.PRNGKey(1), {"inputs": X})["params"]
+    maps = analysis.attention_maps(model, params, {"inputs": X})                      # [L, B, C, H, T, T]
+    keep = lambda mdl, _: getattr(mdl, "name", None) in ("value", "out")  # noqa: E731
+    _, state = model.apply({"params": params}, {"inputs": X}, capture_intermediates=keep, mutable=["intermediates"])
+    r = model.resolved
+    for i in range(r.num_layers):
+        att = state["intermediates"][f"block_{i:02d}"]["attention"]
+        v = att["value"]["__call__"][0].reshape(-1, maps.shape[-1], r.num_heads, r.head_dim)
+        o = jnp.einsum("bhts,bshd->bthd", maps[i].reshape((-1,) + maps.shape[3:]), v).reshape(v.shape[:2] + (-1,))
+        p = params[f"block_{i:02d}"]["attention"]["out"]
+        np.testing.assert_allclose(o @ p["kernel"] + p["bias"], att["out"]["__call__"][0], **F32_SIMPLE)
+    with pytest.raises(ValueError, match="kind='lintrans'"):
+        analysis.lintrans_attention_maps(Model(**BASE), params, {"inputs": X})
