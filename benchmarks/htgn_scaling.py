@@ -45,7 +45,8 @@ CASES = ("favor", "favor_causal", "gat", "gat_causal", "softmax", "softmax_causa
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated subset of {list(CASES)}")
     p.add_argument("--heads", type=int, default=8, help="H (base-mt: 8)")
     p.add_argument("--head_dim", type=int, default=64, help="D per head (base-mt: 512 / 8)")
     p.add_argument("--features", type=int, default=256, help="m random features (base-mt: 256)")

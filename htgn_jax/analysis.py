@@ -321,10 +321,13 @@ def evaluate_translation(workdir: str, config, *, split: str = "test",
       max_examples: 0 = the whole split.
 
     Returns:
-      {'bleu', 'chrf', 'exact_match', 'step', 'num_examples', 'decode_seconds'}.
+      {'bleu', 'chrf', 'exact_match', 'step' (the restored checkpoint), 'num_examples',
+      'decode_seconds' (wall time of loading the split, compiling and decoding)}.
     """
+    # Imported here: the trainer and the data builders are heavy, and only this function needs them.
     from htgn_jax import decoding, model as htgn_model   # pylint: disable=import-outside-toplevel
-    from zoo_core import trainer   # pylint: disable=import-outside-toplevel
+    from zoo_core import data as data_lib, trainer   # pylint: disable=import-outside-toplevel
+    from zoo_core.data import pipeline   # pylint: disable=import-outside-toplevel
 
     if config.task.name != "seq2seq":
         raise ValueError(f"evaluate_translation needs a seq2seq config, got task.name="
@@ -342,8 +345,6 @@ def evaluate_translation(workdir: str, config, *, split: str = "test",
     metrics = dict(evaluate(params, model, cfg))
     metrics["decode_seconds"] = time.perf_counter() - t0
     metrics["step"] = int(step)
-    from zoo_core import data as data_lib   # pylint: disable=import-outside-toplevel
-    from zoo_core.data import pipeline   # pylint: disable=import-outside-toplevel
     builder = data_lib.make_builder(cfg.data.name, pipeline.resolve_data_dir(cfg.data.data_dir),
                                     **cfg.data.options.to_dict())
     n = len(builder.as_data_source(split))

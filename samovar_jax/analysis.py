@@ -22,6 +22,8 @@ Functions:
   `model_lag_matrices`: the above for a `Model` and a batch.
   `jacobian_var_coefficients`, `var_coefficient_distance`: recovery of VAR coefficients on synthetic
     VAR data (estimator and distance documented there).
+  `var_attention_maps`, `lintrans_attention_maps`, `attention_maps`: per-layer causal attention scores
+    q_t . k_s of the VAR chain (keys = previous layer outputs) and of LinTrans, [L, B, C_t, H, T, T].
 """
 from __future__ import annotations
 

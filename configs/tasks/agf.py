@@ -54,42 +54,42 @@ def lra_config(arg, task: str, *, order: int, alpha: float, beta: float,
     c = common.base_config()
     facts = lra.set_data(c, task, smoke=args.smoke)
     c.seed = 0
-    c.total_steps = h["steps"]
+    c.total_steps = h["steps"]                 # the harness's num_train_steps
     c.batch_size = h["batch_size"]
     c.eval_batch_size = h["batch_size"]
     c.log_every_steps = 50
-    c.eval_every_steps = h["eval_every"]
+    c.eval_every_steps = h["eval_every"]       # the harness's eval_frequency
     c.checkpoint_every_steps = 1000
-    c.checkpoint.best_metric = "eval/accuracy"
+    c.checkpoint.best_metric = "eval/accuracy"  # best dev checkpoint under workdir/best
     c.optim.name = "adamw"
     c.optim.learning_rate = 1e-4
     c.optim.b1, c.optim.b2, c.optim.eps = 0.9, 0.999, 1e-6
     c.optim.weight_decay = 0.0
-    c.schedule.name = "warmup_linear"
+    c.schedule.name = "warmup_linear"          # OneCycleLR(linear) up to its end points
     c.schedule.warmup_steps = h["warmup"]
     c.schedule.end_factor = 0.0
 
     m = c.model
     m.kind = "lra_retrieval" if task == "retrieval" else "lra_classifier"
-    m.variant = "lra"
+    m.variant = "lra"                          # D=64, MLP 128, 2 heads x 32, 2 layers
     m.num_classes = facts["classes"]
-    m.vocab_size = facts["vocab_size"]
-    m.max_len = lra.pow2_at_least(facts["length"])
+    m.vocab_size = facts["vocab_size"]         # token 0 is padding (mask = inputs != 0)
+    m.max_len = lra.pow2_at_least(facts["length"])   # position table rounded up to 2^k
     m.attention = args.attention
     m.dropout_rate = 0.1
-    m.pooling = "mean"
+    m.pooling = "mean"                         # the harness's MEAN over all positions
     if args.attention == "agf":
-        m.basis = "jacobi"
-        m.order = order
+        m.basis = "jacobi"                     # every best_agf.sh line uses --poly_type jacobi
+        m.order = order                        # K
         m.alpha = float(alpha)
         m.beta = float(beta)
-        m.ortho_weight = float(reg)
+        m.ortho_weight = float(reg)            # gamma = --reg, applied inside each layer
     else:
-        m.attention_dropout = 0.1   # the harness's softmax attention dropout
+        m.attention_dropout = 0.1              # the harness's softmax attention dropout
     if args.smoke:
         common.smoke(c)
         c.schedule.warmup_steps = 1
-        m.variant = "tiny"
+        m.variant = "tiny"                     # D=16, 2 heads x 8
     c.lock()
     return c
 
@@ -113,43 +113,43 @@ def uea_config(arg, dataset: str, *, basis: str, order: int, alpha: float | None
     c = common.base_config()
     data_name = uea.SMOKE_STANDIN if args.smoke and dataset not in uea.SHIPPED else dataset
     facts = uea.set_data(c, data_name, source_dir=args.source_dir)
-    c.seed = UEA_SEED
+    c.seed = UEA_SEED                        # the harness's global seed
     c.batch_size = 16
-    c.eval_batch_size = 64
+    c.eval_batch_size = 64                   # evaluation only: any size gives the same numbers
     epoch = uea.steps_per_epoch(data_name, c.batch_size)
     c.total_steps = epochs * epoch
     c.log_every_steps = epoch
-    c.eval_every_steps = epoch            # test accuracy after every epoch (best + last reported)
+    c.eval_every_steps = epoch               # test accuracy after every epoch (best + last reported)
     c.checkpoint_every_steps = 10 * epoch
-    c.checkpoint.best_metric = "eval/accuracy"
+    c.checkpoint.best_metric = "eval/accuracy"  # the best-epoch model under workdir/best
     c.optim.name = optimizer
-    c.optim.learning_rate = 1e-3
+    c.optim.learning_rate = 1e-3             # constant (no lr schedule in the harness)
     c.optim.weight_decay = 0.0
     c.optim.grad_clip_norm = 4.0
     c.schedule.name = "constant"
 
     m = c.model
     m.kind = "uea_classifier"
-    m.variant = "uea"
+    m.variant = "uea"                        # d_model 512, d_ff 2048, 8 heads x 64, 2 layers
     m.num_classes = facts["classes"]
     m.feat_dim = facts["channels"]
-    m.max_len = facts["length"]
+    m.max_len = facts["length"]              # = the data option max_length (flatten head size)
     m.attention = args.attention
     m.dropout_rate = 0.1
     m.activation = "gelu"
     m.pos_encoding = "learnable"
     if args.attention == "agf":
         m.basis = basis
-        m.order = order
+        m.order = order                      # K
         if basis == "jacobi":
             m.alpha = float(alpha)
             m.beta = float(beta)
-        m.learn_c0 = not fix_i
-        m.ortho_weight = float(eta)
+        m.learn_c0 = not fix_i               # no --fixI: c_0 = tanh(theta_0), filter 0 at init
+        m.ortho_weight = float(eta)          # gamma = --eta on the layer-mean regulariser
     else:
-        m.attention_dropout = 0.1   # nn.MultiheadAttention(dropout=0.1) of the harness baseline
+        m.attention_dropout = 0.1            # nn.MultiheadAttention(dropout=0.1) of the baseline
     if args.smoke:
         common.smoke(c)
-        m.variant = "tiny"
+        m.variant = "tiny"                   # d_model 16, 2 heads x 8
     c.lock()
     return c

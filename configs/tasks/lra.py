@@ -26,6 +26,9 @@ TASKS = {
                        length=1024, needs_files=True, eval_split="test"),
 }
 
+LISTOPS_OPTIONS = ("max_length", "min_length", "max_depth", "max_args", "num_train", "num_validation",
+                   "num_test", "seed")
+LISTOPS_DEFAULTS = listops.ListOpsConfig(name="defaults")
 # A ListOps setting that generates in well under a second (smoke runs, notebooks).
 LISTOPS_SMOKE_OPTIONS = dict(max_length=64, min_length=10, num_train=256, num_validation=32,
                              num_test=32)
@@ -60,7 +63,10 @@ def set_data(c: ml_collections.ConfigDict, task: str, *, smoke: bool = False) ->
             c.data.options.update(LISTOPS_SMOKE_OPTIONS)
             facts["length"] = LISTOPS_SMOKE_OPTIONS["max_length"]
         else:
-            c.data.options.max_length = facts["length"]
+            # Every generation option explicitly (the LRA 2K defaults), so that each can be
+            # overridden on the command line, e.g. --config.data.options.min_length=20.
+            c.data.options.update({k: getattr(LISTOPS_DEFAULTS, k) for k in LISTOPS_OPTIONS})
+            facts["length"] = c.data.options.max_length
     else:
         c.data.options.source_dir = ""
         if task in ("text", "retrieval"):

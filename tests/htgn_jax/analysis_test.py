@@ -1,4 +1,4 @@
-"""Tests of htgn_jax.analysis: stencil-graph pictures, learned graph-attention maps, FAVOR+ error."""
+"""Tests of htgn_jax.analysis: stencil graphs, learned graph-attention maps, FAVOR+ error."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -13,6 +13,11 @@ BATCH = {"inputs": X, "target": jnp.zeros((2, 7, 2))}
 BASE = dict(num_channels=2, input_len=16, horizon=7, kernel_size=5)
 
 
+def _init(model, seed=0):
+    """Jitted init (an eager first init compiles every primitive one by one)."""
+    return jax.jit(lambda key: model.init(key, BATCH))(jax.random.PRNGKey(seed))["params"]
+
+
 def _numpy_moving_average(x, k):
     """The reference's AvgPool1d over the edge-replicated series, written as an explicit loop."""
     half = (k - 1) // 2
@@ -36,10 +41,10 @@ def test_decomposition_adds_up_and_keeps_constants_in_the_trend():
 
 
 def test_parameter_snapshot_shared_and_individual():
-    shared = DLinear(**BASE).init(jax.random.PRNGKey(0), BATCH)["params"]
+    shared = _init(DLinear(**BASE), 0)
     assert param_shapes(shared) == {"seasonal/kernel": (16, 7), "seasonal/bias": (7,),
                                     "trend/kernel": (16, 7), "trend/bias": (7,)}
-    indiv = DLinear(**BASE, individual=True).init(jax.random.PRNGKey(0), BATCH)["params"]
+    indiv = _init(DLinear(**BASE, individual=True), 0)
     assert param_shapes(indiv) == {"seasonal/kernel": (2, 16, 7), "seasonal/bias": (2, 7),
                                    "trend/kernel": (2, 16, 7), "trend/bias": (2, 7)}
     bound = 1 / np.sqrt(16)
@@ -50,7 +55,7 @@ def test_parameter_snapshot_shared_and_individual():
 @pytest.mark.parametrize("individual", [False, True])
 def test_forward_equals_the_formula(individual):
     model = DLinear(**BASE, individual=individual)
-    params = model.init(jax.random.PRNGKey(1), BATCH)["params"]
+    params = _init(model, 1)
     (out, aux) = model.apply({"params": params}, BATCH, train=True)
     assert aux == {} and out["forecast"].shape == (2, 7, 2) and out["forecast"].dtype == jnp.float32
     x = np.asarray(X, np.float64)
@@ -73,7 +78,7 @@ def test_time_linear_shared_equals_individual_with_tiled_weights():
 
 def test_num_targets_forecasts_the_last_channels():
     full = DLinear(**BASE)
-    params = full.init(jax.random.PRNGKey(1), BATCH)["params"]
+    params = _init(full, 1)
     y_all = full.apply({"params": params}, BATCH)[0]["forecast"]
     y_last = DLinear(**BASE, num_targets=1).apply({"params": params}, BATCH)[0]["forecast"]
     np.testing.assert_array_equal(y_last, y_all[:, :, -1:])
@@ -88,7 +93,7 @@ def test_a_trained_dlinear_learns_a_linear_trend():
     series = slopes * t[None, :, None] / 10.0
     batch = {"inputs": series[:, :16], "target": series[:, 16:]}
     model = DLinear(**BASE)
-    params = model.init(jax.random.PRNGKey(0), batch)["params"]
+    params = jax.jit(lambda key: model.init(key, batch))(jax.random.PRNGKey(0))["params"]
     tx = optax.adam(3e-2)
     opt = tx.init(params)
 
@@ -120,15 +125,15 @@ def test_bad_arguments_raise_at_construction(kw, match):
 def test_bad_inputs_raise():
     model = DLinear(**BASE)
     with pytest.raises(ValueError, match="input_len=16"):
-        model.init(jax.random.PRNGKey(0), {"inputs": jnp.zeros((2, 15, 2))})
+        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), {"inputs": jnp.zeros((2, 15, 2))}))
     with pytest.raises(ValueError, match="'inputs'"):
-        model.init(jax.random.PRNGKey(0), {"x": X})
+        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), {"x": X}))
     with pytest.raises(ValueError, match="floating"):
-        model.init(jax.random.PRNGKey(0), {"inputs": jnp.zeros((2, 16, 2), jnp.int32)})
+        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), {"inputs": jnp.zeros((2, 16, 2), jnp.int32)}))
 
 
 def test_bfloat16_compute_is_close_to_float32():
-    params = DLinear(**BASE).init(jax.random.PRNGKey(1), BATCH)["params"]
+    params = _init(DLinear(**BASE), 1)
     y32 = DLinear(**BASE).apply({"params": params}, BATCH)[0]["forecast"]
     y16 = DLinear(**BASE, dtype="bfloat16").apply({"params": params}, BATCH)[0]["forecast"]
     assert y16.dtype == jnp.float32

@@ -1,5 +1,4 @@
 """The SAMoVAR notebook runs end to end (smoke mode) and the attention-map helpers it uses are right."""
-import os
 import pathlib
 
 import jax
@@ -15,6 +14,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "samovar_var.ipynb"
 X = jax.random.normal(jax.random.PRNGKey(0), (2, 10, 2)) * 2.0 + 1.0
 BASE = dict(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
+
+
+def _init(model):
+    """Jitted init: an eager first init dispatches (and compiles) every primitive one by one, ~10x slower."""
+    return jax.jit(lambda key: model.init(key, {"inputs": X}))(jax.random.PRNGKey(1))["params"]
 
 
 def test_notebook_executes_in_smoke_mode_and_draws(tmp_path, monkeypatch):
@@ -39,9 +43,10 @@ def test_notebook_executes_in_smoke_mode_and_draws(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kw", [dict(kind="samovar"), dict(kind="fixedvar"), dict(kind="samovar", use_key_proj=True)])
 def test_var_attention_maps_reproduce_every_layer_output(kw):
     model = Model(**BASE, **kw)
-    params = model.init(jax.random.PRNGKey(1), {"inputs": X})["params"]
-    maps = analysis.var_attention_maps(model, params, {"inputs": X})                 # [L, B, C, H, T, T]
-    terms = model.apply({"params": params}, {"inputs": X}, method=Model.var_terms)
+    params = _init(model)
+    # jitted: eager op-by-op dispatch of the whole model costs far more than compiling it once
+    maps = jax.jit(lambda p: analysis.var_attention_maps(model, p, {"inputs": X}))(params)   # [L, B, C, H, T, T]
+    terms = jax.jit(lambda p: model.apply({"params": p}, {"inputs": X}, method=Model.var_terms))(params)
     fold = lambda a: a.reshape((-1,) + a.shape[-3:])  # noqa: E731
     q = jnp.stack([fold(a) for a in terms["q"]])
     v = jnp.stack([fold(a) for a in terms["v"]])
@@ -55,8 +60,8 @@ def test_var_attention_maps_reproduce_every_layer_output(kw):
 
 def test_lintrans_attention_maps_reproduce_the_attention_outputs():
     model = Model(**BASE, kind="lintrans")
-    params = model.init(jax.random.PRNGKey(1), {"inputs": X})["params"]
-    maps = analysis.attention_maps(model, params, {"inputs": X})                      # [L, B, C, H, T, T]
+    params = _init(model)
+    maps = jax.jit(lambda p: analysis.attention_maps(model, p, {"inputs": X}))(params)   # [L, B, C, H, T, T]
     keep = lambda mdl, _: getattr(mdl, "name", None) in ("value", "out")  # noqa: E731
     _, state = model.apply({"params": params}, {"inputs": X}, capture_intermediates=keep, mutable=["intermediates"])
     r = model.resolved
