@@ -7,10 +7,15 @@ Flags: --config (ml_collections file[:args], with --config.a.b=value overrides),
 multi-host runs --coordinator_address / --num_processes / --process_id (or the environment variables
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Configuration mistakes end the run with one
 line on stderr and exit status 2, before anything is compiled.
+
+Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
+a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
+report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from typing import Any, Callable
@@ -24,6 +29,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints and m
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host runs)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "number of processes (multi-host runs)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's id in [0, num_processes)")
+_EVAL_ONLY = flags.DEFINE_bool("eval_only", False, "evaluate a saved checkpoint of --workdir instead of training")
+_EVAL_SPLIT = flags.DEFINE_string("eval_split", None, "split for --eval_only (default: config.data.eval_split)")
+_CHECKPOINT = flags.DEFINE_enum("checkpoint", None, ["best", "latest"],
+                                "which checkpoint --eval_only reads (default: best)")
 
 
 def maybe_initialize_distributed() -> None:
@@ -62,10 +71,25 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         flags.FLAGS["config"].config_filename))[0])
     try:
         maybe_initialize_distributed()
+        if _EVAL_ONLY.value:
+            if _EVAL_SPLIT.value is not None:
+                config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
+            evaluators = evaluators_fn(config) if evaluators_fn else ()
+            result = trainer.evaluate_checkpoint(config, workdir, build_model, which=_CHECKPOINT.value or "best",
+                                                 evaluators=evaluators)
+            print(json.dumps(result, sort_keys=True))
+            return
+        if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
+            _fail("--eval_split and --checkpoint are only used with --eval_only (training evaluates "
+                  "config.data.eval_split)")
         evaluators = evaluators_fn(config) if evaluators_fn else ()
         trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators)
     except trainer.ConfigError as e:
         _fail(str(e))
+    except FileNotFoundError as e:
+        if not _EVAL_ONLY.value:
+            raise
+        _fail(str(e).splitlines()[0])
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
 

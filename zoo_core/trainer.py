@@ -3,7 +3,12 @@
 Architectures plug in through `build_model` (called as `build_model(**config.model)`), whose module maps
 `(batch, train=...)` to `(outputs, aux)`. The task (`config.task`) turns outputs into per-example
 metrics, and every `aux['loss/<name>']` scalar is added to the task loss, so regularisers need no fork
-of this loop.
+of this loop. A model whose forward pass depends on the training step (HTGN's FAVOR+ redraws its random
+features every k steps) says so with a true `uses_step` attribute and then receives `step=` in every
+call (`step_kwargs`).
+
+`evaluate_checkpoint` is the evaluation-only entry: a saved checkpoint (the best one by default) on any
+split, e.g. the LRA protocol's "select on validation, report test".
 
 Steps, each a small function: validate the config, prepare the data, build the model and optimiser,
 make the abstract state (`jax.eval_shape`), restore or initialise it directly in its sharding, jit the
@@ -67,13 +72,40 @@ class TrainState:
 def init_state(rng: jax.Array, batch: Mapping[str, jax.Array], *, model, tx) -> TrainState:
     """Initialises parameters on `batch` and the optimiser state; pure, so it can be eval_shape'd/jitted."""
     param_rng, dropout_rng = jax.random.split(rng)
-    params = model.init({"params": param_rng, "dropout": dropout_rng}, batch, train=False)["params"]
+    params = model.init({"params": param_rng, "dropout": dropout_rng}, batch, train=False,
+                        **step_kwargs(model, jnp.zeros([], jnp.int32)))["params"]
     return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.fold_in(rng, 1), bad_step=jnp.full([], -1, jnp.int32))
 
 
-def _loss_and_metrics(params, batch, rng, *, model, task, train: bool):
-    outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {})
+def uses_step(model) -> bool:
+    """Whether `model`'s forward pass depends on the training step (a true `uses_step` attribute)."""
+    return bool(getattr(model, "uses_step", False))
+
+
+def step_kwargs(model, step) -> dict[str, Any]:
+    """{'step': step} for a model that `uses_step`, else {}: what every model call here passes along.
+
+    While training, `step` is the index of the update being computed (state.step); at evaluation it is
+    `eval_step_index(steps_done)`, the index of the last update, so evaluation and decoding use the random
+    features the parameters were last trained with (frozen between redraws).
+    """
+    return {"step": step} if uses_step(model) else {}
+
+
+def eval_step_index(steps_done):
+    """The training-step index whose step-dependent state (e.g. random features) evaluation uses.
+
+    After `steps_done` updates the last one had index steps_done - 1 (0 before any update).
+    """
+    if isinstance(steps_done, (int, np.integer)):
+        return max(int(steps_done) - 1, 0)
+    return jnp.maximum(jnp.asarray(steps_done) - 1, 0)
+
+
+def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool):
+    outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {},
+                               **step_kwargs(model, step))
     sums = tasks.reduce_metrics(task(outputs, batch), batch.get("example_mask"))
     aux_losses = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items() if k.startswith("loss/")}
     for k, v in aux_losses.items():
@@ -107,16 +139,17 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     grad_fn = jax.value_and_grad(functools.partial(_loss_and_metrics, model=model, task=task, train=True),
                                  has_aux=True)
     if accum_steps == 1:
-        (loss, (sums, aux_losses)), grads = grad_fn(state.params, batch, rng)
+        (loss, (sums, aux_losses)), grads = grad_fn(state.params, batch, rng, state.step)
     else:
         micro = jax.tree_util.tree_map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
 
         def accumulate(carry, inputs):
             i, mb = inputs
-            out, g = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+            out, g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), state.step)
             return jax.tree_util.tree_map(jnp.add, carry, (out, g)), None
 
-        zero_out = jax.eval_shape(grad_fn, state.params, jax.tree_util.tree_map(lambda x: x[0], micro), rng)
+        zero_out = jax.eval_shape(grad_fn, state.params, jax.tree_util.tree_map(lambda x: x[0], micro), rng,
+                                  state.step)
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zero_out)
         total, _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accum_steps), micro))
         (loss, (sums, aux_losses)), grads = total
@@ -148,10 +181,16 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     return new_state, metrics
 
 
-def eval_step(params, batch: Mapping[str, jax.Array], *, model, task,
+def eval_step(params, batch: Mapping[str, jax.Array], step=None, *, model, task,
               axis_name: str | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """Weighted metric sums {name: (sum, weight)} of one eval batch (additive over batches)."""
-    _, (sums, aux_losses) = _loss_and_metrics(params, batch, None, model=model, task=task, train=False)
+    """Weighted metric sums {name: (sum, weight)} of one eval batch (additive over batches).
+
+    `step` (int32 []) is required for a model that `uses_step`: `eval_step_index(steps_done)`.
+    """
+    if step is None and uses_step(model):
+        raise ValueError(f"eval_step: {type(model).__name__} depends on the training step (uses_step); pass "
+                         "step=eval_step_index(steps_done)")
+    _, (sums, aux_losses) = _loss_and_metrics(params, batch, None, step, model=model, task=task, train=False)
     count = sums["loss"][1]
     sums = dict(sums, **{k: (v * count, count) for k, v in aux_losses.items()})
     if axis_name is not None:
@@ -239,14 +278,15 @@ class _Terminate:
 
 
 def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
-                       evaluators: Iterable[Callable[[Any, Any, Any], Mapping[str, float]]] = ()) -> dict[str, float]:
+                       evaluators: Iterable[Callable[..., Mapping[str, float]]] = ()) -> dict[str, float]:
     """Trains `build_model(**config.model)` on `config.data` and evaluates it; resumes from `workdir`.
 
     Args:
       config: the resolved ml_collections config (see configs/common.py for every field).
       workdir: where checkpoints, metrics.jsonl, TensorBoard files and config.json go.
       build_model: the architecture's `Model` factory.
-      evaluators: extra host-side evaluations `fn(params, model, config) -> {name: value}` run with every
+      evaluators: extra host-side evaluations `fn(params, model, config, **step_kwargs(model, i))` ->
+        {name: value} (i = `eval_step_index`; no keyword for a model without `uses_step`) run with every
         eval (e.g. decoding + BLEU); their results are logged under 'eval/'.
 
     Returns:
@@ -320,7 +360,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         p_train = jax.pmap(functools.partial(train_step, axis_name="batch", **step_kw), axis_name="batch",
                            donate_argnums=(0,))
         p_eval = jax.pmap(functools.partial(eval_step, model=model, task=task, axis_name="batch"),
-                          axis_name="batch")
+                          axis_name="batch", in_axes=(0, 0, None))
         state = sharding.replicate_for_pmap(jax.device_get(state))
         to_device = sharding.pmap_batch
         host_state = sharding.unreplicate
@@ -334,21 +374,9 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         return host_state(s).params
 
     def run_eval(s, step) -> dict[str, float]:
-        totals: dict[str, list[float]] = {}
-        params = s.params
-        for batch in pipeline.eval_batches(eval_source, global_batch_size=config.eval_batch_size,
-                                           process_index=pindex, process_count=pcount,
-                                           max_examples=config.eval_max_examples or None):
-            sums = jax.device_get(p_eval(params, to_device(batch)))
-            if mode == "pmap":
-                sums = sharding.unreplicate(sums)
-            for k, (v, n) in sums.items():
-                acc = totals.setdefault(k, [0.0, 0.0])
-                acc[0] += float(v)
-                acc[1] += float(n)
-        result = {f"eval/{k}": v / max(n, 1e-12) for k, (v, n) in totals.items()}
-        for evaluator in extra_evaluators:
-            result.update({f"eval/{k}": float(v) for k, v in evaluator(params_of(s), model, config).items()})
+        result = evaluate_params(s.params, step, p_eval=p_eval, eval_source=eval_source, config=config,
+                                 model=model, to_device=to_device, pmapped=mode == "pmap",
+                                 evaluators=extra_evaluators, host_params=params_of(s))
         writer.write(step, result)
         logging.info("step %d eval: %s", step, ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items())))
         return result
@@ -407,6 +435,97 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         writer.close()
         checkpoints.close()
     return last_eval
+
+
+def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, model, to_device,
+                    pmapped: bool = False, evaluators: Iterable[Callable[..., Mapping[str, float]]] = (),
+                    host_params=None) -> dict[str, float]:
+    """{'eval/<metric>': value} of `params` (after `steps_done` updates) over `eval_source`, plus evaluators.
+
+    `p_eval` is the compiled `eval_step`; under pmap (`pmapped`) `params` are replicated and `host_params`
+    is the single copy the host-side evaluators get.
+    """
+    pindex, pcount = jax.process_index(), jax.process_count()
+    index = np.int32(eval_step_index(steps_done))
+    totals: dict[str, list[float]] = {}
+    for batch in pipeline.eval_batches(eval_source, global_batch_size=config.eval_batch_size,
+                                       process_index=pindex, process_count=pcount,
+                                       max_examples=config.eval_max_examples or None):
+        sums = jax.device_get(p_eval(params, to_device(batch), index))
+        if pmapped:
+            sums = sharding.unreplicate(sums)
+        for k, (v, n) in sums.items():
+            acc = totals.setdefault(k, [0.0, 0.0])
+            acc[0] += float(v)
+            acc[1] += float(n)
+    result = {f"eval/{k}": v / max(n, 1e-12) for k, (v, n) in totals.items()}
+    host_params = params if host_params is None else host_params
+    for evaluator in evaluators:
+        found = evaluator(host_params, model, config, **step_kwargs(model, int(index)))
+        result.update({f"eval/{k}": float(v) for k, v in found.items()})
+    return result
+
+
+def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *, which: str = "best",
+                        split: str | None = None,
+                        evaluators: Iterable[Callable[..., Mapping[str, float]]] = ()) -> dict[str, float]:
+    """Evaluates a saved checkpoint of a run on one split; nothing is trained or changed in the run.
+
+    Writes the result to `workdir/eval_<which>_<split>.json` (with the checkpoint's step) and returns it.
+
+    Args:
+      config: the run's config (the same model and data options as the training run).
+      workdir: the training run's directory.
+      build_model: the architecture's `Model` factory.
+      which: 'best' (the best checkpoint by config.checkpoint.best_metric) or 'latest'.
+      split: the split to evaluate; None = config.data.eval_split. The evaluators must have been made
+        for a config with this split (`with_eval_split`).
+      evaluators: extra host-side evaluations, as in `train_and_evaluate`.
+
+    Returns:
+      {'eval/<metric>': value, ...} and 'step', the checkpoint's step.
+
+    Raises:
+      ConfigError: a bad `which`, an unknown split or a config problem (one line).
+      FileNotFoundError: no such checkpoint in workdir.
+    """
+    if which not in ("best", "latest"):
+        raise ConfigError(f"which must be 'best' or 'latest', got {which!r}")
+    if split is not None:
+        config = with_eval_split(config, split)
+    try:
+        validate_config(config)
+        _, eval_source = prepare_data(config)
+        model = build_model(**config.model.to_dict())
+        task = tasks.make_task(config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    _, params, step = load_params(workdir, build_model, config,
+                                  which="best" if which == "best" else "checkpoints")
+    mesh = sharding.make_mesh()
+    replicated = sharding.replicated(mesh)
+    params = jax.device_put(params, replicated)
+    p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
+    result = evaluate_params(params, step, p_eval=p_eval, eval_source=eval_source, config=config, model=model,
+                             to_device=lambda b: sharding.global_batch(b, mesh), evaluators=evaluators)
+    result["step"] = int(step)
+    name = f"eval_{which}_{config.data.eval_split}.json"
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, name), "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True)
+    logging.info("%s checkpoint (step %d) on %s: %s", which, step, config.data.eval_split,
+                 ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items()) if k != "step"))
+    return result
+
+
+def with_eval_split(config, split: str):
+    """A copy of `config` whose data.eval_split is `split`."""
+    if not isinstance(split, str) or not split:
+        raise ConfigError(f"the evaluation split must be a non-empty name, got {split!r}")
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.eval_split = split
+    return config
 
 
 def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints"):

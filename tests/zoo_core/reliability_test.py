@@ -1,4 +1,5 @@
 """Runs the real CLI in subprocesses: SIGKILL + resume is exact, SIGTERM saves, config errors are one line."""
+import json
 import os
 import pathlib
 import signal
@@ -91,6 +92,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
     ("--config.total_steps=abc", "bad flag"),
     ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'"),
     ("--config.model.hidden=-4", "hidden must be >= 1"),
+    ("--eval_split=test", "only used with --eval_only"),
 ])
 def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override, expected):
     _, data = uninterrupted
@@ -100,3 +102,19 @@ def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override,
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr
+
+
+def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_path):
+    full, data = uninterrupted
+    cmd = _cmd(full, data, *LONG, "--eval_only", "--eval_split=test", "--checkpoint=latest")
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["step"] == 300 and 0.0 <= result["eval/accuracy"] <= 1.0
+    assert json.load(open(os.path.join(full, "eval_latest_test.json"))) == result
+    # Nothing was trained: the newest checkpoint is still step 300.
+    assert sorted(int(n) for n in os.listdir(os.path.join(full, "checkpoints")))[-1] == 300
+    missing = subprocess.run(_cmd(tmp_path / "none", data, "--eval_only"), cwd=ROOT, env=_env(),
+                             capture_output=True, text=True)
+    errors = [l for l in missing.stderr.splitlines() if l.startswith("error: ")]
+    assert missing.returncode == 2 and len(errors) == 1 and "no checkpoint" in errors[0], missing.stderr[-1500:]

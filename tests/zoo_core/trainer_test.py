@@ -193,3 +193,66 @@ def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value,
     with pytest.raises(trainer.ConfigError, match=message):
         trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
     assert not os.path.exists(tmp_path / "checkpoints" / "2")
+
+
+class StepProbe(nn.Module):
+    """An MLP classifier whose forward pass depends on the training step (`uses_step`), reporting it.
+
+    aux['loss/step'] = step with zero gradient, so the logged train and eval metrics show which step
+    the trainer passed in each call.
+    """
+    uses_step = True
+
+    @nn.compact
+    def __call__(self, batch, *, train=False, step=None):
+        assert step is not None, "the trainer must pass step to a model that uses_step"
+        out, aux = models.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
+        return out, {**aux, "loss/step": jax.lax.stop_gradient(jnp.asarray(step, jnp.float32))}
+
+
+def test_a_model_that_uses_the_step_gets_the_update_index_and_the_last_one_at_eval(data_dir, tmp_path):
+    c = _config(data_dir, total_steps=4, log_every_steps=1, eval_every_steps=2, checkpoint_every_steps=0)
+    seen = []
+
+    def evaluator(params, model, config, *, step):
+        seen.append(step)
+        return {"probe": float(step)}
+
+    trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: StepProbe(), evaluators=[evaluator])
+    records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    train = [(r["step"], r["train/loss/step"]) for r in records if "train/loss/step" in r]
+    evals = [(r["step"], r["eval/loss/step"], r["eval/probe"]) for r in records if "eval/loss/step" in r]
+    assert train == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0)]     # update index = state.step
+    assert evals == [(2, 1.0, 1.0), (4, 3.0, 3.0)]               # the last update's index
+    assert seen == [1, 3]
+    assert trainer.eval_step_index(0) == 0 and trainer.eval_step_index(5) == 4
+    with pytest.raises(ValueError, match="uses_step"):
+        trainer.eval_step({}, {"inputs": np.zeros((1, 8), np.float32)}, model=StepProbe(),
+                          task=tasks.classification())
+
+
+def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
+    assert trainer.step_kwargs(models.MLPClassifier(hidden=4, num_classes=2), 3) == {}
+    assert trainer.step_kwargs(StepProbe(), 3) == {"step": 3}
+
+
+def test_evaluate_checkpoint_scores_the_best_checkpoint_on_another_split(data_dir, tmp_path):
+    c = _config(data_dir, total_steps=40, batch_size=16, eval_batch_size=16, eval_max_examples=0,
+                log_every_steps=20, eval_every_steps=20, checkpoint_every_steps=20, **{"optim.learning_rate": 1e-2})
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    evals = [r for r in metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/accuracy" in r]
+    best = max(evals, key=lambda r: r["eval/accuracy"])
+    # The same split again reproduces the logged eval of the best step exactly.
+    again = trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="best")
+    assert again["step"] == best["step"]
+    np.testing.assert_allclose(again["eval/accuracy"], best["eval/accuracy"], rtol=1e-6)
+    np.testing.assert_allclose(again["eval/loss"], best["eval/loss"], rtol=1e-5)
+    assert json.load(open(tmp_path / f"eval_best_{c.data.eval_split}.json"))["step"] == best["step"]
+    other = "train" if c.data.eval_split != "train" else "validation"
+    latest = trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="latest", split=other)
+    assert latest["step"] == 40 and 0.0 <= latest["eval/accuracy"] <= 1.0
+    assert os.path.exists(tmp_path / f"eval_latest_{other}.json")
+    with pytest.raises(trainer.ConfigError, match="which"):
+        trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="newest")
+    with pytest.raises(FileNotFoundError):
+        trainer.evaluate_checkpoint(c, str(tmp_path / "empty"), models.MLPClassifier)
