@@ -177,8 +177,8 @@ def _cross_probe(module: graph.CrossGraphAttention, x: Array, memory: Array,
             "memory_length": memory.shape[1]}
 
 
-def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
-                         ) -> dict[str, dict[str, Any]]:
+def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any], *,
+                         step: Any = None) -> dict[str, dict[str, Any]]:
     """Attention coefficients of every graph layer of `model` on `batch` (eval mode).
 
     Args:
@@ -186,6 +186,8 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
       params: its parameters.
       batch: the model's batch (Seq2Seq: 'inputs' `[B, S]`, 'targets' `[B, T]`, teacher forced;
         Classifier: 'image').
+      step: the training-step index of the random features, for a model with redraw_every > 0
+        (`zoo_core.trainer.eval_step_index` of the checkpoint's step).
 
     Returns:
       {layer path (e.g. 'encoder/block_00/graph'): {'kind': 'window' | 'causal_window' |
@@ -196,7 +198,7 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
     """
     static: dict[str, dict[str, Any]] = {}
 
-    def run(params, batch):
+    def run(params, batch, step):
         records: dict[str, dict[str, Any]] = {}
 
         def interceptor(next_fun, args, kwargs, context):
@@ -214,7 +216,8 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
             return out
 
         with nn.intercept_methods(interceptor):
-            model.apply({"params": params}, batch, train=False)
+            model.apply({"params": params}, batch, train=False,
+                        **({} if step is None else {"step": step}))
         # Python facts (kind, window, g) leave the trace through `static`; arrays are returned.
         for path, r in records.items():
             static[path] = {k: v for k, v in r.items() if not isinstance(v, jax.Array)}
@@ -223,7 +226,7 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
 
     # A fresh jit per call (one trace, so `static` is always filled); eager would dispatch
     # hundreds of small ops.
-    arrays = jax.jit(run)(params, dict(batch))
+    arrays = jax.jit(run)(params, dict(batch), step)
     records = {path: dict(static[path], **jax.device_get(arrays[path])) for path in static}
     out = {}
     for path, r in records.items():
@@ -342,7 +345,9 @@ def evaluate_translation(workdir: str, config, *, split: str = "test",
     model, params, step = trainer.load_params(workdir, htgn_model.Model, cfg, which=which)
     evaluate = decoding.make_bleu_evaluator(cfg)
     t0 = time.perf_counter()
-    metrics = dict(evaluate(params, model, cfg))
+    # A model trained with feature redraws decodes with the features of its last update.
+    metrics = dict(evaluate(params, model, cfg,
+                            **trainer.step_kwargs(model, trainer.eval_step_index(step))))
     metrics["decode_seconds"] = time.perf_counter() - t0
     metrics["step"] = int(step)
     builder = data_lib.make_builder(cfg.data.name, pipeline.resolve_data_dir(cfg.data.data_dir),

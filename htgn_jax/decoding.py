@@ -18,6 +18,10 @@ outputs are `[B, max_len]` ids = generated tokens up to and including EOS, then 
 are never generated (their log-probabilities are set to a large negative number, without
 renormalising, so beam scores stay the model's log-probabilities).
 
+Random features: a model trained with `redraw_every > 0` (`model.uses_step`) needs `step=`, the
+training-step index whose FAVOR+ features the parameters go with (`zoo_core.trainer.eval_step_index`
+of the checkpoint's step); encoding, the caches and every decoding step use that one draw.
+
 Beam search keeps `beam_size` hypotheses per example. A finished hypothesis (EOS emitted) can only
 be extended by PAD at no cost, so it keeps its score and competes with the open ones. Scores are
 sums of log p(token | prefix, source) over the emitted tokens (EOS included); with
@@ -63,39 +67,55 @@ def _log_probs(model, logits: Array) -> Array:
     return logp.at[..., model.pad_id].set(NEG).at[..., model.bos_id].set(NEG)
 
 
+def _check_step(model, step) -> None:
+    if getattr(model, "uses_step", False) and step is None:
+        raise ValueError(f"the model redraws its random features (redraw_every={model.redraw_every}): "
+                         f"pass step= (the last training update's index)")
+    if not getattr(model, "uses_step", False) and step is not None:
+        raise ValueError("step selects redrawn random features, but the model has redraw_every=0: "
+                         "do not pass step")
+
+
+def _step_kw(step) -> dict[str, Any]:
+    return {} if step is None else {"step": step}
+
+
 def _make_stepper(model, params, inputs, inputs_mask, max_len: int, use_cache: bool,
-                  repeat: int = 1) -> tuple[Callable, Any]:
+                  repeat: int = 1, step=None) -> tuple[Callable, Any]:
     """Encodes once; returns (step(state, token [N], t) -> (log-probs [N, V], state), state0).
 
     N = B * repeat (beam search repeats every example `repeat` times, beams adjacent). Every leaf
     of the state has N as its leading axis, so beam search can reorder it.
     """
     variables = {"params": params}
-    memory, memory_mask = model.apply(variables, inputs, inputs_mask, method="encode")
+    kw = _step_kw(step)
+    memory, memory_mask = model.apply(variables, inputs, inputs_mask, method="encode", **kw)
     if repeat > 1:
         memory = jnp.repeat(memory, repeat, axis=0)
         memory_mask = jnp.repeat(memory_mask, repeat, axis=0)
     n = memory.shape[0]
     if use_cache:
-        static, dynamic = model.apply(variables, memory, memory_mask, method="init_cache")
+        static, dynamic = model.apply(variables, memory, memory_mask, method="init_cache", **kw)
 
-        def step(state, token, t):
-            logits, state = model.apply(variables, static, state, token, t, method="decode_step")
+        def step_cached(state, token, t):
+            logits, state = model.apply(variables, static, state, token, t, method="decode_step",
+                                        **kw)
             return _log_probs(model, logits), state
-        return step, dynamic
+        return step_cached, dynamic
 
     def step_recompute(buffer, token, t):
         buffer = jax.lax.dynamic_update_slice_in_dim(buffer, token[:, None].astype(buffer.dtype),
                                                      t, axis=1)
-        logits = model.apply(variables, buffer, memory, memory_mask, method="decode")
+        logits = model.apply(variables, buffer, memory, memory_mask, method="decode", **kw)
         row = jax.lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)
         return _log_probs(model, row), buffer
     return step_recompute, jnp.full((n, max_len), model.pad_id, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "use_cache"))
-def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool):
-    step, state = _make_stepper(model, params, inputs, inputs_mask, max_len, use_cache)
+def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, step):
+    advance, state = _make_stepper(model, params, inputs, inputs_mask, max_len, use_cache,
+                                   step=step)
     b = inputs.shape[0]
     out = jnp.full((b, max_len), model.pad_id, jnp.int32)
     scores = jnp.zeros((b,), jnp.float32)
@@ -107,7 +127,7 @@ def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool):
 
     def body(c):
         t, token, state, out, scores, done = c
-        logp, state = step(state, token, t)
+        logp, state = advance(state, token, t)
         nxt = jnp.argmax(logp, axis=-1).astype(jnp.int32)
         gain = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]
         nxt = jnp.where(done, model.pad_id, nxt)
@@ -120,7 +140,7 @@ def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool):
 
 
 def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
-                  use_cache: Optional[bool] = None) -> tuple[Array, Array]:
+                  use_cache: Optional[bool] = None, step=None) -> tuple[Array, Array]:
     """Greedy decoding.
 
     Args:
@@ -131,6 +151,8 @@ def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
       inputs_mask: optional bool `[B, S]` (default inputs != pad_id).
       use_cache: recurrent state (True), recomputation (False), or None = whatever the model
         supports (cache unless exact softmax).
+      step: training-step index selecting the random features; required iff the model has
+        redraw_every > 0 (see the module docstring).
 
     Returns:
       (ids int32 `[B, max_len]` ending with EOS then PAD, scores float32 `[B]` = sum of the
@@ -138,7 +160,8 @@ def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
     """
     use_cache = _resolve_cache(model, use_cache)
     _check(model, inputs, max_len, use_cache)
-    return _greedy(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache)
+    _check_step(model, step)
+    return _greedy(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, step)
 
 
 def length_normaliser(lengths: Array, alpha: float) -> Array:
@@ -149,10 +172,11 @@ def length_normaliser(lengths: Array, alpha: float) -> Array:
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "use_cache", "beam_size",
                                              "length_penalty"))
 def _beam(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, beam_size: int,
-          length_penalty: float):
+          length_penalty: float, step):
     k = beam_size
     b = inputs.shape[0]
-    step, state = _make_stepper(model, params, inputs, inputs_mask, max_len, use_cache, repeat=k)
+    advance, state = _make_stepper(model, params, inputs, inputs_mask, max_len, use_cache,
+                                   repeat=k, step=step)
     vocab = model.target_vocab_size
     # Only beam 0 is alive at the start, so the first expansion has no duplicates.
     scores = jnp.tile(jnp.asarray([0.0] + [NEG] * (k - 1), jnp.float32), (b, 1))
@@ -167,7 +191,7 @@ def _beam(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, bea
 
     def body(c):
         t, token, state, seqs, scores, lengths, done = c
-        logp, state = step(state, token, t)
+        logp, state = advance(state, token, t)
         logp = logp.reshape(b, k, vocab)
         logp = jnp.where(done[..., None], finished_row, logp)
         cand = (scores[..., None] + logp).reshape(b, k * vocab)
@@ -192,11 +216,11 @@ def _beam(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, bea
 
 def beam_search(model, params, inputs, *, beam_size: int, max_len: int, inputs_mask=None,
                 length_penalty: float = 0.0,
-                use_cache: Optional[bool] = None) -> tuple[Array, Array]:
+                use_cache: Optional[bool] = None, step=None) -> tuple[Array, Array]:
     """Beam search (see the module docstring).
 
     Args:
-      model, params, inputs, max_len, inputs_mask, use_cache: as in `greedy_search`.
+      model, params, inputs, max_len, inputs_mask, use_cache, step: as in `greedy_search`.
       beam_size: K >= 1 (at most target_vocab_size - 2: PAD and BOS are never generated).
       length_penalty: GNMT alpha >= 0 for the final ranking (0 = raw log-probability).
 
@@ -211,28 +235,31 @@ def beam_search(model, params, inputs, *, beam_size: int, max_len: int, inputs_m
                          f"{model.target_vocab_size - 2}], got {beam_size!r}")
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
+    _check_step(model, step)
     return _beam(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, beam_size,
-                 float(length_penalty))
+                 float(length_penalty), step)
 
 
-def sequence_log_probs(model, params, inputs, targets, *, inputs_mask=None) -> Array:
+def sequence_log_probs(model, params, inputs, targets, *, inputs_mask=None, step=None) -> Array:
     """Teacher-forced sum of log p(target token) up to and including the first EOS, `[B]`.
 
     PAD and BOS are scored as during search (banned, not renormalised), so this recomputes the
-    beam scores. targets int `[B, T]` (T <= max_target_len).
+    beam scores. targets int `[B, T]` (T <= max_target_len); `step` as in `greedy_search`.
     """
+    _check_step(model, step)
     return _sequence_log_probs(model, params, jnp.asarray(inputs), jnp.asarray(targets),
-                               inputs_mask)
+                               inputs_mask, step)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _sequence_log_probs(model, params, inputs, targets, inputs_mask):
+def _sequence_log_probs(model, params, inputs, targets, inputs_mask, step):
     variables = {"params": params}
-    memory, memory_mask = model.apply(variables, inputs, inputs_mask, method="encode")
+    kw = _step_kw(step)
+    memory, memory_mask = model.apply(variables, inputs, inputs_mask, method="encode", **kw)
     targets = jnp.asarray(targets, jnp.int32)
     bos = jnp.full(targets.shape[:1] + (1,), model.bos_id, jnp.int32)
     decoder_inputs = jnp.concatenate([bos, targets[:, :-1]], axis=1)
-    logits = model.apply(variables, decoder_inputs, memory, memory_mask, method="decode")
+    logits = model.apply(variables, decoder_inputs, memory, memory_mask, method="decode", **kw)
     logp = jnp.take_along_axis(_log_probs(model, logits), targets[..., None], axis=-1)[..., 0]
     before_eos = jnp.cumsum(targets == model.eos_id, axis=1) - (targets == model.eos_id)
     return jnp.sum(jnp.where(before_eos == 0, logp, 0.0), axis=1)
@@ -283,8 +310,10 @@ def _text_fns(config, builder):
                      f"got {name!r}")
 
 
-def make_bleu_evaluator(config) -> Callable[[Any, Any, Any], Mapping[str, float]]:
-    """Evaluator `fn(params, model, config) -> {'bleu', 'chrf', 'exact_match'}` for the trainer.
+def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
+    """Evaluator `fn(params, model, config, *, step=None) -> {'bleu', 'chrf', 'exact_match'}`.
+
+    The trainer passes `step` (the last update's index) to a model that `uses_step`.
 
     Decodes `config.data.eval_split` (the first `config.decode.max_examples` examples, else the
     first `config.eval_max_examples`, else all) in batches of `config.eval_batch_size` with greedy
@@ -314,7 +343,7 @@ def make_bleu_evaluator(config) -> Callable[[Any, Any, Any], Mapping[str, float]
             cache["to_text"], cache["tokenize"] = _text_fns(config, builder)
         return cache
 
-    def evaluate(params, model, cfg) -> dict[str, float]:
+    def evaluate(params, model, cfg, *, step=None) -> dict[str, float]:
         from zoo_core import textmetrics  # pylint: disable=import-outside-toplevel
 
         data = load()
@@ -329,11 +358,12 @@ def make_bleu_evaluator(config) -> Callable[[Any, Any, Any], Mapping[str, float]
             if real < batch:   # pad to one shape: one compile
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
             if options["beam_size"] == 1:
-                ids, _ = greedy_search(model, params, chunk, max_len=max_len, use_cache=use_cache)
+                ids, _ = greedy_search(model, params, chunk, max_len=max_len, use_cache=use_cache,
+                                       step=step)
             else:
                 ids, _ = beam_search(model, params, chunk, beam_size=options["beam_size"],
                                      max_len=max_len, length_penalty=options["length_penalty"],
-                                     use_cache=use_cache)
+                                     use_cache=use_cache, step=step)
                 ids = ids[:, 0]
             hyps.extend(data["to_text"](row) for row in np.asarray(ids)[:real])
         return textmetrics.translation_metrics(hyps, data["refs"], tokenize=data["tokenize"])

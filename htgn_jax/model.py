@@ -43,9 +43,13 @@ aux: 'loss/kl' = kl_weight * L_KL (a scalar the trainer adds to the task loss; 0
 or without graph layers) and 'graph/kl' = L_KL unweighted, the mean of KL(alpha_i || uniform) over
 (layer, head, valid node) of every graph-attention layer (§5.7).
 
-Random features: Omega is `FavorAttention`'s deterministic draw 0 (`redraw_every=0`), shared by
-all layers unless `per_layer_features=True`. The shared trainer passes no step counter, so the
-periodic redraw of §2.4 is not available here.
+Random features: Omega is `FavorAttention`'s deterministic draw, shared by all layers unless
+`per_layer_features=True`. With `redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model
+`uses_step`: every public method takes `step=` (the training-step index) and the draw in force is
+Omega(step // k), a pure function of the seed and the step; the shared trainer passes the update's
+index while training and the last update's index at evaluation, so evaluation and decoding use the
+features the parameters were last trained with (frozen between redraws). With k = 0 it is draw 0
+throughout and `step` is not needed.
 
 Decoding (`htgn_jax.decoding`) uses the methods `encode`, `decode`, `init_cache` and
 `decode_step` of `Seq2Seq`: the FAVOR+ (S, z) state, the rolling window cache of the causal
@@ -149,6 +153,10 @@ def _check_common(m) -> None:
     if m.attention_dropout and not m.use_graph_conv:
         _fail("attention_dropout acts on the graph-attention probabilities (spec §5.6), but "
               "use_graph_conv=False")
+    _check_int("redraw_every", m.redraw_every, 0)
+    if m.redraw_every and (m.attention != "favor" or m.feature_map != "softmax"):
+        _fail(f"redraw_every redraws the FAVOR+ random features, so it needs attention='favor' and "
+              f"feature_map='softmax', got attention={m.attention!r}, feature_map={m.feature_map!r}")
 
 
 def _check_model(m) -> None:
@@ -165,7 +173,7 @@ def _attention_kwargs(m) -> dict[str, Any]:
     feature_map = "exact" if m.attention == "softmax" else m.feature_map
     return dict(num_heads=m.num_heads, head_dim=m.d_model // m.num_heads, feature_map=feature_map,
                 num_features=m.num_features if feature_map == "softmax" else None,
-                dtype=m.dtype, param_dtype=m.param_dtype)
+                redraw_every=m.redraw_every, dtype=m.dtype, param_dtype=m.param_dtype)
 
 
 class _Residual(nn.Module):
@@ -207,7 +215,7 @@ class EncoderBlock(_Residual):
 
     Attributes:
       d_model, num_heads, mlp_dim: width d, heads H (d_h = d / H), FFN width d_ff.
-      attention, feature_map, num_features: see `Seq2Seq`.
+      attention, feature_map, num_features, redraw_every: see `Seq2Seq`.
       window, num_global: WinGAT radius w and the g leading global nodes.
       use_graph_conv, use_hrpe, gat_version: ablation switches (spec §5.13).
       dropout_rate: dropout on residual branches and inside the FFN.
@@ -223,6 +231,7 @@ class EncoderBlock(_Residual):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    redraw_every: int = 0
     window: int = 4
     num_global: int = 0
     use_graph_conv: bool = True
@@ -254,11 +263,15 @@ class EncoderBlock(_Residual):
         self._setup_mlp()
 
     def __call__(self, x: Array, mask: Array, positions: Optional[Array], *,
-                 deterministic: bool = True) -> tuple[Array, Array, Array]:
-        """Returns (x `[B, L, d]`, kl_sum, kl_count) (KL terms 0 without graph layers)."""
+                 deterministic: bool = True,
+                 step: Optional[Array] = None) -> tuple[Array, Array, Array]:
+        """Returns (x `[B, L, d]`, kl_sum, kl_count) (KL terms 0 without graph layers).
+
+        `step`: training-step index selecting the FAVOR+ random-feature draw (redraw_every > 0).
+        """
         x = self._residual(x, self.self_attention_norm,
                            lambda h: self.self_attention(h, mask=mask, positions=positions,
-                                                         deterministic=deterministic),
+                                                         deterministic=deterministic, step=step),
                            deterministic)
         kl_sum = kl_count = jnp.zeros((), jnp.float32)
         if self.use_graph_conv:
@@ -291,6 +304,7 @@ class DecoderBlock(_Residual):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    redraw_every: int = 0
     window: int = 4
     num_global: int = 0
     cross_window: int = 4
@@ -341,9 +355,11 @@ class DecoderBlock(_Residual):
         return self.use_graph_conv and self.use_cross_graph
 
     def __call__(self, y: Array, memory: Array, memory_mask: Array, mask: Array, *,
-                 deterministic: bool = True) -> tuple[Array, Array, Array]:
+                 deterministic: bool = True,
+                 step: Optional[Array] = None) -> tuple[Array, Array, Array]:
         """Teacher-forced pass. mask `[B, T]` marks real decoder inputs (graph layers only:
-        padding sits after the real tokens, so causal attention needs no mask).
+        padding sits after the real tokens, so causal attention needs no mask). `step` selects
+        the FAVOR+ random-feature draw (redraw_every > 0).
 
         Returns (y `[B, T, d]`, kl_sum, kl_count).
         """
@@ -354,7 +370,8 @@ class DecoderBlock(_Residual):
             kl[1] = kl[1] + aux["kl_count"]
 
         y = self._residual(y, self.self_attention_norm,
-                           lambda h: self.self_attention(h, deterministic=deterministic),
+                           lambda h: self.self_attention(h, deterministic=deterministic,
+                                                         step=step),
                            deterministic)
         if self.use_graph_conv:
             def graph(h):
@@ -364,7 +381,8 @@ class DecoderBlock(_Residual):
             y = self._residual(y, self.graph_norm, graph, deterministic)
         y = self._residual(y, self.cross_attention_norm,
                            lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
-                                                                deterministic=deterministic),
+                                                                deterministic=deterministic,
+                                                                step=step),
                            deterministic)
         if self._has_cross_graph:
             def cross_graph(h):
@@ -376,8 +394,9 @@ class DecoderBlock(_Residual):
         y = self._residual(y, self.mlp_norm, lambda h: self._mlp(h, deterministic), deterministic)
         return y, kl[0], kl[1]
 
-    def init_cache(self, memory: Array, memory_mask: Array) -> tuple[dict, dict]:
-        """(static, dynamic) decoding caches for a batch of B sources.
+    def init_cache(self, memory: Array, memory_mask: Array, *,
+                   step: Optional[Array] = None) -> tuple[dict, dict]:
+        """(static, dynamic) decoding caches for a batch of B sources (`step`: the feature draw).
 
         static (computed once per source): 'cross' = `FavorState` Z_M = phi(K_M)^T V_M
         `[B, H, M, d_h]`, t_M `[B, H, M]`; 'cross_graph' = projected memory {'value' `[B, L, H,
@@ -386,7 +405,8 @@ class DecoderBlock(_Residual):
         d_h]`, (v1) 'key'}. Every leaf has the batch as its leading axis.
         """
         b = memory.shape[0]
-        static = {"cross": self.cross_attention.cross_cache(memory, memory_mask=memory_mask)}
+        static = {"cross": self.cross_attention.cross_cache(memory, memory_mask=memory_mask,
+                                                            step=step)}
         dynamic = {"self": self.self_attention.init_state(b)}
         if self.use_graph_conv:
             dynamic["graph"] = self.graph.init_state(b)
@@ -395,13 +415,17 @@ class DecoderBlock(_Residual):
                                                                     memory_mask=memory_mask)
         return static, dynamic
 
-    def step(self, static: dict, dynamic: dict, y_t: Array, position: Array) -> tuple[Array, dict]:
-        """One token `[B, d]` at decoder index `position` (int scalar); O(1) attention work."""
+    def step(self, static: dict, dynamic: dict, y_t: Array, position: Array, *,
+             step: Optional[Array] = None) -> tuple[Array, dict]:
+        """One token `[B, d]` at decoder index `position` (int scalar); O(1) attention work.
+
+        `step` selects the FAVOR+ random-feature draw (the one `init_cache` used).
+        """
         new = {}
 
         def self_attention(h):
             out, new["self"] = self.self_attention.step(
-                dynamic["self"], h, position if self.use_hrpe else None)
+                dynamic["self"], h, position if self.use_hrpe else None, step=step)
             return out
 
         y_t = self._residual_step(y_t, self.self_attention_norm, self_attention)
@@ -411,7 +435,8 @@ class DecoderBlock(_Residual):
                 return out
             y_t = self._residual_step(y_t, self.graph_norm, graph)
         y_t = self._residual_step(y_t, self.cross_attention_norm,
-                                  lambda h: self.cross_attention.cross_step(static["cross"], h))
+                                  lambda h: self.cross_attention.cross_step(static["cross"], h,
+                                                                            step=step))
         if self._has_cross_graph:
             y_t = self._residual_step(
                 y_t, self.cross_graph_norm,
@@ -425,7 +450,7 @@ def _block_kwargs(m, fields: tuple[str, ...]) -> dict[str, Any]:
 
 
 _SHARED_BLOCK_FIELDS = ("d_model", "num_heads", "mlp_dim", "attention", "feature_map",
-                        "num_features", "window", "num_global", "use_graph_conv", "use_hrpe",
+                        "num_features", "redraw_every", "window", "num_global", "use_graph_conv", "use_hrpe",
                         "gat_version", "dropout_rate", "attention_dropout", "norm", "dtype",
                         "param_dtype")
 
@@ -443,6 +468,7 @@ class Encoder(nn.Module):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    redraw_every: int = 0
     window: int = 4
     num_global: int = 0
     use_graph_conv: bool = True
@@ -468,8 +494,12 @@ class Encoder(nn.Module):
         if self.norm == "pre":
             self.final_norm = _layer_norm(self, "final_norm")
 
-    def __call__(self, tokens: Array, mask: Array, *, deterministic: bool = True):
-        """Returns (memory `[B, g+N, d]`, memory_mask `[B, g+N]`, kl_sum, kl_count)."""
+    def __call__(self, tokens: Array, mask: Array, *, deterministic: bool = True,
+                 step: Optional[Array] = None):
+        """Returns (memory `[B, g+N, d]`, memory_mask `[B, g+N]`, kl_sum, kl_count).
+
+        `step` selects the FAVOR+ random-feature draw (redraw_every > 0).
+        """
         b, n, _ = tokens.shape
         g = self.num_global
         x, positions = tokens, None
@@ -484,11 +514,21 @@ class Encoder(nn.Module):
                                          jnp.arange(n, dtype=jnp.int32)])
         kl_sum = kl_count = jnp.zeros((), jnp.float32)
         for block in self.blocks:
-            x, s, c = block(x, mask, positions, deterministic=deterministic)
+            x, s, c = block(x, mask, positions, deterministic=deterministic, step=step)
             kl_sum, kl_count = kl_sum + s, kl_count + c
         if self.norm == "pre":
             x = self.final_norm(x)
         return x, mask, kl_sum, kl_count
+
+
+def _check_step(m, step: Any) -> None:
+    """`step` is required with redraw_every > 0 (it selects the random features) and refused without."""
+    if m.redraw_every and step is None:
+        _fail(f"redraw_every={m.redraw_every} makes the random features depend on the training step: "
+              f"pass step= (the index of the last training update, trainer.eval_step_index(steps_done))")
+    if not m.redraw_every and step is not None:
+        _fail("step selects the redrawn FAVOR+ features, but redraw_every=0 (one fixed draw): "
+              "do not pass step")
 
 
 def _aux(m, kl_sum: Array, kl_count: Array) -> dict[str, Array]:
@@ -531,6 +571,8 @@ class Seq2Seq(nn.Module):
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+.
       per_layer_features: a FAVOR+ projection per layer (default: one shared by all layers).
+      redraw_every: redraw the FAVOR+ features every k training steps (0 = one fixed draw); then
+        every public method takes `step=` (see the module docstring).
       share_embeddings: one table for source, target and output (needs equal vocab sizes).
       max_source_len: longest accepted source; rows of the learned source position table
         (use_hrpe=False).
@@ -550,6 +592,7 @@ class Seq2Seq(nn.Module):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    redraw_every: int = 0
     window: int = 4
     num_global: int = 2
     cross_window: int = 4
@@ -585,6 +628,11 @@ class Seq2Seq(nn.Module):
     @property
     def decoder_layers(self) -> int:
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def uses_step(self) -> bool:
+        """Whether the forward pass depends on the training step (the trainer then passes it)."""
+        return self.redraw_every > 0
 
     @property
     def supports_cache(self) -> bool:
@@ -708,57 +756,70 @@ class Seq2Seq(nn.Module):
             _fail(f"{what} has length {length} > max_target_len={self.max_target_len} (the decoder "
                   f"position encodings cover max_target_len positions)")
 
-    def _encode(self, inputs: Array, mask: Array, deterministic: bool):
+    def _encode(self, inputs: Array, mask: Array, deterministic: bool, step: Optional[Array]):
         tokens = self._source_tokens(inputs, mask, deterministic)
-        return self.encoder(tokens, mask, deterministic=deterministic)
+        return self.encoder(tokens, mask, deterministic=deterministic, step=step)
 
-    def encode(self, inputs: Array, inputs_mask: Optional[Array] = None) -> tuple[Array, Array]:
+    def encode(self, inputs: Array, inputs_mask: Optional[Array] = None, *,
+               step: Optional[Array] = None) -> tuple[Array, Array]:
         """Encoder (deterministic): inputs int `[B, S]` -> (memory `[B, g+S, d]`, memory mask
-        `[B, g+S]`)."""
+        `[B, g+S]`). `step`: the feature draw (required iff redraw_every > 0)."""
+        _check_step(self, step)
         inputs, mask = self._check_inputs(inputs, inputs_mask)
-        memory, memory_mask, _, _ = self._encode(inputs, mask, True)
+        memory, memory_mask, _, _ = self._encode(inputs, mask, True, step)
         return memory, memory_mask
 
     def _decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array,
-                deterministic: bool):
+                deterministic: bool, step: Optional[Array]):
         t = decoder_inputs.shape[1]
         y = self._target_tokens(decoder_inputs, jnp.arange(t), deterministic)
         mask = decoder_inputs != self.pad_id
         kl_sum = kl_count = jnp.zeros((), jnp.float32)
         for block in self.decoder_blocks:
-            y, s, c = block(y, memory, memory_mask, mask, deterministic=deterministic)
+            y, s, c = block(y, memory, memory_mask, mask, deterministic=deterministic, step=step)
             kl_sum, kl_count = kl_sum + s, kl_count + c
         return self._logits(y), kl_sum, kl_count
 
-    def decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array) -> Array:
+    def decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array, *,
+               step: Optional[Array] = None) -> Array:
         """Teacher-forced decoder (deterministic): decoder_inputs int `[B, T]` (BOS first)
-        -> logits float32 `[B, T, V]`. Position t depends only on decoder_inputs[:, :t+1]."""
+        -> logits float32 `[B, T, V]`. Position t depends only on decoder_inputs[:, :t+1].
+        `step`: the feature draw (required iff redraw_every > 0)."""
+        _check_step(self, step)
         decoder_inputs = _check_int_array("decoder_inputs", decoder_inputs, 2, "[B, T]")
         self._check_target_length(decoder_inputs.shape[1], "decoder_inputs")
-        return self._decode(decoder_inputs, memory, memory_mask, True)[0]
+        return self._decode(decoder_inputs, memory, memory_mask, True, step)[0]
 
-    def init_cache(self, memory: Array, memory_mask: Array) -> tuple[list, list]:
-        """(static, dynamic) per-decoder-layer caches (see `DecoderBlock.init_cache`)."""
+    def init_cache(self, memory: Array, memory_mask: Array, *,
+                   step: Optional[Array] = None) -> tuple[list, list]:
+        """(static, dynamic) per-decoder-layer caches (see `DecoderBlock.init_cache`).
+        `step`: the feature draw (required iff redraw_every > 0)."""
         if not self.supports_cache:
             _fail("init_cache needs attention='favor' with a kernel feature_map (exact softmax "
                   "has no constant-size state); decode by recomputation instead")
-        pairs = [block.init_cache(memory, memory_mask) for block in self.decoder_blocks]
+        _check_step(self, step)
+        pairs = [block.init_cache(memory, memory_mask, step=step) for block in self.decoder_blocks]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def decode_step(self, static: list, dynamic: list, token: Array,
-                    position: Array) -> tuple[Array, list]:
+                    position: Array, *, step: Optional[Array] = None) -> tuple[Array, list]:
         """One decoding step: token int `[B]` at decoder index `position` (int scalar, <
         max_target_len) -> (logits float32 `[B, V]`, new dynamic cache). Equal to row
-        `position` of `decode` on the same prefix."""
+        `position` of `decode` on the same prefix. `step`: the feature draw `init_cache` used
+        (required iff redraw_every > 0)."""
+        _check_step(self, step)
         position = jnp.asarray(position, jnp.int32)
         y = self._target_tokens(token[:, None], position[None], True)[:, 0]
         new_dynamic = []
         for block, st, dyn in zip(self.decoder_blocks, static, dynamic):
-            y, dyn = block.step(st, dyn, y, position)
+            y, dyn = block.step(st, dyn, y, position, step=step)
             new_dynamic.append(dyn)
         return self._logits(y), new_dynamic
 
-    def __call__(self, batch: dict, *, train: bool = False):
+    def __call__(self, batch: dict, *, train: bool = False, step: Optional[Array] = None):
+        """Teacher-forced forward pass (see the class docstring); `step` is the training-step
+        index (required iff redraw_every > 0: the update's index while training)."""
+        _check_step(self, step)
         if "inputs" not in batch or "targets" not in batch:
             _fail(f"batch must contain 'inputs' [B, S] and 'targets' [B, T] ids, got keys "
                   f"{sorted(batch)}")
@@ -769,10 +830,10 @@ class Seq2Seq(nn.Module):
                   f"{inputs.shape[0]}")
         self._check_target_length(targets.shape[1], "batch['targets']")
         det = not train
-        memory, memory_mask, kl_sum, kl_count = self._encode(inputs, mask, det)
+        memory, memory_mask, kl_sum, kl_count = self._encode(inputs, mask, det, step)
         bos = jnp.full(targets.shape[:1] + (1,), self.bos_id, targets.dtype)
         decoder_inputs = jnp.concatenate([bos, targets[:, :-1]], axis=1)
-        logits, s, c = self._decode(decoder_inputs, memory, memory_mask, det)
+        logits, s, c = self._decode(decoder_inputs, memory, memory_mask, det, step)
         return {"logits": logits}, _aux(self, kl_sum + s, kl_count + c)
 
 
@@ -808,6 +869,7 @@ class Classifier(nn.Module):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    redraw_every: int = 0
     window: int = 5
     num_global: int = 1
     num_pe: int = 8
@@ -822,6 +884,11 @@ class Classifier(nn.Module):
     per_layer_features: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
+
+    @property
+    def uses_step(self) -> bool:
+        """Whether the forward pass depends on the training step (the trainer then passes it)."""
+        return self.redraw_every > 0
 
     @property
     def grid(self) -> int:
@@ -855,7 +922,9 @@ class Classifier(nn.Module):
                                **_block_kwargs(self, _SHARED_BLOCK_FIELDS))
         self.head = nn.Dense(self.num_classes, name="head", **dense)
 
-    def __call__(self, batch: dict, *, train: bool = False):
+    def __call__(self, batch: dict, *, train: bool = False, step: Optional[Array] = None):
+        """Forward pass (see the class docstring); `step` as in `Seq2Seq.__call__`."""
+        _check_step(self, step)
         key = "image" if "image" in batch else "inputs"
         if key not in batch:
             _fail(f"batch must contain 'image' (or 'inputs') [B, H, W, C], got keys "
@@ -878,7 +947,7 @@ class Classifier(nn.Module):
         det = not train
         h = self.dropout(h, deterministic=det)
         mask = jnp.ones((b, gr * gr), bool)
-        memory, _, kl_sum, kl_count = self.encoder(h, mask, deterministic=det)
+        memory, _, kl_sum, kl_count = self.encoder(h, mask, deterministic=det, step=step)
         pooled = memory[:, 0] if self.pool == "cls" else jnp.mean(memory[:, self.num_global:], 1)
         logits = self.head(pooled).astype(jnp.float32)
         return {"logits": logits}, _aux(self, kl_sum, kl_count)

@@ -7,6 +7,10 @@ clipping at 1.0.
 """
 
 OPTIMIZERS = ("adamw", "lamb", "ranger")
+# FAVOR+ random features are redrawn every this many training steps (htgn.md §2.4, §5.4) and frozen
+# at evaluation; smoke runs redraw every step so that the short run exercises the redraw.
+REDRAW_EVERY = 1000
+SMOKE_REDRAW_EVERY = 1
 
 
 def apply_recipe(c, *, optimizer: str, learning_rate: float, warmup_steps: int):

@@ -15,7 +15,7 @@ Expected: eval/accuracy >= 0.95 after the default 2000 steps (measured 0.964 at 
 0.96-0.97 from step 500 on; about 6 steps/s on a shared 2-core CPU).
 """
 from configs import common
-from configs.htgn import apply_recipe
+from configs.htgn import REDRAW_EVERY, SMOKE_REDRAW_EVERY, apply_recipe
 
 
 def get_config(arg=None):
@@ -61,6 +61,7 @@ def get_config(arg=None):
     c.model.dropout_rate = 0.1
     c.model.attention = args.attention
     if args.attention == "favor":
+        c.model.redraw_every = SMOKE_REDRAW_EVERY if args.smoke else REDRAW_EVERY
         for key, value in htgn_model.ABLATIONS[args.ablation].items():
             c.model[key] = value
         if args.ablation == "no_global":

@@ -18,7 +18,7 @@ Expected (HTGN, default 2000 steps, batch 64): eval/bleu = 100 and eval/exact_ma
 2,000 validation numbers; measured already at step 1000 (about 6 steps/s on a shared 2-core CPU).
 """
 from configs import common
-from configs.htgn import apply_recipe
+from configs.htgn import REDRAW_EVERY, SMOKE_REDRAW_EVERY, apply_recipe
 
 SOURCE_VOCAB, TARGET_VOCAB = 38, 37      # number_words.vocab_sizes('en_de')
 MAX_SOURCE, MAX_TARGET = 15, 12          # number_words.max_lengths('en_de', 1)
@@ -69,6 +69,7 @@ def get_config(arg=None):
     if args.attention == "favor":
         c.model.rho = RHO
         c.model.kl_weight = 1e-3
+        c.model.redraw_every = SMOKE_REDRAW_EVERY if args.smoke else REDRAW_EVERY
         for key, value in htgn_model.ABLATIONS[args.ablation].items():
             c.model[key] = value
     elif args.ablation != "none":

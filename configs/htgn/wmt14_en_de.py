@@ -15,7 +15,7 @@ records no reference BLEU for HTGN (the model card has no results), so eval/bleu
 is reported against the softmax baseline trained with the same config (`attention=softmax`).
 """
 from configs import common
-from configs.htgn import apply_recipe
+from configs.htgn import REDRAW_EVERY, SMOKE_REDRAW_EVERY, apply_recipe
 
 VOCAB_SIZE = 32000
 MAX_LENGTH = 256
@@ -67,6 +67,7 @@ def get_config(arg=None):
         c.model.rho = 1.0
         c.model.kl_weight = 1e-3
         c.model.attention_dropout = 0.1
+        c.model.redraw_every = SMOKE_REDRAW_EVERY if args.smoke else REDRAW_EVERY
         for key, value in htgn_model.ABLATIONS[args.ablation].items():
             c.model[key] = value
         if not c.model.get("use_graph_conv", True):

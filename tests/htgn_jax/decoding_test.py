@@ -122,3 +122,19 @@ def test_decode_options_and_evaluator_selection():
     c.decode = {"beams": 2}
     with pytest.raises(ValueError, match="unknown keys"):
         decoding.decode_options(c)
+
+
+def test_redrawn_features_decode_with_the_given_step_cache_equals_recomputation():
+    model = Model(**SEQ, redraw_every=2)
+    step = jnp.int32(3)          # draw 1
+    ids, scores = decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN, step=step)
+    ref_ids, ref_scores = decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN,
+                                                 use_cache=False, step=step)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(scores, ref_scores, **F32_MODEL)
+    rescored = decoding.sequence_log_probs(model, PARAMS, _inputs(), ids, step=step)
+    np.testing.assert_allclose(rescored, scores, **F32_MODEL)
+    with pytest.raises(ValueError, match="pass step="):
+        decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="do not pass step"):
+        decoding.beam_search(MODEL, PARAMS, _inputs(), beam_size=2, max_len=MAX_LEN, step=3)

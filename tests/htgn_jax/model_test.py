@@ -120,6 +120,30 @@ def test_train_mode_dropout_drop_path_and_zero_kl_weight():
     assert float(aux["loss/kl"]) == 0.0 and float(aux["graph/kl"]) > 0.0
 
 
+def test_feature_redraw_follows_the_step_and_is_required_exactly_when_used():
+    """redraw_every=k: the draw is Omega(step // k) (spec §2.4); draw 0 is the fixed model's."""
+    fixed, params = _init()
+    model = Model(**SEQ, redraw_every=2)
+    assert model.uses_step and not fixed.uses_step
+    run = jax.jit(lambda p, b, s: model.apply({"params": p}, b, step=s))
+    batch = _batch()
+    by_step = [np.asarray(run(params, batch, jnp.int32(s))[0]["logits"]) for s in range(4)]
+    np.testing.assert_array_equal(by_step[0], by_step[1])                # one draw per window
+    np.testing.assert_array_equal(by_step[2], by_step[3])
+    assert not np.allclose(by_step[1], by_step[2], atol=1e-4)             # redrawn at step 2
+    np.testing.assert_array_equal(by_step[0], np.asarray(_forward(fixed)(params, batch)[0]["logits"]))
+    with pytest.raises(ValueError, match="pass step="):
+        model.apply({"params": params}, batch)
+    with pytest.raises(ValueError, match="do not pass step"):
+        fixed.apply({"params": params}, batch, step=3)
+    cls = Model(**CLS, redraw_every=5)
+    assert cls.uses_step
+    out = jax.eval_shape(lambda: cls.init_with_output(jax.random.PRNGKey(0), _image(), step=7))[0]
+    assert out[0]["logits"].shape == (B, 10)
+    with pytest.raises(ValueError, match="pass step="):
+        jax.eval_shape(lambda: cls.init(jax.random.PRNGKey(0), _image()))
+
+
 def test_classifier_shapes_and_aux():
     model = Model(**CLS)
     params = random_params(model, _image())
@@ -291,6 +315,9 @@ def test_softmax_baseline_has_the_same_attention_and_no_graph():
     (dict(attention="softmax", feature_map="relu"), "feature_map applies to attention='favor'"),
     (dict(use_graph_conv=False, attention_dropout=0.1), "attention_dropout"),
     (dict(feature_map="relu", num_features=16), "num_features applies to"),
+    (dict(redraw_every=-1), "redraw_every must be an int"),
+    (dict(attention="softmax", redraw_every=10), "redraw_every redraws the FAVOR"),
+    (dict(feature_map="relu", redraw_every=10), "redraw_every redraws the FAVOR"),
 ])
 def test_bad_model_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
