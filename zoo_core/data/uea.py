@@ -390,6 +390,9 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """
     if options.get("normalization", "") is None:
         options = {**options, "normalization": "none"}
+    if options.get("source_dir") == "":
+        # Configs spell "not given" as '' (a typed string field); abspath('') would be the cwd.
+        options = {**options, "source_dir": None}
     if isinstance(options.get("source_dir"), (str, os.PathLike)):
         # Absolute, so that the option (and the prepared directory it names) does not depend on the cwd.
         options = {**options, "source_dir": os.path.abspath(os.path.expanduser(os.fspath(options["source_dir"])))}

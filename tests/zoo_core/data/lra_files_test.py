@@ -101,6 +101,8 @@ def test_pathfinder_resolution_and_label_range(tmp_path):
 def test_missing_files_messages(tmp_path):
     with pytest.raises(ValueError, match=r"pass source_dir=DIR with DIR/train\.tsv and DIR/test\.tsv"):
         zoo_data.make_builder("lra_text", str(tmp_path))
+    with pytest.raises(ValueError, match=r"pass source_dir=DIR with DIR/train\.tsv"):   # '' = not given
+        zoo_data.make_builder("lra_text", str(tmp_path), source_dir="")
     (tmp_path / "only_train").mkdir()
     np.savez(tmp_path / "only_train" / "train.npz", inputs=np.zeros((1, 32, 32), np.uint8), label=np.zeros(1, int))
     with pytest.raises(ValueError, match=r"missing .*only_train/test\.npz; put DIR/train\.npz and DIR/test\.npz"):

@@ -138,6 +138,9 @@ def test_missing_files_and_bad_options(tmp_path):
         uea.make_builder(str(tmp_path), dataset="Nope", source_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"'Nope' is not shipped .* pass source_dir=DIR"):
         uea.make_builder(str(tmp_path), dataset="Nope")
+    # '' (how configs spell "not given") means the shipped files, not the current directory.
+    with pytest.raises(ValueError, match=r"'Nope' is not shipped .* pass source_dir=DIR"):
+        uea.make_builder(str(tmp_path), dataset="Nope", source_dir="")
     with pytest.raises(ValueError, match="max_length"):
         uea.make_builder(str(tmp_path), dataset="Toy", max_length=0)
     with pytest.raises(ValueError, match="normalization"):
