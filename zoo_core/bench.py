@@ -547,7 +547,10 @@ def _measured_bytes(r: dict[str, Any]) -> int | None:
     if r["device_peak_bytes"]:
         return r["device_peak_bytes"]
     if r["peak_rss_per_record"] and r["peak_rss_bytes"] and r["rss_base_bytes"] is not None:
-        return max(r["peak_rss_bytes"] - r["rss_base_bytes"], 1)
+        growth = r["peak_rss_bytes"] - r["rss_base_bytes"]
+        # No growth means the process already held the memory (e.g. from a larger earlier record):
+        # nothing was measured, which is not the same as a 0-byte peak.
+        return growth if growth > 0 else None
     return None
 
 
@@ -570,6 +573,8 @@ def plot(records: Iterable[Result | dict], path: str | os.PathLike, *, title: st
 
     rows = _as_dicts(records)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    has_data = {ax_t: any(r["status"] == OK for r in rows),
+                ax_m: any(r["status"] == OK or r["est_bytes"] for r in rows)}
     for i, case in enumerate(dict.fromkeys(r["case"] for r in rows)):
         color = f"C{i}"
         ok = [r for r in rows if r["case"] == case and r["status"] == OK]
@@ -586,10 +591,13 @@ def plot(records: Iterable[Result | dict], path: str | os.PathLike, *, title: st
     if max_bytes:
         ax_m.axhline(max_bytes, color="gray", linestyle="--", label="max_bytes")
     for ax, ylabel in ((ax_t, "median time [s]"), (ax_m, "memory [bytes]")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xlabel("n")
         ax.set_ylabel(ylabel)
+        if not has_data[ax]:   # e.g. every record skipped: an empty panel, not a log-scale error
+            ax.text(0.5, 0.5, "no record ran", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if title:

@@ -100,6 +100,16 @@ def test_write_json_and_plot(tmp_path):
     png = bench.plot(data["records"], tmp_path / "r.png", title="t", max_bytes=2**16)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "skipped" in bench.format_table(records)
+    # Every record skipped: the plot is still written (no log-scale error on an empty panel).
+    skipped = [r for r in data["records"] if r["status"] == "skipped"]
+    assert bench.plot(skipped, tmp_path / "none.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_memory_is_unknown_when_the_rss_did_not_grow():
+    row = dict(device_peak_bytes=None, peak_rss_per_record=True, rss_base_bytes=1000)
+    assert bench._measured_bytes(dict(row, peak_rss_bytes=1000)) is None
+    assert bench._measured_bytes(dict(row, peak_rss_bytes=1500)) == 500
+    assert bench._measured_bytes(dict(row, device_peak_bytes=7, peak_rss_bytes=1500)) == 7
 
 
 def test_softmax_attention_script_runs(tmp_path):
