@@ -1,6 +1,7 @@
-"""Analysis helpers for HTGN: graph pictures, learned graph-attention maps, FAVOR+ error, test BLEU.
+"""Analysis helpers for HTGN: graph pictures, learned graph-attention maps, FAVOR+ error.
 
-Used by `notebooks/htgn_graphs.ipynb` and the results scripts; nothing here changes the model.
+Used by `notebooks/htgn_graphs.ipynb`; nothing here changes the model. (Test-split BLEU of a finished
+run: `python -m htgn_jax.train --config ... --workdir W --eval_only --eval_split=test`.)
 
 * `window_graph_adjacency` / `cross_graph_adjacency_matrix`: the static stencil graphs of spec
   §5.3 (window +-w plus g global nodes; causal window -w..0) and §5.5 (Cross-Graph: decoder node i
@@ -8,19 +9,15 @@ Used by `notebooks/htgn_graphs.ipynb` and the results scripts; nothing here chan
   matrices, for pictures only (the model never builds them).
 * `graph_attention_maps`: the attention coefficients alpha of every graph layer of a trained model
   on a batch (GATv2/GAT, spec §3.1), as dense `[B, H, rows, cols]` maps. The layers return only
-  their KL terms, so the coefficients are recomputed from each layer's own inputs and parameters
-  by intercepting its `__call__` (`flax.linen.intercept_methods`), with the same kernels
-  (`graph.window_graph_attention`, `graph.cross_graph_attention`).
+  their KL terms, so the coefficients are recomputed from each layer's own inputs by
+  intercepting its `__call__` (`flax.linen.intercept_methods`) and calling the layer's public
+  `attention_weights`, which runs the same code path as `__call__`.
 * `favor_error_curve`: mean absolute error of FAVOR+ (Performer Lemma 1 positive orthogonal
   features, spec §2.2-2.3) against exact softmax attention as the number of features m grows
   (spec §5.14 test 3 as a curve).
-* `evaluate_translation`: BLEU / chrF / exact match of a trained number-words (or WMT) run on any
-  split, e.g. 'test' (the trainer evaluates `data.eval_split` only, and does nothing when asked to
-  resume a finished run).
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
@@ -149,32 +146,18 @@ def _module_path(module: nn.Module) -> str:
 
 
 def _window_probe(module: graph.WindowGraphAttention, x: Array, mask: Array | None) -> dict:
-    mask = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask, bool)
-    q, k, v = module._self_features(x)   # pylint: disable=protected-access
-    rel_bias, global_bias = module._biases()   # pylint: disable=protected-access
-    _, st = graph.window_graph_attention(
-        q, k, v, module._attn_vector(v), window=module.window,   # pylint: disable=protected-access
-        num_global=module.num_global, causal=module.causal, mask=mask, rel_bias=rel_bias,
-        global_bias=global_bias, negative_slope=module.negative_slope)
+    weights = module.attention_weights(x, mask=mask)
     return {"kind": "causal_window" if module.causal else "window", "window": module.window,
-            "num_global": module.num_global, "probs": st["probs"],
-            "global_probs": st.get("global_probs"), "mask": mask}
+            "num_global": module.num_global, "probs": weights["probs"],
+            "global_probs": weights.get("global_probs"), "mask": weights["mask"]}
 
 
 def _cross_probe(module: graph.CrossGraphAttention, x: Array, memory: Array,
                  mask: Array | None, memory_mask: Array | None) -> dict:
-    cache = module.prepare_memory(memory, memory_mask=memory_mask)
-    v = cache["value"]
-    q = module._query_features(x, v.shape[-1])   # pylint: disable=protected-access
-    rel_bias, global_bias = module._biases()   # pylint: disable=protected-access
-    _, st = graph.cross_graph_attention(
-        q, cache.get("key", v), v, module._attn_vector(v),   # pylint: disable=protected-access
-        window=module.window, num_global=module.num_global, rho=module.rho, mask=mask,
-        memory_mask=cache["mask"], rel_bias=rel_bias, global_bias=global_bias,
-        negative_slope=module.negative_slope)
+    weights = module.attention_weights(x, memory, mask=mask, memory_mask=memory_mask)
     return {"kind": "cross", "window": module.window, "num_global": module.num_global,
-            "probs": st["probs"], "centres": st["centres"], "memory_mask": cache["mask"],
-            "memory_length": memory.shape[1]}
+            "probs": weights["probs"], "centres": weights["centres"],
+            "memory_mask": weights["memory_mask"], "memory_length": memory.shape[1]}
 
 
 def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any], *,
@@ -301,57 +284,3 @@ def favor_error_curve(num_features: Sequence[int], *, length: int = 256, head_di
             mae[i, d], rel[i, d] = float(a), float(r)
     return {"num_features": np.asarray(num_features), "mean_abs_error": mae,
             "relative_error": rel, "exact_mean_abs": float(jnp.mean(jnp.abs(exact)))}
-
-
-# ----------------------------------------------------------------------------------------------
-# Test-set translation metrics of a finished run.
-# ----------------------------------------------------------------------------------------------
-
-
-def evaluate_translation(workdir: str, config, *, split: str = "test",
-                         which: str = "checkpoints",
-                         max_examples: int = 0) -> dict[str, float]:
-    """Restores the newest checkpoint of a seq2seq run and scores its decoding of `split`.
-
-    The decoding options are the run's (`config.decode`: greedy or beam, cache); the metrics are
-    `htgn_jax.decoding.make_bleu_evaluator`'s (sacrebleu BLEU, chrF, exact match).
-
-    Args:
-      workdir: the run's workdir (checkpoints under workdir/<which>).
-      config: the run's config (`configs/htgn/number_words.py` etc.).
-      split: the split to decode ('test', 'validation', ...).
-      which: 'checkpoints' (the newest) or 'best'.
-      max_examples: 0 = the whole split.
-
-    Returns:
-      {'bleu', 'chrf', 'exact_match', 'step' (the restored checkpoint), 'num_examples',
-      'decode_seconds' (wall time of loading the split, compiling and decoding)}.
-    """
-    # Imported here: the trainer and the data builders are heavy, and only this function needs them.
-    from htgn_jax import decoding, model as htgn_model   # pylint: disable=import-outside-toplevel
-    from zoo_core import data as data_lib, trainer   # pylint: disable=import-outside-toplevel
-    from zoo_core.data import pipeline   # pylint: disable=import-outside-toplevel
-
-    if config.task.name != "seq2seq":
-        raise ValueError(f"evaluate_translation needs a seq2seq config, got task.name="
-                         f"{config.task.name!r}")
-    cfg = config.copy_and_resolve_references()
-    with cfg.unlocked():
-        cfg.data.eval_split = split
-        cfg.eval_max_examples = 0
-        if "decode" not in cfg:
-            cfg.decode = {}
-        cfg.decode.max_examples = int(max_examples)
-    model, params, step = trainer.load_params(workdir, htgn_model.Model, cfg, which=which)
-    evaluate = decoding.make_bleu_evaluator(cfg)
-    t0 = time.perf_counter()
-    # A model trained with feature redraws decodes with the features of its last update.
-    metrics = dict(evaluate(params, model, cfg,
-                            **trainer.step_kwargs(model, trainer.eval_step_index(step))))
-    metrics["decode_seconds"] = time.perf_counter() - t0
-    metrics["step"] = int(step)
-    builder = data_lib.make_builder(cfg.data.name, pipeline.resolve_data_dir(cfg.data.data_dir),
-                                    **cfg.data.options.to_dict())
-    n = len(builder.as_data_source(split))
-    metrics["num_examples"] = min(n, max_examples) if max_examples else n
-    return metrics

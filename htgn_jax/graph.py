@@ -741,6 +741,27 @@ class WindowGraphAttention(_GraphAttentionBase):
           y `[B, L, F]` (zero at padded nodes) and aux {'kl': scalar mean KL(alpha || uniform)
           over heads and valid nodes, 'kl_sum', 'kl_count'} (spec §5.7; unweighted).
         """
+        mask, out, st = self._attend(x, mask, deterministic)
+        y = self.output(out, x.shape[-1])
+        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)
+
+    def attention_weights(self, x: Array, *, mask: Array | None = None) -> dict[str, Array]:
+        """The coefficients alpha that `__call__` uses (deterministic), for analysis.
+
+        Args:
+          x, mask: as in `__call__`.
+
+        Returns:
+          {'probs': `[B, L, H, K]` over the K window offsets (`window_offsets`), 'global_probs':
+          `[B, L, H, g]` over the global nodes (absent when g = 0), 'mask': `[B, L]` bool}.
+        """
+        mask, _, st = self._attend(x, mask, True)
+        out = {"probs": st["probs"], "mask": mask}
+        if st.get("global_probs") is not None:
+            out["global_probs"] = st["global_probs"]
+        return out
+
+    def _attend(self, x: Array, mask: Array | None, deterministic: bool):
         self._check_x(x)
         mask = _as_mask("mask", mask, x.shape[:2], "[B, L]")
         q, k, v = self._self_features(x)
@@ -750,8 +771,7 @@ class WindowGraphAttention(_GraphAttentionBase):
             causal=self.causal, mask=mask, rel_bias=rel_bias, global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
             dropout_rng=self._dropout_rng(deterministic))
-        y = self.output(out, x.shape[-1])
-        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)
+        return mask, out, st
 
     def init_state(self, batch_size: int) -> dict[str, Array]:
         """Empty rolling cache for `step` (causal only): the last w projected tokens.
@@ -864,6 +884,26 @@ class CrossGraphAttention(_GraphAttentionBase):
         Returns:
           y `[B, T, F]` (zero at padded rows) and aux {'kl', 'kl_sum', 'kl_count'}.
         """
+        cache = self._checked_cache(x, memory, memory_mask)
+        return self._attend(cache, x, None, mask, deterministic)
+
+    def attention_weights(self, x: Array, memory: Array, *, mask: Array | None = None,
+                          memory_mask: Array | None = None) -> dict[str, Array]:
+        """The coefficients alpha that `__call__` uses (deterministic), for analysis.
+
+        Args:
+          x, memory, mask, memory_mask: as in `__call__`.
+
+        Returns:
+          {'probs': `[B, T, H, 2 w_x + 1 + g]` (window slots around the centre, then the globals),
+          'centres': `[B, T]` c_i = round(rho i) clipped to the valid tokens, 'memory_mask':
+          `[B, g + N]` bool}.
+        """
+        cache = self._checked_cache(x, memory, memory_mask)
+        st = self._attend(cache, x, None, mask, True, stats_only=True)
+        return {"probs": st["probs"], "centres": st["centres"], "memory_mask": cache["mask"]}
+
+    def _checked_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> dict:
         _check_rank("x", x, 3, "[B, T, d]")
         cache = self.prepare_memory(memory, memory_mask=memory_mask)
         if self.version == "v1" and x.shape[-1] != memory.shape[-1]:
@@ -871,7 +911,7 @@ class CrossGraphAttention(_GraphAttentionBase):
                   f"got {x.shape[-1]} and {memory.shape[-1]}")
         if cache["mask"].shape[0] != x.shape[0]:
             _fail(f"`memory` batch {cache['mask'].shape[0]} != `x` batch {x.shape[0]}")
-        return self._attend(cache, x, None, mask, deterministic)
+        return cache
 
     def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None
                        ) -> dict[str, Array]:
@@ -914,7 +954,7 @@ class CrossGraphAttention(_GraphAttentionBase):
         y, _ = self._attend(cache, x_t[:, None], pos, None, True)
         return y[:, 0]
 
-    def _attend(self, cache, x, positions, mask, deterministic):
+    def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False):
         mask = _as_mask("mask", mask, x.shape[:2], "[B, T]")
         v = cache["value"]
         q = self._query_features(x, v.shape[-1])
@@ -925,6 +965,8 @@ class CrossGraphAttention(_GraphAttentionBase):
             positions=positions, rel_bias=rel_bias, global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
             dropout_rng=self._dropout_rng(deterministic))
+        if stats_only:
+            return st
         y = self.output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)
 
