@@ -19,7 +19,7 @@ clipping at 1, batch 32. DLinear uses the baselines' lr 1e-4 and kernel 25. The 
 
 Metrics: eval/mse and eval/mae on the validation split (the best checkpoint by eval/mse is kept in
 workdir/best), and eval/test_mse, eval/test_mae on the test split at every eval; the reported result is
-the test pair at the step of the lowest validation MSE (see /work/notes/samovar_results.md). Values are in
+the test pair at the step of the lowest validation MSE (read from workdir/metrics.jsonl). Values are in
 scaled units. Expected on vic_elec at horizon 96 with the default 3,000 steps (measured): test MSE / MAE at
 the best validation step SAMoVAR 0.207 / 0.339, LinTrans 0.192 / 0.321, DLinear 0.204 / 0.319.
 """
