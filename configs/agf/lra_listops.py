@@ -11,7 +11,8 @@ about 6 minutes on a CPU); smoke: 256 short expressions. Model selection on the 
 the reference, which then evaluates the best checkpoint (workdir/best) on test: the training command
 plus `--eval_only --eval_split=test`. Harness: batch 32, 5000 steps (1000 warm-up), eval every 50 steps.
 Expected: test accuracy >= 0.37 (Primalformer's table: Transformer 37.1, Primal 37.3; AGF's own
-number is not available, agf.md §8.1).
+number is not available, agf.md §8.1). Measured here (README, eval every 250 steps): validation 0.367
+at step 4250, test 0.3635 for that checkpoint; about 1 step/s on an idle 2-core CPU.
 """
 from configs.tasks import agf
 
