@@ -38,33 +38,18 @@ from agf_jax import ops
 from zoo_core import bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-DEFAULT_LENGTHS = ",".join(str(1024 * 2**i) for i in range(7))  # 1024 ... 65536
 CASES = ("agf", "agf_causal", "agf_causal_scan", "softmax", "softmax_causal")
 SETTINGS = {"lra": (2, 32), "uea": (8, 64)}   # heads, head width (agf.md §3.1, §3.2)
 ORDER, ALPHA, BETA = 5, 2.0, -1.0             # the reference's best ListOps filter
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
+    p = bench.scaling_parser(__doc__.split("\n")[0], CASES, out_dir=RESULTS, max_run_s=120.0)
     p.add_argument("--setting", default="lra", choices=sorted(SETTINGS),
                    help="head count and width of the AGF_LRA (2 x 32) or AGF_UEA (8 x 64) models")
     p.add_argument("--chunk_size", type=int, default=64, help="chunk length of agf_causal")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max_gib", type=float, default=None,
-                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
-    p.add_argument("--max_run_s", type=float, default=120.0,
-                   help="stop a case once its median time exceeds this")
-    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
-    p.add_argument("--out_dir", default=str(RESULTS))
     p.add_argument("--name", default=None, help="output file stem (default agf_scaling[_<setting>])")
-    args = p.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.cases = args.cases.split(",")
-    unknown = set(args.cases) - set(CASES)
-    if unknown:
-        p.error(f"unknown --cases {sorted(unknown)}; choose from {list(CASES)}")
+    args = bench.parse_scaling_args(p, CASES, argv)
     if args.chunk_size < 1:
         p.error(f"--chunk_size must be >= 1, got {args.chunk_size}")
     if args.name is None:
@@ -112,21 +97,12 @@ def main(argv=None) -> list[bench.Result]:
     def make_fn(case: str, n: int):
         return make_case(case, n, heads, head_dim, args.chunk_size)
 
-    max_bytes = int(args.max_gib * 2**30) if args.max_gib else bench.default_max_bytes()
-    records = bench.run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                                max_bytes=max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n,
-                                log=print)
     meta = dict(benchmark="agf_scaling", what="forward+backward of the attention core, batch 1",
                 setting=args.setting, heads=heads, head_dim=head_dim, dtype="float32",
                 filter=dict(basis="jacobi", order=ORDER, alpha=ALPHA, beta=BETA),
-                chunk_size=args.chunk_size, max_bytes=max_bytes)
-    out = pathlib.Path(args.out_dir)
-    bench.write_json(out / f"{args.name}.json", records, meta)
+                chunk_size=args.chunk_size)
     title = f"AGF vs softmax attention, fwd+bwd, B=1, H={heads}, d={head_dim}, float32"
-    bench.plot(records, out / f"{args.name}.png", max_bytes=max_bytes, title=title)
-    print(bench.format_table(records))
-    print(f"wrote {out}/{args.name}.{{json,png}}")
-    return records
+    return bench.run_and_report(args, make_fn, name=args.name, meta=meta, title=title)
 
 
 if __name__ == "__main__":

@@ -38,15 +38,11 @@ from htgn_jax import graph, ops
 from zoo_core import bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-DEFAULT_LENGTHS = ",".join(str(1024 * 2**i) for i in range(7))  # 1024 ... 65536
 CASES = ("favor", "favor_causal", "gat", "gat_causal", "softmax", "softmax_causal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
-    p.add_argument("--cases", default=",".join(CASES),
-                   help=f"comma-separated subset of {list(CASES)}")
+    p = bench.scaling_parser(__doc__.split("\n")[0], CASES, out_dir=RESULTS)
     p.add_argument("--heads", type=int, default=8, help="H (base-mt: 8)")
     p.add_argument("--head_dim", type=int, default=64, help="D per head (base-mt: 512 / 8)")
     p.add_argument("--features", type=int, default=256, help="m random features (base-mt: 256)")
@@ -54,20 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--globals", type=int, default=4, help="g global nodes of `gat` (base-mt: 4)")
     p.add_argument("--chunk", type=int, default=64, help="C of the chunked causal FAVOR+")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max_gib", type=float, default=None,
-                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
-    p.add_argument("--max_run_s", type=float, default=60.0,
-                   help="stop a case once its median time exceeds this")
-    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
-    p.add_argument("--out_dir", default=str(RESULTS))
-    args = p.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.cases = args.cases.split(",")
-    unknown = set(args.cases) - set(CASES)
-    if unknown:
-        p.error(f"unknown --cases {sorted(unknown)}; choose from {list(CASES)}")
-    for name in ("heads", "head_dim", "features", "chunk", "repeats"):
+    args = bench.parse_scaling_args(p, CASES, argv)
+    for name in ("heads", "head_dim", "features", "chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     for name in ("window", "globals"):
@@ -125,22 +109,12 @@ def main(argv=None) -> list[bench.Result]:
     def make_fn(case: str, n: int):
         return make_case(case, n, args, projection)
 
-    max_bytes = int(args.max_gib * 2**30) if args.max_gib else bench.default_max_bytes()
-    records = bench.run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                                max_bytes=max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n,
-                                log=print)
     meta = dict(benchmark="htgn_scaling", what="forward+backward of one attention layer, batch 1",
                 heads=args.heads, head_dim=args.head_dim, features=args.features,
-                window=args.window, num_global=args.globals, chunk=args.chunk, dtype=args.dtype,
-                max_bytes=max_bytes)
-    out = pathlib.Path(args.out_dir)
-    bench.write_json(out / "htgn_scaling.json", records, meta)
+                window=args.window, num_global=args.globals, chunk=args.chunk, dtype=args.dtype)
     title = (f"HTGN kernels vs softmax, fwd+bwd, B=1, H={args.heads}, D={args.head_dim}, "
              f"m={args.features}, w={args.window}, g={args.globals}, {args.dtype}")
-    bench.plot(records, out / "htgn_scaling.png", max_bytes=max_bytes, title=title)
-    print(bench.format_table(records))
-    print(f"wrote {out}/htgn_scaling.{{json,png}}")
-    return records
+    return bench.run_and_report(args, make_fn, name="htgn_scaling", meta=meta, title=title)
 
 
 if __name__ == "__main__":

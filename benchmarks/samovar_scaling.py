@@ -34,32 +34,18 @@ from samovar_jax import ops
 from zoo_core import bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-DEFAULT_LENGTHS = ",".join(str(1024 * 2**i) for i in range(7))  # 1024 ... 65536
 CASES = ("var_masked", "var_chunked", "var_scan", "softmax")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    p = bench.scaling_parser(__doc__.split("\n")[0], CASES, out_dir=RESULTS)
     p.add_argument("--layers", type=int, default=3, help="L, attention layers in the chain")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head_dim", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64, help="chunk length of var_chunked")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max_gib", type=float, default=None,
-                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
-    p.add_argument("--max_run_s", type=float, default=60.0, help="stop a case once its median time exceeds this")
-    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
-    p.add_argument("--out_dir", default=str(RESULTS))
-    args = p.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.cases = args.cases.split(",")
-    unknown = set(args.cases) - set(CASES)
-    if unknown:
-        p.error(f"unknown --cases {sorted(unknown)}; choose from {list(CASES)}")
-    for name in ("layers", "heads", "head_dim", "chunk", "repeats"):
+    args = bench.parse_scaling_args(p, CASES, argv)
+    for name in ("layers", "heads", "head_dim", "chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     return args
@@ -104,22 +90,12 @@ def main(argv=None) -> list[bench.Result]:
                     chunk=args.chunk if case == "var_chunked" else None)
         return jax.grad(loss, argnums=(0, 1, 2)), (x0, qv, qv), info
 
-    max_bytes = int(args.max_gib * 2**30) if args.max_gib else bench.default_max_bytes()
-    records = bench.run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                                max_bytes=max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n,
-                                log=print)
     meta = dict(benchmark="samovar_scaling", what="forward+backward of an L-layer attention chain, batch 1",
                 layers=args.layers, heads=args.heads, head_dim=args.head_dim, chunk=args.chunk,
-                dtype=args.dtype, max_bytes=max_bytes)
-    out = pathlib.Path(args.out_dir)
-    bench.write_json(out / "samovar_scaling.json", records, meta)
+                dtype=args.dtype)
     title = (f"VAR chain vs softmax, fwd+bwd, B=1, L={args.layers}, H={args.heads}, D={args.head_dim}, "
              f"{args.dtype}")
-    if any(r.status == bench.OK for r in records):  # bench.plot cannot log-scale an empty time axis
-        bench.plot(records, out / "samovar_scaling.png", max_bytes=max_bytes, title=title)
-    print(bench.format_table(records))
-    print(f"wrote {out}/samovar_scaling.{{json,png}}")
-    return records
+    return bench.run_and_report(args, make_fn, name="samovar_scaling", meta=meta, title=title)
 
 
 if __name__ == "__main__":

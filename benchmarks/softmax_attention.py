@@ -23,31 +23,16 @@ import jax.numpy as jnp
 from zoo_core import bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-DEFAULT_LENGTHS = ",".join(str(1024 * 2**i) for i in range(7))  # 1024 ... 65536
 CASES = {"full": False, "causal": True}  # case name -> is_causal
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths N")
-    p.add_argument("--cases", default="full", help=f"comma-separated subset of {sorted(CASES)}")
+    p = bench.scaling_parser(__doc__.split("\n")[0], tuple(CASES), out_dir=RESULTS, max_run_s=120.0,
+                             default_cases="full")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head_dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max_gib", type=float, default=None,
-                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
-    p.add_argument("--max_run_s", type=float, default=120.0,
-                   help="stop a case once its median time exceeds this")
-    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
-    p.add_argument("--out_dir", default=str(RESULTS))
-    args = p.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.cases = args.cases.split(",")
-    unknown = set(args.cases) - set(CASES)
-    if unknown:
-        p.error(f"unknown --cases {sorted(unknown)}; choose from {sorted(CASES)}")
-    return args
+    return bench.parse_scaling_args(p, tuple(CASES), argv)
 
 
 def main(argv=None) -> list[bench.Result]:
@@ -62,19 +47,10 @@ def main(argv=None) -> list[bench.Result]:
         spec = jax.ShapeDtypeStruct((1, n, args.heads, args.head_dim), dtype)
         return jax.grad(loss, argnums=(0, 1, 2)), (spec, spec, spec)
 
-    max_bytes = int(args.max_gib * 2**30) if args.max_gib else bench.default_max_bytes()
-    records = bench.run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                                max_bytes=max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n,
-                                log=print)
     meta = dict(benchmark="softmax_attention", what="forward+backward, batch 1", heads=args.heads,
-                head_dim=args.head_dim, dtype=args.dtype, max_bytes=max_bytes)
-    out = pathlib.Path(args.out_dir)
-    bench.write_json(out / "softmax_attention.json", records, meta)
+                head_dim=args.head_dim, dtype=args.dtype)
     title = f"softmax attention fwd+bwd, B=1, H={args.heads}, D={args.head_dim}, {args.dtype}"
-    bench.plot(records, out / "softmax_attention.png", max_bytes=max_bytes, title=title)
-    print(bench.format_table(records))
-    print(f"wrote {out}/softmax_attention.{{json,png}}")
-    return records
+    return bench.run_and_report(args, make_fn, name="softmax_attention", meta=meta, title=title)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ A scaling script reduces to a `make_fn(case, n) -> (fn, args)` closure; see
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import gc
@@ -608,3 +609,62 @@ def plot(records: Iterable[Result | dict], path: str | os.PathLike, *, title: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line and the report shared by the scaling scripts in benchmarks/.
+
+SCALING_LENGTHS = tuple(1024 * 2**i for i in range(7))   # 1K ... 64K
+
+
+def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.PathLike,
+                   max_run_s: float = 60.0, default_cases: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with the flags every scaling script has; add the script's own to it.
+
+    Flags: --lengths (comma-separated N), --cases (subset of `cases`, default all or `default_cases`),
+    --repeats, --max_gib (memory guard), --max_run_s, --ref_n (reference matmul), --out_dir.
+    Parse with `parse_scaling_args`.
+    """
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--lengths", default=",".join(map(str, SCALING_LENGTHS)),
+                   help="comma-separated sequence lengths N")
+    p.add_argument("--cases", default=default_cases or ",".join(cases),
+                   help=f"comma-separated subset of {list(cases)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max_gib", type=float, default=None,
+                   help="memory guard in GiB (default: 80%% of available RAM / device memory)")
+    p.add_argument("--max_run_s", type=float, default=max_run_s,
+                   help="stop a case once its median time exceeds this")
+    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
+    p.add_argument("--out_dir", default=str(out_dir))
+    return p
+
+
+def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
+                       argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses `argv`: lengths and cases become lists (unknown cases and --repeats < 1 are usage
+    errors), and `max_bytes` is the resolved memory guard."""
+    args = parser.parse_args(argv)
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.cases = args.cases.split(",")
+    unknown = set(args.cases) - set(cases)
+    if unknown:
+        parser.error(f"unknown --cases {sorted(unknown)}; choose from {list(cases)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    args.max_bytes = int(args.max_gib * 2**30) if args.max_gib else default_max_bytes()
+    return args
+
+
+def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, meta: dict[str, Any],
+                   title: str) -> list[Result]:
+    """`run_scaling` with the parsed flags, then `<out_dir>/<name>.json` (meta + max_bytes), the plot
+    `<name>.png` and the table on stdout."""
+    records = run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
+                          max_bytes=args.max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n, log=print)
+    out = pathlib.Path(args.out_dir)
+    write_json(out / f"{name}.json", records, dict(meta, max_bytes=args.max_bytes))
+    plot(records, out / f"{name}.png", max_bytes=args.max_bytes, title=title)
+    print(format_table(records))
+    print(f"wrote {out}/{name}.{{json,png}}")
+    return records
