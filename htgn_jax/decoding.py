@@ -20,7 +20,8 @@ renormalising, so beam scores stay the model's log-probabilities).
 
 Random features: a model trained with `redraw_every > 0` (`model.uses_step`) needs `step=`, the
 training-step index whose FAVOR+ features the parameters go with (`zoo_core.trainer.eval_step_index`
-of the checkpoint's step); encoding, the caches and every decoding step use that one draw.
+of the checkpoint's step); encoding, the caches and every decoding step use that one draw. The
+model's methods check it (required with redraws, refused without) when the search is traced.
 
 Beam search keeps `beam_size` hypotheses per example. A finished hypothesis (EOS emitted) can only
 be extended by PAD at no cost, so it keeps its score and competes with the open ones. Scores are
@@ -65,15 +66,6 @@ def _log_probs(model, logits: Array) -> Array:
     """log_softmax over the whole vocabulary, PAD and BOS banned (set to NEG, no renormalising)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return logp.at[..., model.pad_id].set(NEG).at[..., model.bos_id].set(NEG)
-
-
-def _check_step(model, step) -> None:
-    if getattr(model, "uses_step", False) and step is None:
-        raise ValueError(f"the model redraws its random features (redraw_every={model.redraw_every}): "
-                         f"pass step= (the last training update's index)")
-    if not getattr(model, "uses_step", False) and step is not None:
-        raise ValueError("step selects redrawn random features, but the model has redraw_every=0: "
-                         "do not pass step")
 
 
 def _step_kw(step) -> dict[str, Any]:
@@ -160,7 +152,6 @@ def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
     """
     use_cache = _resolve_cache(model, use_cache)
     _check(model, inputs, max_len, use_cache)
-    _check_step(model, step)
     return _greedy(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, step)
 
 
@@ -235,7 +226,6 @@ def beam_search(model, params, inputs, *, beam_size: int, max_len: int, inputs_m
                          f"{model.target_vocab_size - 2}], got {beam_size!r}")
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
-    _check_step(model, step)
     return _beam(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, beam_size,
                  float(length_penalty), step)
 
@@ -246,7 +236,6 @@ def sequence_log_probs(model, params, inputs, targets, *, inputs_mask=None, step
     PAD and BOS are scored as during search (banned, not renormalised), so this recomputes the
     beam scores. targets int `[B, T]` (T <= max_target_len); `step` as in `greedy_search`.
     """
-    _check_step(model, step)
     return _sequence_log_probs(model, params, jnp.asarray(inputs), jnp.asarray(targets),
                                inputs_mask, step)
 

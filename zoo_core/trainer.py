@@ -45,6 +45,11 @@ class ConfigError(ValueError):
     """A configuration mistake found before compiling (the CLI prints its one line and exits 2)."""
 
 
+def _config_error(e: Exception) -> ConfigError:
+    """A setup exception as a one-line ConfigError naming its type."""
+    return ConfigError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
 class NonFiniteError(FloatingPointError):
     """The loss or the gradient became NaN or infinite; the run stops without saving that state."""
 
@@ -324,7 +329,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         init = functools.partial(init_state, model=model, tx=tx)
         abstract = jax.eval_shape(init, rng, example)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise ConfigError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise _config_error(e) from e
     mode = config.parallel.mode
     mesh = sharding.make_mesh()
     logging.info("parameters:\n%s", parameter_overview(abstract.params))
@@ -499,7 +504,7 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
         model = build_model(**config.model.to_dict())
         task = tasks.make_task(config)
     except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise _config_error(e) from e
     _, params, step = load_params(workdir, build_model, config,
                                   which="best" if which == "best" else "checkpoints")
     mesh = sharding.make_mesh()
