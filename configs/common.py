@@ -78,6 +78,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.schedule.pct_start = 0.3        # one_cycle: fraction of steps spent rising
     c.schedule.div_factor = 25.0      # one_cycle: initial lr = peak / div_factor
     c.schedule.final_div_factor = 1e4  # one_cycle: final lr = initial / final_div_factor
+    c.schedule.anneal = "cos"         # one_cycle: cos (optax's cosine one-cycle) | linear (torch's OneCycleLR)
+    c.schedule.cycle_momentum = False  # one_cycle + linear: beta1 cycles as torch's OneCycleLR default
+    c.schedule.base_momentum = 0.85   # cycle_momentum: beta1 at the learning-rate peak
+    c.schedule.max_momentum = 0.95    # cycle_momentum: beta1 at the start and the end
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mode = "jit"           # jit (NamedSharding over a 'data' mesh) | pmap (legacy)

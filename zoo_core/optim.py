@@ -1,7 +1,9 @@
 """Optimisers and learning-rate schedules built from `config.optim` and `config.schedule`.
 
 Optimisers: adamw, adam, radam, lamb, ranger (= lookahead(radam), Zhang et al. 2019 + Liu et al. 2020).
-Schedules: constant, one_cycle, warmup_linear, warmup_cosine, warmup_rsqrt.
+Schedules: constant, one_cycle, warmup_linear, warmup_cosine, warmup_rsqrt. `one_cycle` with
+`anneal='linear'` is torch's OneCycleLR(anneal_strategy='linear') step for step, optionally with its
+default momentum cycling (beta1 moves inversely to the learning rate; `make_momentum_schedule`).
 Every option that is set must be used: a weight decay given to an optimiser without decoupled decay,
 or an unknown name, raises instead of being ignored.
 """
@@ -15,6 +17,7 @@ import optax
 
 OPTIMIZERS = ("adamw", "adam", "radam", "lamb", "ranger")
 SCHEDULES = ("constant", "one_cycle", "warmup_linear", "warmup_cosine", "warmup_rsqrt")
+ANNEALS = ("cos", "linear")
 DECAY_MASKS = ("all", "no_bias_norm", "no_bias_norm_embed")
 
 
@@ -23,8 +26,9 @@ def make_schedule(schedule: Any, *, learning_rate: float, total_steps: int) -> o
 
     Args:
       schedule: `config.schedule` with `name` and, per schedule, `warmup_steps`, `end_factor`
-        (final lr / peak for linear and cosine decay), `pct_start`, `div_factor`, `final_div_factor`
-        (one-cycle, as torch's OneCycleLR).
+        (final lr / peak for linear and cosine decay), `pct_start`, `div_factor`, `final_div_factor`,
+        `anneal` (one-cycle: 'cos' is optax's cosine one-cycle, peak at step int(pct_start * T);
+        'linear' is torch's OneCycleLR(anneal_strategy='linear'), peak at step pct_start * T - 1).
       learning_rate: the peak learning rate.
       total_steps: length of the run.
     """
@@ -35,6 +39,12 @@ def make_schedule(schedule: Any, *, learning_rate: float, total_steps: int) -> o
             return optax.linear_schedule(0.0, learning_rate, warmup)
         return optax.constant_schedule(learning_rate)
     if name == "one_cycle":
+        if schedule.anneal not in ANNEALS:
+            raise ValueError(f"unknown schedule.anneal {schedule.anneal!r}; choose one of {', '.join(ANNEALS)}")
+        if schedule.anneal == "linear":
+            start = learning_rate / schedule.div_factor
+            return torch_one_cycle(start, learning_rate, start / schedule.final_div_factor,
+                                   total_steps=total_steps, pct_start=schedule.pct_start)
         return optax.cosine_onecycle_schedule(
             transition_steps=total_steps, peak_value=learning_rate, pct_start=schedule.pct_start,
             div_factor=schedule.div_factor, final_div_factor=schedule.final_div_factor)
@@ -57,6 +67,50 @@ def make_schedule(schedule: Any, *, learning_rate: float, total_steps: int) -> o
             return learning_rate * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
         return rsqrt
     raise ValueError(f"unknown schedule.name {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def torch_one_cycle(start: float, peak: float, end: float, *, total_steps: int,
+                    pct_start: float) -> optax.Schedule:
+    """Two linear ramps with the phase boundaries of torch's OneCycleLR (two-phase, linear anneal).
+
+    start -> peak over steps [0, pct_start * T - 1], then peak -> end at step T - 1 (held after it,
+    where torch would raise). The same curve serves the learning rate (initial, max, min lr) and the
+    cycled momentum (max, base, max momentum).
+    """
+    rise_end = float(pct_start * total_steps) - 1.0
+    last = float(total_steps - 1)
+    if not 0.0 < rise_end <= last:
+        raise ValueError(f"schedule.pct_start={pct_start} gives no rising phase over total_steps="
+                         f"{total_steps} (torch's OneCycleLR divides by zero there)")
+    fall_len = max(last - rise_end, 1.0)  # pct_start = 1: no falling phase within the run
+
+    def lerp(a, b, frac):  # exact at both ends in float32 (no a + (b - a) cancellation at b << a)
+        return (1.0 - frac) * a + frac * b
+
+    def curve(step):
+        step = jnp.asarray(step, jnp.float32)
+        rise = lerp(start, peak, step / rise_end)
+        fall = lerp(peak, end, jnp.minimum((step - rise_end) / fall_len, 1.0))
+        return jnp.where(step <= rise_end, rise, fall)
+    return curve
+
+
+def make_momentum_schedule(schedule: Any, *, total_steps: int) -> optax.Schedule | None:
+    """beta1 as a function of the step when `schedule.cycle_momentum`, else None (beta1 = optim.b1).
+
+    torch's OneCycleLR cycles momentum by default (cycle_momentum=True): for Adam-style optimisers it
+    overwrites beta1, max_momentum at the start, base_momentum at the learning-rate peak, back to
+    max_momentum at the end; the optimiser's own beta1 is never used.
+    """
+    if not schedule.get("cycle_momentum", False):
+        return None
+    if schedule.name != "one_cycle" or schedule.anneal != "linear":
+        raise ValueError("schedule.cycle_momentum needs schedule.name='one_cycle' with anneal='linear', "
+                         f"got name={schedule.name!r}, anneal={schedule.get('anneal')!r}")
+    hi, lo = float(schedule.max_momentum), float(schedule.base_momentum)
+    if not 0.0 <= lo <= hi < 1.0:
+        raise ValueError(f"schedule.base_momentum={lo} and max_momentum={hi} need 0 <= base <= max < 1")
+    return torch_one_cycle(hi, lo, hi, total_steps=total_steps, pct_start=schedule.pct_start)
 
 
 def decay_mask(params: Any, rule: str) -> Any:
@@ -124,17 +178,24 @@ def make_optimizer(config: Any) -> tuple[optax.GradientTransformation, optax.Sch
     mask = lambda params: decay_mask(params, o.decay_mask)
     if name == "adam" and o.weight_decay:
         raise ValueError("optim.weight_decay is set but adam has no weight decay: use optim.name='adamw'")
-    if name == "adamw":
-        core = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
-    elif name == "adam":
-        core = optax.adam(schedule, b1=o.b1, b2=o.b2, eps=o.eps)
-    elif name == "lamb":
-        core = optax.lamb(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
-    else:  # radam, ranger: RAdam with decoupled weight decay
-        core = optax.chain(
-            optax.scale_by_radam(b1=o.b1, b2=o.b2, eps=o.eps),
+
+    def build_core(learning_rate, b1):
+        if name == "adamw":
+            return optax.adamw(learning_rate, b1=b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+        if name == "adam":
+            return optax.adam(learning_rate, b1=b1, b2=o.b2, eps=o.eps)
+        if name == "lamb":
+            return optax.lamb(learning_rate, b1=b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=mask)
+        return optax.chain(  # radam, ranger: RAdam with decoupled weight decay
+            optax.scale_by_radam(b1=b1, b2=o.b2, eps=o.eps),
             optax.add_decayed_weights(o.weight_decay, mask=mask) if o.weight_decay else optax.identity(),
-            optax.scale_by_learning_rate(schedule))
+            optax.scale_by_learning_rate(learning_rate))
+
+    momentum = make_momentum_schedule(config.schedule, total_steps=config.total_steps)
+    if momentum is None:
+        core = build_core(schedule, o.b1)
+    else:  # both schedules are evaluated at the optimiser's own step count
+        core = optax.inject_hyperparams(build_core)(learning_rate=schedule, b1=momentum)
     if name == "ranger":
         core = lookahead(core, o.lookahead_steps, o.lookahead_alpha)
     parts = [optax.clip_by_global_norm(o.grad_clip_norm)] if o.grad_clip_norm else []

@@ -109,3 +109,57 @@ def test_clipping_bounds_the_update():
     updates, _ = tx.update({"w": jnp.full(4, 100.0)}, tx.init(params), params)
     # Adam with b1 = b2 = 0 normalises the (clipped) gradient to sign: |update| = lr.
     np.testing.assert_allclose(np.abs(updates["w"]), 1.0, rtol=1e-4)
+
+
+def _torch_one_cycle_by_hand(step, total, pct, peak, div=25.0, final_div=1e4):
+    """torch.optim.lr_scheduler.OneCycleLR(anneal_strategy='linear') written out (two phases)."""
+    rise_end, last = pct * total - 1, total - 1
+    start = peak / div
+    if step <= rise_end:
+        frac = step / rise_end
+        return start + (peak - start) * frac, 0.95 + (0.85 - 0.95) * frac
+    frac = (step - rise_end) / (last - rise_end)
+    return peak + (start / final_div - peak) * frac, 0.85 + (0.95 - 0.85) * frac
+
+
+def test_linear_one_cycle_matches_torch_formula_with_cycled_beta1():
+    c = _config(learning_rate=1e-4, schedule_name="one_cycle", schedule_anneal="linear",
+                schedule_pct_start=0.2, schedule_cycle_momentum=True)
+    _, schedule = optim.make_optimizer(c)
+    momentum = optim.make_momentum_schedule(c.schedule, total_steps=c.total_steps)
+    for step in (0, 1, 10, 19, 20, 50, 99):
+        lr, b1 = _torch_one_cycle_by_hand(step, 100, 0.2, 1e-4)
+        np.testing.assert_allclose(schedule(step), lr, rtol=1e-5)
+        np.testing.assert_allclose(momentum(step), b1, rtol=1e-6)
+    assert int(np.argmax([schedule(s) for s in range(100)])) == 19  # peak at pct * T - 1
+
+
+def test_cycled_beta1_reaches_adamw():
+    """With cycle_momentum the optimiser's first moment uses the scheduled beta1, not optim.b1."""
+    c = _config(learning_rate=1.0, schedule_name="one_cycle", schedule_anneal="linear",
+                schedule_pct_start=0.5, schedule_cycle_momentum=True)
+    tx, schedule = optim.make_optimizer(c)
+    params = {"w": jnp.zeros(3)}
+    state = tx.init(params)
+    grads = [jnp.full(3, g) for g in (1.0, -2.0, 0.5)]
+    mu, nu = np.zeros(3), np.zeros(3)
+    for t, g in enumerate(grads):
+        updates, state = tx.update({"w": g}, state, params)
+        _, b1 = _torch_one_cycle_by_hand(t, 100, 0.5, 1.0)
+        mu = b1 * mu + (1 - b1) * np.asarray(g)
+        nu = 0.999 * nu + 0.001 * np.asarray(g) ** 2
+        m_hat, v_hat = mu / (1 - b1 ** (t + 1)), nu / (1 - 0.999 ** (t + 1))
+        expected = -float(schedule(t)) * m_hat / (np.sqrt(v_hat) + c.optim.eps)
+        np.testing.assert_allclose(updates["w"], expected, rtol=1e-5)
+
+
+def test_cycle_momentum_needs_linear_one_cycle():
+    c = _config(schedule_name="warmup_linear", schedule_warmup_steps=10, schedule_cycle_momentum=True)
+    with pytest.raises(ValueError, match="cycle_momentum needs"):
+        optim.make_optimizer(c)
+    c = _config(schedule_name="one_cycle", schedule_anneal="triangle")
+    with pytest.raises(ValueError, match="schedule.anneal"):
+        optim.make_optimizer(c)
+    c = _config(schedule_name="one_cycle", schedule_anneal="linear", schedule_pct_start=0.005)
+    with pytest.raises(ValueError, match="pct_start"):
+        optim.make_optimizer(c)

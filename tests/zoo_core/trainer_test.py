@@ -2,12 +2,14 @@
 import functools
 import json
 import os
+import shutil
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -256,3 +258,25 @@ def test_evaluate_checkpoint_scores_the_best_checkpoint_on_another_split(data_di
         trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="newest")
     with pytest.raises(FileNotFoundError):
         trainer.evaluate_checkpoint(c, str(tmp_path / "empty"), models.MLPClassifier)
+
+
+def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_path):
+    """The inject_hyperparams optimiser state (scheduled lr and beta1) checkpoints and resumes exactly."""
+    c = _config(data_dir, total_steps=40, checkpoint_every_steps=20, eval_every_steps=0,
+                **{"schedule.name": "one_cycle", "schedule.anneal": "linear", "schedule.pct_start": 0.25,
+                   "schedule.cycle_momentum": True})
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    trainer.train_and_evaluate(c, str(full), models.MLPClassifier)
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "40")
+    trainer.train_and_evaluate(c, str(resumed), models.MLPClassifier)
+    assert (resumed / "checkpoints" / "40").exists()    # trained steps 21..40 again after the restore
+
+    def final(workdir):
+        mngr = ocp.CheckpointManager(str(workdir / "checkpoints"))
+        state = mngr.restore(40, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+        mngr.close()
+        return state
+    a, b = final(full), final(resumed)
+    assert_trees_close(b["params"], a["params"], atol=0.0, rtol=0.0)
+    assert_trees_close(b["opt_state"], a["opt_state"], atol=0.0, rtol=0.0)
