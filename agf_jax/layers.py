@@ -19,6 +19,7 @@ Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -36,11 +37,24 @@ def torch_linear_kernel_init() -> Initializer:
 
     Flax's default lecun_normal differs (spec §2.4); this keeps training dynamics comparable to the
     reference. `nn.DenseGeneral` flattens the kernel to [fan_in, fan_out] before calling it, so
-    fan_in is right for the [E, H, D] and [H, D, E] kernels too. (PyTorch also draws biases from
-    U(+-1/sqrt(fan_in)); our biases default to zeros, the Flax convention, because a bias
-    initialiser does not see fan_in.)
+    fan_in is right for the [E, H, D] and [H, D, E] kernels too. Biases: `torch_linear_bias_init`.
     """
     return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def torch_linear_bias_init(fan_in: int) -> Initializer:
+    """PyTorch's `nn.Linear` (and 1x1 `Conv1d`) bias init, U(+-1/sqrt(fan_in)).
+
+    A bias initialiser only sees the bias shape, so the layer's input width is given here; the
+    models pass it for every projection (the layers' own default stays Flax's zeros).
+    """
+    if fan_in < 1:
+        raise ValueError(f"fan_in must be >= 1, got {fan_in}")
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init
 
 
 def _check_x(x: Array, mask: Optional[Array]) -> None:
@@ -75,7 +89,9 @@ class AGFAttention(nn.Module):
         dtype: compute dtype of the projections (None: inferred); attention maths is float32.
         param_dtype: parameter dtype.
         kernel_init: kernel initialiser of the five projections.
-        bias_init: bias initialiser.
+        bias_init: bias initialiser of query, key, sigma and value.
+        out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
+            the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
     """
     num_heads: int
@@ -94,6 +110,7 @@ class AGFAttention(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = torch_linear_kernel_init()
     bias_init: Initializer = nn.initializers.zeros_init()
+    out_bias_init: Optional[Initializer] = None
     theta_init: Initializer = nn.initializers.zeros_init()
 
     def setup(self):
@@ -131,7 +148,7 @@ class AGFAttention(nn.Module):
         # form) because E' defaults to the input width, unknown in setup().
         return nn.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
                                param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                               bias_init=self.bias_init, name="out")(o)
+                               bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 
     def coefficients(self) -> Array:
         """Effective filter coefficients c_0..c_K, `[K+1]` float32."""
@@ -257,7 +274,7 @@ class SoftmaxAttention(nn.Module):
         head_dim: D.
         out_features: E' (default E).
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
-        dtype, param_dtype, kernel_init, bias_init: as in `AGFAttention`.
+        dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
     """
     num_heads: int
     head_dim: int
@@ -267,6 +284,7 @@ class SoftmaxAttention(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = torch_linear_kernel_init()
     bias_init: Initializer = nn.initializers.zeros_init()
+    out_bias_init: Optional[Initializer] = None
 
     def setup(self):
         if self.num_heads < 1 or self.head_dim < 1:
@@ -297,4 +315,4 @@ class SoftmaxAttention(nn.Module):
     def _out(self, o: Array, width: int) -> Array:
         return nn.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
                                param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                               bias_init=self.bias_init, name="out")(o)
+                               bias_init=self.out_bias_init or self.bias_init, name="out")(o)

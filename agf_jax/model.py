@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agf_jax.layers import AGFAttention, SoftmaxAttention, torch_linear_kernel_init
+from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
+                             torch_linear_kernel_init)
 
 Array = jax.Array
 
@@ -66,15 +67,16 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": _gelu, "relu": nn.re
 
 
 def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
-    """Builds the attention layer of a block from the owner's fields."""
+    """Builds the attention layer of a block from the owner's fields, with PyTorch's inits."""
+    init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
+                bias_init=torch_linear_bias_init(owner.d_model),
+                out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
     if owner.attention == "agf":
         return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
                             order=owner.order, alpha=owner.alpha, beta=owner.beta,
-                            learn_c0=learn_c0, ortho_scale=ortho_scale, dtype=owner.dtype,
-                            param_dtype=owner.param_dtype, name=name)
+                            learn_c0=learn_c0, ortho_scale=ortho_scale, **init)
     return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
-                            dropout_rate=owner.attention_dropout, dtype=owner.dtype,
-                            param_dtype=owner.param_dtype, name=name)
+                            dropout_rate=owner.attention_dropout, **init)
 
 
 def _check_common(m) -> None:
@@ -88,9 +90,11 @@ def _check_common(m) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(m, name)}")
 
 
-def _dense(features: int, m, name: str) -> nn.Dense:
+def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
+    """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
     return nn.Dense(features, dtype=m.dtype, param_dtype=m.param_dtype,
-                    kernel_init=torch_linear_kernel_init(), name=name)
+                    kernel_init=torch_linear_kernel_init(),
+                    bias_init=torch_linear_bias_init(fan_in), name=name)
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:
@@ -137,8 +141,8 @@ class LRABlock(nn.Module):
         self.attention_layer = _attention(self, ortho_scale=self.ortho_weight, learn_c0=False,
                                           name="attention")
         self.mlp_norm = _layer_norm(self, "mlp_norm")
-        self.mlp_in = _dense(self.mlp_dim, self, "mlp_in")
-        self.mlp_out = _dense(self.d_model, self, "mlp_out")
+        self.mlp_in = _dense(self.mlp_dim, self.d_model, self, "mlp_in")
+        self.mlp_out = _dense(self.d_model, self.mlp_dim, self, "mlp_out")
         self.dropout = nn.Dropout(self.dropout_rate)
 
     def __call__(self, x, mask, *, deterministic: bool):
@@ -265,8 +269,8 @@ class _LRABase(nn.Module):
             order=self.order, alpha=self.alpha, beta=self.beta, ortho_weight=self.ortho_weight,
             dropout_rate=self.dropout_rate, attention_dropout=self.attention_dropout,
             dtype=self.dtype, param_dtype=self.param_dtype)
-        self.head_hidden = _dense(self.mlp_dim, self, "head_hidden")
-        self.head_out = _dense(self.num_classes, self, "head_out")
+        self.head_hidden = _dense(self.mlp_dim, self.head_inputs * self.d_model, self, "head_hidden")
+        self.head_out = _dense(self.num_classes, self.mlp_dim, self, "head_out")
 
     def _ids(self, batch: dict, key: str) -> Array:
         if key not in batch:
@@ -299,6 +303,8 @@ class LRAClassifier(_LRABase):
     belong to the loss). Returns ({'logits': `[B, K]`}, aux) as in the module docstring.
     """
 
+    head_inputs = 1   # the head reads the pooled vector
+
     def setup(self):
         self._setup_encoder()
 
@@ -314,6 +320,8 @@ class LRARetrieval(_LRABase):
     the two towers (the AGF reference's dual combination is not recorded in the spec; Primalformer's
     dual wrapper, which AGF_LRA derives from, averages its towers the same way).
     """
+
+    head_inputs = 4   # the head reads [x0, x1, x0*x1, x0-x1]
 
     def setup(self):
         self._setup_encoder()
@@ -357,8 +365,8 @@ class UEABlock(nn.Module):
         self.attention_layer = _attention(self, ortho_scale=1.0, learn_c0=self.learn_c0,
                                           name="attention")
         self.attention_norm = _layer_norm(self, "attention_norm")
-        self.ffn_in = _dense(self.mlp_dim, self, "ffn_in")
-        self.ffn_out = _dense(self.d_model, self, "ffn_out")
+        self.ffn_in = _dense(self.mlp_dim, self.d_model, self, "ffn_in")
+        self.ffn_out = _dense(self.d_model, self.mlp_dim, self, "ffn_out")
         self.ffn_norm = _layer_norm(self, "ffn_norm")
         self.dropout = nn.Dropout(self.dropout_rate)
 
@@ -452,7 +460,7 @@ class UEAClassifier(nn.Module):
         head_dim = self.head_dim or self.d_model // self.num_heads
         if head_dim < 1:
             raise ValueError(f"d_model {self.d_model} < num_heads {self.num_heads}")
-        self.input_proj = _dense(self.d_model, self, "input_proj")
+        self.input_proj = _dense(self.d_model, self.feat_dim, self, "input_proj")
         if self.pos_encoding == "learnable":
             self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),
                                         (self.max_len, self.d_model), self.param_dtype)
@@ -466,7 +474,7 @@ class UEAClassifier(nn.Module):
                                 param_dtype=self.param_dtype, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
-        self.output = _dense(self.num_classes, self, "output")
+        self.output = _dense(self.num_classes, self.max_len * self.d_model, self, "output")
         self.dropout = nn.Dropout(self.dropout_rate)
 
     def __call__(self, batch: dict, *, train: bool = False):

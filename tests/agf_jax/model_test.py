@@ -178,3 +178,27 @@ def test_factory_and_batch_errors():
     with pytest.raises(ValueError, match="attention"):
         Model(kind="uea_classifier", **{**UEA, "attention": "performer"}).init(
             jax.random.key(0), {"inputs": UEA_X})
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_biases_follow_pytorch_linear_init(kind):
+    """Every Linear bias is U(+-1/sqrt(fan_in)) as torch.nn.Linear (spec §2.7); norms start at 0."""
+    fields, batch = CASES[kind]
+    m = Model(kind=kind, **fields, head_dim=5)            # H*D = 10 != d_model = 16: two fan-ins
+    params = m.init(jax.random.key(0), batch)["params"]
+    d, h, mlp = VARIANTS["tiny"]["d_model"], VARIANTS["tiny"]["num_heads"], VARIANTS["tiny"]["mlp_dim"]
+    fan_in = {"query": d, "key": d, "value": d, "sigma": d, "out": h * 5, "mlp_in": d, "ffn_in": d,
+              "mlp_out": mlp, "ffn_out": mlp, "head_hidden": (4 if kind == "lra_retrieval" else 1) * d,
+              "head_out": mlp, "input_proj": C, "output": T * d}
+    seen = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [p.key for p in path]
+        if names[-1] != "bias":
+            continue
+        if "norm" in names[-2]:
+            np.testing.assert_array_equal(leaf, 0.0)
+            continue
+        bound = 1.0 / np.sqrt(fan_in[names[-2]])
+        assert 0.5 * bound < np.abs(leaf).max() <= bound, (names, float(np.abs(leaf).max()), bound)
+        seen.add(names[-2])
+    assert {"query", "out", "head_out" if kind != "uea_classifier" else "output"} <= seen
