@@ -11,8 +11,8 @@ about 6 minutes on a CPU); smoke: 256 short expressions. Model selection on the 
 the reference, which then evaluates the best checkpoint (workdir/best) on test: the training command
 plus `--eval_only --eval_split=test`. Harness: batch 32, 5000 steps (1000 warm-up), eval every 50 steps.
 Expected: test accuracy >= 0.37 (Primalformer's table: Transformer 37.1, Primal 37.3; AGF's own
-number is not available, agf.md §8.1). Measured here (README, eval every 250 steps): validation 0.367
-at step 4250, test 0.3635 for that checkpoint; about 1 step/s on an idle 2-core CPU.
+number is not available, agf.md §8.1). Measured here (README): validation 0.365 at step 2900, test
+0.358 for that checkpoint (0.3675 for the last one); 1-2 steps/s on a 2-core CPU.
 """
 from configs.tasks import agf
 
