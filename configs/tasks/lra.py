@@ -1,6 +1,7 @@
 """Long Range Arena tasks: dataset facts and the data/task part of a config.
 
-ListOps is generated (`zoo_core.data.listops`); text, retrieval, image and pathfinder read prepared
+ListOps is generated (`zoo_core.data.listops`), or read from LRA's released files with
+--config.data.options.source_dir=DIR (DIR = lra_release/listops-1000); text, retrieval, image and pathfinder read prepared
 files from `source_dir` (`zoo_core.data.lra_files` says which files and formats), given with
 --config.data.options.source_dir=DIR.
 """
@@ -27,7 +28,7 @@ TASKS = {
 }
 
 LISTOPS_OPTIONS = ("max_length", "min_length", "max_depth", "max_args", "num_train", "num_validation",
-                   "num_test", "seed")
+                   "num_test", "seed", "source_dir")
 LISTOPS_DEFAULTS = listops.ListOpsConfig(name="defaults")
 # A ListOps setting that generates in well under a second (smoke runs, notebooks).
 LISTOPS_SMOKE_OPTIONS = dict(max_length=64, min_length=10, num_train=256, num_validation=32,
@@ -64,7 +65,8 @@ def set_data(c: ml_collections.ConfigDict, task: str, *, smoke: bool = False) ->
             facts["length"] = LISTOPS_SMOKE_OPTIONS["max_length"]
         else:
             # Every generation option explicitly (the LRA 2K defaults), so that each can be
-            # overridden on the command line, e.g. --config.data.options.min_length=20.
+            # overridden on the command line, e.g. --config.data.options.min_length=20, or
+            # source_dir=DIR for LRA's released files.
             c.data.options.update({k: getattr(LISTOPS_DEFAULTS, k) for k in LISTOPS_OPTIONS})
             facts["length"] = c.data.options.max_length
     else:

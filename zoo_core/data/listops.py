@@ -22,6 +22,13 @@ Settings: the defaults are the standard LRA 2K task (96k/2k/2k, lengths in (500,
 10 arguments). CPU_SMALL_OPTIONS is a small setting (2k/256/256, lengths in (20, 200)) that builds
 in about a second.
 
+LRA's released files instead of a fresh draw: the option `source_dir` names a directory with
+`basic_train.tsv`, `basic_val.tsv` and `basic_test.tsv` (lra_release/listops-1000, the draw behind LRA's
+published ListOps numbers). Lines are `Source<TAB>Target` under a header, Source in
+LRA's serialisation ("( ( ( [MAX 2 ) 9 ) ] )", see `lra_source`), tokenised as above and truncated
+to max_length as LRA's pipeline does. The generation options (min_length, max_depth, max_args,
+num_*, seed) describe a draw, so with source_dir they must stay at their defaults.
+
 Generation differs from LRA's loop only in speed: a tree is abandoned as soon as it reaches
 max_length tokens. That changes which random numbers the rejected trees consume, but not the
 distribution of accepted trees (the stopping rule only looks at the part already drawn).
@@ -29,6 +36,7 @@ distribution of accepted trees (the stopping rule only looks at the part already
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import numpy as np
@@ -47,6 +55,12 @@ TOKENS = {PAD_ID: "<pad>", **{d + 1: str(d) for d in range(10)},
 
 VALUE_P = 0.25  # LRA: a node below max_depth is an operator with probability VALUE_P
 
+# LRA's released file of each split (lra_release/listops-1000, task name 'basic').
+RELEASED_FILES = {"train": "basic_train.tsv", "validation": "basic_val.tsv", "test": "basic_test.tsv"}
+GENERATION_OPTIONS = ("min_length", "max_depth", "max_args", "num_train", "num_validation",
+                      "num_test", "seed")
+_TOKEN_IDS = {name: i for i, name in TOKENS.items() if i != PAD_ID}
+
 CPU_SMALL_OPTIONS = dict(max_length=200, min_length=20, num_train=2000, num_validation=256,
                          num_test=256)
 
@@ -61,6 +75,7 @@ class ListOpsConfig(tfds.core.BuilderConfig):
     num_validation: int = 2_000
     num_test: int = 2_000
     seed: int = 0
+    source_dir: str = ""
 
 
 def apply_operator(op: int, args: list[int]) -> int:
@@ -146,6 +161,80 @@ def decode(ids) -> str:
     return " ".join(TOKENS[int(i)] for i in ids if int(i) != PAD_ID)
 
 
+def lra_source(ids) -> str:
+    """Token ids -> LRA's serialised Source string, the inverse of `parse_lra_source`.
+
+    LRA stores an operator node as the left-nested pairs ((((op, a1), a2), ...), ']') and writes
+    every pair as '( left right )', so '[MAX 2 9 ]' is '( ( ( [MAX 2 ) 9 ) ] )'.
+    """
+    ids = [int(i) for i in ids if int(i) != PAD_ID]
+    pos = 0
+
+    def node() -> str:
+        nonlocal pos
+        tok = ids[pos]
+        pos += 1
+        if tok not in OPERATOR_IDS:
+            return TOKENS[tok]
+        args = []
+        while ids[pos] != END_ID:
+            args.append(node())
+        pos += 1
+        return "( " * (len(args) + 1) + TOKENS[tok] + " " + " ) ".join(args) + " ) ] )"
+
+    try:
+        text = node()
+    except IndexError:
+        raise ValueError(f"unterminated expression: {decode(ids)!r}") from None
+    if pos != len(ids):
+        raise ValueError(f"ids hold more than one expression: {decode(ids)!r}")
+    return text
+
+
+def parse_lra_source(source: str, max_length: int) -> np.ndarray:
+    """LRA's Source string -> int32 [max_length] ids: '(' and ')' dropped, truncated, zero-padded.
+
+    Raises:
+      KeyError: a token that is not a digit, an operator or ']' (the caller names file and line).
+    """
+    ids = [_TOKEN_IDS[tok] for tok in source.split() if tok not in ("(", ")")][:max_length]
+    out = np.zeros((max_length,), np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
+def read_released(path: str, max_length: int):
+    """Yields (ids int32 [max_length], label) from one of LRA's released ListOps TSV files."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            line = line.rstrip("\n").rstrip("\r")
+            if line_no == 1 and line.split("\t") == ["Source", "Target"]:
+                continue
+            fields = line.split("\t")
+            if len(fields) != 2:
+                raise ValueError(f"{path}, line {line_no}: expected 'Source<TAB>Target', got "
+                                 f"{len(fields)} field(s)")
+            source, target = fields
+            try:
+                ids = parse_lra_source(source, max_length)
+            except KeyError as e:
+                raise ValueError(f"{path}, line {line_no}: unknown ListOps token {e.args[0]!r}") from None
+            if target.strip() not in [str(d) for d in range(NUM_CLASSES)]:
+                raise ValueError(f"{path}, line {line_no}: target {target[:20]!r} is not a digit 0-9")
+            yield ids, int(target)
+
+
+def released_paths(source_dir: str) -> dict[str, str]:
+    """{split: path} of LRA's released files in `source_dir`; a one-line error names missing ones."""
+    paths = {split: os.path.join(source_dir, name) for split, name in RELEASED_FILES.items()}
+    missing = [p for p in paths.values() if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"lra_listops: missing {', '.join(missing)}; source_dir={source_dir!r} must hold "
+                         f"LRA's released {', '.join(RELEASED_FILES.values())} "
+                         f"(lra_release/listops-1000)")
+    return paths
+
+
 class LraListops(tfds.core.GeneratorBasedBuilder):
     """LRA ListOps: 'inputs' int32 [max_length] (0 = pad), 'label' int64 in [0, 10)."""
 
@@ -168,6 +257,9 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         c = self.builder_config
+        if c.source_dir:
+            return {split: self._read(path, c.max_length)
+                    for split, path in released_paths(c.source_dir).items()}
         sizes = {"train": c.num_train, "validation": c.num_validation, "test": c.num_test}
         seqs, labels = generate(sum(sizes.values()), max_length=c.max_length, min_length=c.min_length,
                                 max_depth=c.max_depth, max_args=c.max_args, seed=c.seed)
@@ -184,8 +276,23 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
             inputs[:len(seq)] = seq
             yield i, {"inputs": inputs, "label": label}
 
+    def _read(self, path, max_length):
+        for i, (inputs, label) in enumerate(read_released(path, max_length)):
+            yield i, {"inputs": inputs, "label": label}
+
 
 def _check(c: ListOpsConfig) -> None:
+    if not isinstance(c.source_dir, str):
+        raise ValueError(f"source_dir must be a directory path, got {c.source_dir!r}")
+    if c.source_dir:
+        changed = [f"{name}={getattr(c, name)!r}" for name in GENERATION_OPTIONS
+                   if getattr(c, name) != getattr(ListOpsConfig, name)]
+        if changed:
+            raise ValueError(f"lra_listops: {', '.join(changed)} describe a generated draw and do not apply "
+                             f"to the released files in source_dir={c.source_dir!r}; leave them at their defaults")
+        if c.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {c.max_length}")
+        return
     if c.max_depth < 1:
         raise ValueError(f"max_depth must be >= 1, got {c.max_depth}")
     if c.max_args < 2:
@@ -205,7 +312,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """Returns the (unprepared) ListOps builder.
 
     Options: max_length (2000), min_length (500), max_depth (10), max_args (10), num_train (96000),
-    num_validation (2000), num_test (2000), seed (0). See CPU_SMALL_OPTIONS for a small setting.
+    num_validation (2000), num_test (2000), seed (0); or source_dir with LRA's released files (then
+    only max_length applies). See CPU_SMALL_OPTIONS for a small setting.
     """
     config = base.config_from_options(ListOpsConfig, options, dataset="lra_listops")
     _check(config)
