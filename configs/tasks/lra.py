@@ -1,9 +1,9 @@
 """Long Range Arena tasks: dataset facts and the data/task part of a config.
 
 ListOps is generated (`zoo_core.data.listops`), or read from LRA's released files with
---config.data.options.source_dir=DIR (DIR = lra_release/listops-1000); text, retrieval, image and pathfinder read prepared
-files from `source_dir` (`zoo_core.data.lra_files` says which files and formats), given with
---config.data.options.source_dir=DIR.
+--config.data.options.source_dir=DIR (DIR = lra_release/listops-1000); text, retrieval, image and
+pathfinder read prepared files from `source_dir` (`zoo_core.data.lra_files` says which files and
+formats), given with --config.data.options.source_dir=DIR.
 """
 from __future__ import annotations
 

@@ -161,6 +161,13 @@ def decode(ids) -> str:
     return " ".join(TOKENS[int(i)] for i in ids if int(i) != PAD_ID)
 
 
+def _pad(ids, max_length: int) -> np.ndarray:
+    """Token ids (at most max_length) -> int32 [max_length], zero padding after them."""
+    out = np.zeros((max_length,), np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
 def lra_source(ids) -> str:
     """Token ids -> LRA's serialised Source string, the inverse of `parse_lra_source`.
 
@@ -197,10 +204,8 @@ def parse_lra_source(source: str, max_length: int) -> np.ndarray:
     Raises:
       KeyError: a token that is not a digit, an operator or ']' (the caller names file and line).
     """
-    ids = [_TOKEN_IDS[tok] for tok in source.split() if tok not in ("(", ")")][:max_length]
-    out = np.zeros((max_length,), np.int32)
-    out[:len(ids)] = ids
-    return out
+    return _pad([_TOKEN_IDS[tok] for tok in source.split() if tok not in ("(", ")")][:max_length],
+                max_length)
 
 
 def read_released(path: str, max_length: int):
@@ -272,9 +277,7 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, seqs, labels, max_length):
         for i, (seq, label) in enumerate(zip(seqs, labels)):
-            inputs = np.zeros((max_length,), np.int32)
-            inputs[:len(seq)] = seq
-            yield i, {"inputs": inputs, "label": label}
+            yield i, {"inputs": _pad(seq, max_length), "label": label}
 
     def _read(self, path, max_length):
         for i, (inputs, label) in enumerate(read_released(path, max_length)):
