@@ -280,3 +280,55 @@ def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_pat
     a, b = final(full), final(resumed)
     assert_trees_close(b["params"], a["params"], atol=0.0, rtol=0.0)
     assert_trees_close(b["opt_state"], a["opt_state"], atol=0.0, rtol=0.0)
+
+
+class SlowStep(nn.Module):
+    """An MLP classifier whose training step also runs ~50 chained 256x256 matmuls.
+
+    That makes a step much slower than dispatching one, the situation in which async dispatch lets
+    a loop run ahead of the device. (A host callback would not do: it makes execution synchronous.)
+    """
+
+    @nn.compact
+    def __call__(self, batch, *, train=False):
+        out, aux = models.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
+        if train:
+            m = jnp.eye(256) + 1e-3 * jnp.mean(out["logits"])
+            m = jax.lax.fori_loop(0, 50, lambda _, a: jnp.tanh(a @ a), m)
+            aux = {**aux, "loss/busy": 0.0 * jnp.mean(m)}
+        return out, aux
+
+
+def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch):
+    """When the loop asks for the batch of step s, at most step s - 1 is still computing.
+
+    Without the wait the loop would queue all steps up to the next blocking log, and a SIGTERM would
+    be answered only after they had run (a real run: 35 steps, 3.4 min). With the wait removed, this
+    test saw up to 6 steps pending out of 12.
+    """
+    c = _config(data_dir, total_steps=12, log_every_steps=100, eval_every_steps=0, checkpoint_every_steps=0)
+    step_metrics, pending = [], []
+    real_jit, real_batches = jax.jit, trainer.pipeline.train_batches
+
+    def recording_jit(fun, *args, **kwargs):
+        compiled = real_jit(fun, *args, **kwargs)
+        if getattr(fun, "func", None) is not trainer.train_step:
+            return compiled
+
+        def call(*a, **k):
+            state, metrics = compiled(*a, **k)
+            step_metrics.append(metrics)
+            return state, metrics
+        return call
+
+    def watched(*args, **kwargs):
+        for batch in real_batches(*args, **kwargs):
+            pending.append(sum(not all(x.is_ready() for x in jax.tree_util.tree_leaves(m))
+                               for m in step_metrics))
+            yield batch
+
+    monkeypatch.setattr(trainer.jax, "jit", recording_jit)
+    monkeypatch.setattr(trainer.pipeline, "train_batches", watched)
+    trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: SlowStep())
+    assert len(step_metrics) == 12 and len(pending) >= 12
+    assert max(pending) <= 1, pending
