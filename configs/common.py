@@ -49,7 +49,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batch_size = 32            # global eval batch; the last batch is padded and masked
     c.eval_max_examples = 0           # 0 = the whole eval split; >0 caps it (smoke runs)
     c.log_every_steps = 50            # train metrics to metrics.jsonl / TensorBoard (averaged since last log)
-    c.eval_every_steps = 500          # 0 = only at the end
+    c.eval_every_steps = 500          # also at total_steps and eval_also_at_step; 0 = no eval at all
+    c.eval_also_at_step = 0           # one more eval step (UEA: the end of epoch 1, as the reference); 0 = none
     c.checkpoint_every_steps = 500    # 0 = only at the end (and on SIGTERM)
     c.progress_bar = True             # tqdm bar with ETA and live loss on process 0
 
@@ -108,6 +109,7 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.eval_max_examples = 8
     c.log_every_steps = 1
     c.eval_every_steps = 2
+    c.eval_also_at_step = 0
     c.checkpoint_every_steps = 2
     c.progress_bar = False
     return c

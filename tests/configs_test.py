@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 from zoo_core import data as data_lib
-from zoo_core import optim, tasks
+from zoo_core import optim, tasks, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILDERS = {
@@ -38,5 +38,17 @@ def test_config_loads_and_builds(path):
     getattr(importlib.import_module(module_name), attr)(**c.model.to_dict())
     full = module.get_config()
     assert full.total_steps >= c.total_steps
+    trainer.validate_config(c)
+    trainer.validate_config(full)
     with pytest.raises(ValueError, match="unknown config argument"):
         module.get_config("no_such_option=1")
+
+
+def test_uea_configs_evaluate_when_the_reference_harness_does():
+    """mvts_transformer validates after the first epoch, every val_interval = 2 epochs and the last;
+    the best of those is the reported metric, so evaluating more often would flatter it."""
+    from configs.agf import uea_basic_motions, uea_japanese_vowels
+    for module, epoch in ((uea_japanese_vowels, 17), (uea_basic_motions, 3)):
+        c = module.get_config()
+        evals = [s // epoch for s in range(1, c.total_steps + 1) if trainer.is_eval_step(c, s)]
+        assert evals == [1] + list(range(2, 101, 2))

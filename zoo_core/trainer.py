@@ -218,6 +218,9 @@ def validate_config(config) -> None:
     for name in ("total_steps", "batch_size", "eval_batch_size", "log_every_steps"):
         if int(config[name]) < 1:
             raise ValueError(f"{name} must be >= 1, got {config[name]}")
+    if not 0 <= int(config.eval_also_at_step) <= int(config.total_steps):
+        raise ValueError(f"eval_also_at_step must be in [0, total_steps={config.total_steps}], "
+                         f"got {config.eval_also_at_step}")
     devices = jax.device_count()
     accum = int(config.optim.grad_accum_steps)
     if accum < 1:
@@ -227,6 +230,13 @@ def validate_config(config) -> None:
                          f"optim.grad_accum_steps ({accum})")
     if config.eval_batch_size % devices:
         raise ValueError(f"eval_batch_size {config.eval_batch_size} must be divisible by the {devices} devices")
+
+
+def is_eval_step(config, step: int) -> bool:
+    """Whether the loop evaluates after `step`: every eval_every_steps, at the end, at eval_also_at_step."""
+    if not config.eval_every_steps:
+        return False
+    return step % config.eval_every_steps == 0 or step in (config.total_steps, config.eval_also_at_step)
 
 
 def prepare_data(config) -> tuple[Any, Any]:
@@ -431,7 +441,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                     writer.write(step, summary)
                     if progress is not None:
                         progress.set_postfix(loss=f"{summary['train/total_loss']:.4g}")
-                if config.eval_every_steps and (step % config.eval_every_steps == 0 or step == config.total_steps):
+                if is_eval_step(config, step):
                     check_finite(state)
                     last_eval = run_eval(state, step)
                     checkpoints.maybe_save_best(step, host_state(state), config_dict, last_eval)

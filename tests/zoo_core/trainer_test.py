@@ -189,6 +189,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("parallel.mode", "spmd", "unknown parallel.mode"),
     ("data.name", "nope", "unknown dataset"),
     ("model.hidden", -1, "hidden"),
+    ("eval_also_at_step", 10**6, "eval_also_at_step"),
 ])
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
     c = _config(data_dir, **{field: value})
@@ -231,6 +232,13 @@ def test_a_model_that_uses_the_step_gets_the_update_index_and_the_last_one_at_ev
     with pytest.raises(ValueError, match="uses_step"):
         trainer.eval_step({}, {"inputs": np.zeros((1, 8), np.float32)}, model=StepProbe(),
                           task=tasks.classification())
+
+
+def test_eval_steps_are_every_n_the_last_and_the_extra_one(data_dir):
+    c = _config(data_dir, total_steps=10, eval_every_steps=4, eval_also_at_step=3)
+    assert [s for s in range(1, 11) if trainer.is_eval_step(c, s)] == [3, 4, 8, 10]
+    c.eval_every_steps = 0
+    assert not any(trainer.is_eval_step(c, s) for s in range(1, 11))
 
 
 def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
