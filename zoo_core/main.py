@@ -101,12 +101,20 @@ def _fail(message: str, status: int = 2, *, log: bool = True) -> None:
     sys.exit(status)
 
 
+def _last_line(message: str) -> str:
+    """The line of a multi-line message that names the problem (a traceback's final line)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 1 and "Traceback (most recent call last):" in message:
+        return f"{lines[0]} {lines[-1]}"     # 'flag --config=F: Error whilst parsing ...' + the exception
+    return lines[-1] if len(lines) > 1 else (lines[0] if lines else "")
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config mistakes (unknown key, bad value, broken file) reduced to one line."""
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
     except flags.Error as e:
-        _fail(f"bad flag: {e}", log=False)
+        _fail(f"bad flag: {_last_line(str(e))}", log=False)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         # ml_collections reports an unknown --config.a.b override as AttributeError("'b'").
         detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")
@@ -114,6 +122,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
         bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
         _fail(f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})",
               log=False)
+    # A config file that cannot be loaded (e.g. a wrong path) is not a parse error for ml_collections:
+    # the flag holds a placeholder that raises OSError on first use. Surface it here as one line.
+    if _CONFIG.value is not None:
+        try:
+            _CONFIG.value.get("seed")
+        except OSError as e:
+            _fail(f"bad flag: --config {flags.FLAGS['config'].config_filename}: {_last_line(str(e))}",
+                  log=False)
+    return rest
 
 
 def run(build_model: Callable[..., Any], evaluators_fn: Callable[[Any], list] | None = None) -> None:

@@ -104,6 +104,18 @@ def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override,
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("config,expected", [
+    ("configs/core/synthetic.py:bogus", "unknown config argument 'bogus'"),
+    ("configs/core/no_such_file.py", "No such file or directory"),
+])
+def test_a_config_file_that_does_not_load_exits_2_with_one_line(tmp_path, config, expected):
+    cmd = [sys.executable, "-m", "zoo_core.train", "--config", config, "--workdir", str(tmp_path / "w")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: bad flag:")
+
+
 def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_path):
     full, data = uninterrupted
     cmd = _cmd(full, data, *LONG, "--eval_only", "--eval_split=test", "--checkpoint=latest")
