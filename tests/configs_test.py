@@ -52,3 +52,11 @@ def test_uea_configs_evaluate_when_the_reference_harness_does():
         c = module.get_config()
         evals = [s // epoch for s in range(1, c.total_steps + 1) if trainer.is_eval_step(c, s)]
         assert evals == [1] + list(range(2, 101, 2))
+
+
+def test_lra_configs_select_the_checkpoint_on_the_dev_split():
+    """The harness keeps the best dev checkpoint and reports it on test (agf.md §3.1)."""
+    from configs.agf import lra_image, lra_listops, lra_pathfinder, lra_retrieval, lra_text
+    for module in (lra_listops, lra_retrieval, lra_image, lra_pathfinder):
+        assert module.get_config().data.eval_split == "validation", module.__name__
+    assert lra_text.get_config().data.eval_split == "test"   # LRA's IMDB task has no dev split

@@ -250,6 +250,10 @@ def prepare_data(config) -> tuple[Any, Any]:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("zoo_data_prepared")
         builder.download_and_prepare()   # a no-op read of what process 0 wrote
+    for role, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
+        if split not in builder.info.splits:
+            raise ValueError(f"data.{role} {split!r} is not a split of {d.name} "
+                             f"(it has: {', '.join(sorted(builder.info.splits))})")
     return builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
 
 

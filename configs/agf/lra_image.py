@@ -8,11 +8,13 @@ Filter from the reference's `best_agf.sh`: jacobi, K=6, alpha=1.5, beta=2.0, gam
         --config.data.options.source_dir=/path/to/image
     python -m agf_jax.train --config configs/agf/lra_image.py:smoke --workdir /tmp/agf_smoke
 
-Data: DIR/train.npz and DIR/test.npz with 'inputs' uint8 [N, 32, 32] (or RGB [N, 32, 32, 3])
-and 'label' [N] in 0..9 (zoo_core.data.lra_files).
+Data: DIR/train.npz, DIR/validation.npz and DIR/test.npz (LRA: CIFAR-10 train[:90%], train[90%:],
+test) with 'inputs' uint8 [N, 32, 32] (or RGB [N, 32, 32, 3]) and 'label' [N] in 0..9
+(zoo_core.data.lra_files).
 The smoke variant builds without them (tests/configs_test.py) but needs them to run.
-Harness: batch 256, 35000 steps (175 warm-up), eval on test every 175 steps, the best
-checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
+Harness: batch 256, 35000 steps (175 warm-up), eval on validation every 175 steps, the best
+checkpoint by validation accuracy under workdir/best, reported on test with the
+training command plus `--eval_only --eval_split=test`. Expected: AGF's own number is not available
 (agf.md §8.1); for context, Primalformer's table: Transformer 38.2.
 """
 from configs.tasks import agf

@@ -8,11 +8,12 @@ Filter from the reference's `best_agf.sh`: jacobi, K=4, alpha=1.5, beta=-1.0, ga
         --config.data.options.source_dir=/path/to/pathfinder
     python -m agf_jax.train --config configs/agf/lra_pathfinder.py:smoke --workdir /tmp/agf_smoke
 
-Data: DIR/train.npz and DIR/test.npz with 'inputs' uint8 [N, 32, 32] and 'label' [N] in
-{0, 1} (zoo_core.data.lra_files).
+Data: DIR/train.npz, DIR/validation.npz and DIR/test.npz (LRA's 80/10/10 split) with 'inputs' uint8
+[N, 32, 32] and 'label' [N] in {0, 1} (zoo_core.data.lra_files).
 The smoke variant builds without them (tests/configs_test.py) but needs them to run.
-Harness: batch 256, 62400 steps (312 warm-up), eval on test every 312 steps, the best
-checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
+Harness: batch 256, 62400 steps (312 warm-up), eval on validation every 312 steps, the best
+checkpoint by validation accuracy under workdir/best, reported on test with the
+training command plus `--eval_only --eval_split=test`. Expected: AGF's own number is not available
 (agf.md §8.1); for context, Primalformer's table: Transformer 74.2.
 """
 from configs.tasks import agf

@@ -8,11 +8,12 @@ Filter from the reference's `best_agf.sh`: jacobi, K=5, alpha=2.0, beta=-1.5, ga
         --config.data.options.source_dir=/path/to/retrieval
     python -m agf_jax.train --config configs/agf/lra_retrieval.py:smoke --workdir /tmp/agf_smoke
 
-Data: DIR/train.tsv and DIR/test.tsv, lines 'label<TAB>text1<TAB>text2' or LRA's
-new_aan_pairs.{train,test}.tsv renamed (zoo_core.data.lra_files).
+Data: DIR/train.tsv, DIR/validation.tsv and DIR/test.tsv, lines 'label<TAB>text1<TAB>text2' or LRA's
+new_aan_pairs.{train,eval,test}.tsv renamed (zoo_core.data.lra_files).
 The smoke variant builds without them (tests/configs_test.py) but needs them to run.
-Harness: batch 32, 30000 steps (800 warm-up), eval on test every 300 steps, the best
-checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
+Harness: batch 32, 30000 steps (800 warm-up), eval on validation every 300 steps, the best
+checkpoint by validation accuracy under workdir/best, reported on test with the
+training command plus `--eval_only --eval_split=test`. Expected: AGF's own number is not available
 (agf.md §8.1); for context, Primalformer's table: Transformer 79.4.
 """
 from configs.tasks import agf

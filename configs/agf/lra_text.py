@@ -13,9 +13,10 @@ Filter from the reference's `best_agf.sh`: jacobi, K=5, alpha=2.0, beta=-2.0, ga
 Data: DIR/train.tsv and DIR/test.tsv (optional validation.tsv), one review per line
 'label<TAB>text' (zoo_core.data.lra_files).
 The smoke variant builds without them (tests/configs_test.py) but needs them to run.
-Harness: batch 32, 20000 steps (8000 warm-up), eval on test every 500 steps, the best
-checkpoint by eval/accuracy under workdir/best. Expected: AGF's own number is not available
-(agf.md §8.1); for context, Primalformer's table (4K): Transformer 65.0.
+Harness: batch 32, 20000 steps (8000 warm-up), eval on test every 500 steps (LRA's text task has no
+dev split: IMDB test serves as both), the best checkpoint by eval/accuracy under workdir/best.
+Expected: AGF's own number is not available (agf.md §8.1); for context, Primalformer's table (4K):
+Transformer 65.0.
 """
 from configs.tasks import agf
 

@@ -12,7 +12,9 @@ import ml_collections
 from zoo_core.data import listops, lra_files
 
 # task -> dataset name, vocabulary (0 = padding), classes, sequence length of the AGF harness,
-# whether the data need user files, and the split used for model selection.
+# whether the data need user files, and the split used for model selection (the harness's dev split:
+# LRA's IMDB text task has none and uses test; the best dev checkpoint is then scored on test with
+# --eval_only --eval_split=test).
 TASKS = {
     "listops": dict(dataset="lra_listops", vocab_size=listops.VOCAB_SIZE, classes=10, length=2000,
                     needs_files=False, eval_split="validation"),
@@ -20,11 +22,11 @@ TASKS = {
     "text": dict(dataset="lra_text", vocab_size=lra_files.TEXT_VOCAB_SIZE, classes=2, length=1024,
                  needs_files=True, eval_split="test"),
     "retrieval": dict(dataset="lra_retrieval", vocab_size=lra_files.TEXT_VOCAB_SIZE, classes=2,
-                      length=4000, needs_files=True, eval_split="test"),
+                      length=4000, needs_files=True, eval_split="validation"),
     "image": dict(dataset="lra_image", vocab_size=lra_files.PIXEL_VOCAB_SIZE, classes=10,
-                  length=1024, needs_files=True, eval_split="test"),
+                  length=1024, needs_files=True, eval_split="validation"),
     "pathfinder": dict(dataset="lra_pathfinder", vocab_size=lra_files.PIXEL_VOCAB_SIZE, classes=2,
-                       length=1024, needs_files=True, eval_split="test"),
+                       length=1024, needs_files=True, eval_split="validation"),
 }
 
 LISTOPS_OPTIONS = ("max_length", "min_length", "max_depth", "max_args", "num_train", "num_validation",

@@ -190,6 +190,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("data.name", "nope", "unknown dataset"),
     ("model.hidden", -1, "hidden"),
     ("eval_also_at_step", 10**6, "eval_also_at_step"),
+    ("data.eval_split", "dev", "data.eval_split 'dev' is not a split of"),
 ])
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
     c = _config(data_dir, **{field: value})
