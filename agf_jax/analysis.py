@@ -251,21 +251,29 @@ def oversmoothing_profile(model, variables, batch: Mapping[str, Any], *, mask=No
             towers are stacked, first tower first).
         variables: {'params': ...}.
         batch: the model's batch.
-        mask: `[B, T]` real-token mask; default: batch['mask'] if present, else batch['inputs'] != 0
-            for integer token inputs, else all tokens.
+        mask: `[B, T]` real-token mask; default: batch['mask'] if present, else the token positions
+            of integer 'inputs' as the LRA encoder sees them (`lra_encoder_tokens`), else all tokens.
 
     Returns:
         `[L+1, B]` (per tower for retrieval: `[2 (L+1), B]`).
     """
     _, state = model.apply(variables, batch, mutable=["intermediates"])
     hidden = _find_sown(state["intermediates"], "hidden_states")
+    from agf_jax import model as model_lib
+
+    def token_mask(ids):   # the positions the LRA encoder holds tokens at (CLS pooling shifts them)
+        pooling = getattr(model, "pooling", "mean")
+        vocab = getattr(model, "vocab_size", 0)
+        return np.asarray(model_lib.lra_encoder_tokens(jnp.asarray(ids), pooling=pooling,
+                                                       vocab_size=vocab)[1]) > 0
+
     if mask is None:
         if "mask" in batch:
             mask = batch["mask"]
         elif "inputs" in batch and jnp.issubdtype(jnp.asarray(batch["inputs"]).dtype, jnp.integer):
-            mask = np.asarray(batch["inputs"]) != 0
+            mask = token_mask(batch["inputs"])
     if "inputs1" in batch and mask is None:
-        masks = [np.asarray(batch["inputs1"]) != 0, np.asarray(batch["inputs2"]) != 0]
+        masks = [token_mask(batch["inputs1"]), token_mask(batch["inputs2"])]
         per = len(hidden) // 2
         return np.stack([token_cosine_similarity(h, masks[i // per]) for i, h in enumerate(hidden)])
     return np.stack([token_cosine_similarity(h, mask) for h in hidden])
@@ -313,7 +321,8 @@ def attention_probes(model, variables, batch: Mapping[str, Any]) -> list[dict]:
     hidden = _find_sown(state["intermediates"], "hidden_states")      # L+1 arrays [B, T, E]
     is_lra = isinstance(model, model_lib.LRAClassifier)
     blocks = params["encoder"] if is_lra else params
-    mask = (jnp.asarray(batch["inputs"]) != 0).astype(jnp.float32) if is_lra else None
+    mask = model_lib.lra_encoder_tokens(jnp.asarray(batch["inputs"]), pooling=model.pooling,
+                                        vocab_size=model.vocab_size)[1] if is_lra else None
     head_dim = model.head_dim or model.d_model // model.num_heads
     probes = []
     for i in range(model.num_layers):

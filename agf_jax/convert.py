@@ -386,7 +386,7 @@ def module_from_meta(meta: Mapping[str, Any]):
         # LRA always freezes c_0 (its fixI flag has no effect) and scales the regulariser by reg.
         return "lra_attention", AGFAttention(
             num_heads=h, head_dim=d, order=int(cfg["K"]), learn_c0=False,
-            ortho_scale=float(cfg.get("reg", 1.0)),
+            ortho_scale=float(cfg["reg"]),   # required like the other keys: no silent default
             **_basis_args(cfg["poly_type"], cfg.get("alpha"), cfg.get("beta")))
     if "AttentionLayer" in cls:
         _expect(args, "attn_type", ("svd", "softmax"), cls)

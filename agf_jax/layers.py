@@ -35,7 +35,7 @@ Initializer = Callable[..., Array]
 def torch_linear_kernel_init() -> Initializer:
     """PyTorch's `nn.Linear` weight init, kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)).
 
-    Flax's default lecun_normal differs (spec §2.4); this keeps training dynamics comparable to the
+    Flax's default lecun_normal differs (agf.md §2.7); this keeps training dynamics comparable to the
     reference. `nn.DenseGeneral` flattens the kernel to [fan_in, fan_out] before calling it, so
     fan_in is right for the [E, H, D] and [H, D, E] kernels too. Biases: `torch_linear_bias_init`.
     """
@@ -118,8 +118,8 @@ class AGFAttention(nn.Module):
         if self.num_heads < 1 or self.head_dim < 1:
             raise ValueError(f"num_heads and head_dim must be >= 1, got {self.num_heads}, "
                              f"{self.head_dim}")
-        if self.order < 0:
-            raise ValueError(f"order must be >= 0, got {self.order}")
+        if not isinstance(self.order, int) or isinstance(self.order, bool) or self.order < 0:
+            raise ValueError(f"order must be an int >= 0, got {self.order!r}")
         ops.resolve_basis(self.basis, self.alpha, self.beta, self.order)
         if self.chunk_size is not None:
             if not self.causal:

@@ -71,6 +71,7 @@ def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Mo
     init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
                 bias_init=torch_linear_bias_init(owner.d_model),
                 out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
+    _check_attention_fields(owner)
     if owner.attention == "agf":
         return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
                             order=owner.order, alpha=owner.alpha, beta=owner.beta,
@@ -79,12 +80,22 @@ def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Mo
                             dropout_rate=owner.attention_dropout, **init)
 
 
-def _check_common(m) -> None:
+def _check_attention_fields(m) -> None:
+    """`attention` is known and no option of the other attention is set (it would be ignored)."""
     if m.attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {m.attention!r}")
     if m.attention == "agf" and m.attention_dropout:
         raise ValueError("attention_dropout applies only to attention='softmax' (AGF has no "
                          "attention dropout in the reference)")
+    if m.attention == "softmax":
+        defaults = {f.name: f.default for f in dataclasses.fields(m)}
+        changed = sorted(k for k in AGF_ONLY_KWARGS if k in defaults and getattr(m, k) != defaults[k])
+        if changed:
+            raise ValueError(f"{changed} apply only to attention='agf' (got attention='softmax')")
+
+
+def _check_common(m) -> None:
+    _check_attention_fields(m)
     for name in ("d_model", "mlp_dim", "num_heads", "num_layers", "num_classes"):
         if getattr(m, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(m, name)}")
@@ -284,16 +295,26 @@ class _LRABase(nn.Module):
         return ids
 
     def _encode(self, ids: Array, deterministic: bool):
-        mask = (ids != 0).astype(jnp.float32)
-        if self.pooling == "cls":
-            ids = jnp.concatenate([jnp.full_like(ids[:, :1], self.vocab_size - 1), ids[:, :-1]], 1)
-            mask = jnp.concatenate([jnp.ones_like(mask[:, :1]), mask[:, :-1]], 1)
+        ids, mask = lra_encoder_tokens(ids, pooling=self.pooling, vocab_size=self.vocab_size)
         x, orthos, coeffs = self.encoder(ids, mask, deterministic=deterministic)
         pooled = x[:, 0] if self.pooling == "cls" else jnp.mean(x, axis=1)
         return pooled, orthos, coeffs
 
     def _head(self, z: Array) -> Array:
         return self.head_out(nn.relu(self.head_hidden(z))).astype(jnp.float32)
+
+
+def lra_encoder_tokens(ids: Array, *, pooling: str, vocab_size: int) -> tuple[Array, Array]:
+    """The token ids `[B, T]` and float mask `[B, T]` (1 = token) that the LRA encoder sees.
+
+    With pooling='cls' the reference prepends a CLS token (id vocab_size - 1) and drops the last
+    input token, so position t holds input token t - 1; with 'mean' the ids are unchanged.
+    """
+    mask = (ids != 0).astype(jnp.float32)
+    if pooling == "cls":
+        ids = jnp.concatenate([jnp.full_like(ids[:, :1], vocab_size - 1), ids[:, :-1]], 1)
+        mask = jnp.concatenate([jnp.ones_like(mask[:, :1]), mask[:, :-1]], 1)
+    return ids, mask
 
 
 class LRAClassifier(_LRABase):
@@ -317,8 +338,7 @@ class LRARetrieval(_LRABase):
     """AGF_LRA `ModelForSCDual`: a shared encoder on two documents, head on [x0, x1, x0*x1, x0-x1].
 
     Batch: 'inputs1', 'inputs2' int `[B, T]` (0 = padding). The per-layer regulariser is the mean of
-    the two towers (the AGF reference's dual combination is not recorded in the spec; Primalformer's
-    dual wrapper, which AGF_LRA derives from, averages its towers the same way).
+    the two towers, then the mean over layers (agf.md §2.5).
     """
 
     head_inputs = 4   # the head reads [x0, x1, x0*x1, x0-x1]
@@ -455,11 +475,13 @@ class UEAClassifier(nn.Module):
         if self.pos_encoding not in ("learnable", "fixed"):
             raise ValueError(f"pos_encoding must be 'learnable' or 'fixed', got "
                              f"{self.pos_encoding!r}")
-        if self.attention == "softmax" and self.learn_c0:
-            raise ValueError("learn_c0 applies only to attention='agf'")
-        head_dim = self.head_dim or self.d_model // self.num_heads
+        if self.head_dim is None and self.d_model % self.num_heads:
+            # The reference would silently use d_model // num_heads per head (a narrower layer).
+            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; "
+                             f"pass head_dim explicitly for a different width")
+        head_dim = self.d_model // self.num_heads if self.head_dim is None else self.head_dim
         if head_dim < 1:
-            raise ValueError(f"d_model {self.d_model} < num_heads {self.num_heads}")
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
         self.input_proj = _dense(self.d_model, self.feat_dim, self, "input_proj")
         if self.pos_encoding == "learnable":
             self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),

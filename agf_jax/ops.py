@@ -241,7 +241,8 @@ def masked_logits(zv: Array, mask: Optional[Array]) -> Array:
     mask = jnp.asarray(mask)
     if mask.shape != zv.shape[:2]:
         raise ValueError(f"mask must have shape [B, T] = {zv.shape[:2]}, got {mask.shape}")
-    return zv - MASK_OFFSET * (1.0 - mask.astype(zv.dtype))[:, :, None, None]
+    # astype(bool) first: any nonzero entry is a valid token, as in softmax_attention_weights.
+    return zv - MASK_OFFSET * (1.0 - mask.astype(bool).astype(zv.dtype))[:, :, None, None]
 
 
 def left_factor(zu: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",

@@ -50,6 +50,8 @@ def _check_attention(attention: str) -> None:
 def lra_config(arg, task: str, *, order: int, alpha: float, beta: float,
                reg: float) -> ml_collections.ConfigDict:
     """The AGF_LRA config of `task` with the Jacobi filter (order K, alpha, beta) and gamma = reg."""
+    if task not in LRA_HARNESS:
+        raise ValueError(f"unknown LRA task {task!r}; known: {', '.join(LRA_HARNESS)}")
     args = common.parse_arg(arg, smoke=False, attention="agf")
     _check_attention(args.attention)
     h = LRA_HARNESS[task]
@@ -113,6 +115,9 @@ def uea_config(arg, dataset: str, *, basis: str, order: int, alpha: float | None
       epochs: training epochs.
       optimizer: 'radam' (the harness) or 'adam' (SpokenArabicDigits).
     """
+    if (basis == "jacobi") != (alpha is not None and beta is not None):
+        raise ValueError(f"alpha and beta are given exactly for basis='jacobi'; got basis={basis!r}, "
+                         f"alpha={alpha!r}, beta={beta!r}")
     args = common.parse_arg(arg, smoke=False, attention="agf", source_dir="")
     _check_attention(args.attention)
     c = common.base_config()

@@ -128,3 +128,14 @@ def test_oversmoothing_profile():
     h0 = state["intermediates"]["encoder"]["hidden_states"][0]
     np.testing.assert_allclose(prof[0], analysis.token_cosine_similarity(
         h0, np.asarray(batch["inputs"]) != 0), rtol=1e-12)
+
+
+def test_oversmoothing_profile_with_cls_pooling_masks_the_shifted_tokens():
+    """With a CLS token the encoder holds input token t at position t + 1 (the last one dropped)."""
+    model = Model(kind="lra_classifier", variant="tiny", num_classes=2, vocab_size=10, max_len=8,
+                  order=2, pooling="cls")
+    batch = {"inputs": jnp.array([[1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 0, 0, 0, 0]], jnp.int32)}
+    v = model.init(jax.random.key(5), batch)
+    shifted = np.array([[1] * 7, [1, 1, 1, 1, 0, 0, 0]], bool)       # CLS + 3 tokens in row 1
+    np.testing.assert_allclose(analysis.oversmoothing_profile(model, v, batch),
+                               analysis.oversmoothing_profile(model, v, batch, mask=shifted), rtol=0)

@@ -189,7 +189,7 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="causal=True"):
         layer.apply(v, 2, method="init_state")
     bad = [dict(basis="hermite"), dict(basis="legendre", alpha=1.0), dict(order=-1),
-           dict(chunk_size=4), dict(causal=True, chunk_size=0), dict(dropout_rate=1.5)]
+           dict(order=2.5), dict(chunk_size=4), dict(causal=True, chunk_size=0), dict(dropout_rate=1.5)]
     for kw in bad:
         with pytest.raises(ValueError):
             AGFAttention(num_heads=H, head_dim=D, **kw).init(jax.random.key(0), X)

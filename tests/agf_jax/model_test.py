@@ -178,6 +178,18 @@ def test_factory_and_batch_errors():
     with pytest.raises(ValueError, match="attention"):
         Model(kind="uea_classifier", **{**UEA, "attention": "performer"}).init(
             jax.random.key(0), {"inputs": UEA_X})
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        Model(kind="uea_classifier", **{**UEA, "d_model": 18, "num_heads": 4}).init(
+            jax.random.key(0), {"inputs": UEA_X})
+    # The public building blocks check their own fields too (not only the Model factory).
+    with pytest.raises(ValueError, match="attention must be one of"):
+        model_lib.LRAEncoder(vocab_size=10, max_len=8, d_model=8, mlp_dim=8, num_heads=2, head_dim=4,
+                             num_layers=1, attention="AGF").init(jax.random.key(0), IDS, IDS != 0,
+                                                                 deterministic=True)
+    with pytest.raises(ValueError, match=r"\['order'\] apply only to attention='agf'"):
+        model_lib.UEAClassifier(**{**VARIANTS["tiny"], "num_classes": K, "feat_dim": C, "max_len": T,
+                                   "attention": "softmax", "order": 7}).init(
+            jax.random.key(0), {"inputs": UEA_X})
 
 
 @pytest.mark.parametrize("kind", list(CASES))

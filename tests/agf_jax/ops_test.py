@@ -147,6 +147,8 @@ def test_mask_float_and_bool_agree_and_v_rows_zero():
     f_bool = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask, **BASIS)
     f_float = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask.astype(jnp.float32), **BASIS)
     np.testing.assert_array_equal(f_bool.v, f_float.v)
+    f_nonzero = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask * 2.5, **BASIS)   # nonzero = valid
+    np.testing.assert_array_equal(f_bool.v, f_nonzero.v)
     assert float(jnp.max(jnp.abs(f_bool.v[1, 5:]))) == 0.0       # padded rows of V are exactly 0
     np.testing.assert_allclose(jnp.sum(f_bool.v, axis=1), 1.0, **F32_SIMPLE)
     np.testing.assert_allclose(jnp.sum(f_bool.u, axis=-1), 1.0, **F32_SIMPLE)
