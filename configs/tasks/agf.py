@@ -20,6 +20,9 @@ Harness settings (agf.md §3.1, §3.2):
        decay, 100 epochs (PEMS-SF 400), d_model 512, 8 heads, d_ff 2048, 2 layers, dropout 0.1,
        learnable positions, seed 666. Evaluated on TEST after epochs 1, 2, 4, 6, ..., the last
        (mvts_transformer's val_interval 2 plus its first epoch); the metric is the best of these.
+       One deviation: an "epoch" is ceil(N / 16) full batches of a reshuffled, repeated stream
+       (JapaneseVowels: 17 x 16 = 272 series for N = 270), where PyTorch's DataLoader ends each
+       pass with a short batch; every series is still seen once per pass on average.
 """
 from __future__ import annotations
 
