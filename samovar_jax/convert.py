@@ -90,11 +90,14 @@ def _dtype(dtype) -> np.dtype:
     return jnp.dtype(dtype)
 
 
-def _transform(arr: np.ndarray, how: str, param: str | None) -> np.ndarray:
+def _transform(arr: np.ndarray, how: str, param: str | None, rank: int | None) -> np.ndarray:
+    """One reference tensor -> our layout; `rank` is the target parameter's rank (None: unknown)."""
     if how == _LINEAR:
         return arr.T if param == "weight" else arr
     if how == _SQUEEZE:
-        while arr.ndim and arr.shape[0] == 1:
+        # Drop the reference's leading broadcast axes, but only down to the target rank: a size-1
+        # axis of the parameter itself (e.g. one target channel) must stay.
+        while arr.ndim and arr.shape[0] == 1 and (rank is None or arr.ndim > rank):
             arr = arr[0]
         return arr
     return arr
@@ -168,7 +171,8 @@ def convert_state_dict(state_dict: Mapping[str, Any], model) -> dict[str, Any]:
             param = next((g for g in groups if g in ("weight", "bias")), None)
             path = target.format(i=f"{int(layer):02d}" if layer is not None else "",
                                  p="kernel" if param == "weight" else "bias")
-            arr = _transform(np.asarray(value), how, param)
+            arr = _transform(np.asarray(value), how, param,
+                             len(expected[path]) if path in expected else None)
             if path not in expected:
                 unknown.append(f"{key} (-> {path}, not a parameter of this model)")
             elif tuple(arr.shape) != expected[path]:

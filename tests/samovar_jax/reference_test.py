@@ -85,3 +85,10 @@ def test_reference_config_mapping():
         convert.model_kwargs_from_reference(meta["constructor_args"]["configs"], "samovar")
     with pytest.raises(ValueError, match="official_class"):
         convert.kind_from_meta({"official_class": "AGF_LRA/attention.py::Attention"})
+
+
+def test_leading_broadcast_axes_are_dropped_only_down_to_the_parameter_rank():
+    """A single-target model's channel table keeps its size-1 channel axis ([1, C_t=1, 2N, d] -> [1, 2N, d])."""
+    ref = np.zeros((1, 1, 26, 32), np.float32)
+    assert convert._transform(ref, convert._SQUEEZE, None, 3).shape == (1, 26, 32)
+    assert convert._transform(ref, convert._SQUEEZE, None, 2).shape == (26, 32)
