@@ -5,17 +5,50 @@ Layout of a workdir:
     best/<step>/          the single best checkpoint by the configured eval metric
     damaged/<step>-<n>/   checkpoints that failed to restore, moved aside (never deleted)
 
+A checkpoint that reads back but holds a different parameter tree (the workdir belongs to another
+model or config) is not damage: restoring raises `CheckpointMismatch` and moves nothing.
+
 Restores always go against an abstract state (`jax.ShapeDtypeStruct`s carrying shardings), so the
 state is never allocated twice and comes back sharded as the run wants it.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from typing import Any
 
 from absl import logging
 import orbax.checkpoint as ocp
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoints in a workdir hold another state tree than the one being restored."""
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'params/encoder/kernel': shape} of every array leaf of a state or of Orbax's tree metadata."""
+    import jax
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def _first_difference(stored: dict, wanted: dict) -> str:
+    for name in sorted(set(stored) | set(wanted), key=lambda n: (not n.startswith("params"), n)):
+        if name not in stored:
+            return f"{name} is not in the checkpoint"
+        if name not in wanted:
+            return f"the checkpoint has {name}, which this model does not"
+        if stored[name] != wanted[name]:
+            return f"{name} is {stored[name]} in the checkpoint, {wanted[name]} now"
+    return ""
 
 
 class Checkpoints:
@@ -54,6 +87,10 @@ class Checkpoints:
             raise ValueError(f"checkpoint.best_metric {self.best_metric!r} is not among the eval metrics "
                              f"{sorted(metrics)}")
         value = float(metrics[self.best_metric])
+        if not math.isfinite(value):   # a NaN best would make every later comparison False
+            logging.warning("eval %s = %s at step %d: not a candidate for the best checkpoint",
+                            self.best_metric, value, step)
+            return False
         if self.best_value is not None and not (
                 value > self.best_value if self.best_mode == "max" else value < self.best_value):
             return False
@@ -65,14 +102,43 @@ class Checkpoints:
             self.best.wait_until_finished()
         return True
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any] | None:
+    def _made_by_another_config(self, step: int, config: dict | None) -> bool:
+        """Whether the config saved with `step` is readable and differs from `config`.
+
+        A state tree that differs although the saved config is the same (or unreadable) is damage.
+        """
+        if config is None:
+            return False
+        try:
+            saved = self.last.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+        except Exception:  # noqa: BLE001 - unreadable: damage, handled by the caller
+            return False
+        return saved != config
+
+    def restore_latest(self, abstract_state: Any, config: dict | None = None) -> tuple[int, Any] | None:
         """Restores the newest checkpoint that reads back; damaged ones are moved aside with a warning.
+
+        Args:
+          abstract_state: the state to restore into (shapes, dtypes, shardings).
+          config: the run's config as saved with each checkpoint; when a checkpoint holds another
+            state tree *and* was saved with another config, `CheckpointMismatch` is raised instead
+            of treating the checkpoint as damaged.
 
         Returns:
           (step, state), or None when there is no usable checkpoint.
         """
         self._restore_best_value()
+        wanted = leaf_shapes(abstract_state)
         for step in sorted(self.last.all_steps(), reverse=True):
+            try:
+                stored = leaf_shapes(ocp.StandardCheckpointer().metadata(
+                    os.path.join(self.workdir, "checkpoints", str(step), "state")).item_metadata)
+            except Exception:  # noqa: BLE001 - unreadable metadata: the restore below reports the damage
+                stored = None
+            if stored is not None and stored != wanted and self._made_by_another_config(step, config):
+                raise CheckpointMismatch(
+                    f"the checkpoint at step {step} in {self.workdir} was made by another model or config "
+                    f"({_first_difference(stored, wanted)}); use a new --workdir or the run's own config")
             try:
                 restored = self.last.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state)))

@@ -3,7 +3,8 @@
     python -m agf_jax.train --config configs/agf/lra_listops.py:smoke --workdir /tmp/run \
         --config.model.num_layers=3
 
-Flags: --config (ml_collections file[:args], with --config.a.b=value overrides), --workdir, and for
+Flags: --config (ml_collections file[:args], with --config.a.b=value overrides), --workdir (default
+runs/<config name>[_<args>]), and for
 multi-host runs --coordinator_address / --num_processes / --process_id (or the environment variables
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Configuration mistakes end the run with one
 line on stderr and exit status 2, before anything is compiled.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -67,8 +69,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
-    workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(
-        flags.FLAGS["config"].config_filename))[0])
+    workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
     try:
         maybe_initialize_distributed()
         if _EVAL_ONLY.value:
@@ -92,6 +93,16 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         _fail(str(e).splitlines()[0])
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
+
+
+def default_workdir(config_arg: str) -> str:
+    """runs/<config file name>[_<its :args>], e.g. 'configs/agf/lra_listops.py:smoke' ->
+    'runs/lra_listops_smoke', so that variants of one config never resume each other's runs."""
+    path, _, args = config_arg.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if args:
+        name += "_" + re.sub(r"[^A-Za-z0-9.=-]+", "_", args).replace("=", "-").strip("_")
+    return os.path.join("runs", name)
 
 
 def _fail(message: str, status: int = 2, *, log: bool = True) -> None:

@@ -136,7 +136,7 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
       axis_name: the pmap axis; gradients and metrics are averaged over it.
 
     Returns:
-      (new state, metrics): scalar train metrics (loss, task metrics, aux losses, l2 norms, lr, finite).
+      (new state, metrics): scalar train metrics (loss, task metrics, aux losses, l2 norms, lr).
     """
     rng = jax.random.fold_in(state.rng, state.step)
     if axis_name is not None:
@@ -146,7 +146,11 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     if accum_steps == 1:
         (loss, (sums, aux_losses)), grads = grad_fn(state.params, batch, rng, state.step)
     else:
-        micro = jax.tree_util.tree_map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+        # Strided micro-batches (rows i, i + accum, ...): each device's shard of the batch then holds
+        # its part of every micro-batch, so the scan stays data-parallel. Contiguous blocks would put
+        # a whole micro-batch on one device and make XLA gather the batch onto every device.
+        micro = jax.tree_util.tree_map(
+            lambda x: jnp.swapaxes(x.reshape(-1, accum_steps, *x.shape[1:]), 0, 1), batch)
 
         def accumulate(carry, inputs):
             i, mb = inputs
@@ -218,6 +222,13 @@ def validate_config(config) -> None:
     for name in ("total_steps", "batch_size", "eval_batch_size", "log_every_steps"):
         if int(config[name]) < 1:
             raise ValueError(f"{name} must be >= 1, got {config[name]}")
+    for name, value in (("eval_every_steps", config.eval_every_steps),
+                        ("checkpoint_every_steps", config.checkpoint_every_steps),
+                        ("eval_max_examples", config.eval_max_examples),
+                        ("optim.grad_clip_norm", config.optim.grad_clip_norm),
+                        ("schedule.warmup_steps", config.schedule.warmup_steps)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     if not 0 <= int(config.eval_also_at_step) <= int(config.total_steps):
         raise ValueError(f"eval_also_at_step must be in [0, total_steps={config.total_steps}], "
                          f"got {config.eval_also_at_step}")
@@ -251,7 +262,7 @@ def prepare_data(config) -> tuple[Any, Any]:
         multihost_utils.sync_global_devices("zoo_data_prepared")
         builder.download_and_prepare()   # a no-op read of what process 0 wrote
     for role, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
-        if split not in builder.info.splits:
+        if split.split("[")[0] not in builder.info.splits:   # 'train[:90%]' slices a split
             raise ValueError(f"data.{role} {split!r} is not a split of {d.name} "
                              f"(it has: {', '.join(sorted(builder.info.splits))})")
     return builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
@@ -322,9 +333,6 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     is_main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
     config_dict = json.loads(config.to_json_best_effort())
-    if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_dict, f, indent=2, sort_keys=True)
     logging.info("config:\n%s", config)
     logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
                  jax.process_index(), jax.process_count(), jax.devices())
@@ -352,12 +360,18 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
 
     # --- restore or initialise, directly in the target sharding ---
     ck = config.checkpoint
-    checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
-                                       best_mode=ck.best_mode)
     replicated = sharding.replicated(mesh)
     abstract_sharded = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract)
-    restored = checkpoints.restore_latest(abstract_sharded)
+    try:
+        checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
+                                           best_mode=ck.best_mode)
+        restored = checkpoints.restore_latest(abstract_sharded, config_dict)
+    except ValueError as e:   # a bad checkpoint option, or the workdir holds another model's run
+        raise ConfigError(str(e)) from e
+    if is_main:   # only now: a mismatching workdir keeps its own config.json
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_dict, f, indent=2, sort_keys=True)
     if restored is None:
         state = jax.jit(init, out_shardings=replicated)(rng, example)
         start = 0

@@ -130,3 +130,11 @@ def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_pat
                              capture_output=True, text=True)
     errors = [l for l in missing.stderr.splitlines() if l.startswith("error: ")]
     assert missing.returncode == 2 and len(errors) == 1 and "no checkpoint" in errors[0], missing.stderr[-1500:]
+
+
+def test_the_default_workdir_names_the_config_and_its_args():
+    from zoo_core.main import default_workdir
+    assert default_workdir("configs/agf/lra_listops.py") == os.path.join("runs", "lra_listops")
+    assert default_workdir("configs/agf/lra_listops.py:smoke") == os.path.join("runs", "lra_listops_smoke")
+    assert default_workdir("c/uea_japanese_vowels.py:smoke,attention=softmax") == os.path.join(
+        "runs", "uea_japanese_vowels_smoke_attention-softmax")

@@ -127,6 +127,18 @@ def test_gradient_accumulation_equals_full_batch(data_dir):
     np.testing.assert_allclose(acc_metrics["train/total_loss"], full_metrics["train/total_loss"], rtol=1e-5)
 
 
+def test_gradient_accumulation_stays_data_parallel(data_dir):
+    """With the batch sharded over the devices, every micro-batch is split over them too: the
+    compiled step all-reduces gradients and never gathers the batch."""
+    batch = _batches(n=1)[0]
+    state, step = _setup(_config(data_dir, **{"optim.grad_accum_steps": 2}), batch)
+    mesh = sharding.make_mesh()
+    f = jax.jit(step, out_shardings=(sharding.replicated(mesh), sharding.replicated(mesh)))
+    hlo = f.lower(jax.device_put(state, sharding.replicated(mesh)),
+                  sharding.global_batch(batch, mesh)).compile().as_text()
+    assert "all-reduce" in hlo and "all-gather" not in hlo
+
+
 def test_train_step_does_not_retrace(data_dir):
     batches = _batches(n=4)
     state, step = _setup(_config(data_dir), batches[0])
@@ -190,7 +202,10 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("data.name", "nope", "unknown dataset"),
     ("model.hidden", -1, "hidden"),
     ("eval_also_at_step", 10**6, "eval_also_at_step"),
+    ("optim.grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
+    ("eval_every_steps", -5, "eval_every_steps must be >= 0"),
     ("data.eval_split", "dev", "data.eval_split 'dev' is not a split of"),
+    ("data.eval_split", "dev[:50%]", "data.eval_split 'dev\\[:50%\\]' is not a split of"),
 ])
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
     c = _config(data_dir, **{field: value})
@@ -341,3 +356,28 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
     trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: SlowStep())
     assert len(step_metrics) == 12 and len(pending) >= 12
     assert max(pending) <= 1, pending
+
+
+def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_path):
+    """A config change that reshapes the state must not count as damage (which would move the run's
+    checkpoints aside and restart it from step 0)."""
+    c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    before = json.load(open(tmp_path / "config.json"))
+    wider = _config(data_dir, total_steps=4, eval_every_steps=0, checkpoint_every_steps=2,
+                    **{"model.hidden": c.model.hidden * 2})
+    with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
+        trainer.train_and_evaluate(wider, str(tmp_path), models.MLPClassifier)
+    assert os.listdir(tmp_path / "checkpoints") == ["2"] and not (tmp_path / "damaged").exists()
+    assert json.load(open(tmp_path / "config.json")) == before
+    # The same config still resumes from it.
+    c.total_steps = 4
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+def test_a_split_slice_is_a_valid_eval_split(data_dir, tmp_path):
+    c = _config(data_dir, eval_max_examples=0)
+    c.data.eval_split = f"{c.data.eval_split}[:50%]"
+    result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert 0.0 <= result["eval/accuracy"] <= 1.0
