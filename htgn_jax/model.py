@@ -959,8 +959,11 @@ class Classifier(nn.Module):
 
 KINDS: dict[str, type] = {"seq2seq": Seq2Seq, "classifier": Classifier}
 
-# Defaults that attention='softmax' (the vanilla Transformer baseline) changes unless given.
+# Defaults that attention='softmax' (the vanilla Transformer baseline) changes unless given. The
+# seq2seq baseline also has no learned global tokens (a vanilla encoder-decoder has none); the
+# classifier keeps its one global token as the ViT-style CLS token it pools.
 SOFTMAX_BASELINE_DEFAULTS = {"use_graph_conv": False, "use_hrpe": False, "kl_weight": 0.0}
+SOFTMAX_BASELINE_KIND_DEFAULTS = {"seq2seq": {"num_global": 0}, "classifier": {}}
 
 # Model kwargs that name an ablation (spec §5.13), for the configs.
 ABLATIONS: dict[str, dict[str, Any]] = {
@@ -991,7 +994,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         kwargs override it. Without a variant the required sizes must be given.
       **kwargs: fields of the selected class (see `model_kwargs(kind)` and the class docstrings).
         With attention='softmax', use_graph_conv, use_hrpe and kl_weight default to False,
-        False, 0 (the vanilla Transformer baseline).
+        False, 0, and for kind='seq2seq' num_global to 0 (the vanilla Transformer baseline).
 
     Returns:
       An unbound Linen module: `apply(variables, batch, train=...)` -> ({'logits'}, aux).
@@ -1007,7 +1010,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         _fail(f"unknown Model kwargs for kind={kind!r}: {unknown}; allowed: {list(allowed)}")
     args = {k: v for k, v in (VARIANTS[variant] if variant else {}).items() if k in allowed}
     if kwargs.get("attention") == "softmax":
-        for k, v in SOFTMAX_BASELINE_DEFAULTS.items():
+        for k, v in {**SOFTMAX_BASELINE_DEFAULTS, **SOFTMAX_BASELINE_KIND_DEFAULTS[kind]}.items():
             if k not in kwargs:
                 args[k] = v
     args.update(kwargs)

@@ -60,3 +60,11 @@ def test_lra_configs_select_the_checkpoint_on_the_dev_split():
     for module in (lra_listops, lra_retrieval, lra_image, lra_pathfinder):
         assert module.get_config().data.eval_split == "validation", module.__name__
     assert lra_text.get_config().data.eval_split == "test"   # LRA's IMDB task has no dev split
+
+
+def test_htgn_configs_never_select_a_checkpoint_on_test():
+    from configs.htgn import digits, number_words, wmt14_en_de
+    assert wmt14_en_de.get_config("source_dir=/data").data.eval_split == "validation"
+    assert number_words.get_config().data.eval_split == "validation"
+    c = digits.get_config()      # test is its only held-out split: no best checkpoint at all
+    assert c.data.eval_split == "test" and c.checkpoint.best_metric == ""

@@ -116,9 +116,10 @@ def make_momentum_schedule(schedule: Any, *, total_steps: int) -> optax.Schedule
 def decay_mask(params: Any, rule: str) -> Any:
     """Pytree of bools: which parameters receive weight decay.
 
-    'all' decays everything; 'no_bias_norm' decays only tensors of rank >= 2 (kernels), so biases,
+    'all' decays everything; 'no_bias_norm' decays only tensors of rank >= 2 (kernels) whose name does
+    not end in 'bias', so biases (also the [H, D] ones of a DenseGeneral and relative-position biases),
     norm scales and scalar coefficients are spared; 'no_bias_norm_embed' also spares any parameter whose
-    path mentions 'embed' or 'pos' (token and position tables).
+    path mentions 'embed', 'pos' or 'tokens' (token and position tables, learned global tokens).
     """
     if rule not in DECAY_MASKS:
         raise ValueError(f"unknown optim.decay_mask {rule!r}; choose one of {', '.join(DECAY_MASKS)}")
@@ -126,10 +127,11 @@ def decay_mask(params: Any, rule: str) -> Any:
     def keep(path, leaf):
         if rule == "all":
             return True
-        if jnp.ndim(leaf) < 2:
+        names = [str(getattr(k, "key", k)).lower() for k in path]
+        if jnp.ndim(leaf) < 2 or names[-1].endswith("bias"):
             return False
-        names = "/".join(str(getattr(k, "key", k)).lower() for k in path)
-        return not (rule == "no_bias_norm_embed" and ("embed" in names or "pos" in names))
+        joined = "/".join(names)
+        return not (rule == "no_bias_norm_embed" and any(w in joined for w in ("embed", "pos", "tokens")))
     return jax.tree_util.tree_map_with_path(keep, params)
 
 

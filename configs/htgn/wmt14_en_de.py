@@ -10,8 +10,11 @@ newstest2013) and test.{en,de} (newstest2014), one aligned sentence per line (se
 are shared. Arguments: source_dir; attention = favor | softmax; ablation (as number_words);
 optimizer = adamw | lamb | ranger; beam_size (default 4, GNMT length penalty 0.6); steps; smoke.
 
+Evaluation: BLEU on dev (newstest2013) every 5,000 steps selects the best checkpoint; newstest2014
+is then scored once with the training command plus `--eval_only --eval_split=test`.
+
 Expected: a GPU/TPU-scale run (base-mt, 100k steps of 256 x 256-token batches); the spec
-records no reference BLEU for HTGN (the model card has no results), so eval/bleu on newstest2014
+records no reference BLEU for HTGN (the model card has no results), so BLEU on newstest2014
 is reported against the softmax baseline trained with the same config (`attention=softmax`).
 """
 from configs import common
@@ -45,7 +48,7 @@ def get_config(arg=None):
                  warmup_steps=4000)
 
     c.data.name = "wmt14_en_de"
-    c.data.eval_split = "test"
+    c.data.eval_split = "validation"        # dev: the best checkpoint is chosen here, not on test
     c.data.options.source_dir = args.source_dir
     c.data.options.vocab_size = VOCAB_SIZE
     c.data.options.max_length = MAX_LENGTH

@@ -293,6 +293,7 @@ def test_softmax_baseline_has_the_same_attention_and_no_graph():
     assert "random_features" in favor and "random_features" not in soft   # exact softmax
     fp, sp = param_shapes(favor["params"]), param_shapes(soft["params"])
     assert not _has(sp, "graph") and not _has(sp, "cross_graph")
+    assert _has(fp, "global_tokens") and not _has(sp, "global_tokens")   # a vanilla encoder-decoder
     assert {k: v for k, v in fp.items() if "attention/" in k} == \
         {k: v for k, v in sp.items() if "attention/" in k}
 

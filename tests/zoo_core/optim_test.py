@@ -51,6 +51,12 @@ def test_decay_mask_rules():
     m = optim.decay_mask(params, "no_bias_norm_embed")
     assert m["dense"]["kernel"] and not m["embed"]["embedding"]
     assert all(jax.tree_util.tree_leaves(optim.decay_mask(params, "all")))
+    # Biases of any rank (DenseGeneral's [H, D], relative-position [H, K]) and learned global tokens.
+    more = {"query": {"kernel": jnp.ones((3, 2, 4)), "bias": jnp.ones((2, 4))}, "rel_bias": jnp.ones((2, 5)),
+            "global_tokens": jnp.ones((2, 3))}
+    m = optim.decay_mask(more, "no_bias_norm")
+    assert m["query"]["kernel"] and not m["query"]["bias"] and not m["rel_bias"] and m["global_tokens"]
+    assert not optim.decay_mask(more, "no_bias_norm_embed")["global_tokens"]
 
 
 def test_adamw_decays_only_masked_leaves():
