@@ -32,7 +32,7 @@ def classification(label_smoothing: float = 0.0) -> Callable[[dict, dict], Metri
         target = optax.smooth_labels(jax_one_hot(labels, k), label_smoothing)
         w = _ones(labels)
         return {
-            "loss": (optax.softmax_cross_entropy(logits, target), w),
+            "loss": (_nan_outside(optax.softmax_cross_entropy(logits, target), labels, k), w),
             "nll": (optax.softmax_cross_entropy_with_integer_labels(logits, labels), w),
             "accuracy": ((jnp.argmax(logits, -1) == labels).astype(jnp.float32), w),
         }
@@ -69,7 +69,7 @@ def seq2seq(label_smoothing: float = 0.0, pad_id: int = 0) -> Callable[[dict, di
         valid = (targets != pad_id).astype(jnp.float32)
         tokens = jnp.maximum(valid.sum(-1), 1.0)
         soft = optax.smooth_labels(jax_one_hot(targets, logits.shape[-1]), label_smoothing)
-        per_token = optax.softmax_cross_entropy(logits, soft) * valid
+        per_token = _nan_outside(optax.softmax_cross_entropy(logits, soft), targets, logits.shape[-1]) * valid
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * valid
         correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * valid
         return {
@@ -79,6 +79,12 @@ def seq2seq(label_smoothing: float = 0.0, pad_id: int = 0) -> Callable[[dict, di
             "sequence_accuracy": ((correct.sum(-1) == valid.sum(-1)).astype(jnp.float32), _ones(targets)),
         }
     return metrics
+
+
+def _nan_outside(loss, labels, k):
+    """`loss` where 0 <= label < k, else NaN: a label the logits cannot express would otherwise give a
+    zero one-hot target and a zero loss, training silently; NaN stops the run at that step."""
+    return jnp.where((labels >= 0) & (labels < k), loss, jnp.nan)
 
 
 def jax_one_hot(labels, k):

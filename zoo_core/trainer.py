@@ -417,8 +417,9 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     def check_finite(s) -> None:
         bad = int(jax.device_get(host_state(s).bad_step))
         if bad >= 0:
-            raise NonFiniteError(f"non-finite loss or gradient at step {bad + 1}: stopping; the last good "
-                                 f"checkpoint in {workdir} is kept")
+            raise NonFiniteError(f"non-finite loss or gradient at step {bad + 1} (also what a label outside "
+                                 f"the model's classes gives): stopping; the last good checkpoint in "
+                                 f"{workdir} is kept")
 
     def save(s, step, *, force=False):
         check_finite(s)

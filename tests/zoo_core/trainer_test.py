@@ -61,6 +61,15 @@ def test_eval_step_metrics_match_numpy():
     np.testing.assert_allclose(sums["loss/const"][0] / sums["loss/const"][1], 0.25, rtol=1e-6)
 
 
+def test_a_label_the_logits_cannot_express_makes_the_loss_nan():
+    """Label 7 with 4 logits: a zero one-hot target would give loss 0 and train silently."""
+    logits = {"logits": jnp.zeros((2, 4))}
+    loss, _ = tasks.classification()(logits, {"label": jnp.array([1, 7])})["loss"]
+    assert np.isfinite(loss[0]) and np.isnan(loss[1])
+    tokens = tasks.seq2seq()({"logits": jnp.zeros((1, 3, 4))}, {"targets": jnp.array([[1, 9, 0]])})
+    assert np.isnan(tokens["loss"][0][0])
+
+
 def test_seq2seq_task_weights_tokens_not_sentences():
     logits = jnp.log(jnp.array([[[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], [[0.9, 0.1], [0.5, 0.5], [0.5, 0.5]]]))
     targets = jnp.array([[1, 1, 1], [0, 0, 0]])   # pad_id 0: the second sentence is all padding
