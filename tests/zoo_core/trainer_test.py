@@ -213,6 +213,8 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("eval_also_at_step", 10**6, "eval_also_at_step"),
     ("optim.grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
     ("eval_every_steps", -5, "eval_every_steps must be >= 0"),
+    ("checkpoint.best_metric", "eval/acuracy", "best_metric 'eval/acuracy' is not an eval metric"),
+    ("checkpoint.best_metric", "accuracy", "must name an eval metric 'eval/<name>'"),
     ("data.eval_split", "dev", "data.eval_split 'dev' is not a split of"),
     ("data.eval_split", "dev[:50%]", "data.eval_split 'dev\\[:50%\\]' is not a split of"),
 ])
