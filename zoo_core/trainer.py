@@ -276,6 +276,8 @@ def prepare_data(config) -> tuple[Any, Any]:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("zoo_data_prepared")
+        # A builder made before process 0 wrote the data has empty info: make it again to read it.
+        builder = data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
         builder.download_and_prepare()   # a no-op read of what process 0 wrote
     for role, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
         if split.split("[")[0] not in builder.info.splits:   # 'train[:90%]' slices a split
@@ -317,6 +319,14 @@ class _Terminate:
     def _handle(self, signum, frame):
         logging.warning("SIGTERM received: saving a checkpoint and exiting")
         self.requested = True
+
+    def any_requested(self) -> bool:
+        """Whether any process got SIGTERM. All processes must leave the loop at the same step (the
+        save is collective), so with several processes they agree on the flag every step."""
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+        return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
 
     def __exit__(self, *exc):
         if self._previous is not None:
@@ -485,7 +495,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                 if (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0) \
                         or step == config.total_steps:
                     save(state, step)
-                if term.requested:
+                if term.any_requested():
                     save(state, step, force=True)
                     logging.warning("saved the checkpoint at step %d after SIGTERM; exiting", step)
                     break

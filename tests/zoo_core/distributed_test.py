@@ -1,9 +1,12 @@
 """A 2-process jax.distributed run on localhost trains and matches the single-process run."""
 import os
 import pathlib
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -58,3 +61,45 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     with open(tmp_path / "multi" / "metrics.jsonl") as f:
         assert '"eval/accuracy"' in f.read()   # process 0 wrote the metrics
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """A preemption notice may reach one host only: every process must save the same step and exit."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    port = _free_port()
+    work = tmp_path / "multi"
+    cmd = lambda i: [sys.executable, "-m", "zoo_core.train", "--config", "configs/core/synthetic.py",
+                     "--workdir", str(work), f"--config.data.data_dir={tmp_path / 'data'}",
+                     "--config.total_steps=100000", "--config.checkpoint_every_steps=20",
+                     "--config.eval_every_steps=0", "--config.progress_bar=False",
+                     f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]
+    logs = [open(tmp_path / f"process_{i}.log", "w") for i in range(2)]   # files: a pipe nobody reads fills up
+    procs = [subprocess.Popen(cmd(i), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=logs[i])
+             for i in range(2)]
+    try:
+        _stop_one_and_check_both(procs, logs, work, tmp_path)
+    finally:   # a hung process (the failure this test guards against) must not outlive it
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _stop_one_and_check_both(procs, logs, work, tmp_path):
+    saved_any = lambda: (work / "checkpoints").is_dir() and any(
+        d.isdigit() for d in os.listdir(work / "checkpoints"))
+    for _ in range(600):   # until training is under way (a first checkpoint exists)
+        if saved_any() or any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    assert saved_any() and all(p.poll() is None for p in procs), "the run did not get going"
+    procs[1].send_signal(signal.SIGTERM)
+    errs = []
+    for i, p in enumerate(procs):
+        p.wait(timeout=120)
+        logs[i].close()
+        errs.append((tmp_path / f"process_{i}.log").read_text())
+        assert p.returncode == 0, errs[-1][-3000:]
+    saved = [re.search(r"saved the checkpoint at step (\d+) after SIGTERM", e) for e in errs]
+    assert all(saved), [e[-1500:] for e in errs]
+    assert saved[0].group(1) == saved[1].group(1)
+    assert (work / "checkpoints" / saved[0].group(1)).exists()
