@@ -752,8 +752,9 @@ class WindowGraphAttention(_GraphAttentionBase):
           x, mask: as in `__call__`.
 
         Returns:
-          {'probs': `[B, L, H, K]` over the K window offsets (`window_offsets`), 'global_probs':
-          `[B, L, H, g]` over the global nodes (absent when g = 0), 'mask': `[B, L]` bool}.
+          {'probs': `[B, N, H, K + g]` of the N token nodes over the K window offsets
+          (`window_offsets`) and then the g global nodes, 'global_probs': `[B, g, H, L]` of each
+          global node over all L = g + N nodes (absent when g = 0), 'mask': `[B, L]` bool}.
         """
         mask, _, st = self._attend(x, mask, True)
         out = {"probs": st["probs"], "mask": mask}

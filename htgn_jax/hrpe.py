@@ -18,9 +18,10 @@ mu_k = 2 cos(pi k / (N + 1)), v_k(n) = sin(pi k (n + 1) / (N + 1)) (DST-I). Both
 with canonical signs and no eigendecomposition. The H x W grid (image patches) has the product
 eigenvectors u_a(r) u_b(c), lambda = lambda_a + lambda_b. An arbitrary small graph uses `eigh`.
 
-Normalisation: every encoding is an eigenvector scaled to squared norm N/2, i.e. for the path
-exactly the cosines/sines above with entries in [-1, 1] whatever N (so the PE scale does not
-depend on the sequence length); modes that do not exist for a short path (k >= N for the
+Normalisation: for the path the encodings are exactly the cosines/sines above, entries in
+[-1, 1] whatever N (so the PE scale does not depend on the sequence length): squared norm N/2
+for the Laplacian cosines, (N + 1)/2 for the adjacency sines; `adjacency_graph_pe` (eigh of an
+arbitrary graph) scales its columns to N/2; modes that do not exist for a short path (k >= N for the
 Laplacian, k > N for the adjacency) are zero columns. The constant Laplacian mode k = 0 is
 dropped. Global nodes get no spectral PE (spec §5.2: they only shift the token eigenvalues).
 """
@@ -226,7 +227,8 @@ def adjacency_graph_pe(adjacency: Array, num_pe: int, *, basis: str = "laplacian
     first (for a connected graph, the constant one). 'adjacency': the K largest eigenvectors of A.
     Signs are made canonical: the first entry with |u_n| > 1e-3 max|u| is positive (this gives
     the closed-form signs on the path graph). Degenerate eigenvalues have no canonical basis.
-    Columns are scaled to squared norm N/2, as the closed forms.
+    Columns are scaled to squared norm N/2 (the Laplacian closed form's; the adjacency sines of
+    the path have (N + 1)/2, so on a path the two adjacency encodings differ by that factor).
 
     Args:
       adjacency: `[N, N]` symmetric non-negative weights.

@@ -45,7 +45,7 @@ from htgn_jax import hrpe, ops
 Array = Any
 Initializer = Callable[..., Array]
 
-DEFAULT_NUM_FEATURES = 256  # m of the base preset (spec §5.4); the tiny preset passes 64
+DEFAULT_NUM_FEATURES = 256  # m of the base preset (spec §5.4); the presets pass their own (VARIANTS)
 
 
 class FavorAttention(nn.Module):

@@ -43,8 +43,8 @@ aux: 'loss/kl' = kl_weight * L_KL (a scalar the trainer adds to the task loss; 0
 or without graph layers) and 'graph/kl' = L_KL unweighted, the mean of KL(alpha_i || uniform) over
 (layer, head, valid node) of every graph-attention layer (§5.7).
 
-Random features: Omega is `FavorAttention`'s deterministic draw, shared by all layers unless
-`per_layer_features=True`. With `redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model
+Random features: Omega is `FavorAttention`'s deterministic draw, one for all self-attention
+layers and one (seed + 1) for all cross-attention layers, unless `per_layer_features=True`. With `redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model
 `uses_step`: every public method takes `step=` (the training-step index) and the draw in force is
 Omega(step // k), a pure function of the seed and the step; the shared trainer passes the update's
 index while training and the last update's index at evaluation, so evaluation and decoding use the
@@ -808,6 +808,9 @@ class Seq2Seq(nn.Module):
         `position` of `decode` on the same prefix. `step`: the feature draw `init_cache` used
         (required iff redraw_every > 0)."""
         _check_step(self, step)
+        if isinstance(position, int) and not 0 <= position < self.max_target_len:
+            # (A traced position cannot be checked: past the table it reads jnp.take's NaN fill.)
+            _fail(f"position must be in [0, max_target_len={self.max_target_len}), got {position}")
         position = jnp.asarray(position, jnp.int32)
         y = self._target_tokens(token[:, None], position[None], True)[:, 0]
         new_dynamic = []

@@ -138,3 +138,14 @@ def test_redrawn_features_decode_with_the_given_step_cache_equals_recomputation(
         decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN)
     with pytest.raises(ValueError, match="do not pass step"):
         decoding.beam_search(MODEL, PARAMS, _inputs(), beam_size=2, max_len=MAX_LEN, step=3)
+
+
+def test_decode_step_rejects_a_position_past_the_decoder_table():
+    """Position max_target_len would read jnp.take's NaN fill: a concrete one fails clearly."""
+    inputs = jnp.asarray(_inputs())
+    mask = inputs != 0
+    memory, memory_mask = MODEL.apply({"params": PARAMS}, inputs, mask, method="encode")
+    static, dynamic = MODEL.apply({"params": PARAMS}, memory, memory_mask, method="init_cache")
+    token = jnp.full((B,), MODEL.bos_id, jnp.int32)
+    with pytest.raises(ValueError, match=r"position must be in \[0, max_target_len=8\), got 8"):
+        MODEL.apply({"params": PARAMS}, static, dynamic, token, 8, method="decode_step")
