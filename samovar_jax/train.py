@@ -5,7 +5,7 @@
 
 `config.model.kind` selects the model: 'samovar' | 'lintrans' | 'fixedvar' (`samovar_jax.model.Model`)
 or 'dlinear' (`samovar_jax.baselines.DLinear`). A config with a `test_split` field (the forecasting
-configs) also evaluates every checkpoint-time eval on that split, logged as eval/test_mse and
+configs) also evaluates that split at every eval, logged as eval/test_mse and
 eval/test_mae, so the test metrics at the best validation step (the reference's early-stopping
 protocol, samovar.md §9) can be read from workdir/metrics.jsonl. See zoo_core.main for the flags.
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from samovar_jax import baselines, model
 from zoo_core import data as data_lib
-from zoo_core import main
+from zoo_core import main, tasks
 from zoo_core.data import pipeline
 
 
@@ -43,13 +43,12 @@ def split_evaluator(split: str):
             builder = data_lib.make_builder(d.name, pipeline.resolve_data_dir(d.data_dir), **d.options.to_dict())
             cache["source"] = builder.as_data_source(split)
 
+            metrics = tasks.forecast()   # the training task's MSE/MAE (and its shape check)
+
             def sums(p, batch):
-                pred = net.apply({"params": p}, batch, train=False)[0]["forecast"].astype(jnp.float32)
-                err = pred - batch["target"].astype(jnp.float32)
-                w = batch["example_mask"]
-                axes = tuple(range(1, err.ndim))
-                return jnp.stack([jnp.sum(jnp.mean(err ** 2, axes) * w), jnp.sum(jnp.mean(jnp.abs(err), axes) * w),
-                                  jnp.sum(w)])
+                outputs = net.apply({"params": p}, batch, train=False)[0]
+                reduced = tasks.reduce_metrics(metrics(outputs, batch), batch["example_mask"])
+                return jnp.stack([reduced["mse"][0], reduced["mae"][0], reduced["mse"][1]])
             cache["sums"] = jax.jit(sums)
         total = np.zeros(3)
         for batch in pipeline.eval_batches(cache["source"], global_batch_size=config.eval_batch_size,

@@ -68,3 +68,9 @@ def test_htgn_configs_never_select_a_checkpoint_on_test():
     assert number_words.get_config().data.eval_split == "validation"
     c = digits.get_config()      # test is its only held-out split: no best checkpoint at all
     assert c.data.eval_split == "test" and c.checkpoint.best_metric == ""
+
+
+def test_a_smoke_forecast_config_refuses_sizes_it_would_ignore():
+    from configs.samovar import forecasting
+    with pytest.raises(ValueError, match="smoke runs use horizon 8"):
+        forecasting.get_config("smoke,horizon=192")

@@ -14,7 +14,8 @@ run stops before compiling with the dataset's one-line error ("source file ... d
 Protocol: 12/4/4-month split (x4 rows for ETTm), StandardScaler fit on train, mode M (7 channels), the
 paper's (L_I, P) pairs (1024, 96), (2048, 192), (2048, 336), (4096, 720), AdamW lr 6e-4 (DLinear 1e-4),
 batch 32, clipping 1; see configs/samovar/forecasting.py for the shared settings. `steps` sets the budget
-(default 3,000; ETTh1 has about 8.5k train windows at L_I = 1024, so 100 epochs would be ~26k steps).
+(default 3,000; ETTh1 has 8,640 - 1,024 - 96 + 1 = 7,521 train windows at L_I = 1024, P = 96, so 100
+epochs of batch 32 would be about 23.5k steps).
 
 Metrics: eval/mse, eval/mae (validation), eval/test_mse, eval/test_mae at every eval. Expected (poster
 Table 1, test MSE averaged over the four horizons): SAMoVAR ETTh1 0.401, ETTh2 0.324, ETTm1 0.339,

@@ -69,6 +69,9 @@ def forecast_config(*, kind: str, source: str, channels: int, horizon: int, inpu
         raise ValueError(f"need horizon, steps, channels >= 1 and input_length >= 0, got {horizon}, {steps}, "
                          f"{channels}, {input_length}")
     if smoke:
+        if horizon != 96 or input_length:   # the arguments' defaults: anything else would be ignored
+            raise ValueError(f"smoke runs use horizon 8 and input_length 32; drop horizon={horizon} and "
+                             f"input_length={input_length} from the config arguments")
         horizon, input_length = 8, 32
     input_length = input_length or INPUT_LENGTHS.get(horizon, 1024)
     c = common.base_config()
