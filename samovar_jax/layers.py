@@ -54,6 +54,11 @@ def _check_form(form: str, chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
+def _check_dropout(rate: float) -> None:
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {rate}")
+
+
 def _dropout_mask(module: nn.Module, rate: float, shape, train: bool) -> Optional[Array]:
     """Inverted-dropout multiplier (1/(1-rate) or 0), or None when dropout is off."""
     if not train or rate == 0.0:
@@ -129,6 +134,7 @@ class MLPBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
+        _check_dropout(self.dropout)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.norm = RMSNorm(self.width, **kw, name="norm")
         self.fc_in = dense(self.hidden, name="fc_in", **kw)
@@ -360,6 +366,10 @@ class VARChain(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
+        _check_dropout(self.dropout)
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError(f"num_heads and num_layers must be >= 1, got {self.num_heads}, "
+                             f"{self.num_layers}")
         if self.width % self.num_heads:
             raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
         _check_form(self.form, self.chunk_size)
@@ -535,6 +545,7 @@ class LinearAttentionBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
+        _check_dropout(self.dropout)
         if self.width % self.num_heads:
             raise ValueError(f"width {self.width} is not divisible by num_heads {self.num_heads}")
         _check_form(self.form, self.chunk_size)
@@ -612,6 +623,7 @@ class LinTransBlock(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
+        _check_dropout(self.dropout)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.attention = LinearAttentionBlock(self.width, self.num_heads, self.dropout, self.out_init_std,
                                               self.form, self.chunk_size, **kw, name="attention")

@@ -171,3 +171,12 @@ def test_layers_reject_bad_arguments():
         layers.VARChain(E, H, 2).init(jax.random.PRNGKey(0), x[..., :4])
     with pytest.raises(ValueError, match="chunk_size"):
         layers.LinearAttentionBlock(E, H, chunk_size=0).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match="num_heads and num_layers must be >= 1"):
+        layers.VARChain(E, 0, 2).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match="num_heads and num_layers must be >= 1"):
+        layers.VARChain(E, H, 0).init(jax.random.PRNGKey(0), x)
+    for rate in (1.0, -0.5):
+        with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+            layers.VARChain(E, H, 2, dropout=rate).init(jax.random.PRNGKey(0), x)
+        with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+            layers.LinearAttentionBlock(E, H, dropout=rate).init(jax.random.PRNGKey(0), x)
