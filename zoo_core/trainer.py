@@ -271,14 +271,25 @@ def prepare_data(config) -> tuple[Any, Any]:
     d = config.data
     data_dir = pipeline.resolve_data_dir(d.data_dir)
     builder = data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
+    failure = None
     if jax.process_index() == 0:
-        builder.download_and_prepare()
+        try:
+            builder.download_and_prepare()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other processes
+            failure = e
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices("zoo_data_prepared")
+        # Doubles as the barrier; without it a failure on process 0 would leave the others waiting.
+        ok = multihost_utils.process_allgather(np.int32(failure is None))
+        if failure is not None:
+            raise failure
+        if not np.all(ok):
+            raise ValueError(f"process 0 could not prepare {d.name} (its log names the problem)")
         # A builder made before process 0 wrote the data has empty info: make it again to read it.
         builder = data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
         builder.download_and_prepare()   # a no-op read of what process 0 wrote
+    elif failure is not None:
+        raise failure
     for role, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
         if split.split("[")[0] not in builder.info.splits:   # 'train[:90%]' slices a split
             raise ValueError(f"data.{role} {split!r} is not a split of {d.name} "

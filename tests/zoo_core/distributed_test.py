@@ -103,3 +103,27 @@ def _stop_one_and_check_both(procs, logs, work, tmp_path):
     assert all(saved), [e[-1500:] for e in errs]
     assert saved[0].group(1) == saved[1].group(1)
     assert (work / "checkpoints" / saved[0].group(1)).exists()
+
+
+def test_a_data_error_on_process_0_ends_every_process(tmp_path):
+    """Process 0 prepares the data while the others wait: its failure must reach them, not hang them."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    src = tmp_path / "text"
+    src.mkdir()
+    (src / "train.tsv").write_text("1\tfine\n7\tbad label\n")   # line 2 fails while preparing
+    (src / "test.tsv").write_text("0\tok\n")
+    port = _free_port()
+    cmd = lambda i: [sys.executable, "-m", "agf_jax.train", "--config", "configs/agf/lra_text.py:smoke",
+                     "--workdir", str(tmp_path / "w"), f"--config.data.data_dir={tmp_path / 'data'}",
+                     f"--config.data.options.source_dir={src}", f"--coordinator_address=127.0.0.1:{port}",
+                     "--num_processes=2", f"--process_id={i}"]
+    procs = [subprocess.Popen(cmd(i), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [2, 2], [e[-1500:] for e in errs]
+    assert "line 2" in errs[0] and "process 0 could not prepare lra_text" in errs[1]
