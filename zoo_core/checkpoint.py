@@ -70,7 +70,9 @@ class Checkpoints:
         return ocp.CheckpointManager(
             os.path.join(self.workdir, sub),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=False))
+                                                 enable_async_checkpointing=False),
+            # Named handlers let item_metadata read the state's tree (shapes) without restoring it.
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
 
     def save(self, step: int, state: Any, config: dict, *, force: bool = False) -> None:
         if self.last.latest_step() == step:
@@ -131,8 +133,8 @@ class Checkpoints:
         wanted = leaf_shapes(abstract_state)
         for step in sorted(self.last.all_steps(), reverse=True):
             try:
-                stored = leaf_shapes(ocp.StandardCheckpointer().metadata(
-                    os.path.join(self.workdir, "checkpoints", str(step), "state")).item_metadata)
+                meta = self.last.item_metadata(step)["state"]
+                stored = leaf_shapes(getattr(meta, "tree", meta))
             except Exception:  # noqa: BLE001 - unreadable metadata: the restore below reports the damage
                 stored = None
             if stored is not None and stored != wanted and self._made_by_another_config(step, config):
