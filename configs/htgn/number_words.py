@@ -14,8 +14,9 @@ Data: 50k / 2k / 2k disjoint numbers in [0, 999999] (`number_words`), eval on 'v
 (`--config.data.eval_split=test` for the test split). Logged at every eval: eval/bleu, eval/chrf,
 eval/exact_match (greedy decoding of the eval split, sacrebleu tokenize='none' on the German
 morphemes), plus teacher-forced eval/token_accuracy and eval/loss.
-Expected (HTGN, default 2000 steps, batch 64): eval/bleu = 100 and eval/exact_match = 1.0 on the
-2,000 validation numbers; measured already at step 1000 (about 6 steps/s on a shared 2-core CPU).
+Expected (HTGN, default 2000 steps, batch 64): eval/bleu >= 99.9 and eval/exact_match >= 0.999 on
+the 2,000 validation numbers; measured (commit be12cde) 99.99 at step 500, 100.00 at steps 1000 and
+1500, 99.995 (one number wrong) at step 2000; test 99.99 (README).
 """
 from configs import common
 from configs.htgn import REDRAW_EVERY, SMOKE_REDRAW_EVERY, apply_recipe
