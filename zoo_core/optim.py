@@ -9,7 +9,7 @@ or an unknown name, raises instead of being ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

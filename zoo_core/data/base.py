@@ -4,11 +4,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from typing import Any, TypeVar
 
 import tensorflow_datasets as tfds
 
 C = TypeVar("C", bound=tfds.core.BuilderConfig)
+
+
+def absolute_path_option(options: dict[str, Any], key: str, *, keep_prefix: str = "") -> dict[str, Any]:
+    """`options` with options[key] made an absolute path ('' -> None: configs spell "not given" as '').
+
+    The prepared directory is keyed by the option values, so a relative path would name the same
+    directory for different files seen from different working directories. Values starting with
+    `keep_prefix` (e.g. 'embedded:') are not paths and stay as they are.
+    """
+    value = options.get(key)
+    if value == "":
+        return {**options, key: None}
+    if isinstance(value, (str, os.PathLike)) and not (keep_prefix and str(value).startswith(keep_prefix)):
+        return {**options, key: os.path.abspath(os.path.expanduser(os.fspath(value)))}
+    return options
 
 
 def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset: str) -> C:

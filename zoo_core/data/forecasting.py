@@ -368,6 +368,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
         short) raise ValueError naming the file when the dataset is prepared.
     """
     options = dict(options)
+    if options.get("source"):
+        options = base.absolute_path_option(options, "source", keep_prefix="embedded:")
     if isinstance(options.get("columns"), (list, tuple)):
         options["columns"] = ",".join(options["columns"])
     config = base.config_from_options(ForecastingConfig, options, dataset="forecasting")

@@ -308,11 +308,7 @@ def make_builder(name: str, data_dir: str, **options) -> tfds.core.DatasetBuilde
     """
     if name not in BUILDERS:
         raise ValueError(f"lra_files serves {', '.join(BUILDERS)}, not {name!r}")
-    if options.get("source_dir") == "":
-        # Configs spell "not given" as '' (a typed string field); abspath('') would be the cwd.
-        options = {**options, "source_dir": None}
-    if isinstance(options.get("source_dir"), (str, os.PathLike)):
-        options = {**options, "source_dir": os.path.abspath(os.path.expanduser(os.fspath(options["source_dir"])))}
+    options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(_CONFIGS[name], options, dataset=name)
     _check(name, config)
     builder = BUILDERS[name](data_dir=data_dir, config=config, file_format="array_record")

@@ -390,12 +390,7 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """
     if options.get("normalization", "") is None:
         options = {**options, "normalization": "none"}
-    if options.get("source_dir") == "":
-        # Configs spell "not given" as '' (a typed string field); abspath('') would be the cwd.
-        options = {**options, "source_dir": None}
-    if isinstance(options.get("source_dir"), (str, os.PathLike)):
-        # Absolute, so that the option (and the prepared directory it names) does not depend on the cwd.
-        options = {**options, "source_dir": os.path.abspath(os.path.expanduser(os.fspath(options["source_dir"])))}
+    options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(UeaConfig, options, dataset="uea")
     _check(config)
     return Uea(data_dir=data_dir, config=config, file_format="array_record")

@@ -195,6 +195,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     Raises:
       ValueError: an unknown option, an invalid value, or (when not yet prepared) missing files, named.
     """
+    if options.get("source_dir"):
+        options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(WmtConfig, options, dataset="wmt14_en_de")
     if config.model_type not in MODEL_TYPES:
         raise ValueError(f"wmt14_en_de: model_type must be one of {MODEL_TYPES}, got {config.model_type!r}")

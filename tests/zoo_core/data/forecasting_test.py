@@ -140,3 +140,17 @@ def test_embedded_real_default(tmp_path):
     record = test[0]
     assert record["inputs"].shape == (96, 2) and record["target"].shape == (24, 2)
     assert np.isfinite(record["inputs"]).all()
+
+
+def test_a_relative_source_is_keyed_by_its_absolute_path(tmp_path, monkeypatch):
+    """The prepared directory is keyed by the options: 'x.csv' from two working directories is two files."""
+    names = []
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        monkeypatch.chdir(tmp_path / sub)
+        b = data.make_builder("forecasting", str(tmp_path / "data"), source="x.csv", input_length=L_I, horizon=H)
+        assert b.builder_config.source == str(tmp_path / sub / "x.csv")
+        names.append(b.builder_config.name)
+    assert names[0] != names[1]
+    embedded = data.make_builder("forecasting", str(tmp_path / "data"), source="embedded:vic_elec")
+    assert embedded.builder_config.source == "embedded:vic_elec"
