@@ -16,13 +16,19 @@ class MetricWriter:
     the trainer does not branch on the process index at every call.
     """
 
-    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+                 resume_step: int | None = None):
+        """`resume_step`: the step the run restarts from; records after it (written by the interrupted
+        run, and about to be written again) are dropped from metrics.jsonl, so each step appears once."""
         self.enabled = enabled
         self._tb = None
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(workdir, "metrics.jsonl")
+        if resume_step is not None and os.path.exists(path):
+            _drop_records_after(path, resume_step)
+        self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only the writing process needs it
             self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
@@ -52,6 +58,23 @@ class MetricWriter:
             self._jsonl.close()
             if self._tb is not None:
                 self._tb.close()
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    """Rewrites metrics.jsonl (atomically) without the records of steps > `step` or a torn last line."""
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:   # a line cut short by a kill
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

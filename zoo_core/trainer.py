@@ -436,7 +436,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         to_device = sharding.pmap_batch
         host_state = sharding.unreplicate
 
-    writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
     if start == 0:
         writer.write_text("config", f"```\n{config}\n```")
     extra_evaluators = list(evaluators)

@@ -306,6 +306,8 @@ def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_pat
     shutil.rmtree(resumed / "checkpoints" / "40")
     trainer.train_and_evaluate(c, str(resumed), models.MLPClassifier)
     assert (resumed / "checkpoints" / "40").exists()    # trained steps 21..40 again after the restore
+    logged = [r["step"] for r in metrics_lib.read_jsonl(str(resumed / "metrics.jsonl")) if "train/loss" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == 40   # steps 21..40 once, not twice
 
     def final(workdir):
         mngr = ocp.CheckpointManager(str(workdir / "checkpoints"))
