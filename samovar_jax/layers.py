@@ -30,6 +30,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from samovar_jax import ops
 
@@ -86,6 +87,8 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: Array) -> Array:
         """[..., E] -> [..., E]."""
+        if x.shape[-1:] != (self.features,):
+            raise ValueError(f"x must be [..., {self.features}], got shape {tuple(x.shape)}")
         x, scale = nn.dtypes.promote_dtype(x, self.scale, dtype=self.dtype)
         return ops.rms_norm(x, scale, self.eps)
 
@@ -110,6 +113,9 @@ class MultiHeadRMSNorm(nn.Module):
 
     def __call__(self, x: Array) -> Array:
         """[..., H, D] -> [..., H, D]."""
+        if x.shape[-2:] != (self.num_heads, self.head_dim):
+            raise ValueError(f"x must be [..., {self.num_heads}, {self.head_dim}], got shape "
+                             f"{tuple(x.shape)}")
         x, scale = nn.dtypes.promote_dtype(x, self.scale, dtype=self.dtype)
         return ops.rms_norm(x, scale, self.eps)
 
@@ -176,6 +182,9 @@ class ARXTokenizer(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
+        if not 1 <= self.num_targets <= self.num_channels:
+            raise ValueError(f"num_targets must be in [1, num_channels={self.num_channels}], got "
+                             f"{self.num_targets}")
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         self.endogenous = dense(self.width, name="endogenous", **kw)
         self.endogenous_norm = RMSNorm(self.width, **kw, name="endogenous_norm")
@@ -243,11 +252,20 @@ class ARXEmbedding(nn.Module):
         """Embeddings of the tokens at absolute token indices `positions`.
 
         Args:
-          positions: [T] int token indices (< max_tokens; the caller validates).
+          positions: [T] int token indices (< max_tokens: a concrete index past the table raises;
+            a traced one would read jnp.take's NaN fill).
 
         Returns:
           [C_t, T, E].
         """
+        try:
+            concrete = np.asarray(positions)
+        except jax.errors.TracerArrayConversionError:   # under jit: not checkable here
+            concrete = None
+        if concrete is not None and concrete.size and (
+                concrete.max() >= self.max_tokens or concrete.min() < 0):
+            raise ValueError(f"token positions must be in [0, max_tokens={self.max_tokens}), got "
+                             f"{int(concrete.min())}..{int(concrete.max())}")
         parity = positions % 2
         pos_index = positions // 2 if self.with_types else positions
         e = jnp.take(self.position, pos_index, axis=0)[None] + jnp.take(self.channel, positions, axis=1)

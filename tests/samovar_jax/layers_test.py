@@ -180,3 +180,8 @@ def test_layers_reject_bad_arguments():
             layers.VARChain(E, H, 2, dropout=rate).init(jax.random.PRNGKey(0), x)
         with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
             layers.LinearAttentionBlock(E, H, dropout=rate).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 8\]"):
+        layers.RMSNorm(8).init(jax.random.PRNGKey(0), jnp.ones((2, 1)))
+    with pytest.raises(ValueError, match=r"token positions must be in \[0, max_tokens=4\)"):
+        emb = layers.ARXEmbedding(num_targets=1, max_tokens=4, width=E)
+        emb.init(jax.random.PRNGKey(0), jnp.arange(6))
