@@ -40,6 +40,7 @@ def test_config_loads_and_builds(path):
     assert full.total_steps >= c.total_steps
     trainer.validate_config(c)
     trainer.validate_config(full)
+    optim.make_optimizer(full)
     with pytest.raises(ValueError, match="unknown config argument"):
         module.get_config("no_such_option=1")
 

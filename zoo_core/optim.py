@@ -21,6 +21,28 @@ ANNEALS = ("cos", "linear")
 DECAY_MASKS = ("all", "no_bias_norm", "no_bias_norm_embed")
 
 
+# The schedule fields and their defaults (configs/common.py base_config writes these values; a test
+# keeps the two equal), and which fields each schedule reads: any other field must keep its default.
+SCHEDULE_DEFAULTS = dict(warmup_steps=0, end_factor=0.0, pct_start=0.3, div_factor=25.0,
+                         final_div_factor=1e4, anneal="cos", cycle_momentum=False, base_momentum=0.85,
+                         max_momentum=0.95)
+_ONE_CYCLE = ("pct_start", "div_factor", "final_div_factor", "anneal", "cycle_momentum", "base_momentum",
+              "max_momentum")
+SCHEDULE_FIELDS = {"constant": ("warmup_steps",), "one_cycle": _ONE_CYCLE,
+                   "warmup_linear": ("warmup_steps", "end_factor"),
+                   "warmup_cosine": ("warmup_steps", "end_factor"), "warmup_rsqrt": ("warmup_steps",)}
+
+
+def _check_unused_schedule_fields(schedule: Any) -> None:
+    used = SCHEDULE_FIELDS[schedule.name]
+    for key, default in SCHEDULE_DEFAULTS.items():
+        if key == "cycle_momentum":   # make_momentum_schedule says what it needs
+            continue
+        if key not in used and schedule.get(key, default) != default:
+            raise ValueError(f"schedule.{key}={schedule.get(key)!r} is not used by schedule.name="
+                             f"{schedule.name!r} (it reads {', '.join(used)})")
+
+
 def make_schedule(schedule: Any, *, learning_rate: float, total_steps: int) -> optax.Schedule:
     """Builds the learning-rate schedule (a function of the optimiser step).
 
@@ -33,6 +55,9 @@ def make_schedule(schedule: Any, *, learning_rate: float, total_steps: int) -> o
       total_steps: length of the run.
     """
     name = schedule.name
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule.name {name!r}; choose one of {', '.join(SCHEDULES)}")
+    _check_unused_schedule_fields(schedule)
     warmup = int(schedule.get("warmup_steps", 0))
     if name == "constant":
         if warmup:
@@ -178,6 +203,8 @@ def make_optimizer(config: Any) -> tuple[optax.GradientTransformation, optax.Sch
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optim.name {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     mask = lambda params: decay_mask(params, o.decay_mask)
+    if name != "ranger" and (o.get("lookahead_steps", 6), o.get("lookahead_alpha", 0.5)) != (6, 0.5):
+        raise ValueError("optim.lookahead_steps/lookahead_alpha apply only to optim.name='ranger'")
     if name == "adam" and o.weight_decay:
         raise ValueError("optim.weight_decay is set but adam has no weight decay: use optim.name='adamw'")
 

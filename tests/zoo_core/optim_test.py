@@ -169,3 +169,17 @@ def test_cycle_momentum_needs_linear_one_cycle():
     c = _config(schedule_name="one_cycle", schedule_anneal="linear", schedule_pct_start=0.005)
     with pytest.raises(ValueError, match="pct_start"):
         optim.make_optimizer(c)
+
+
+def test_schedule_defaults_match_the_base_config_and_unused_fields_raise():
+    from configs import common
+    base = common.base_config()
+    assert {k: base.schedule[k] for k in optim.SCHEDULE_DEFAULTS} == optim.SCHEDULE_DEFAULTS
+    sched = common.base_config().schedule
+    sched.name, sched.warmup_steps = "one_cycle", 100    # one_cycle rises over pct_start instead
+    with pytest.raises(ValueError, match=r"schedule.warmup_steps=100 is not used by schedule.name='one_cycle'"):
+        optim.make_schedule(sched, learning_rate=1e-3, total_steps=1000)
+    c = common.base_config()
+    c.optim.lookahead_steps = 4
+    with pytest.raises(ValueError, match="apply only to optim.name='ranger'"):
+        optim.make_optimizer(c)
