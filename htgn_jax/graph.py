@@ -261,9 +261,10 @@ def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num
 def _check_kernel_args(query, key, value, attn, rel_bias, global_bias, num_window, num_global):
     _check_rank("query", query, 4, "[B, L, H, C]")
     b, length, heads, ch = query.shape
-    _check_shape("key", key, (b, key.shape[1], heads, ch), "[B, L, H, C]")
+    # Windows are offsets within one sequence: keys and values have the queries' length L.
+    _check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
     _check_rank("value", value, 4, "[B, L, H, D]")
-    _check_shape("value", value, (b, key.shape[1], heads, value.shape[-1]), "[B, L, H, D]")
+    _check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
     _check_shape("attn", attn, (heads, ch), "[H, C]")
     if rel_bias is not None:
         _check_shape("rel_bias", rel_bias, (heads, num_window), "[H, K]")

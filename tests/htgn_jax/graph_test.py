@@ -377,6 +377,9 @@ def test_bad_inputs():
             lambda: win.apply(variables, {}, x[:, 0], 0, method=win.step))
     _raises("`dropout_rate`",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), x))
+    q = jnp.ones((B, 5, H, 4))
+    _raises(r"`key` must have shape \[B, L, H, C\] = \(2, 5, 2, 4\)",   # windows: one sequence length
+            lambda: G.window_graph_attention(q, q[:, :4], q[:, :4], jnp.ones((H, 4)), window=1))
     cross = G.CrossGraphAttention(num_heads=H, window=1, num_global=NG)
     _raises("`memory` must have rank 3", lambda: _init(cross, x, x[0]))
     _raises("`memory_mask` must have shape",
