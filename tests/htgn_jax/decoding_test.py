@@ -142,10 +142,12 @@ def test_redrawn_features_decode_with_the_given_step_cache_equals_recomputation(
 
 def test_decode_step_rejects_a_position_past_the_decoder_table():
     """Position max_target_len would read jnp.take's NaN fill: a concrete one fails clearly."""
+    v = {"params": PARAMS}
     inputs = jnp.asarray(_inputs())
-    mask = inputs != 0
-    memory, memory_mask = MODEL.apply({"params": PARAMS}, inputs, mask, method="encode")
-    static, dynamic = MODEL.apply({"params": PARAMS}, memory, memory_mask, method="init_cache")
+    # Shapes only (eval_shape): the check fires while tracing, nothing needs to run.
+    memory, memory_mask = jax.eval_shape(lambda: MODEL.apply(v, inputs, inputs != 0, method="encode"))
+    static, dynamic = jax.eval_shape(lambda m, mm: MODEL.apply(v, m, mm, method="init_cache"),
+                                     memory, memory_mask)
     token = jnp.full((B,), MODEL.bos_id, jnp.int32)
     with pytest.raises(ValueError, match=r"position must be in \[0, max_target_len=8\), got 8"):
-        MODEL.apply({"params": PARAMS}, static, dynamic, token, 8, method="decode_step")
+        jax.eval_shape(lambda s, d: MODEL.apply(v, s, d, token, 8, method="decode_step"), static, dynamic)
