@@ -173,6 +173,14 @@ class Model(nn.Module):
         for name in ("num_channels", "input_len", "patch_len"):
             if not isinstance(getattr(self, name), numbers.Integral) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("num_targets", "width", "num_heads", "num_layers", "mlp_ratio", "max_patches", "horizon",
+                     "chunk_size", "fixed_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.kind != "fixedvar" and self.fixed_max_tokens != 128:
+            raise ValueError(f"fixed_max_tokens applies to kind='fixedvar' only, got {self.fixed_max_tokens} "
+                             f"with kind={self.kind!r}")
         if self.input_len < 2:
             raise ValueError(f"input_len must be >= 2 (the unbiased std needs two values), got {self.input_len}")
         if not 0 <= self.num_targets <= self.num_channels:

@@ -243,6 +243,9 @@ def test_bad_arguments_raise_value_error():
         (dict(dropout=1.0), "dropout"),
         (dict(chunk_size=0), "chunk_size"),
         (dict(dtype="float33"), "dtype"),
+        (dict(mlp_ratio=2.5), "mlp_ratio must be an int"),
+        (dict(num_layers=True), "num_layers must be an int"),
+        (dict(fixed_max_tokens=64), "fixed_max_tokens applies to kind='fixedvar' only"),
     ]
     for kw, match in bad_configs:
         with pytest.raises(ValueError, match=match):
