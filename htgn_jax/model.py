@@ -980,6 +980,25 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+# Fields that only the graph layers / HRPE / FAVOR+ read: given explicitly while that part is switched
+# off they would be ignored, so the factory refuses them.
+GRAPH_ONLY_KWARGS = ("window", "cross_window", "rho", "cross_graph_layers", "gat_version")
+HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
+
+
+def _check_switched_off(given: dict, args: dict) -> None:
+    if not args.get("use_graph_conv", True):
+        unused = [k for k in GRAPH_ONLY_KWARGS if k in given] + (["kl_weight"] if given.get("kl_weight") else [])
+        if unused:
+            _fail(f"{unused} apply to the graph layers, but use_graph_conv=False")
+    if not args.get("use_hrpe", True):
+        unused = [k for k in HRPE_ONLY_KWARGS if k in given]
+        if unused:
+            _fail(f"{unused} apply to HRPE, but use_hrpe=False")
+    if args.get("attention", "favor") == "softmax" and "chunk_size" in given:
+        _fail("chunk_size applies to attention='favor' (the chunked causal FAVOR+ form) only")
+
+
 def model_kwargs(kind: str) -> tuple[str, ...]:
     """The constructor kwargs accepted by `Model(kind=kind, ...)` besides `kind` and `variant`."""
     if kind not in KINDS:
@@ -1021,6 +1040,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
             args.get("attention", "favor") == "softmax"
             or args.get("feature_map", "softmax") != "softmax"):
         _fail("num_features applies to attention='favor' with feature_map='softmax' only")
+    _check_switched_off(kwargs, args)
     fields = {f.name: f for f in dataclasses.fields(KINDS[kind])}
     missing = [n for n in allowed if fields[n].default is dataclasses.MISSING and n not in args]
     if missing:

@@ -57,9 +57,13 @@ def get_config(arg=None):
     c.model.num_classes = 10
     c.model.image_size = 8
     c.model.patch_size = args.patch_size
-    # The 2-D 8-neighbourhood (+-1, +-W, +-W+-1) lies inside the raster window of radius W + 1.
-    c.model.window = grid + 1
-    c.model.num_pe = min(8, grid * grid - 1)
+    graph_on = args.attention == "favor" and args.ablation != "no_graph"
+    hrpe_on = args.attention == "favor" and args.ablation != "no_hrpe"
+    if graph_on:
+        # The 2-D 8-neighbourhood (+-1, +-W, +-W+-1) lies inside the raster window of radius W + 1.
+        c.model.window = grid + 1
+    if hrpe_on:
+        c.model.num_pe = min(8, grid * grid - 1)
     c.model.pool = args.pool
     c.model.dropout_rate = 0.1
     c.model.attention = args.attention

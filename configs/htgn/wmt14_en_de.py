@@ -67,7 +67,8 @@ def get_config(arg=None):
     c.model.dropout_rate = 0.1
     c.model.attention = args.attention
     if args.attention == "favor":
-        c.model.rho = 1.0
+        if args.ablation != "no_graph":   # only the cross-graph layers read rho
+            c.model.rho = 1.0
         c.model.kl_weight = 1e-3
         c.model.attention_dropout = 0.1
         c.model.redraw_every = SMOKE_REDRAW_EVERY if args.smoke else REDRAW_EVERY

@@ -380,3 +380,16 @@ def test_encoder_block_memory_is_linear_in_length():
 
     small, large = temp_bytes(1024), temp_bytes(8192)
     assert large / small < 12, (small, large)
+
+
+def test_fields_of_a_switched_off_part_are_refused():
+    """Given explicitly while their part is off, these fields would be ignored (rule: raise instead)."""
+    with pytest.raises(ValueError, match=r"\['cross_window', 'rho'\] apply to the graph layers"):
+        Model(**SEQ, use_graph_conv=False, rho=3.0, cross_window=7)
+    with pytest.raises(ValueError, match=r"\['kl_weight'\] apply to the graph layers"):
+        Model(**SEQ, use_graph_conv=False, kl_weight=0.5)
+    with pytest.raises(ValueError, match=r"\['num_pe', 'pe_basis'\] apply to HRPE"):
+        Model(**SEQ, use_hrpe=False, num_pe=3, pe_basis="adjacency")
+    with pytest.raises(ValueError, match="chunk_size applies to attention='favor'"):
+        Model(**SEQ, attention="softmax", chunk_size=3)
+    Model(**SEQ, use_graph_conv=False, kl_weight=0.0)   # the no_graph ablation's own setting
