@@ -107,7 +107,7 @@ def eval_step_index(steps_done):
     return jnp.maximum(jnp.asarray(steps_done) - 1, 0)
 
 
-def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool):
+def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axis_name: str | None = None):
     outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {},
                                **step_kwargs(model, step))
     sums = tasks.reduce_metrics(task(outputs, batch), batch.get("example_mask"))
@@ -115,7 +115,14 @@ def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool):
     for k, v in aux_losses.items():
         if v.ndim:
             raise ValueError(f"aux[{k!r}] must be a scalar, got shape {v.shape}")
-    loss = sums["loss"][0] / sums["loss"][1] + sum(aux_losses.values(), jnp.zeros([], jnp.float32))
+    total, weight = sums["loss"]
+    if axis_name is not None:
+        # Under pmap each device holds part of the batch. Its loss is its share of the global weighted
+        # mean (times the device count, which the caller's pmean divides out), so that tokens weigh the
+        # same on every device, as in the jit step over the whole batch.
+        global_weight = jax.lax.psum(jax.lax.stop_gradient(weight), axis_name)
+        weight = global_weight / jax.lax.psum(1, axis_name)
+    loss = total / weight + sum(aux_losses.values(), jnp.zeros([], jnp.float32))
     return loss, (sums, aux_losses)
 
 
@@ -140,8 +147,8 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     rng = jax.random.fold_in(state.rng, state.step)
     if axis_name is not None:
         rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-    grad_fn = jax.value_and_grad(functools.partial(_loss_and_metrics, model=model, task=task, train=True),
-                                 has_aux=True)
+    grad_fn = jax.value_and_grad(functools.partial(_loss_and_metrics, model=model, task=task, train=True,
+                                                   axis_name=axis_name), has_aux=True)
     if accum_steps == 1:
         (loss, (sums, aux_losses)), grads = grad_fn(state.params, batch, rng, state.step)
     else:

@@ -394,3 +394,32 @@ def test_a_split_slice_is_a_valid_eval_split(data_dir, tmp_path):
     c.data.eval_split = f"{c.data.eval_split}[:50%]"
     result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
     assert 0.0 <= result["eval/accuracy"] <= 1.0
+
+
+class TinySeq(nn.Module):
+    """Token logits from the input token alone: enough for a seq2seq loss with real gradients."""
+
+    @nn.compact
+    def __call__(self, batch, *, train=False):
+        return {"logits": nn.Dense(5, name="out")(jax.nn.one_hot(batch["inputs"], 5))}, {}
+
+
+def test_pmap_weighs_tokens_like_jit_when_devices_hold_different_token_counts(data_dir):
+    """Device 0 holds 16 target tokens, device 1 only 4: the loss and gradient are the global token
+    means either way (a mean of per-device means would weigh device 1's tokens four times as much)."""
+    rng = np.random.default_rng(0)
+    targets = rng.integers(1, 5, (8, 4)).astype(np.int32)
+    targets[4:, 1:] = 0                                              # pad_id 0
+    batch = {"inputs": rng.integers(0, 5, (8, 4)).astype(np.int32), "targets": targets}
+    c = _config(data_dir, **{"optim.name": "adam"})
+    tx, schedule = optim.make_optimizer(c)
+    model = TinySeq()
+    state = trainer.init_state(jax.random.PRNGKey(0), jax.tree_util.tree_map(lambda x: x[:1], batch),
+                               model=model, tx=tx)
+    step = functools.partial(trainer.train_step, model=model, tx=tx, task=tasks.seq2seq(), schedule=schedule)
+    _, single = jax.jit(step)(state, batch)
+    f = jax.pmap(functools.partial(step, axis_name="batch"), axis_name="batch")
+    _, per_device = f(sharding.replicate_for_pmap(state), sharding.pmap_batch(batch))
+    pm = sharding.unreplicate(per_device)
+    for key in ("train/loss", "train/l2_grads"):
+        np.testing.assert_allclose(pm[key], single[key], rtol=1e-5, err_msg=key)
