@@ -385,6 +385,9 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     rng = jax.random.PRNGKey(config.seed)
     try:
         train_source, eval_source = prepare_data(config)
+        if len(train_source) < config.batch_size:   # found here, not after the first compile
+            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training examples "
+                             f"of {config.data.name}")
         model = build_model(**config.model.to_dict())
         task = tasks.make_task(config)
         tx, schedule = optim.make_optimizer(config)

@@ -216,6 +216,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("checkpoint.best_metric", "eval/acuracy", "best_metric 'eval/acuracy' is not an eval metric"),
     ("checkpoint.best_metric", "accuracy", "must name an eval metric 'eval/<name>'"),
     ("data.eval_split", "dev", "data.eval_split 'dev' is not a split of"),
+    ("batch_size", 4096, "batch_size 4096 exceeds the"),
     ("data.eval_split", "dev[:50%]", "data.eval_split 'dev\\[:50%\\]' is not a split of"),
 ])
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
