@@ -848,8 +848,10 @@ class Classifier(nn.Module):
     encodings (`hrpe.grid_graph_pe`) and projected to d ('patch_embed'); without HRPE a learned
     position table ('pos_embed') is added. The WinGAT window runs over the raster order: the
     spec's 2-D 8-neighbourhood stencil (offsets +-1, +-W_p, +-W_p +- 1) is contained in the 1-D
-    window of radius W_p + 1 (which also links a few row-wrapped patches; `htgn_jax.graph` has no
-    2-D stencil). pool='cls' reads global 0, 'mean' averages the tokens; head: Dense.
+    window of radius W_p + 1, a deviation from the spec: that window also links patches that are not
+    2-D neighbours (offsets +-2 .. +-(W_p - 2) within a row, and +-1, +-(W_p +- 1) across a row end);
+    `htgn_jax.graph` has no 2-D stencil. pool='cls' reads global 0, 'mean' averages the tokens;
+    head: Dense.
 
     batch: 'image' (or 'inputs') float [B, H, W, C]. outputs: {'logits': float32 [B, K]}.
 

@@ -60,7 +60,8 @@ def get_config(arg=None):
     graph_on = args.attention == "favor" and args.ablation != "no_graph"
     hrpe_on = args.attention == "favor" and args.ablation != "no_hrpe"
     if graph_on:
-        # The 2-D 8-neighbourhood (+-1, +-W, +-W+-1) lies inside the raster window of radius W + 1.
+        # The 2-D 8-neighbourhood (+-1, +-W, +-W+-1) lies inside the raster window of radius W + 1,
+        # which also links non-neighbours (see htgn_jax.model.Classifier): a deviation from the spec.
         c.model.window = grid + 1
     if hrpe_on:
         c.model.num_pe = min(8, grid * grid - 1)
