@@ -107,6 +107,9 @@ def eval_step_index(steps_done):
     return jnp.maximum(jnp.asarray(steps_done) - 1, 0)
 
 
+WEIGHT_PREFIX = "weight/"   # train_step metrics under it are weights, not logged (see _mean_metrics)
+
+
 def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axis_name: str | None = None):
     outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {},
                                **step_kwargs(model, step))
@@ -185,6 +188,8 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
         opt_state=keep(opt_state, state.opt_state),
         bad_step=jnp.where(finite | (state.bad_step >= 0), state.bad_step, state.step))
     metrics = {f"train/{k}": s / jnp.maximum(n, 1e-12) for k, (s, n) in sums.items()}
+    # The weights (examples or tokens) too, so that the logged average over steps is weighted like an eval.
+    metrics.update({f"{WEIGHT_PREFIX}train/{k}": n for k, (s, n) in sums.items()})
     metrics.update({f"train/{k}": v for k, v in aux_losses.items()})
     metrics.update({
         "train/total_loss": loss,
@@ -315,8 +320,20 @@ def parameter_overview(params) -> str:
 
 
 def _mean_metrics(history: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """The average of the steps' metrics since the last log; a metric with a `weight/<name>` entry (a task
+    metric: examples or tokens) is weighted by it, and the weights themselves are not logged."""
     fetched = jax.device_get(history)
-    return {k: float(np.mean([np.asarray(m[k]) for m in fetched])) for k in fetched[0]}
+    out = {}
+    for key in fetched[0]:
+        if key.startswith(WEIGHT_PREFIX):
+            continue
+        values = np.array([np.asarray(m[key]) for m in fetched], np.float64)
+        if WEIGHT_PREFIX + key in fetched[0]:
+            weights = np.array([np.asarray(m[WEIGHT_PREFIX + key]) for m in fetched], np.float64)
+            out[key] = float(np.sum(values * weights) / max(np.sum(weights), 1e-12))
+        else:
+            out[key] = float(np.mean(values))
+    return out
 
 
 class _Terminate:

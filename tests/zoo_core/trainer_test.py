@@ -424,3 +424,12 @@ def test_pmap_weighs_tokens_like_jit_when_devices_hold_different_token_counts(da
     pm = sharding.unreplicate(per_device)
     for key in ("train/loss", "train/l2_grads"):
         np.testing.assert_allclose(pm[key], single[key], rtol=1e-5, err_msg=key)
+
+
+def test_logged_train_metrics_are_weighted_by_examples_or_tokens():
+    """Two steps with 3 and 1 target tokens: the logged token accuracy is 3/4, not the mean 1/2."""
+    history = [{"train/token_accuracy": jnp.float32(1.0), "weight/train/token_accuracy": jnp.float32(3.0),
+                "train/learning_rate": jnp.float32(1.0)},
+               {"train/token_accuracy": jnp.float32(0.0), "weight/train/token_accuracy": jnp.float32(1.0),
+                "train/learning_rate": jnp.float32(0.0)}]
+    assert trainer._mean_metrics(history) == {"train/token_accuracy": 0.75, "train/learning_rate": 0.5}
