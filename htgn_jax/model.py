@@ -483,6 +483,8 @@ class Encoder(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
+        _check_common(self)
+        _check_int("num_layers", self.num_layers, 1)
         if self.num_global:
             self.global_tokens = self.param("global_tokens", nn.initializers.normal(0.02),
                                             (self.num_global, self.d_model), self.param_dtype)

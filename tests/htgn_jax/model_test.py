@@ -393,3 +393,13 @@ def test_fields_of_a_switched_off_part_are_refused():
     with pytest.raises(ValueError, match="chunk_size applies to attention='favor'"):
         Model(**SEQ, attention="softmax", chunk_size=3)
     Model(**SEQ, use_graph_conv=False, kl_weight=0.0)   # the no_graph ablation's own setting
+
+
+def test_the_public_encoder_checks_its_own_fields():
+    from htgn_jax.model import Encoder
+    x, mask = jnp.ones((2, 5, 16)), jnp.ones((2, 5), bool)
+    with pytest.raises(ValueError, match="num_layers"):
+        Encoder(num_layers=0, d_model=16, num_heads=2, mlp_dim=32).init(jax.random.PRNGKey(0), x, mask)
+    with pytest.raises(ValueError, match="attention"):
+        Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, attention="linear").init(
+            jax.random.PRNGKey(0), x, mask)
