@@ -261,16 +261,16 @@ def is_eval_step(config, step: int) -> bool:
     return step % config.eval_every_steps == 0 or step in (config.total_steps, config.eval_also_at_step)
 
 
-def _check_best_metric(name: str, model, task, params, example, *, has_evaluators: bool) -> None:
-    """checkpoint.best_metric names an eval metric: checked now, not at the first eval many steps on."""
-    if not name:
-        return
-    if not name.startswith("eval/"):
+def _check_eval_metrics(name: str, model, task, params, example, *, has_evaluators: bool) -> None:
+    """Traces one eval step (shapes only) so that a model/task mismatch, e.g. a forecast of the wrong
+    shape, fails now and not at the first compile; and checks that checkpoint.best_metric names one of
+    its metrics, not at the first eval many steps on."""
+    if name and not name.startswith("eval/"):
         raise ValueError(f"checkpoint.best_metric must name an eval metric 'eval/<name>', got {name!r}")
-    if has_evaluators:   # host-side evaluators add names (e.g. eval/bleu) known only when they run
-        return
     step = (jnp.zeros([], jnp.int32),) if uses_step(model) else ()
     sums = jax.eval_shape(functools.partial(eval_step, model=model, task=task), params, example, *step)
+    if not name or has_evaluators:   # host-side evaluators add names (e.g. eval/bleu) known only when they run
+        return
     known = sorted(f"eval/{k}" for k in sums)
     if name not in known:
         raise ValueError(f"checkpoint.best_metric {name!r} is not an eval metric of this task and model "
@@ -413,8 +413,8 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         example = jax.tree_util.tree_map(lambda x: x[:1], example)
         init = functools.partial(init_state, model=model, tx=tx)
         abstract = jax.eval_shape(init, rng, example)
-        _check_best_metric(config.checkpoint.best_metric, model, task, abstract.params, example,
-                           has_evaluators=bool(evaluators))
+        _check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
+                            has_evaluators=bool(evaluators))
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise _config_error(e) from e
     mode = config.parallel.mode

@@ -433,3 +433,17 @@ def test_logged_train_metrics_are_weighted_by_examples_or_tokens():
                {"train/token_accuracy": jnp.float32(0.0), "weight/train/token_accuracy": jnp.float32(1.0),
                 "train/learning_rate": jnp.float32(0.0)}]
     assert trainer._mean_metrics(history) == {"train/token_accuracy": 0.75, "train/learning_rate": 0.5}
+
+
+def test_a_model_whose_outputs_do_not_fit_the_task_fails_at_setup(data_dir, tmp_path):
+    """Traced before any compile (a one-line ConfigError), not at the first train step."""
+    class WrongRank(nn.Module):
+        @nn.compact
+        def __call__(self, batch, *, train=False):
+            w = self.param("w", nn.initializers.zeros, (1,))
+            return {"logits": jnp.zeros(batch["inputs"].shape[:1] + (3, 4)) + w}, {}
+
+    c = _config(data_dir, **{"checkpoint.best_metric": ""})
+    with pytest.raises(trainer.ConfigError):
+        trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: WrongRank())
+    assert not (tmp_path / "checkpoints").exists() or not os.listdir(tmp_path / "checkpoints")
