@@ -1,12 +1,15 @@
 """Defaults shared by every config, and `parse_arg` for `--config file.py:key=value,flag` strings.
 
-Every knob of the trainer is here with one comment; architecture configs override what they need.
+Every knob of the trainer is here with one comment (the schedule and lookahead fields take their
+defaults, and their comments, from zoo_core/optim.py); architecture configs override what they need.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import ml_collections
+
+from zoo_core import optim
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -69,20 +72,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8
     c.optim.grad_clip_norm = 0.0      # global-norm clipping (0 = off)
     c.optim.grad_accum_steps = 1      # micro-batches averaged per optimiser step
-    c.optim.lookahead_steps = 6       # ranger only: sync period k
-    c.optim.lookahead_alpha = 0.5     # ranger only: slow-weight step size
+    c.optim.update(optim.LOOKAHEAD_DEFAULTS)  # ranger only: lookahead sync period and step size
 
     c.schedule = ml_collections.ConfigDict()
     c.schedule.name = "constant"      # constant | one_cycle | warmup_linear | warmup_cosine | warmup_rsqrt
-    c.schedule.warmup_steps = 0
-    c.schedule.end_factor = 0.0       # warmup_linear/cosine: final lr as a fraction of the peak
-    c.schedule.pct_start = 0.3        # one_cycle: fraction of steps spent rising
-    c.schedule.div_factor = 25.0      # one_cycle: initial lr = peak / div_factor
-    c.schedule.final_div_factor = 1e4  # one_cycle: final lr = initial / final_div_factor
-    c.schedule.anneal = "cos"         # one_cycle: cos (optax's cosine one-cycle) | linear (torch's OneCycleLR)
-    c.schedule.cycle_momentum = False  # one_cycle + linear: beta1 cycles as torch's OneCycleLR default
-    c.schedule.base_momentum = 0.85   # cycle_momentum: beta1 at the learning-rate peak
-    c.schedule.max_momentum = 0.95    # cycle_momentum: beta1 at the start and the end
+    c.schedule.update(optim.SCHEDULE_DEFAULTS)  # each field with its meaning: zoo_core/optim.py
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mode = "jit"           # jit (NamedSharding over a 'data' mesh) | pmap (legacy)

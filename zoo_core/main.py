@@ -117,7 +117,7 @@ def _last_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if len(lines) > 1 and "Traceback (most recent call last):" in message:
         return f"{lines[0]} {lines[-1]}"     # 'flag --config=F: Error whilst parsing ...' + the exception
-    return lines[-1] if len(lines) > 1 else (lines[0] if lines else "")
+    return lines[-1] if lines else ""
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -21,11 +21,21 @@ ANNEALS = ("cos", "linear")
 DECAY_MASKS = ("all", "no_bias_norm", "no_bias_norm_embed")
 
 
-# The schedule fields and their defaults (configs/common.py base_config writes these values; a test
-# keeps the two equal), and which fields each schedule reads: any other field must keep its default.
-SCHEDULE_DEFAULTS = dict(warmup_steps=0, end_factor=0.0, pct_start=0.3, div_factor=25.0,
-                         final_div_factor=1e4, anneal="cos", cycle_momentum=False, base_momentum=0.85,
-                         max_momentum=0.95)
+# The schedule fields and their defaults (configs/common.py base_config writes exactly these), and
+# below which fields each schedule reads: any other field must keep its default.
+SCHEDULE_DEFAULTS = dict(
+    warmup_steps=0,
+    end_factor=0.0,         # warmup_linear/cosine: final lr as a fraction of the peak
+    pct_start=0.3,          # one_cycle: fraction of steps spent rising
+    div_factor=25.0,        # one_cycle: initial lr = peak / div_factor
+    final_div_factor=1e4,   # one_cycle: final lr = initial / final_div_factor
+    anneal="cos",           # one_cycle: cos (optax's cosine one-cycle) | linear (torch's OneCycleLR)
+    cycle_momentum=False,   # one_cycle + linear: beta1 cycles as torch's OneCycleLR default
+    base_momentum=0.85,     # cycle_momentum: beta1 at the learning-rate peak
+    max_momentum=0.95,      # cycle_momentum: beta1 at the start and the end
+)
+# ranger only (configs/common.py writes these too): lookahead sync period k and slow-weight step size.
+LOOKAHEAD_DEFAULTS = dict(lookahead_steps=6, lookahead_alpha=0.5)
 _ONE_CYCLE = ("pct_start", "div_factor", "final_div_factor", "anneal", "cycle_momentum", "base_momentum",
               "max_momentum")
 SCHEDULE_FIELDS = {"constant": ("warmup_steps",), "one_cycle": _ONE_CYCLE,
@@ -203,7 +213,7 @@ def make_optimizer(config: Any) -> tuple[optax.GradientTransformation, optax.Sch
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optim.name {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     mask = lambda params: decay_mask(params, o.decay_mask)
-    if name != "ranger" and (o.get("lookahead_steps", 6), o.get("lookahead_alpha", 0.5)) != (6, 0.5):
+    if name != "ranger" and any(o.get(k, v) != v for k, v in LOOKAHEAD_DEFAULTS.items()):
         raise ValueError("optim.lookahead_steps/lookahead_alpha apply only to optim.name='ranger'")
     if name == "adam" and o.weight_decay:
         raise ValueError("optim.weight_decay is set but adam has no weight decay: use optim.name='adamw'")

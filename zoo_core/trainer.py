@@ -281,7 +281,8 @@ def prepare_data(config) -> tuple[Any, Any]:
     """Builds the dataset on first use (process 0 first, the others wait), returns (train, eval) sources."""
     d = config.data
     data_dir = pipeline.resolve_data_dir(d.data_dir)
-    builder = data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
+    make_builder = lambda: data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
+    builder = make_builder()
     failure = None
     if jax.process_index() == 0:
         try:
@@ -297,7 +298,7 @@ def prepare_data(config) -> tuple[Any, Any]:
         if not np.all(ok):
             raise ValueError(f"process 0 could not prepare {d.name} (its log names the problem)")
         # A builder made before process 0 wrote the data has empty info: make it again to read it.
-        builder = data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
+        builder = make_builder()
         builder.download_and_prepare()   # a no-op read of what process 0 wrote
     elif failure is not None:
         raise failure
