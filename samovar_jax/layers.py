@@ -353,7 +353,7 @@ class VARChain(nn.Module):
     Entry points on one parameter tree:
       `__call__(x0, ...)` -> o [L, B, T, H, D] (form chosen by `form`);
       `scan(x0, state, ...)` -> (o, final state) (chunked or recurrent);
-      `step(state, x0_t, position, ...)` -> (state, o_t [L, B, H, D]);
+      `step(state, x0_t, position, ...)` -> (o_t [L, B, H, D], state);
       `init_state(batch)` -> zeros [L, B, H, D, D].
 
     Attributes:
@@ -490,11 +490,16 @@ class VARChain(nn.Module):
                                      dropout_mask=mask)
 
     def step(self, state: Array, x0_t: Array, position: Array, *, train: bool = False) -> tuple[Array, Array]:
-        """One token: state [L, B, H, D, D], x0_t [B, E], position [] int -> (state, o_t [L, B, H, D])."""
+        """One token: state [L, B, H, D, D], x0_t [B, E], position [] int -> (o_t [L, B, H, D], state).
+
+        Returns (output, state) like `scan` (style.md: attention layers return `(y, state)`); the ops'
+        `var_chain_step` keeps the scan-carry order `(state, y)`.
+        """
         xh, q, v, kernels = self.project(x0_t[:, None], jnp.reshape(position, (1,)))
         mask = _dropout_mask(self, self.dropout, q[:, :, 0].shape, train)
-        return ops.var_chain_step(state, xh[:, 0], q[:, :, 0], v[:, :, 0], key_kernels=kernels,
-                                  dropout_mask_t=mask)
+        state, o_t = ops.var_chain_step(state, xh[:, 0], q[:, :, 0], v[:, :, 0], key_kernels=kernels,
+                                        dropout_mask_t=mask)
+        return o_t, state
 
 
 class StructuralMatrix(nn.Module):
@@ -611,10 +616,10 @@ class LinearAttentionBlock(nn.Module):
         return self._finish(h, o, train), state
 
     def step(self, state: Array, h_t: Array, *, train: bool = False) -> tuple[Array, Array]:
-        """state [B, H, D, D], h_t [B, E] -> (state, h'_t [B, E])."""
+        """state [B, H, D, D], h_t [B, E] -> (h'_t [B, E], state), the order of `scan`."""
         q, k, v = self._qkv(h_t, train)
         state, o = ops.linear_attention_step(state, q, k, v)
-        return state, self._finish(h_t, o, train)
+        return self._finish(h_t, o, train), state
 
 
 class LinTransBlock(nn.Module):
@@ -661,6 +666,6 @@ class LinTransBlock(nn.Module):
         return self.mlp(h, train=train), state
 
     def step(self, state: Array, h_t: Array, *, train: bool = False) -> tuple[Array, Array]:
-        """state [B, H, D, D], h_t [B, E] -> (state, h'_t [B, E])."""
-        state, h_t = self.attention.step(state, h_t, train=train)
-        return state, self.mlp(h_t, train=train)
+        """state [B, H, D, D], h_t [B, E] -> (h'_t [B, E], state), the order of `scan`."""
+        h_t, state = self.attention.step(state, h_t, train=train)
+        return self.mlp(h_t, train=train), state

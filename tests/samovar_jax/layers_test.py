@@ -28,7 +28,7 @@ class _Paths(nn.Module):
         state = self.layer.init_state(x.shape[0])
         steps = []
         for t in range(x.shape[1]):
-            state, y = self.layer.step(state, x[:, t], **self._pos(t, step=True))
+            y, state = self.layer.step(state, x[:, t], **self._pos(t, step=True))
             steps.append(y)
         axis = 2 if isinstance(self.layer, layers.VARChain) else 1
         return full, jnp.concatenate([first, second], axis=axis), jnp.stack(steps, axis=axis), state
