@@ -1,4 +1,4 @@
-"""Graph attention for HTGN: windowed GATv2/GAT with global nodes, causal window, Cross-Graph.
+"""Graph attention for HTGN: windowed GATv2/GAT/dot-product with global nodes, causal window, Cross-Graph.
 
 HTGN's graph convolution (spec `htgn.md` §3.4, §5.3, §5.5, §5.7) is attention on a *static
 stencil graph*: every token i is linked to the tokens i+o for the offsets o in {-w..w} (the window,
@@ -13,6 +13,9 @@ Scoring (spec §3.1):
         e_ij = LeakyReLU_0.2(a_t,h^T W h_i + a_s,h^T W h_j) + b_h[j - i]
     It is computed as GATv2 on one-channel score features (a_t^T W h_i, a_s^T W h_j) with a = 1,
     so both versions share one kernel (`neighbour_attention`).
+  * Dot product (UniMP / "TransformerConv" scoring, spec §3.4 notes), the ablation `gat=dot`:
+        e_ij = <W_t h_i, W_s h_j> / sqrt(D) + b_h[j - i]
+    The kernels take it when the attention vector `attn` is None.
   * alpha_i = softmax over the valid neighbours N(i); out_i = sum_j alpha_ij W_s h_j (GAT eq. (4)
     without the nonlinearity: the FFN follows, spec §3.4 step 7).
   * b_h[o] is the in-window learned relative bias of HRPE (spec §5.2 (c)): one scalar per head
@@ -57,7 +60,7 @@ from flax.linen.dtypes import promote_dtype
 Array = jax.Array
 Initializer = Callable[..., Array]
 
-VERSIONS = ("v1", "v2")
+VERSIONS = ("v1", "v2", "dot")
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (plain Python on static shapes, so they raise before anything is traced).
@@ -187,13 +190,16 @@ def attention_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, A
     return kl_sum, kl_count
 
 
-def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array, attn: Array, *,
+def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
+                        attn: Array | None, *,
                         bias: Array | None = None, negative_slope: float = 0.2,
                         dropout_rate: float = 0.0,
                         dropout_rng: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """GATv2 attention of each receiver over an explicit neighbour list (the shared kernel).
+    """GATv2 (or dot-product) attention of each receiver over an explicit neighbour list.
 
-    e_mk = sum_c attn[h, c] LeakyReLU(query[m] + keys[m, k])[h, c] + bias[h, k];
+    The shared kernel of every form here:
+      e_mk = sum_c attn[h, c] LeakyReLU(query[m] + keys[m, k])[h, c] + bias[h, k]    (GATv2, GAT)
+      e_mk = <query[m], keys[m, k]>_h / sqrt(C) + bias[h, k]                          (attn None)
     alpha = masked softmax over k; out_m = sum_k alpha_mk values[m, k].
 
     Args:
@@ -201,7 +207,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array, 
       keys: source-side score features of the neighbours `[B, M, K, H, C]` (W_s h_j).
       values: messages `[B, M, K, H, D]` (W_s h_j).
       valid: `[B, M, K]` boolean; an edge exists and both ends are real nodes.
-      attn: `[H, C]` attention vectors a_h.
+      attn: `[H, C]` attention vectors a_h, or None for scaled dot-product scoring.
       bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
       negative_slope: LeakyReLU slope (0.2 in GAT/GATv2).
       dropout_rate: dropout on alpha (spec §5.6), used only when `dropout_rng` is given.
@@ -211,11 +217,15 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array, 
       out `[B, M, H, D]` and a dict with `probs` `[B, M, H, K]` (float32 or wider, before
       dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
-    pre = jax.nn.leaky_relu(query[:, :, None] + keys, negative_slope)    # [B, M, K, H, C]
     # Logits, softmax and KL in at least float32 (float64 stays float64).
-    acc = jnp.promote_types(pre.dtype, jnp.float32)
-    logits = jnp.einsum("bmkhc,hc->bmhk", pre, attn.astype(pre.dtype),
-                        preferred_element_type=acc)
+    acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
+    if attn is None:
+        logits = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
+        logits = logits * (query.shape[-1] ** -0.5)
+    else:
+        pre = jax.nn.leaky_relu(query[:, :, None] + keys, negative_slope)    # [B, M, K, H, C]
+        logits = jnp.einsum("bmkhc,hc->bmhk", pre, attn.astype(pre.dtype),
+                            preferred_element_type=acc)
     if bias is not None:
         logits = logits + bias.astype(acc)
     probs, log_probs = _masked_softmax(logits, valid[:, :, None, :])
@@ -258,6 +268,11 @@ def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num
     return jnp.concatenate([rb, jnp.broadcast_to(gb[:, None], (heads, num_global))], axis=1)
 
 
+def _check_attn(attn: Array | None, heads: int, ch: int) -> None:
+    if attn is not None:
+        _check_shape("attn", attn, (heads, ch), "[H, C]")
+
+
 def _check_kernel_args(query, key, value, attn, rel_bias, global_bias, num_window, num_global):
     _check_rank("query", query, 4, "[B, L, H, C]")
     b, length, heads, ch = query.shape
@@ -265,7 +280,7 @@ def _check_kernel_args(query, key, value, attn, rel_bias, global_bias, num_windo
     _check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
     _check_rank("value", value, 4, "[B, L, H, D]")
     _check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
-    _check_shape("attn", attn, (heads, ch), "[H, C]")
+    _check_attn(attn, heads, ch)
     if rel_bias is not None:
         _check_shape("rel_bias", rel_bias, (heads, num_window), "[H, K]")
     if global_bias is not None:
@@ -274,12 +289,13 @@ def _check_kernel_args(query, key, value, attn, rel_bias, global_bias, num_windo
         _check_shape("global_bias", global_bias, (heads,), "[H]")
 
 
-def window_graph_attention(query: Array, key: Array, value: Array, attn: Array, *, window: int,
+def window_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
+                           window: int,
                            num_global: int = 0, causal: bool = False, mask: Array | None = None,
                            rel_bias: Array | None = None, global_bias: Array | None = None,
                            negative_slope: float = 0.2, dropout_rate: float = 0.0,
                            dropout_rng: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """Windowed GATv2 with global nodes (spec §3.4), O(B L (K+g) H C) time and memory.
+    """Windowed GATv2 (or GAT, dot product) with global nodes (spec §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
     i+o, o in `window_offsets(window, causal)`, and to all globals; each global attends to all L
@@ -288,8 +304,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array, 
     Args:
       query: target-side score features `[B, L, H, C]`.
       key: source-side score features `[B, L, H, C]`.
-      value: messages `[B, L, H, D]` (GATv2: the same array as `key`).
-      attn: `[H, C]`.
+      value: messages `[B, L, H, D]` (GATv2, dot: the same array as `key`).
+      attn: `[H, C]`, or None for dot-product scoring.
       window: radius w >= 0.
       num_global: g >= 0 leading global nodes (must be 0 when causal).
       causal: offsets -w..0 (decoder).
@@ -358,7 +374,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array, 
 
 
 def causal_window_step(query_t: Array, key_t: Array, value_t: Array, cache: dict[str, Array],
-                       attn: Array, position: Array | int, *, rel_bias: Array | None = None,
+                       attn: Array | None, position: Array | int, *,
+                       rel_bias: Array | None = None,
                        negative_slope: float = 0.2) -> tuple[Array, dict[str, Array]]:
     """One decoding step of the causal window GAT with a rolling cache: O(w H C) per token.
 
@@ -368,7 +385,7 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, cache: dict
       value_t: `[B, H, D]`.
       cache: {'key': `[B, w, H, C]`, 'value': `[B, w, H, D]`}: the last w tokens, oldest first
         (slot j holds offset j - w); slots before position 0 are ignored.
-      attn: `[H, C]`.
+      attn: `[H, C]`, or None for dot-product scoring.
       position: index t of the new token, scalar or `[B]` int.
       rel_bias: `[H, w+1]` or None.
       negative_slope: LeakyReLU slope.
@@ -384,7 +401,7 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, cache: dict
     w = cache["key"].shape[1]
     _check_shape("cache['key']", cache["key"], (b, w, heads, ch), "[B, w, H, C]")
     _check_shape("cache['value']", cache["value"], (b, w) + value_t.shape[1:], "[B, w, H, D]")
-    _check_shape("attn", attn, (heads, ch), "[H, C]")
+    _check_attn(attn, heads, ch)
     if rel_bias is not None:
         _check_shape("rel_bias", rel_bias, (heads, w + 1), "[H, w+1]")
     _check_position(position, b)
@@ -424,7 +441,8 @@ def _gather_rows(x: Array, idx: Array) -> Array:
     return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
 
 
-def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array, *, window: int,
+def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
+                          window: int,
                           num_global: int = 0, rho: float = 1.0, mask: Array | None = None,
                           memory_mask: Array | None = None, positions: Array | None = None,
                           rel_bias: Array | None = None, global_bias: Array | None = None,
@@ -439,7 +457,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array, *
       query: decoder score features `[B, T, H, C]`.
       key: memory score features `[B, L, H, C]`, L = g + N (`[globals ; tokens]`).
       value: memory messages `[B, L, H, D]`.
-      attn: `[H, C]`.
+      attn: `[H, C]`, or None for dot-product scoring.
       window: w_x >= 0.
       num_global: g encoder globals at the front of the memory.
       rho: centre ratio (hyperparameter, spec §5.5), >= 0.
@@ -466,7 +484,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array, *
     _check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
     _check_rank("value", value, 4, "[B, L, H, D]")
     _check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
-    _check_shape("attn", attn, (heads, ch), "[H, C]")
+    _check_attn(attn, heads, ch)
     if rel_bias is not None:
         _check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, 2w+1]")
     if global_bias is not None:
@@ -597,10 +615,11 @@ class _GraphAttentionBase(nn.Module):
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
-        if self.version == "v2":
+        if self.version in ("v2", "dot"):
             self.target = _HeadProjection(arg="x", **proj)
             self.source = _HeadProjection(arg=self._source_arg, **proj)
-            self.attn = _HeadVector(h, self.param_dtype, self.attn_init)
+            if self.version == "v2":
+                self.attn = _HeadVector(h, self.param_dtype, self.attn_init)
         else:
             # v1 (GAT): one projection W for both ends, two attention halves a = [a_t ; a_s].
             self.source = _HeadProjection(arg=self._source_arg, **proj)
@@ -617,7 +636,7 @@ class _GraphAttentionBase(nn.Module):
 
     def _self_features(self, x: Array) -> tuple[Array, Array, Array]:
         """(query `[..., H, C]`, key `[..., H, C]`, message `[..., H, D]`) of nodes x."""
-        if self.version == "v2":
+        if self.version != "v1":
             u = self.source(x)
             return self.target(x), u, u
         z = self.source(x)
@@ -630,7 +649,7 @@ class _GraphAttentionBase(nn.Module):
 
         `head_dim` is the senders' D, so an unset head_dim follows the memory width.
         """
-        if self.version == "v2":
+        if self.version != "v1":
             return self.target(x, head_dim)
         z = self.source(x)
         return jnp.einsum("...hd,hd->...h", z, self._head_vector("attn_target", z))[..., None]
@@ -638,16 +657,19 @@ class _GraphAttentionBase(nn.Module):
     def _source_features(self, m: Array) -> tuple[Array, Array]:
         """(score key `[..., H, C]`, message `[..., H, D]`) of sender nodes m."""
         u = self.source(m)
-        if self.version == "v2":
+        if self.version != "v1":
             return u, u
         return jnp.einsum("...hd,hd->...h", u, self._head_vector("attn_source", u))[..., None], u
 
     def _head_vector(self, name: str, z: Array) -> Array:
         return getattr(self, name)(z.shape[-1]).astype(z.dtype)
 
-    def _attn_vector(self, value: Array) -> Array:
+    def _attn_vector(self, value: Array) -> Array | None:
+        """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot'."""
         if self.version == "v2":
             return self._head_vector("attn", value)
+        if self.version == "dot":
+            return None
         return jnp.ones((self.num_heads, 1), value.dtype)
 
     def _biases(self) -> tuple[Array | None, Array | None]:
@@ -669,7 +691,7 @@ class _GraphAttentionBase(nn.Module):
                 _fail("`head_dim` is None and the layer has no parameters yet, so the state shape "
                       "is unknown: set head_dim or call init_state with initialised params")
             d = params["source"]["kernel"].shape[-1]
-        return (d if self.version == "v2" else 1), d
+        return (1 if self.version == "v1" else d), d
 
 
 def _kl_aux(st: dict[str, Array]) -> dict[str, Array]:
@@ -678,12 +700,13 @@ def _kl_aux(st: dict[str, Array]) -> dict[str, Array]:
 
 
 class WindowGraphAttention(_GraphAttentionBase):
-    """Windowed GATv2 (or GAT) graph attention with global nodes; causal variant for decoders.
+    """Windowed GATv2 (or GAT, dot-product) graph attention with global nodes; causal variant.
 
     Node layout of `x`: `[B, L, d]` = `[globals (num_global) ; tokens (N)]`; the model prepends the
     g learned global vectors (spec §5.1). Parameters (stable names): `target/kernel` `[d, H, D]`
-    (W_t, v2 only), `source/kernel` `[d, H, D]` (W_s, also the message projection), `attn/vector`
-    `[H, D]` (v2) or `attn_target/vector`, `attn_source/vector` `[H, D]` (v1), `rel_bias`
+    (W_t, v2 and dot), `source/kernel` `[d, H, D]` (W_s, also the message projection),
+    `attn/vector` `[H, D]` (v2) or `attn_target/vector`, `attn_source/vector` `[H, D]` (v1; dot
+    has no attention vector), `rel_bias`
     `[H, K]` and `global_bias` `[H]` (if use_relative_bias; global_bias only with globals),
     `output/kernel` `[H, D, F]`, `output/bias` `[F]`.
 
@@ -693,7 +716,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       window: radius w >= 0; offsets -w..w, or -w..0 when causal.
       num_global: g leading global nodes (0 when causal).
       causal: decoder form (offsets -w..0) with `step` / `init_state`.
-      version: 'v2' (GATv2, default) or 'v1' (GAT, static attention; ablation).
+      version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
+        product, UniMP style); the last two are ablations (spec §5.13).
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), spec §5.2).
       negative_slope: LeakyReLU slope.
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
@@ -780,7 +804,7 @@ class WindowGraphAttention(_GraphAttentionBase):
 
         Returns:
           {'value': `[B, w, H, D]`} float32 zeros (W_s x of the last w tokens, oldest first; for
-          GATv2 also the score key), plus for v1 'key' `[B, w, H, 1]` (a_s . W x).
+          GATv2 and dot also the score key), plus for v1 'key' `[B, w, H, 1]` (a_s . W x).
         """
         self._check_causal("init_state")
         _check_int("batch_size", batch_size, 1)
@@ -832,7 +856,8 @@ class CrossGraphAttention(_GraphAttentionBase):
 
     c_i = clip(round(rho * i), 0, N_b - 1), with N_b the valid encoder token count per example.
     `memory` is the encoder output `[B, g + N, d_m]` = `[globals ; tokens]` (right-padded tokens).
-    Scoring is GATv2: e_ij = a_h^T LeakyReLU(W_t y_i + W_s M_j) + b_h[j - c_i]; messages W_s M_j.
+    Scoring is GATv2: e_ij = a_h^T LeakyReLU(W_t y_i + W_s M_j) + b_h[j - c_i] (or GAT, or the
+    dot product <W_t y_i, W_s M_j> / sqrt(D), per `version`); messages W_s M_j.
     Parameter names as in `WindowGraphAttention` (`rel_bias` `[H, 2w+1]`, `global_bias` `[H]`).
 
     Decoding: `prepare_memory` projects the memory once; `step` then costs O((2w+1+g) H D) per
@@ -925,7 +950,7 @@ class CrossGraphAttention(_GraphAttentionBase):
 
         Returns:
           {'value': `[B, L, H, D]` (W_s M), 'mask': `[B, L]` bool}, plus for v1 'key'
-          `[B, L, H, 1]` (a_s . W M); for v2 the score key is 'value' itself.
+          `[B, L, H, 1]` (a_s . W M); for v2 and dot the score key is 'value' itself.
         """
         _check_rank("memory", memory, 3, "[B, L, d_m]")
         if memory.shape[1] <= self.num_global:
@@ -978,21 +1003,26 @@ class CrossGraphAttention(_GraphAttentionBase):
 # ----------------------------------------------------------------------------------------------
 
 
-def dense_graph_attention(query: Array, key: Array, value: Array, attn: Array, adjacency: Array,
+def dense_graph_attention(query: Array, key: Array, value: Array, attn: Array | None,
+                          adjacency: Array,
                           *, bias: Array | None = None, negative_slope: float = 0.2
                           ) -> tuple[Array, Array]:
     """Dense masked GATv2 on an explicit adjacency: e_ij for all pairs, softmax over edges.
 
     Args:
-      query: `[B, Lq, H, C]`; key: `[B, Lk, H, C]`; value: `[B, Lk, H, D]`; attn: `[H, C]`.
+      query: `[B, Lq, H, C]`; key: `[B, Lk, H, C]`; value: `[B, Lk, H, D]`; attn: `[H, C]`, or
+        None for the dot product <q_i, k_j> / sqrt(C).
       adjacency: `[B, Lq, Lk]` boolean, True where j is a neighbour of i.
       bias: `[H, Lq, Lk]` or `[B, H, Lq, Lk]` or None.
 
     Returns:
       out `[B, Lq, H, D]` (0 for rows with no edge) and probs `[B, H, Lq, Lk]`.
     """
-    pre = jax.nn.leaky_relu(query[:, :, None] + key[:, None], negative_slope)   # [B,Lq,Lk,H,C]
-    logits = jnp.einsum("bijhc,hc->bhij", pre, attn)
+    if attn is None:
+        logits = jnp.einsum("bihc,bjhc->bhij", query, key) / np.sqrt(query.shape[-1])
+    else:
+        pre = jax.nn.leaky_relu(query[:, :, None] + key[:, None], negative_slope)  # [B,Lq,Lk,H,C]
+        logits = jnp.einsum("bijhc,hc->bhij", pre, attn)
     if bias is not None:
         logits = logits + bias
     adj = adjacency[:, None]

@@ -26,7 +26,7 @@ mean over tokens.
 
 Ablations (§5.13), as fields: `use_graph_conv=False` (Performer encoder-decoder), `use_hrpe=False`
 (no RoPE, no spectral PE, no window bias; learned absolute position embeddings instead),
-`num_global=0`, `kl_weight=0`, `gat_version='v1'|'v2'`, `feature_map` ('softmax' FAVOR+, 'relu',
+`num_global=0`, `kl_weight=0`, `gat_version='v1'|'v2'|'dot'`, `feature_map` ('softmax' FAVOR+, 'relu',
 'elu', 'exact'). `attention='softmax'` is the vanilla Transformer baseline on the same code:
 exact softmax attention (`ops.exact_softmax_attention`), graph layers and HRPE off by default.
 
@@ -74,7 +74,7 @@ Array = jax.Array
 LN_EPS = 1e-6                          # spec §5.6
 ATTENTIONS = ("favor", "softmax")
 FEATURE_MAPS = ("softmax", "relu", "elu", "exact")
-GAT_VERSIONS = ("v1", "v2")
+GAT_VERSIONS = ("v1", "v2", "dot")
 NORMS = ("pre", "post")
 POOLS = ("cls", "mean")
 CROSS_GRAPH_LAYERS = ("all", "last")
@@ -981,6 +981,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no_kl": {"kl_weight": 0.0},
     "gat_v1": {"gat_version": "v1"},
     "gat_v2": {"gat_version": "v2"},
+    "gat_dot": {"gat_version": "dot"},
 }
 
 

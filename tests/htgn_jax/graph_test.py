@@ -30,14 +30,32 @@ def _lengths_mask(lengths, total):
 
 
 def _features(version, seed, length, dtype=jnp.float32):
-    """(query, key, value, attn, (a_t, a_s) or None) for the pure kernels."""
-    if version == "v2":
+    """(query, key, value, attn) for the pure kernels; attn is None for the dot product."""
+    if version in ("v2", "dot"):
         q, k = _normal(seed, (B, length, H, D), dtype), _normal(seed + 1, (B, length, H, D), dtype)
-        return q, k, k, _normal(seed + 2, (H, D), dtype)
+        return q, k, k, (_normal(seed + 2, (H, D), dtype) if version == "v2" else None)
     z = _normal(seed, (B, length, H, D), dtype)
     q, k, ones = jax.jit(G.gat_v1_features)(z, _normal(seed + 1, (H, D), dtype),
                                    _normal(seed + 2, (H, D), dtype))
     return q, k, z, ones
+
+
+def test_dot_product_scoring_by_hand():
+    """gat=dot: alpha_ij = softmax_j(<q_i, k_j> / sqrt(C) + b), written out in numpy."""
+    q, k, v, attn = _features("dot", 50, N)
+    assert attn is None
+    mask = _lengths_mask([N, N - 2], N)
+    rel_bias = _normal(53, (H, 2 * W + 1))
+    out, aux = window_attention(q, k, v, None, window=W, mask=mask, rel_bias=rel_bias)
+    qn, kn, vn, rb = (np.asarray(a, np.float64) for a in (q, k, v, rel_bias))
+    b, i, h = 1, 4, 1                                  # one receiver of the padded example
+    js = [j for j in range(i - W, i + W + 1) if 0 <= j < N - 2]
+    logits = np.array([qn[b, i, h] @ kn[b, j, h] / np.sqrt(D) + rb[h, j - i + W] for j in js])
+    alpha = np.exp(logits - logits.max())
+    alpha /= alpha.sum()
+    np.testing.assert_allclose(out[b, i, h], alpha @ vn[b, js, h], **F32_SIMPLE)
+    np.testing.assert_allclose(aux["probs"][b, i, h, [j - i + W for j in js]], alpha,
+                               **F32_SIMPLE)
 
 
 def _dense_kl(probs, adj):
@@ -55,7 +73,7 @@ def _dense_kl(probs, adj):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
 @pytest.mark.parametrize("num_global", [0, NG])
 @pytest.mark.parametrize("padded", [False, True])
 def test_window_matches_dense(version, num_global, padded):
@@ -78,7 +96,7 @@ def test_window_matches_dense(version, num_global, padded):
         assert np.all(np.asarray(out)[1, length - 3:] == 0)
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
 def test_causal_window_matches_dense(version):
     q, k, v, attn = _features(version, 10, N)
     mask = _lengths_mask([N, N - 2], N)
@@ -97,7 +115,7 @@ def test_causal_window_matches_dense(version):
     np.testing.assert_array_equal(out2[:, :4], out[:, :4])
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
 def test_cross_graph_matches_dense(version):
     t, rho, wx = 6, 0.75, 1
     length = N + NG
@@ -219,9 +237,10 @@ def _project(x, kernel):
 @functools.partial(jax.jit, static_argnames="version")
 def _layer_reference(p, x, version, adj, bias):
     """The layer's maths written out from its parameter tree with the dense oracle."""
-    if version == "v2":
+    if version != "v1":
         s, u = _project(x, p["target"]["kernel"]), _project(x, p["source"]["kernel"])
-        out, _ = dense_attention(s, u, u, p["attn"]["vector"], adj, bias=bias)
+        out, _ = dense_attention(s, u, u, p["attn"]["vector"] if version == "v2" else None, adj,
+                                 bias=bias)
     else:
         z = _project(x, p["source"]["kernel"])
         st = jnp.einsum("blhd,hd->blh", z, p["attn_target"]["vector"])[..., None]
@@ -231,7 +250,7 @@ def _layer_reference(p, x, version, adj, bias):
     return jnp.where(adj.any(-1)[..., None], y, 0)
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
 def test_window_layer_matches_dense(version):
     length = N + NG
     x = _normal(70, (B, length, WIDTH))
@@ -255,7 +274,7 @@ def test_window_layer_matches_dense(version):
     np.testing.assert_allclose(auxp["kl"], aux["kl"], **F32_SIMPLE)
 
 
-@pytest.mark.parametrize("version,window", [("v1", W), ("v2", W), ("v2", 0)])
+@pytest.mark.parametrize("version,window", [("v1", W), ("v2", W), ("v2", 0), ("dot", W)])
 def test_causal_step_matches_parallel(version, window):
     x = _normal(80, (B, N, WIDTH))
     layer = G.WindowGraphAttention(num_heads=H, window=window, causal=True, version=version)
@@ -272,7 +291,7 @@ def test_causal_step_matches_parallel(version, window):
     assert ("key" in state) == (version == "v1")
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
 def test_cross_layer_matches_dense_and_step(version):
     t, rho, wx, length = 6, 1.5, 1, N + NG
     x = _normal(90, (B, t, WIDTH))
@@ -290,9 +309,10 @@ def test_cross_layer_matches_dense_and_step(version):
     adj = G.cross_graph_adjacency(mask, memory_mask, centres, window=wx, num_global=NG)
     bias = G.cross_graph_bias_matrix(p["rel_bias"], p["global_bias"], centres,
                                      memory_length=length, window=wx, num_global=NG)
-    if version == "v2":
+    if version != "v1":
         s, u = _project(x, p["target"]["kernel"]), _project(memory, p["source"]["kernel"])
-        ref, _ = dense_attention(s, u, u, p["attn"]["vector"], adj, bias=bias)
+        ref, _ = dense_attention(s, u, u, p["attn"]["vector"] if version == "v2" else None, adj,
+                                 bias=bias)
     else:
         zx, zm = _project(x, p["source"]["kernel"]), _project(memory, p["source"]["kernel"])
         st = jnp.einsum("blhd,hd->blh", zx, p["attn_target"]["vector"])[..., None]

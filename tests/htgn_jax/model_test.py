@@ -273,6 +273,9 @@ def test_ablation_switches_change_the_param_tree():
     v1 = _params(Model(**SEQ, gat_version="v1"), _batch())
     assert _has(v1, "attn_target") and not _has(v1, "target")
 
+    dot = _params(Model(**SEQ, gat_version="dot"), _batch())    # GATv2's tree without `attn`
+    assert dot == {k: v for k, v in base.items() if "/attn/" not in k} and len(dot) < len(base)
+
     assert _params(Model(**SEQ, kl_weight=0.0), _batch()) == base
 
     last = _params(Model(**SEQ, cross_graph_layers="last"), _batch())
