@@ -42,7 +42,11 @@ and decoding time.
 KL smoothness term (spec §5.7): for every valid receiving node i and head h,
     KL(alpha_i || uniform over N(i)) = sum_j alpha_ij log alpha_ij + log |N(i)|,
 summed and counted here (`kl_sum`, `kl_count`); `kl = kl_sum / kl_count` is the per-layer mean
-the model weights by lambda_KL (mean over layers, heads and valid nodes).
+the model weights by lambda_KL (mean over layers, heads and valid nodes). The spec's alternative
+prior `kl_prior = "distance"` is `kl_tau`: pi_i(j) proportional to exp(-dist(i, j) / tau) over
+N(i), with dist = |j - i| in the window (|j - c_i| in Cross-Graph) and 1 for a global node, which
+is one hop from every token; the rows of the global nodes keep the uniform prior (a global has
+no position).
 
 The dense `[L, L]` references at the end of the file (`dense_graph_attention` and the adjacency /
 bias builders) are test oracles only.
@@ -168,22 +172,31 @@ def _masked_softmax(logits: Array, valid: Array) -> tuple[Array, Array]:
     return e / denom, jnp.where(valid, z - jnp.log(denom), 0.0)
 
 
-def attention_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, Array]:
-    """KL(alpha_i || uniform over the valid neighbours of i), summed over rows (spec §5.7).
+def attention_kl(probs: Array, log_probs: Array, valid: Array,
+                 prior_logits: Array | None = None) -> tuple[Array, Array]:
+    """KL(alpha_i || pi_i) over the valid neighbours of i, summed over rows (spec §5.7).
 
-    KL = sum_j alpha_ij log alpha_ij + log |N(i)|; rows with |N(i)| = 0 (padded receivers) are
-    left out of both the sum and the count.
+    Uniform prior (`prior_logits` None): KL = sum_j alpha_ij log alpha_ij + log |N(i)|. Otherwise
+    pi_i = softmax of `prior_logits` over N(i) and KL = sum_j alpha_ij (log alpha_ij - log pi_ij).
+    Rows with |N(i)| = 0 (padded receivers) are left out of both the sum and the count.
 
     Args:
       probs: alpha, `[B, M, H, K]`.
       log_probs: log alpha, `[B, M, H, K]` (0 where invalid).
       valid: `[B, M, K]` boolean neighbour mask.
+      prior_logits: log of the unnormalised prior per neighbour slot, `[K]`, or None (uniform).
 
     Returns:
       (kl_sum, kl_count): float32 scalars; the number of (row, head) terms is `kl_count`.
     """
     n = jnp.sum(valid, axis=-1).astype(jnp.float32)                      # [B, M]
-    kl = jnp.sum(probs * log_probs, axis=-1) + jnp.log(jnp.maximum(n, 1.0))[..., None]
+    if prior_logits is None:
+        kl = jnp.sum(probs * log_probs, axis=-1) + jnp.log(jnp.maximum(n, 1.0))[..., None]
+    else:
+        prior = jnp.where(valid, prior_logits.astype(probs.dtype), -jnp.inf)   # [B, M, K]
+        lse = jax.scipy.special.logsumexp(prior, axis=-1, keepdims=True)
+        log_prior = jnp.where(valid, prior - jnp.where(jnp.isfinite(lse), lse, 0.0), 0.0)
+        kl = jnp.sum(probs * (log_probs - log_prior[:, :, None]), axis=-1)
     has = (n > 0)[..., None]                                              # [B, M, 1]
     kl_sum = jnp.sum(jnp.where(has, kl, 0.0))
     kl_count = jnp.sum(has).astype(jnp.float32) * probs.shape[-2]
@@ -193,8 +206,8 @@ def attention_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, A
 def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
                         attn: Array | None, *,
                         bias: Array | None = None, negative_slope: float = 0.2,
-                        dropout_rate: float = 0.0,
-                        dropout_rng: Array | None = None) -> tuple[Array, dict[str, Array]]:
+                        dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+                        prior_logits: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """GATv2 (or dot-product) attention of each receiver over an explicit neighbour list.
 
     The shared kernel of every form here:
@@ -212,6 +225,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       negative_slope: LeakyReLU slope (0.2 in GAT/GATv2).
       dropout_rate: dropout on alpha (spec §5.6), used only when `dropout_rng` is given.
       dropout_rng: PRNG key, or None for no dropout.
+      prior_logits: `[K]` KL prior logits (see `attention_kl`), or None for the uniform prior.
 
     Returns:
       out `[B, M, H, D]` and a dict with `probs` `[B, M, H, K]` (float32 or wider, before
@@ -229,7 +243,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
     if bias is not None:
         logits = logits + bias.astype(acc)
     probs, log_probs = _masked_softmax(logits, valid[:, :, None, :])
-    kl_sum, kl_count = attention_kl(probs, log_probs, valid)
+    kl_sum, kl_count = attention_kl(probs, log_probs, valid, prior_logits)
     weights = probs
     if dropout_rng is not None and dropout_rate > 0.0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
@@ -253,6 +267,24 @@ def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
     q = jnp.einsum("...hd,hd->...h", source, attn_target.astype(source.dtype))[..., None]
     k = jnp.einsum("...hd,hd->...h", source, attn_source.astype(source.dtype))[..., None]
     return q, k, jnp.ones((attn_target.shape[0], 1), source.dtype)
+
+
+def _check_kl_tau(kl_tau: Any) -> None:
+    if kl_tau is not None and (isinstance(kl_tau, bool) or not isinstance(kl_tau, (int, float))
+                               or not kl_tau > 0):
+        _fail(f"`kl_tau` must be None (uniform KL prior) or a number > 0, got {kl_tau!r}")
+
+
+def distance_prior_logits(offsets: Sequence[int], num_global: int,
+                          kl_tau: float | None) -> Array | None:
+    """`[K + g]` logits -dist/tau of the distance KL prior: |o| per window offset, 1 per global.
+
+    None when `kl_tau` is None (uniform prior).
+    """
+    if kl_tau is None:
+        return None
+    dist = np.concatenate([np.abs(np.asarray(offsets, np.float64)), np.ones(num_global)])
+    return jnp.asarray(-dist / kl_tau, jnp.float32)
 
 
 def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num_window: int,
@@ -294,7 +326,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            num_global: int = 0, causal: bool = False, mask: Array | None = None,
                            rel_bias: Array | None = None, global_bias: Array | None = None,
                            negative_slope: float = 0.2, dropout_rate: float = 0.0,
-                           dropout_rng: Array | None = None) -> tuple[Array, dict[str, Array]]:
+                           dropout_rng: Array | None = None,
+                           kl_tau: float | None = None) -> tuple[Array, dict[str, Array]]:
     """Windowed GATv2 (or GAT, dot product) with global nodes (spec §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
@@ -316,6 +349,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
       negative_slope: LeakyReLU slope.
       dropout_rate: attention dropout, applied only when `dropout_rng` is given.
       dropout_rng: PRNG key or None.
+      kl_tau: None for the uniform KL prior, or tau of the distance prior on the token rows.
 
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
@@ -324,6 +358,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     """
     _check_int("window", window, 0)
     _check_int("num_global", num_global, 0)
+    _check_kl_tau(kl_tau)
     if causal and num_global:
         _fail(f"`num_global` must be 0 when causal (a global node would see the future), "
               f"got {num_global}")
@@ -355,7 +390,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     bias = _bias_row(rel_bias, global_bias, heads, len(offsets), g)
     out_tok, st = neighbour_attention(q_tok, keys, vals, valid, attn, bias=bias,
                                       negative_slope=negative_slope, dropout_rate=dropout_rate,
-                                      dropout_rng=rng_tok)
+                                      dropout_rng=rng_tok,
+                                      prior_logits=distance_prior_logits(offsets, g, kl_tau))
     aux = {"probs": st["probs"], "kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
     if not g:
         return out_tok, aux
@@ -447,7 +483,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                           memory_mask: Array | None = None, positions: Array | None = None,
                           rel_bias: Array | None = None, global_bias: Array | None = None,
                           negative_slope: float = 0.2, dropout_rate: float = 0.0,
-                          dropout_rng: Array | None = None) -> tuple[Array, dict[str, Array]]:
+                          dropout_rng: Array | None = None,
+                          kl_tau: float | None = None) -> tuple[Array, dict[str, Array]]:
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
 
     Cost O(B T (2w+1+g) H C): neighbours are gathered with `c_i + o` index arrays (clamped, and
@@ -468,6 +505,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
       rel_bias: `[H, 2w+1]` bias b_h[j - c_i], indexed by `j - c_i + w`, or None.
       global_bias: `[H]` bias on decoder -> encoder-global edges, or None.
       negative_slope, dropout_rate, dropout_rng: as in `neighbour_attention`.
+      kl_tau: None for the uniform KL prior, or tau of the distance prior (dist = |j - c_i|).
 
     Returns:
       out `[B, T, H, D]` (zero at padded decoder rows) and a dict with `probs`
@@ -476,6 +514,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     _check_int("window", window, 0)
     _check_int("num_global", num_global, 0)
     _check_rho(rho)
+    _check_kl_tau(kl_tau)
     offsets = window_offsets(window)
     _check_rank("query", query, 4, "[B, T, H, C]")
     _check_rank("key", key, 4, "[B, L, H, C]")
@@ -519,7 +558,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     bias = _bias_row(rel_bias, global_bias, heads, len(offsets), g)
     out, st = neighbour_attention(query, keys, vals, valid, attn, bias=bias,
                                   negative_slope=negative_slope, dropout_rate=dropout_rate,
-                                  dropout_rng=dropout_rng)
+                                  dropout_rng=dropout_rng,
+                                  prior_logits=distance_prior_logits(offsets, g, kl_tau))
     return out, {"probs": st["probs"], "centres": centres, "kl_sum": st["kl_sum"],
                  "kl_count": st["kl_count"]}
 
@@ -608,6 +648,7 @@ class _GraphAttentionBase(nn.Module):
         _check_int("num_global", self.num_global, 0)
         _check_version(self.version)
         _check_dropout(self.dropout_rate)
+        _check_kl_tau(self.kl_tau)
         if self.out_features is not None:
             _check_int("out_features", self.out_features, 1)
 
@@ -721,6 +762,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), spec §5.2).
       negative_slope: LeakyReLU slope.
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
+      kl_tau: None (the KL term's uniform prior, spec §5.7) or tau > 0 of the distance prior
+        pi_i(j) proportional to exp(-|j - i| / tau) (spec `kl_prior = "distance"`).
       out_features: F; None means d.
       dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32.
       param_dtype: parameter dtype.
@@ -736,6 +779,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     use_relative_bias: bool = True
     negative_slope: float = 0.2
     dropout_rate: float = 0.0
+    kl_tau: float | None = None
     out_features: int | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -796,7 +840,7 @@ class WindowGraphAttention(_GraphAttentionBase):
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
             causal=self.causal, mask=mask, rel_bias=rel_bias, global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
-            dropout_rng=self._dropout_rng(deterministic))
+            dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau)
         return mask, out, st
 
     def init_state(self, batch_size: int) -> dict[str, Array]:
@@ -864,8 +908,9 @@ class CrossGraphAttention(_GraphAttentionBase):
     token and uses no target length, so it equals the parallel form row by row.
 
     Attributes:
-      num_heads, version, use_relative_bias, negative_slope, dropout_rate, out_features,
-      dtype, param_dtype, kernel_init, attn_init, bias_init: as in `WindowGraphAttention`.
+      num_heads, version, use_relative_bias, negative_slope, dropout_rate, kl_tau,
+      out_features, dtype, param_dtype, kernel_init, attn_init, bias_init: as in
+      `WindowGraphAttention` (the distance prior measures |j - c_i|).
       window: w_x >= 0, the encoder window radius.
       head_dim: D per head; None means d_m // H (memory width d_m divisible by H); the decoder
         side uses the same D.
@@ -881,6 +926,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     use_relative_bias: bool = True
     negative_slope: float = 0.2
     dropout_rate: float = 0.0
+    kl_tau: float | None = None
     out_features: int | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -991,7 +1037,7 @@ class CrossGraphAttention(_GraphAttentionBase):
             num_global=self.num_global, rho=self.rho, mask=mask, memory_mask=cache["mask"],
             positions=positions, rel_bias=rel_bias, global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
-            dropout_rng=self._dropout_rng(deterministic))
+            dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau)
         if stats_only:
             return st
         y = self.output(out, x.shape[-1])

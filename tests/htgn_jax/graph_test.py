@@ -16,8 +16,9 @@ WIDTH = H * D
 
 # One compile per call site instead of one per primitive (eager mode compiles every op shape).
 window_attention = jax.jit(G.window_graph_attention,
-                           static_argnames=("window", "num_global", "causal"))
-cross_attention = jax.jit(G.cross_graph_attention, static_argnames=("window", "num_global", "rho"))
+                           static_argnames=("window", "num_global", "causal", "kl_tau"))
+cross_attention = jax.jit(G.cross_graph_attention,
+                          static_argnames=("window", "num_global", "rho", "kl_tau"))
 dense_attention = jax.jit(G.dense_graph_attention)
 
 
@@ -58,14 +59,56 @@ def test_dot_product_scoring_by_hand():
                                **F32_SIMPLE)
 
 
-def _dense_kl(probs, adj):
-    """Reference KL sum/count from dense probs `[B, H, Lq, Lk]` and adjacency `[B, Lq, Lk]`."""
+def _dense_kl(probs, adj, dist=None, tau=None):
+    """Reference KL sum/count from dense probs `[B, H, Lq, Lk]` and adjacency `[B, Lq, Lk]`.
+
+    Uniform prior over each row's edges, or with `dist` `[B, Lq, Lk]` (NaN = uniform row) the
+    prior pi_ij = exp(-dist_ij / tau) normalised over the edges of row i.
+    """
     p = np.asarray(probs, np.float64)
-    n = np.asarray(adj).sum(-1)                                            # [B, Lq]
-    plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1)  # [B, H, Lq]
-    kl = plogp + np.log(np.maximum(n, 1))[:, None]
+    adj = np.asarray(adj)
+    n = adj.sum(-1)                                                        # [B, Lq]
+    if dist is None:
+        dist = np.full(adj.shape, np.nan)
+    logit = np.where(np.isnan(dist), 0.0, -np.nan_to_num(dist) / (tau or 1.0))
+    prior = np.where(adj, np.exp(logit), 0.0)
+    prior /= np.maximum(prior.sum(-1, keepdims=True), 1e-300)              # [B, Lq, Lk]
+    ratio = np.where(p > 0, p / np.where(prior[:, None] > 0, prior[:, None], 1.0), 1.0)
+    kl = (p * np.log(ratio)).sum(-1)                                       # [B, H, Lq]
     has = np.broadcast_to((n > 0)[:, None], kl.shape)
     return kl[has].sum(), has.sum()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_kl_distance_prior_matches_dense(causal):
+    """kl_tau: pi_i(j) ~ exp(-|j - i| / tau) on token rows, distance 1 to a global node, global
+    rows uniform (spec §5.7 `kl_prior = "distance"`)."""
+    g = 0 if causal else NG
+    length, tau = N + g, 1.5
+    q, k, v, attn = _features("v2", 60, length)
+    mask = _lengths_mask([length, length - 3], length)
+    out, aux = window_attention(q, k, v, attn, window=W, num_global=g, causal=causal, mask=mask,
+                                kl_tau=tau)
+    uniform, aux_u = window_attention(q, k, v, attn, window=W, num_global=g, causal=causal,
+                                      mask=mask)
+    np.testing.assert_array_equal(out, uniform)          # the prior only changes the KL term
+    adj = G.window_adjacency(mask, window=W, num_global=g, causal=causal)
+    _, probs = dense_attention(q, k, v, attn, adj)
+    i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    dist = np.where(j < g, 1.0, np.abs(j - i).astype(float))
+    dist = np.broadcast_to(np.where(i < g, np.nan, dist), adj.shape)
+    kl_sum, kl_count = _dense_kl(probs, adj, dist, tau)
+    assert float(aux["kl_count"]) == kl_count == float(aux_u["kl_count"])
+    np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
+    assert abs(float(aux["kl_sum"]) - float(aux_u["kl_sum"])) > 1e-2
+
+
+def test_kl_prior_zero_logits_is_the_uniform_prior():
+    probs, log_probs = G._masked_softmax(_normal(61, (B, N, H, 5)),
+                                         _lengths_mask([3, 5], 5)[:, None, None])
+    valid = jnp.broadcast_to(_lengths_mask([3, 5], 5)[:, None], (B, N, 5))
+    zero = G.attention_kl(probs, log_probs, valid, jnp.zeros((5,)))
+    np.testing.assert_allclose(zero, G.attention_kl(probs, log_probs, valid), **F32_SIMPLE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,8 +158,9 @@ def test_causal_window_matches_dense(version):
     np.testing.assert_array_equal(out2[:, :4], out[:, :4])
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
-def test_cross_graph_matches_dense(version):
+@pytest.mark.parametrize("version,kl_tau", [("v1", None), ("v2", None), ("dot", None),
+                                            ("v2", 0.7)])
+def test_cross_graph_matches_dense(version, kl_tau):
     t, rho, wx = 6, 0.75, 1
     length = N + NG
     q, _, _, attn = _features(version, 20, t)
@@ -130,7 +174,7 @@ def test_cross_graph_matches_dense(version):
     rel_bias, global_bias = _normal(23, (H, 2 * wx + 1)), _normal(24, (H,))
     out, aux = cross_attention(q, k, v, attn, window=wx, num_global=NG, rho=rho,
                                        mask=mask, memory_mask=memory_mask, rel_bias=rel_bias,
-                                       global_bias=global_bias)
+                                       global_bias=global_bias, kl_tau=kl_tau)
     # Centres by hand: clip(round(rho * i), 0, N_b - 1), Python's round (half to even).
     want = np.array([[min(round(rho * i), n - 1) for i in range(t)] for n in memory_lengths])
     np.testing.assert_array_equal(aux["centres"], want)
@@ -139,7 +183,10 @@ def test_cross_graph_matches_dense(version):
                                      memory_length=length, window=wx, num_global=NG)
     ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
     np.testing.assert_allclose(out, ref, **F32_SIMPLE)
-    kl_sum, kl_count = _dense_kl(probs, adj)
+    # Distance prior: |j_tok - c_i| to encoder tokens, 1 to the encoder globals.
+    j = np.arange(length)[None, None, :]
+    dist = np.where(j < NG, 1.0, np.abs(j - NG - want[:, :, None]).astype(float))
+    kl_sum, kl_count = _dense_kl(probs, adj, None if kl_tau is None else dist, kl_tau)
     assert float(aux["kl_count"]) == kl_count
     np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
 
@@ -390,6 +437,9 @@ def test_bad_inputs():
     _raises("`window`", lambda: _init(G.WindowGraphAttention(num_heads=H, window=-1), x))
     _raises("`version`",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
+    _raises("`kl_tau`",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
+    _raises("`kl_tau`", lambda: window_attention(*_features("v2", 0, N), window=W, kl_tau=0))
     _raises("`num_global` must be 0",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, num_global=1,
                                                  causal=True), x))

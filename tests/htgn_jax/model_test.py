@@ -80,6 +80,22 @@ def test_seq2seq_shapes_finite_and_weighted_kl():
     np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * aux["graph/kl"], rtol=1e-6)
 
 
+def test_distance_kl_prior_changes_only_the_kl_term():
+    """kl_tau (spec §5.7 kl_prior='distance'): same parameters and logits, another KL; as tau grows
+    the prior tends to the uniform one."""
+    model, params = _init()
+    out, aux = _forward(model)(params, _batch())
+    near = Model(**SEQ, kl_tau=1.0)
+    far = Model(**SEQ, kl_tau=1e9)
+    assert _params(near, _batch()) == _params(model, _batch())
+    out_n, aux_n = _forward(near)(params, _batch())
+    _, aux_f = _forward(far)(params, _batch())
+    np.testing.assert_array_equal(out_n["logits"], out["logits"])
+    assert abs(float(aux_n["graph/kl"]) - float(aux["graph/kl"])) > 1e-3
+    np.testing.assert_allclose(aux_f["graph/kl"], aux["graph/kl"], rtol=1e-5)
+    np.testing.assert_allclose(aux_n["loss/kl"], near.kl_weight * aux_n["graph/kl"], rtol=1e-6)
+
+
 def test_decoder_is_causal_bit_for_bit():
     """Perturbing future target tokens leaves earlier logits identical (spec §5.14 item 2)."""
     model, params = _init()
@@ -312,6 +328,8 @@ def test_softmax_baseline_has_the_same_attention_and_no_graph():
     (dict(attention="linear"), "attention must be one of"),
     (dict(feature_map="cos"), "feature_map must be one of"),
     (dict(gat_version="v3"), "gat_version must be one of"),
+    (dict(kl_tau=0.0), "kl_tau must be None .uniform KL prior. or a number > 0"),
+    (dict(kl_tau=2.0, kl_weight=0.0), "kl_tau sets the prior of the KL term, but kl_weight"),
     (dict(norm="mid"), "norm must be one of"),
     (dict(window=-1), "window must be an int"),
     (dict(dropout_rate=1.0), "dropout_rate must be in"),
@@ -389,6 +407,8 @@ def test_fields_of_a_switched_off_part_are_refused():
     """Given explicitly while their part is off, these fields would be ignored (rule: raise instead)."""
     with pytest.raises(ValueError, match=r"\['cross_window', 'rho'\] apply to the graph layers"):
         Model(**SEQ, use_graph_conv=False, rho=3.0, cross_window=7)
+    with pytest.raises(ValueError, match=r"\['kl_tau'\] apply to the graph layers"):
+        Model(**SEQ, use_graph_conv=False, kl_weight=0.0, kl_tau=2.0)
     with pytest.raises(ValueError, match=r"\['kl_weight'\] apply to the graph layers"):
         Model(**SEQ, use_graph_conv=False, kl_weight=0.5)
     with pytest.raises(ValueError, match=r"\['num_pe', 'pe_basis'\] apply to HRPE"):
