@@ -1,4 +1,4 @@
-"""Graph attention for HTGN: windowed GATv2/GAT/dot-product with global nodes, causal window, Cross-Graph.
+"""HTGN graph attention: windowed GATv2, GAT or dot product with globals; causal; Cross-Graph.
 
 HTGN's graph convolution (spec `htgn.md` §3.4, §5.3, §5.5, §5.7) is attention on a *static
 stencil graph*: every token i is linked to the tokens i+o for the offsets o in {-w..w} (the window,
@@ -46,7 +46,8 @@ the model weights by lambda_KL (mean over layers, heads and valid nodes). The sp
 prior `kl_prior = "distance"` is `kl_tau`: pi_i(j) proportional to exp(-dist(i, j) / tau) over
 N(i), with dist = |j - i| in the window (|j - c_i| in Cross-Graph) and 1 for a global node, which
 is one hop from every token; the rows of the global nodes keep the uniform prior (a global has
-no position).
+no position). The spec's other alternative, `kl_mode = "neighbour"`, is KL(alpha_i || alpha_{i-1})
+between consecutive token rows with slots aligned by relative offset (`neighbour_kl`).
 
 The dense `[L, L]` references at the end of the file (`dense_graph_attention` and the adjacency /
 bias builders) are test oracles only.
@@ -228,8 +229,8 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       prior_logits: `[K]` KL prior logits (see `attention_kl`), or None for the uniform prior.
 
     Returns:
-      out `[B, M, H, D]` and a dict with `probs` `[B, M, H, K]` (float32 or wider, before
-      dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
+      out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
+      wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
     # Logits, softmax and KL in at least float32 (float64 stays float64).
     acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
@@ -249,7 +250,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
         weights = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("bmhk,bmkhd->bmhd", weights.astype(values.dtype), values)
-    return out, {"probs": probs, "kl_sum": kl_sum, "kl_count": kl_count}
+    return out, {"probs": probs, "log_probs": log_probs, "kl_sum": kl_sum, "kl_count": kl_count}
 
 
 def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
@@ -269,10 +270,47 @@ def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
     return q, k, jnp.ones((attn_target.shape[0], 1), source.dtype)
 
 
-def _check_kl_tau(kl_tau: Any) -> None:
-    if kl_tau is not None and (isinstance(kl_tau, bool) or not isinstance(kl_tau, (int, float))
-                               or not kl_tau > 0):
+KL_MODES = ("prior", "neighbour")
+
+
+def _check_kl(kl_tau: Any, kl_mode: Any) -> None:
+    if kl_mode not in KL_MODES:
+        _fail(f"`kl_mode` must be one of {KL_MODES}, got {kl_mode!r}")
+    if kl_tau is None:
+        return
+    if isinstance(kl_tau, bool) or not isinstance(kl_tau, (int, float)) or not kl_tau > 0:
         _fail(f"`kl_tau` must be None (uniform KL prior) or a number > 0, got {kl_tau!r}")
+    if kl_mode != "prior":
+        _fail(f"`kl_tau` sets the prior of kl_mode='prior', but kl_mode={kl_mode!r}")
+
+
+def neighbour_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, Array]:
+    """KL(alpha_i || alpha_{i-1}) of consecutive rows, slots aligned (spec §5.7 `kl_mode`).
+
+    Slot k of row i and of row i-1 is the same relative offset (or the same global node), so the
+    term pulls the attention pattern to change slowly along the sequence. The two rows are
+    restricted to the slots valid in both and renormalised there, which keeps the KL finite at
+    sequence ends and padding; pairs with no common slot (row 0, a padded row) are left out.
+
+    Args:
+      probs, log_probs: alpha and log alpha, `[B, M, H, K]` (0 where invalid).
+      valid: `[B, M, K]` boolean.
+
+    Returns:
+      (kl_sum, kl_count): float32 scalars over (pair, head) terms.
+    """
+    common = (valid[:, 1:] & valid[:, :-1])[:, :, None]                  # [B, M-1, 1, K]
+
+    def restricted(p, lp):
+        mass = jnp.sum(jnp.where(common, p, 0.0), axis=-1, keepdims=True)
+        mass = jnp.where(mass > 0, mass, 1.0)
+        return jnp.where(common, p, 0.0) / mass, jnp.where(common, lp - jnp.log(mass), 0.0)
+
+    p, log_p = restricted(probs[:, 1:], log_probs[:, 1:])
+    _, log_q = restricted(probs[:, :-1], log_probs[:, :-1])
+    kl = jnp.sum(p * (log_p - log_q), axis=-1)                           # [B, M-1, H]
+    has = jnp.broadcast_to(jnp.any(common, axis=-1), kl.shape)
+    return jnp.sum(jnp.where(has, kl, 0.0)), jnp.sum(has).astype(jnp.float32)
 
 
 def distance_prior_logits(offsets: Sequence[int], num_global: int,
@@ -326,8 +364,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            num_global: int = 0, causal: bool = False, mask: Array | None = None,
                            rel_bias: Array | None = None, global_bias: Array | None = None,
                            negative_slope: float = 0.2, dropout_rate: float = 0.0,
-                           dropout_rng: Array | None = None,
-                           kl_tau: float | None = None) -> tuple[Array, dict[str, Array]]:
+                           dropout_rng: Array | None = None, kl_tau: float | None = None,
+                           kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
     """Windowed GATv2 (or GAT, dot product) with global nodes (spec §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
@@ -350,6 +388,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
       dropout_rate: attention dropout, applied only when `dropout_rng` is given.
       dropout_rng: PRNG key or None.
       kl_tau: None for the uniform KL prior, or tau of the distance prior on the token rows.
+      kl_mode: 'prior' (KL(alpha_i || pi_i) on every row) or 'neighbour' (`neighbour_kl` over
+        consecutive token rows; the global rows have no order and add nothing).
 
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
@@ -358,7 +398,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     """
     _check_int("window", window, 0)
     _check_int("num_global", num_global, 0)
-    _check_kl_tau(kl_tau)
+    _check_kl(kl_tau, kl_mode)
     if causal and num_global:
         _fail(f"`num_global` must be 0 when causal (a global node would see the future), "
               f"got {num_global}")
@@ -393,6 +433,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                                       dropout_rng=rng_tok,
                                       prior_logits=distance_prior_logits(offsets, g, kl_tau))
     aux = {"probs": st["probs"], "kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
+    if kl_mode == "neighbour":
+        aux["kl_sum"], aux["kl_count"] = neighbour_kl(st["probs"], st["log_probs"], valid)
     if not g:
         return out_tok, aux
 
@@ -404,8 +446,9 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                                         negative_slope=negative_slope,
                                         dropout_rate=dropout_rate, dropout_rng=rng_glb)
     aux["global_probs"] = st_g["probs"]
-    aux["kl_sum"] = aux["kl_sum"] + st_g["kl_sum"]
-    aux["kl_count"] = aux["kl_count"] + st_g["kl_count"]
+    if kl_mode == "prior":
+        aux["kl_sum"] = aux["kl_sum"] + st_g["kl_sum"]
+        aux["kl_count"] = aux["kl_count"] + st_g["kl_count"]
     return jnp.concatenate([out_glb, out_tok], axis=1), aux
 
 
@@ -483,8 +526,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                           memory_mask: Array | None = None, positions: Array | None = None,
                           rel_bias: Array | None = None, global_bias: Array | None = None,
                           negative_slope: float = 0.2, dropout_rate: float = 0.0,
-                          dropout_rng: Array | None = None,
-                          kl_tau: float | None = None) -> tuple[Array, dict[str, Array]]:
+                          dropout_rng: Array | None = None, kl_tau: float | None = None,
+                          kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
 
     Cost O(B T (2w+1+g) H C): neighbours are gathered with `c_i + o` index arrays (clamped, and
@@ -506,6 +549,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
       global_bias: `[H]` bias on decoder -> encoder-global edges, or None.
       negative_slope, dropout_rate, dropout_rng: as in `neighbour_attention`.
       kl_tau: None for the uniform KL prior, or tau of the distance prior (dist = |j - c_i|).
+      kl_mode: 'prior' or 'neighbour' (`neighbour_kl` over consecutive decoder rows, slots
+        aligned by offset from the centre).
 
     Returns:
       out `[B, T, H, D]` (zero at padded decoder rows) and a dict with `probs`
@@ -514,7 +559,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     _check_int("window", window, 0)
     _check_int("num_global", num_global, 0)
     _check_rho(rho)
-    _check_kl_tau(kl_tau)
+    _check_kl(kl_tau, kl_mode)
     offsets = window_offsets(window)
     _check_rank("query", query, 4, "[B, T, H, C]")
     _check_rank("key", key, 4, "[B, L, H, C]")
@@ -560,8 +605,10 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                                   negative_slope=negative_slope, dropout_rate=dropout_rate,
                                   dropout_rng=dropout_rng,
                                   prior_logits=distance_prior_logits(offsets, g, kl_tau))
-    return out, {"probs": st["probs"], "centres": centres, "kl_sum": st["kl_sum"],
-                 "kl_count": st["kl_count"]}
+    kl_sum, kl_count = st["kl_sum"], st["kl_count"]
+    if kl_mode == "neighbour":
+        kl_sum, kl_count = neighbour_kl(st["probs"], st["log_probs"], valid)
+    return out, {"probs": st["probs"], "centres": centres, "kl_sum": kl_sum, "kl_count": kl_count}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -648,7 +695,7 @@ class _GraphAttentionBase(nn.Module):
         _check_int("num_global", self.num_global, 0)
         _check_version(self.version)
         _check_dropout(self.dropout_rate)
-        _check_kl_tau(self.kl_tau)
+        _check_kl(self.kl_tau, self.kl_mode)
         if self.out_features is not None:
             _check_int("out_features", self.out_features, 1)
 
@@ -764,6 +811,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
       kl_tau: None (the KL term's uniform prior, spec §5.7) or tau > 0 of the distance prior
         pi_i(j) proportional to exp(-|j - i| / tau) (spec `kl_prior = "distance"`).
+      kl_mode: 'prior' (KL to the prior above) or 'neighbour' (KL(alpha_i || alpha_{i-1}),
+        `neighbour_kl`).
       out_features: F; None means d.
       dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32.
       param_dtype: parameter dtype.
@@ -780,6 +829,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     negative_slope: float = 0.2
     dropout_rate: float = 0.0
     kl_tau: float | None = None
+    kl_mode: str = "prior"
     out_features: int | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -840,7 +890,8 @@ class WindowGraphAttention(_GraphAttentionBase):
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
             causal=self.causal, mask=mask, rel_bias=rel_bias, global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
-            dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau)
+            dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau,
+            kl_mode=self.kl_mode)
         return mask, out, st
 
     def init_state(self, batch_size: int) -> dict[str, Array]:
@@ -908,7 +959,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     token and uses no target length, so it equals the parallel form row by row.
 
     Attributes:
-      num_heads, version, use_relative_bias, negative_slope, dropout_rate, kl_tau,
+      num_heads, version, use_relative_bias, negative_slope, dropout_rate, kl_tau, kl_mode,
       out_features, dtype, param_dtype, kernel_init, attn_init, bias_init: as in
       `WindowGraphAttention` (the distance prior measures |j - c_i|).
       window: w_x >= 0, the encoder window radius.
@@ -927,6 +978,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     negative_slope: float = 0.2
     dropout_rate: float = 0.0
     kl_tau: float | None = None
+    kl_mode: str = "prior"
     out_features: int | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -1037,7 +1089,8 @@ class CrossGraphAttention(_GraphAttentionBase):
             num_global=self.num_global, rho=self.rho, mask=mask, memory_mask=cache["mask"],
             positions=positions, rel_bias=rel_bias, global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
-            dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau)
+            dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau,
+            kl_mode=self.kl_mode)
         if stats_only:
             return st
         y = self.output(out, x.shape[-1])

@@ -26,9 +26,10 @@ mean over tokens.
 
 Ablations (§5.13), as fields: `use_graph_conv=False` (Performer encoder-decoder), `use_hrpe=False`
 (no RoPE, no spectral PE, no window bias; learned absolute position embeddings instead),
-`num_global=0`, `kl_weight=0`, `kl_tau` (the distance KL prior, spec §5.7),
-`gat_version='v1'|'v2'|'dot'`, `feature_map` ('softmax' FAVOR+, 'relu', 'elu', 'exact'). `attention='softmax'` is the vanilla Transformer baseline on the same code:
-exact softmax attention (`ops.exact_softmax_attention`), graph layers and HRPE off by default.
+`num_global=0`, `kl_weight=0`, `kl_tau` (the distance KL prior) and `kl_mode='neighbour'`
+(spec §5.7), `gat_version='v1'|'v2'|'dot'`, `feature_map` ('softmax' FAVOR+, 'relu', 'elu',
+'exact'). `attention='softmax'` is the vanilla Transformer baseline on the same code: exact softmax
+attention (`ops.exact_softmax_attention`), graph layers and HRPE off by default.
 
 Interface (the zoo's model contract): `apply(variables, batch, train=False, rngs={'dropout': k})` returns
 `(outputs, aux)`:
@@ -66,7 +67,7 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax import hrpe
-from htgn_jax.graph import CrossGraphAttention, WindowGraphAttention
+from htgn_jax.graph import KL_MODES, CrossGraphAttention, WindowGraphAttention
 from htgn_jax.layers import FavorAttention
 
 Array = jax.Array
@@ -150,11 +151,15 @@ def _check_common(m) -> None:
               f"with attention='softmax'")
     for name in ("dropout_rate", "attention_dropout", "drop_path"):
         _check_rate(name, getattr(m, name))
+    _check_choice("kl_mode", m.kl_mode, KL_MODES)
     if m.kl_tau is not None:
         if isinstance(m.kl_tau, bool) or not isinstance(m.kl_tau, (int, float)) or not m.kl_tau > 0:
             _fail(f"kl_tau must be None (uniform KL prior) or a number > 0, got {m.kl_tau!r}")
-        if not m.use_graph_conv:
-            _fail("kl_tau shapes the KL prior of the graph layers, but use_graph_conv=False")
+        if m.kl_mode != "prior":
+            _fail(f"kl_tau sets the prior of kl_mode='prior', but kl_mode={m.kl_mode!r}")
+    for name, default in (("kl_tau", None), ("kl_mode", "prior")):
+        if getattr(m, name) != default and not m.use_graph_conv:
+            _fail(f"{name} shapes the KL term of the graph layers, but use_graph_conv=False")
     if m.attention_dropout and not m.use_graph_conv:
         _fail("attention_dropout acts on the graph-attention probabilities (spec §5.6), but "
               "use_graph_conv=False")
@@ -169,8 +174,9 @@ def _check_model(m) -> None:
     _check_common(m)
     if not isinstance(m.kl_weight, (int, float)) or m.kl_weight < 0:
         _fail(f"kl_weight must be a number >= 0, got {m.kl_weight!r}")
-    if m.kl_tau is not None and not m.kl_weight:
-        _fail(f"kl_tau sets the prior of the KL term, but kl_weight={m.kl_weight!r} turns it off")
+    for name, default in (("kl_tau", None), ("kl_mode", "prior")):
+        if getattr(m, name) != default and not m.kl_weight:
+            _fail(f"{name} shapes the KL term, but kl_weight={m.kl_weight!r} turns it off")
     if m.use_hrpe:
         _check_int("num_pe", m.num_pe, 1)
 
@@ -225,7 +231,7 @@ class EncoderBlock(_Residual):
       attention, feature_map, num_features, redraw_every: see `Seq2Seq`.
       window, num_global: WinGAT radius w and the g leading global nodes.
       use_graph_conv, use_hrpe, gat_version: ablation switches (spec §5.13).
-      kl_tau: None (uniform KL prior) or tau of the distance prior (spec §5.7).
+      kl_tau, kl_mode: the KL term's prior and mode (spec §5.7), see `Seq2Seq`.
       dropout_rate: dropout on residual branches and inside the FFN.
       attention_dropout: dropout on the graph-attention probabilities.
       drop_path: this block's DropPath rate p_l.
@@ -246,6 +252,7 @@ class EncoderBlock(_Residual):
     use_hrpe: bool = True
     gat_version: str = "v2"
     kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
     drop_path: float = 0.0
@@ -267,7 +274,8 @@ class EncoderBlock(_Residual):
                 num_heads=self.num_heads, head_dim=self.d_model // self.num_heads,
                 window=self.window, num_global=self.num_global, causal=False,
                 version=self.gat_version, use_relative_bias=self.use_hrpe,
-                dropout_rate=self.attention_dropout, kl_tau=self.kl_tau, dtype=self.dtype,
+                dropout_rate=self.attention_dropout, kl_tau=self.kl_tau, kl_mode=self.kl_mode,
+                dtype=self.dtype,
                 param_dtype=self.param_dtype, name="graph")
         self._setup_mlp()
 
@@ -323,6 +331,7 @@ class DecoderBlock(_Residual):
     use_hrpe: bool = True
     gat_version: str = "v2"
     kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
     drop_path: float = 0.0
@@ -344,7 +353,8 @@ class DecoderBlock(_Residual):
                                              name="self_attention", **kw)
         graph_kw = dict(num_heads=self.num_heads, head_dim=hd, version=self.gat_version,
                         use_relative_bias=self.use_hrpe, dropout_rate=self.attention_dropout,
-                        kl_tau=self.kl_tau, dtype=self.dtype, param_dtype=self.param_dtype)
+                        kl_tau=self.kl_tau, kl_mode=self.kl_mode, dtype=self.dtype,
+                        param_dtype=self.param_dtype)
         if self.use_graph_conv:
             self.graph_norm = _layer_norm(self, "graph_norm")
             self.graph = WindowGraphAttention(window=self.window, num_global=0, causal=True,
@@ -460,9 +470,9 @@ def _block_kwargs(m, fields: tuple[str, ...]) -> dict[str, Any]:
 
 
 _SHARED_BLOCK_FIELDS = ("d_model", "num_heads", "mlp_dim", "attention", "feature_map",
-                        "num_features", "redraw_every", "window", "num_global", "use_graph_conv", "use_hrpe",
-                        "gat_version", "kl_tau", "dropout_rate", "attention_dropout", "norm",
-                        "dtype", "param_dtype")
+                        "num_features", "redraw_every", "window", "num_global", "use_graph_conv",
+                        "use_hrpe", "gat_version", "kl_tau", "kl_mode", "dropout_rate",
+                        "attention_dropout", "norm", "dtype", "param_dtype")
 
 
 class Encoder(nn.Module):
@@ -485,6 +495,7 @@ class Encoder(nn.Module):
     use_hrpe: bool = True
     gat_version: str = "v2"
     kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
     drop_path: float = 0.0
@@ -581,6 +592,8 @@ class Seq2Seq(nn.Module):
       use_graph_conv, use_hrpe, gat_version, kl_weight: ablation switches (spec §5.13).
       kl_tau: None for the KL term's uniform prior, or tau > 0 of the spec's alternative
         `kl_prior = "distance"`, pi_i(j) proportional to exp(-|j - i| / tau) (spec §5.7).
+      kl_mode: 'prior' (KL(alpha_i || pi_i)) or 'neighbour' (KL(alpha_i || alpha_{i-1}) of
+        consecutive rows aligned by offset, `graph.neighbour_kl`; spec §5.7).
       dropout_rate: embeddings, residual branches and FFN; attention_dropout: GAT probabilities.
       drop_path: p_max of the DropPath schedule (spec §5.8).
       norm: 'pre' | 'post'.
@@ -619,6 +632,7 @@ class Seq2Seq(nn.Module):
     use_hrpe: bool = True
     gat_version: str = "v2"
     kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
     kl_weight: float = 1e-3
     dropout_rate: float = 0.1
     attention_dropout: float = 0.0
@@ -898,6 +912,7 @@ class Classifier(nn.Module):
     use_hrpe: bool = True
     gat_version: str = "v2"
     kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
     kl_weight: float = 1e-3
     dropout_rate: float = 0.1
     attention_dropout: float = 0.0
@@ -1000,13 +1015,15 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     # The spec's alternative KL prior (§5.7), pi_i(j) ~ exp(-|j - i| / tau); tau = 2 is half the
     # tiny preset's window radius, so the window's edge gets e^-2 of the prior mass of the centre.
     "kl_distance": {"kl_tau": 2.0},
+    # The spec's other alternative: KL(alpha_i || alpha_{i-1}), consecutive rows aligned by offset.
+    "kl_neighbour": {"kl_mode": "neighbour"},
 }
 
 
 # Fields that only the graph layers / HRPE / FAVOR+ read: given explicitly while that part is switched
 # off they would be ignored, so the factory refuses them.
 GRAPH_ONLY_KWARGS = ("window", "cross_window", "rho", "cross_graph_layers", "gat_version",
-                     "kl_tau")
+                     "kl_tau", "kl_mode")
 HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
 
 

@@ -7,8 +7,8 @@
 The 8x8 image is cut into a 4x4 grid of 2x2 patches (16 tokens) with 2-D grid spectral encodings;
 global token 0 is the CLS token (`pool=mean` averages the tokens instead). Arguments:
 attention = favor | softmax; ablation = none | no_graph | no_hrpe | no_global | no_kl | gat_v1 |
-gat_v2 | gat_dot | kl_distance (no_global switches to mean pooling); pool = cls | mean;
-optimizer = adamw | lamb | ranger; patch_size (1, 2 or 4); steps; smoke.
+gat_v2 | gat_dot | kl_distance | kl_neighbour (no_global switches to mean pooling); pool = cls |
+mean; optimizer = adamw | lamb | ranger; patch_size (1, 2 or 4); steps; smoke.
 
 Data: 1,797 images, stratified 80/20 train/test split (`digits`); the test accuracy after the last
 step is the reported number (no checkpoint is selected on test).

@@ -16,9 +16,10 @@ WIDTH = H * D
 
 # One compile per call site instead of one per primitive (eager mode compiles every op shape).
 window_attention = jax.jit(G.window_graph_attention,
-                           static_argnames=("window", "num_global", "causal", "kl_tau"))
+                           static_argnames=("window", "num_global", "causal", "kl_tau",
+                                            "kl_mode"))
 cross_attention = jax.jit(G.cross_graph_attention,
-                          static_argnames=("window", "num_global", "rho", "kl_tau"))
+                          static_argnames=("window", "num_global", "rho", "kl_tau", "kl_mode"))
 dense_attention = jax.jit(G.dense_graph_attention)
 
 
@@ -101,6 +102,74 @@ def test_window_kl_distance_prior_matches_dense(causal):
     assert float(aux["kl_count"]) == kl_count == float(aux_u["kl_count"])
     np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
     assert abs(float(aux["kl_sum"]) - float(aux_u["kl_sum"])) > 1e-2
+
+
+def _dense_neighbour_kl(probs, adj, rows, first, offsets, columns_of):
+    """KL(alpha_i || alpha_{i-1}) written from dense probs `[B, H, Lq, Lk]`: for each pair of
+    consecutive real rows (i-1, i) in `rows`, slot o of row r is column `columns_of(b, r, o)` (None
+    if off the memory), global slots are the columns < `first`; both rows renormalised on the
+    slots that are edges of both."""
+    p, adj = np.asarray(probs, np.float64), np.asarray(adj)
+    total, count = 0.0, 0
+    for b in range(adj.shape[0]):
+        for i in rows:
+            if i - 1 not in rows or not adj[b, i].any() or not adj[b, i - 1].any():
+                continue
+            pairs = [(columns_of(b, i, o), columns_of(b, i - 1, o)) for o in offsets]
+            pairs += [(j, j) for j in range(first)]
+            pairs = [(a, c) for a, c in pairs if a is not None and c is not None
+                     and adj[b, i, a] and adj[b, i - 1, c]]
+            if not pairs:
+                continue
+            for h in range(p.shape[1]):
+                cur = np.array([p[b, h, i, a] for a, _ in pairs])
+                prev = np.array([p[b, h, i - 1, c] for _, c in pairs])
+                cur, prev = cur / cur.sum(), prev / prev.sum()
+                total += float(np.sum(cur * np.log(cur / prev)))
+                count += 1
+    return total, count
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_kl_neighbour_mode_matches_dense(causal):
+    g = 0 if causal else NG
+    length = N + g
+    q, k, v, attn = _features("v2", 62, length)
+    mask = _lengths_mask([length, length - 3], length)
+    out, aux = window_attention(q, k, v, attn, window=W, num_global=g, causal=causal, mask=mask,
+                                kl_mode="neighbour")
+    adj = G.window_adjacency(mask, window=W, num_global=g, causal=causal)
+    _, probs = dense_attention(q, k, v, attn, adj)
+
+    def column(b, i, o):
+        return i + o if g <= i + o < length else None
+
+    want = _dense_neighbour_kl(probs, adj, range(g, length), g,
+                               G.window_offsets(W, causal), column)
+    assert float(aux["kl_count"]) == want[1] > 0
+    np.testing.assert_allclose(aux["kl_sum"], want[0], **F32_SIMPLE)
+
+
+def test_cross_graph_kl_neighbour_mode_matches_dense():
+    t, rho, wx, length = 6, 0.75, 1, N + NG
+    q, _, _, attn = _features("v2", 63, t)
+    _, k, v, _ = _features("v2", 64, length)
+    mask = _lengths_mask([t, t - 2], t)
+    memory_mask = _lengths_mask([N + NG, N - 3 + NG], length)
+    _, aux = cross_attention(q, k, v, attn, window=wx, num_global=NG, rho=rho, mask=mask,
+                             memory_mask=memory_mask, kl_mode="neighbour")
+    centres = np.asarray(aux["centres"])
+    adj = G.cross_graph_adjacency(mask, memory_mask, jnp.asarray(centres), window=wx,
+                                  num_global=NG)
+    _, probs = dense_attention(q, k, v, attn, adj)
+
+    def column(b, i, o):
+        j = centres[b, i] + o
+        return NG + j if 0 <= j < N else None
+
+    want = _dense_neighbour_kl(probs, adj, range(t), NG, G.window_offsets(wx), column)
+    assert float(aux["kl_count"]) == want[1] > 0
+    np.testing.assert_allclose(aux["kl_sum"], want[0], **F32_SIMPLE)
 
 
 def test_kl_prior_zero_logits_is_the_uniform_prior():
@@ -440,6 +509,11 @@ def test_bad_inputs():
     _raises("`kl_tau`",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
     _raises("`kl_tau`", lambda: window_attention(*_features("v2", 0, N), window=W, kl_tau=0))
+    _raises("`kl_mode` must be one of", lambda: window_attention(*_features("v2", 0, N), window=W,
+                                                                  kl_mode="rows"))
+    _raises("`kl_tau` sets the prior of kl_mode='prior'",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=1.0,
+                                                 kl_mode="neighbour"), x))
     _raises("`num_global` must be 0",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, num_global=1,
                                                  causal=True), x))

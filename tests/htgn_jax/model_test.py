@@ -96,6 +96,18 @@ def test_distance_kl_prior_changes_only_the_kl_term():
     np.testing.assert_allclose(aux_n["loss/kl"], near.kl_weight * aux_n["graph/kl"], rtol=1e-6)
 
 
+def test_neighbour_kl_mode_changes_only_the_kl_term():
+    """kl_mode='neighbour' (spec §5.7): same parameters and logits, KL between consecutive rows."""
+    model, params = _init()
+    out, aux = _forward(model)(params, _batch())
+    rows = Model(**SEQ, kl_mode="neighbour")
+    assert _params(rows, _batch()) == _params(model, _batch())
+    out_r, aux_r = _forward(rows)(params, _batch())
+    np.testing.assert_array_equal(out_r["logits"], out["logits"])
+    assert float(aux_r["graph/kl"]) > 0
+    assert abs(float(aux_r["graph/kl"]) - float(aux["graph/kl"])) > 1e-3
+
+
 def test_decoder_is_causal_bit_for_bit():
     """Perturbing future target tokens leaves earlier logits identical (spec §5.14 item 2)."""
     model, params = _init()
@@ -329,7 +341,10 @@ def test_softmax_baseline_has_the_same_attention_and_no_graph():
     (dict(feature_map="cos"), "feature_map must be one of"),
     (dict(gat_version="v3"), "gat_version must be one of"),
     (dict(kl_tau=0.0), "kl_tau must be None .uniform KL prior. or a number > 0"),
-    (dict(kl_tau=2.0, kl_weight=0.0), "kl_tau sets the prior of the KL term, but kl_weight"),
+    (dict(kl_tau=2.0, kl_weight=0.0), "kl_tau shapes the KL term, but kl_weight"),
+    (dict(kl_mode="rows"), "kl_mode must be one of"),
+    (dict(kl_mode="neighbour", kl_tau=1.0), "kl_tau sets the prior of kl_mode='prior'"),
+    (dict(kl_mode="neighbour", kl_weight=0.0), "kl_mode shapes the KL term, but kl_weight"),
     (dict(norm="mid"), "norm must be one of"),
     (dict(window=-1), "window must be an int"),
     (dict(dropout_rate=1.0), "dropout_rate must be in"),
@@ -409,6 +424,8 @@ def test_fields_of_a_switched_off_part_are_refused():
         Model(**SEQ, use_graph_conv=False, rho=3.0, cross_window=7)
     with pytest.raises(ValueError, match=r"\['kl_tau'\] apply to the graph layers"):
         Model(**SEQ, use_graph_conv=False, kl_weight=0.0, kl_tau=2.0)
+    with pytest.raises(ValueError, match=r"\['kl_mode'\] apply to the graph layers"):
+        Model(**SEQ, use_graph_conv=False, kl_weight=0.0, kl_mode="neighbour")
     with pytest.raises(ValueError, match=r"\['kl_weight'\] apply to the graph layers"):
         Model(**SEQ, use_graph_conv=False, kl_weight=0.5)
     with pytest.raises(ValueError, match=r"\['num_pe', 'pe_basis'\] apply to HRPE"):
