@@ -36,7 +36,7 @@ Array = jax.Array
 
 
 def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
-                           causal: bool = False) -> np.ndarray:
+                           causal: bool = False, grid_width: int | None = None) -> np.ndarray:
     """Dense adjacency of the window + global graph over `[globals ; tokens]` (spec §5.3).
 
     Args:
@@ -44,6 +44,7 @@ def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
       window: radius w.
       num_global: g global nodes (0 when causal).
       causal: offsets -w..0 (decoder).
+      grid_width: None, or W for the 2-D stencil over a raster grid of patches (spec §5.12).
 
     Returns:
       bool `[g + N, g + N]`: entry (i, j) is True when node i attends to node j.
@@ -53,8 +54,9 @@ def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
     if causal and num_global:
         raise ValueError(f"num_global must be 0 when causal, got {num_global}")
     mask = jnp.ones((1, num_global + length), bool)
+    graph.window_offsets(window, causal, grid_width)       # checks window, grid_width, causal
     return np.asarray(graph.window_adjacency(mask, window=window, num_global=num_global,
-                                             causal=causal)[0])
+                                             causal=causal, grid_width=grid_width)[0])
 
 
 def cross_graph_adjacency_matrix(target_length: int, source_length: int, *, window: int,
@@ -87,13 +89,14 @@ def cross_graph_adjacency_matrix(target_length: int, source_length: int, *, wind
 
 
 def window_probs_to_dense(probs: Array, global_probs: Array | None, *, window: int,
-                          num_global: int = 0, causal: bool = False) -> np.ndarray:
+                          num_global: int = 0, causal: bool = False,
+                          grid_width: int | None = None) -> np.ndarray:
     """Scatters the stencil coefficients of `graph.window_graph_attention` into dense maps.
 
     Args:
       probs: token rows `[B, N, H, K + g]` (columns: window offsets, then the globals).
       global_probs: global rows `[B, g, H, g + N]`, or None when g = 0.
-      window, num_global, causal: the layer's graph.
+      window, num_global, causal, grid_width: the layer's graph.
 
     Returns:
       float `[B, H, g + N, g + N]`: alpha_ij at (i, j), 0 off the graph.
@@ -101,12 +104,14 @@ def window_probs_to_dense(probs: Array, global_probs: Array | None, *, window: i
     probs = np.asarray(probs)
     b, n, h, _ = probs.shape
     g = num_global
-    offsets = graph.window_offsets(window, causal)
+    offsets = graph.window_offsets(window, causal, grid_width)
+    column_ok = (np.ones((n, len(offsets)), bool) if grid_width is None
+                 else graph.grid_column_ok(n, window, grid_width))
     dense = np.zeros((b, h, g + n, g + n), probs.dtype)
     rows = np.arange(n)
     for k, o in enumerate(offsets):
         cols = rows + o
-        ok = (cols >= 0) & (cols < n)
+        ok = (cols >= 0) & (cols < n) & column_ok[:, k]
         dense[:, :, g + rows[ok], g + cols[ok]] = probs[:, ok][..., k].transpose(0, 2, 1)
     for j in range(g):
         dense[:, :, g:, j] = probs[:, :, :, len(offsets) + j].transpose(0, 2, 1)
@@ -148,7 +153,8 @@ def _module_path(module: nn.Module) -> str:
 def _window_probe(module: graph.WindowGraphAttention, x: Array, mask: Array | None) -> dict:
     weights = module.attention_weights(x, mask=mask)
     return {"kind": "causal_window" if module.causal else "window", "window": module.window,
-            "num_global": module.num_global, "probs": weights["probs"],
+            "num_global": module.num_global, "grid_width": module.grid_width,
+            "probs": weights["probs"],
             "global_probs": weights.get("global_probs"), "mask": weights["mask"]}
 
 
@@ -176,7 +182,8 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
       {layer path (e.g. 'encoder/block_00/graph'): {'kind': 'window' | 'causal_window' |
       'cross', 'map': float `[B, H, rows, cols]` dense alpha (rows: `[globals ; tokens]` or
       decoder positions; cols: the sender nodes, encoder memory for 'cross'), plus 'window',
-      'num_global' and, for 'cross', 'centres' `[B, T]`}}, in call order. Every row of a map
+      'num_global', for the window kinds 'grid_width' and for 'cross' 'centres' `[B, T]`}}, in
+      call order. Every row of a map
       over valid nodes sums to 1.
     """
     static: dict[str, dict[str, Any]] = {}
@@ -222,9 +229,10 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
         else:
             dense = window_probs_to_dense(r["probs"], r["global_probs"], window=r["window"],
                                           num_global=r["num_global"],
-                                          causal=r["kind"] == "causal_window")
+                                          causal=r["kind"] == "causal_window",
+                                          grid_width=r["grid_width"])
             out[path] = dict(kind=r["kind"], map=dense, window=r["window"],
-                             num_global=r["num_global"])
+                             num_global=r["num_global"], grid_width=r["grid_width"])
     return out
 
 

@@ -128,10 +128,44 @@ def _check_position(position: Any, batch: int) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def window_offsets(window: int, causal: bool = False) -> tuple[int, ...]:
-    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (spec §3.4)."""
+def window_offsets(window: int, causal: bool = False,
+                   grid_width: int | None = None) -> tuple[int, ...]:
+    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (spec §3.4).
+
+    With `grid_width` W (tokens in row-major raster order, rows of W): the 2-D stencil of radius w
+    (spec §5.12 image-patch preset), one slot per (dr, dc) in [-w, w]^2, dr-major, at raster
+    offset dr * W + dc; `grid_column_ok` marks the slots that stay in the token's row band. For
+    W <= 2w two slots can share an offset; for any token at most one of them is valid.
+    """
     _check_int("window", window, 0)
-    return tuple(range(-window, 1 if causal else window + 1))
+    if grid_width is None:
+        return tuple(range(-window, 1 if causal else window + 1))
+    _check_int("grid_width", grid_width, 1)
+    if causal:
+        _fail("a 2-D stencil (grid_width) has no causal form")
+    r = range(-window, window + 1)
+    return tuple(dr * grid_width + dc for dr in r for dc in r)
+
+
+def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
+    """bool `[N, K]`: slot (dr, dc) of token i lands in column col(i) + dc within 0..W-1.
+
+    Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
+    row(i) + dr is a row of the grid (`_unfold` drops the others).
+    """
+    col = np.arange(num_tokens) % grid_width
+    dc = np.tile(np.arange(-window, window + 1), 2 * window + 1)
+    c = col[:, None] + dc[None, :]
+    return (c >= 0) & (c < grid_width)
+
+
+def window_distances(window: int, causal: bool = False,
+                     grid_width: int | None = None) -> np.ndarray:
+    """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
+    if grid_width is None:
+        return np.abs(np.asarray(window_offsets(window, causal), np.float64))
+    r = np.arange(-window, window + 1)
+    return np.maximum(np.abs(r)[:, None], np.abs(r)[None, :]).reshape(-1).astype(np.float64)
 
 
 def _unfold(x: Array, offsets: Sequence[int], fill: Any = 0) -> Array:
@@ -313,15 +347,13 @@ def neighbour_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, A
     return jnp.sum(jnp.where(has, kl, 0.0)), jnp.sum(has).astype(jnp.float32)
 
 
-def distance_prior_logits(offsets: Sequence[int], num_global: int,
+def distance_prior_logits(distances: np.ndarray, num_global: int,
                           kl_tau: float | None) -> Array | None:
-    """`[K + g]` logits -dist/tau of the distance KL prior: |o| per window offset, 1 per global.
-
-    None when `kl_tau` is None (uniform prior).
-    """
+    """`[K + g]` logits -dist/tau of the distance KL prior: `distances` per stencil slot (see
+    `window_distances`), then 1 per global node. None when `kl_tau` is None (uniform prior)."""
     if kl_tau is None:
         return None
-    dist = np.concatenate([np.abs(np.asarray(offsets, np.float64)), np.ones(num_global)])
+    dist = np.concatenate([np.asarray(distances, np.float64), np.ones(num_global)])
     return jnp.asarray(-dist / kl_tau, jnp.float32)
 
 
@@ -365,12 +397,14 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            rel_bias: Array | None = None, global_bias: Array | None = None,
                            negative_slope: float = 0.2, dropout_rate: float = 0.0,
                            dropout_rng: Array | None = None, kl_tau: float | None = None,
-                           kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
+                           kl_mode: str = "prior",
+                           grid_width: int | None = None) -> tuple[Array, dict[str, Array]]:
     """Windowed GATv2 (or GAT, dot product) with global nodes (spec §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
-    i+o, o in `window_offsets(window, causal)`, and to all globals; each global attends to all L
-    nodes (no bias). Edges touching padded nodes are dropped.
+    i+o, o in `window_offsets(window, causal, grid_width)`, and to all globals; each global attends
+    to all L nodes (no bias). Edges touching padded nodes are dropped. With `grid_width` the
+    tokens are image patches in raster order and the stencil is 2-D (spec §5.12).
 
     Args:
       query: target-side score features `[B, L, H, C]`.
@@ -381,8 +415,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
       num_global: g >= 0 leading global nodes (must be 0 when causal).
       causal: offsets -w..0 (decoder).
       mask: `[B, L]`, True for real nodes; None means all real.
-      rel_bias: `[H, K]` learned bias per head and offset (K = 2w+1, or w+1 causal), indexed by
-        `offset + w`; None for no bias.
+      rel_bias: `[H, K]` learned bias per head and stencil slot (K = 2w+1, or w+1 causal, or
+        (2w+1)^2 on a grid), in `window_offsets` order; None for no bias.
       global_bias: `[H]` bias on token -> global edges, or None.
       negative_slope: LeakyReLU slope.
       dropout_rate: attention dropout, applied only when `dropout_rng` is given.
@@ -390,6 +424,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
       kl_tau: None for the uniform KL prior, or tau of the distance prior on the token rows.
       kl_mode: 'prior' (KL(alpha_i || pi_i) on every row) or 'neighbour' (`neighbour_kl` over
         consecutive token rows; the global rows have no order and add nothing).
+      grid_width: None (1-D window), or W: tokens are a row-major grid with rows of W and the
+        stencil is the 2-D (2w+1)^2 neighbourhood (w = 1: the 8-neighbourhood and self).
 
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
@@ -402,7 +438,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     if causal and num_global:
         _fail(f"`num_global` must be 0 when causal (a global node would see the future), "
               f"got {num_global}")
-    offsets = window_offsets(window, causal)
+    offsets = window_offsets(window, causal, grid_width)
     _check_kernel_args(query, key, value, attn, rel_bias, global_bias, len(offsets), num_global)
     b, length = query.shape[:2]
     if length <= num_global:
@@ -420,6 +456,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     keys = _unfold(key[:, g:], offsets)                                   # [B, N, K, H, C]
     vals = keys if shared else _unfold(value[:, g:], offsets)             # [B, N, K, H, D]
     valid = _unfold(m_tok, offsets, False) & m_tok[:, :, None]           # [B, N, K]
+    if grid_width is not None:
+        valid = valid & grid_column_ok(q_tok.shape[1], window, grid_width)[None]
     if g:
         n = q_tok.shape[1]
         keys = jnp.concatenate(
@@ -431,7 +469,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     out_tok, st = neighbour_attention(q_tok, keys, vals, valid, attn, bias=bias,
                                       negative_slope=negative_slope, dropout_rate=dropout_rate,
                                       dropout_rng=rng_tok,
-                                      prior_logits=distance_prior_logits(offsets, g, kl_tau))
+                                      prior_logits=distance_prior_logits(
+                                          window_distances(window, causal, grid_width), g, kl_tau))
     aux = {"probs": st["probs"], "kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
     if kl_mode == "neighbour":
         aux["kl_sum"], aux["kl_count"] = neighbour_kl(st["probs"], st["log_probs"], valid)
@@ -604,7 +643,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     out, st = neighbour_attention(query, keys, vals, valid, attn, bias=bias,
                                   negative_slope=negative_slope, dropout_rate=dropout_rate,
                                   dropout_rng=dropout_rng,
-                                  prior_logits=distance_prior_logits(offsets, g, kl_tau))
+                                  prior_logits=distance_prior_logits(
+                                      window_distances(window), g, kl_tau))
     kl_sum, kl_count = st["kl_sum"], st["kl_count"]
     if kl_mode == "neighbour":
         kl_sum, kl_count = neighbour_kl(st["probs"], st["log_probs"], valid)
@@ -804,6 +844,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       window: radius w >= 0; offsets -w..w, or -w..0 when causal.
       num_global: g leading global nodes (0 when causal).
       causal: decoder form (offsets -w..0) with `step` / `init_state`.
+      grid_width: None, or W for image patches in raster order: the window is then the 2-D
+        stencil of radius w (`window_offsets`); not with causal.
       version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
         product, UniMP style); the last two are ablations (spec §5.13).
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), spec §5.2).
@@ -824,6 +866,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     window: int = 4
     num_global: int = 0
     causal: bool = False
+    grid_width: int | None = None
     version: str = "v2"
     use_relative_bias: bool = True
     negative_slope: float = 0.2
@@ -845,7 +888,8 @@ class WindowGraphAttention(_GraphAttentionBase):
             _fail(f"`num_global` must be 0 when causal=True (a global node would summarise the "
                   f"future), got {self.num_global}")
         self._has_global_bias = self.num_global > 0
-        self._setup_common(len(window_offsets(self.window, self.causal)), self._has_global_bias)
+        num_slots = len(window_offsets(self.window, self.causal, self.grid_width))
+        self._setup_common(num_slots, self._has_global_bias)
 
     def __call__(self, x: Array, *, mask: Array | None = None,
                  deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
@@ -888,7 +932,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         rel_bias, global_bias = self._biases()
         out, st = window_graph_attention(
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
-            causal=self.causal, mask=mask, rel_bias=rel_bias, global_bias=global_bias,
+            causal=self.causal, grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
+            global_bias=global_bias,
             negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
             dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau,
             kl_mode=self.kl_mode)
@@ -1131,24 +1176,31 @@ def dense_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
 
 
 def window_adjacency(mask: Array, *, window: int, num_global: int = 0,
-                     causal: bool = False) -> Array:
-    """`[B, L, L]` adjacency of the window + global graph over `[globals ; tokens]` nodes."""
+                     causal: bool = False, grid_width: int | None = None) -> Array:
+    """`[B, L, L]` adjacency of the window + global graph over `[globals ; tokens]` nodes (with
+    `grid_width`: tokens within w rows and w columns of each other on the raster grid)."""
     b, length = mask.shape
     g = num_global
     node = jnp.arange(length)
     i, j = node[:, None], node[None, :]
     rel = j - i
     tok_i, tok_j = i >= g, j >= g
-    band = (rel >= -window) & (rel <= (0 if causal else window))
+    if grid_width is None:
+        band = (rel >= -window) & (rel <= (0 if causal else window))
+    else:
+        (ri, ci), (rj, cj) = divmod(i - g, grid_width), divmod(j - g, grid_width)
+        band = (jnp.abs(ri - rj) <= window) & (jnp.abs(ci - cj) <= window)
     adj = (tok_i & tok_j & band) | (tok_i & ~tok_j) | ~tok_i
     mask = mask.astype(bool)
     return adj[None] & mask[:, :, None] & mask[:, None, :]
 
 
 def window_bias_matrix(rel_bias: Array | None, global_bias: Array | None, *, length: int,
-                       window: int, num_global: int = 0, causal: bool = False) -> Array:
-    """`[H, L, L]` dense logit bias: rel_bias[h, (j - i) + w] on token edges, global_bias[h] on
-    token -> global edges, 0 on global rows (and wherever the adjacency has no edge)."""
+                       window: int, num_global: int = 0, causal: bool = False,
+                       grid_width: int | None = None) -> Array:
+    """`[H, L, L]` dense logit bias: rel_bias[h, (j - i) + w] on token edges (on a grid:
+    rel_bias[h, (dr + w)(2w + 1) + dc + w]), global_bias[h] on token -> global edges, 0 on global
+    rows (and wherever the adjacency has no edge)."""
     src = rel_bias if rel_bias is not None else global_bias
     heads = src.shape[0]
     g = num_global
@@ -1156,9 +1208,15 @@ def window_bias_matrix(rel_bias: Array | None, global_bias: Array | None, *, len
     i, j = node[:, None], node[None, :]
     hi = 0 if causal else window
     col = jnp.clip(j - i + window, 0, window + hi)
+    in_band = (j - i >= -window) & (j - i <= hi)
+    if grid_width is not None:
+        (ri, ci), (rj, cj) = divmod(i - g, grid_width), divmod(j - g, grid_width)
+        dr, dc = rj - ri, cj - ci
+        in_band = (jnp.abs(dr) <= window) & (jnp.abs(dc) <= window)
+        col = jnp.clip((dr + window) * (2 * window + 1) + dc + window, 0, (2 * window + 1) ** 2 - 1)
     out = jnp.zeros((heads, length, length), src.dtype)
     if rel_bias is not None:
-        band = (i >= g) & (j >= g) & (j - i >= -window) & (j - i <= hi)
+        band = (i >= g) & (j >= g) & in_band
         out = jnp.where(band[None], rel_bias[:, col], out)
     if global_bias is not None:
         out = jnp.where(((i >= g) & (j < g))[None], global_bias[:, None, None], out)

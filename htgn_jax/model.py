@@ -90,9 +90,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # base-mt: d=512, H=8, m=256, L=6, d_ff=2048, w=8, g=4, w_x=8, K_pe=16, p_max 0.1, C=64.
     "base": dict(d_model=512, num_heads=8, num_features=256, num_layers=6, mlp_dim=2048, window=8,
                  num_global=4, cross_window=8, num_pe=16, drop_path=0.1, chunk_size=64),
-    # image-patch encoder for the 8x8 digits (4x4 grid of 2x2 patches; window W_p + 1 = 5 covers
-    # the 2-D 8-neighbourhood in raster order, see `Classifier`).
-    "digits": dict(d_model=64, num_heads=4, num_features=32, num_layers=2, mlp_dim=128, window=5,
+    # image-patch encoder for the 8x8 digits (4x4 grid of 2x2 patches; 2-D stencil r=1, the
+    # 8-neighbourhood, spec §5.12).
+    "digits": dict(d_model=64, num_heads=4, num_features=32, num_layers=2, mlp_dim=128, window=1,
                    num_global=1, num_pe=8, drop_path=0.0, image_size=8, patch_size=2),
     # Test size.
     "test": dict(d_model=16, num_heads=2, num_features=8, num_layers=2, mlp_dim=32, window=2,
@@ -169,6 +169,14 @@ def _check_common(m) -> None:
               f"feature_map='softmax', got attention={m.attention!r}, feature_map={m.feature_map!r}")
 
 
+def _check_grid_width(m) -> None:
+    if m.grid_width is None:
+        return
+    _check_int("grid_width", m.grid_width, 1)
+    if not m.use_graph_conv:
+        _fail("grid_width sets the WinGAT stencil, but use_graph_conv=False")
+
+
 def _check_model(m) -> None:
     """Checks of the top-level models on top of `_check_common`."""
     _check_common(m)
@@ -230,6 +238,8 @@ class EncoderBlock(_Residual):
       d_model, num_heads, mlp_dim: width d, heads H (d_h = d / H), FFN width d_ff.
       attention, feature_map, num_features, redraw_every: see `Seq2Seq`.
       window, num_global: WinGAT radius w and the g leading global nodes.
+      grid_width: None (1-D window over the tokens), or W: the tokens are image patches in
+        raster order with rows of W and the WinGAT stencil is 2-D of radius w (spec §5.12).
       use_graph_conv, use_hrpe, gat_version: ablation switches (spec §5.13).
       kl_tau, kl_mode: the KL term's prior and mode (spec §5.7), see `Seq2Seq`.
       dropout_rate: dropout on residual branches and inside the FFN.
@@ -248,6 +258,7 @@ class EncoderBlock(_Residual):
     redraw_every: int = 0
     window: int = 4
     num_global: int = 0
+    grid_width: Optional[int] = None
     use_graph_conv: bool = True
     use_hrpe: bool = True
     gat_version: str = "v2"
@@ -263,6 +274,7 @@ class EncoderBlock(_Residual):
 
     def setup(self):
         _check_common(self)
+        _check_grid_width(self)
         self._setup_residual()
         self.self_attention_norm = _layer_norm(self, "self_attention_norm")
         self.self_attention = FavorAttention(causal=False, use_rotary=self.use_hrpe,
@@ -273,7 +285,7 @@ class EncoderBlock(_Residual):
             self.graph = WindowGraphAttention(
                 num_heads=self.num_heads, head_dim=self.d_model // self.num_heads,
                 window=self.window, num_global=self.num_global, causal=False,
-                version=self.gat_version, use_relative_bias=self.use_hrpe,
+                grid_width=self.grid_width, version=self.gat_version, use_relative_bias=self.use_hrpe,
                 dropout_rate=self.attention_dropout, kl_tau=self.kl_tau, kl_mode=self.kl_mode,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype, name="graph")
@@ -491,6 +503,7 @@ class Encoder(nn.Module):
     redraw_every: int = 0
     window: int = 4
     num_global: int = 0
+    grid_width: Optional[int] = None
     use_graph_conv: bool = True
     use_hrpe: bool = True
     gat_version: str = "v2"
@@ -506,11 +519,12 @@ class Encoder(nn.Module):
 
     def setup(self):
         _check_common(self)
+        _check_grid_width(self)
         _check_int("num_layers", self.num_layers, 1)
         if self.num_global:
             self.global_tokens = self.param("global_tokens", nn.initializers.normal(0.02),
                                             (self.num_global, self.d_model), self.param_dtype)
-        kw = _block_kwargs(self, _SHARED_BLOCK_FIELDS)
+        kw = _block_kwargs(self, _SHARED_BLOCK_FIELDS + ("grid_width",))
         self.blocks = [EncoderBlock(drop_path=_drop_path_rate(self.drop_path, i, self.num_layers),
                                     projection_seed=2 * i if self.per_layer_features else 0,
                                     name=f"block_{i:02d}", **kw)
@@ -876,12 +890,9 @@ class Classifier(nn.Module):
     The image `[B, H, W, C]` is cut into non-overlapping p x p patches in raster order (N =
     (H/p)(W/p) tokens); with HRPE each patch vector is concatenated with the 2-D grid spectral
     encodings (`hrpe.grid_graph_pe`) and projected to d ('patch_embed'); without HRPE a learned
-    position table ('pos_embed') is added. The WinGAT window runs over the raster order: the
-    spec's 2-D 8-neighbourhood stencil (offsets +-1, +-W_p, +-W_p +- 1) is contained in the 1-D
-    window of radius W_p + 1, a deviation from the spec: that window also links patches that are not
-    2-D neighbours (offsets +-2 .. +-(W_p - 2) within a row, and +-1, +-(W_p +- 1) across a row end);
-    `htgn_jax.graph` has no 2-D stencil. pool='cls' reads global 0, 'mean' averages the tokens;
-    head: Dense.
+    position table ('pos_embed') is added. The WinGAT graph is the 2-D stencil of radius `window`
+    on the W_p x W_p patch grid (spec §5.12; `window=1`: the 8-neighbourhood and self), plus the
+    globals. pool='cls' reads global 0, 'mean' averages the tokens; head: Dense.
 
     batch: 'image' (or 'inputs') float [B, H, W, C]. outputs: {'logits': float32 [B, K]}.
 
@@ -889,6 +900,7 @@ class Classifier(nn.Module):
       num_classes: K.
       image_size, patch_size, channels: H = W, p, C.
       num_layers: encoder depth.
+      window: radius r of the 2-D WinGAT stencil over the patch grid ((2r+1)^2 slots).
       pool: 'cls' (needs num_global >= 1) | 'mean'.
       Other fields as in `Seq2Seq`.
     """
@@ -905,7 +917,7 @@ class Classifier(nn.Module):
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
     redraw_every: int = 0
-    window: int = 5
+    window: int = 1
     num_global: int = 1
     num_pe: int = 8
     use_graph_conv: bool = True
@@ -955,8 +967,9 @@ class Classifier(nn.Module):
                                         (self.grid ** 2, self.d_model), self.param_dtype)
         self.dropout = nn.Dropout(self.dropout_rate)
         self.encoder = Encoder(num_layers=self.num_layers, drop_path=self.drop_path,
-                               per_layer_features=self.per_layer_features, name="encoder",
-                               **_block_kwargs(self, _SHARED_BLOCK_FIELDS))
+                               per_layer_features=self.per_layer_features,
+                               grid_width=self.grid if self.use_graph_conv else None,
+                               name="encoder", **_block_kwargs(self, _SHARED_BLOCK_FIELDS))
         self.head = nn.Dense(self.num_classes, name="head", **dense)
 
     def __call__(self, batch: dict, *, train: bool = False, step: Optional[Array] = None):

@@ -60,9 +60,7 @@ def get_config(arg=None):
     graph_on = args.attention == "favor" and args.ablation != "no_graph"
     hrpe_on = args.attention == "favor" and args.ablation != "no_hrpe"
     if graph_on:
-        # The 2-D 8-neighbourhood (+-1, +-W, +-W+-1) lies inside the raster window of radius W + 1,
-        # which also links non-neighbours (see htgn_jax.model.Classifier): a deviation from the spec.
-        c.model.window = grid + 1
+        c.model.window = 1   # radius of the 2-D stencil on the patch grid: the 8-neighbourhood
     if hrpe_on:
         c.model.num_pe = min(8, grid * grid - 1)
     c.model.pool = args.pool

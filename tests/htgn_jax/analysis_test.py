@@ -48,6 +48,18 @@ def test_window_graph_adjacency_counts_and_causality():
         analysis.window_graph_adjacency(6, window=2, num_global=1, causal=True)
 
 
+def test_grid_stencil_adjacency_is_the_2d_neighbourhood():
+    """grid_width: the (2w+1)^2 stencil on the raster grid (spec §5.12), nothing across row ends."""
+    adj = analysis.window_graph_adjacency(12, window=1, num_global=1, grid_width=4)  # 3 x 4 grid
+    tok = adj[1:, 1:]
+    np.testing.assert_array_equal(tok.sum(1).reshape(3, 4),
+                                  [[4, 6, 6, 4], [6, 9, 9, 6], [4, 6, 6, 4]])
+    assert not tok[3, 4] and not tok[4, 3]          # (0, 3) and (1, 0): raster-adjacent only
+    assert tok[5, 0] and tok[5, 10] and not tok[5, 3]   # (1, 1): diagonals yes, (0, 3) no
+    with pytest.raises(ValueError, match="causal"):
+        analysis.window_graph_adjacency(12, window=1, causal=True, grid_width=4)
+
+
 def test_cross_graph_adjacency_follows_the_centres():
     adj = analysis.cross_graph_adjacency_matrix(5, 8, window=1, num_global=2, rho=1.5)
     assert adj.shape == (5, 10)
@@ -109,6 +121,18 @@ def test_graph_attention_maps_are_the_coefficients_the_layers_use(version):
         else:
             assert r["map"].shape == (B, 2, T, g + S)
             assert r["centres"].shape == (B, T)
+
+
+def test_classifier_graph_maps_live_on_the_2d_stencil():
+    model = Model(kind="classifier", variant="digits", num_classes=10, d_model=16, num_heads=2,
+                  mlp_dim=32, num_features=8, num_layers=1)
+    batch = {"image": np.random.default_rng(2).normal(size=(B, 8, 8, 1)).astype(np.float32)}
+    maps = analysis.graph_attention_maps(model, _random_params(model, batch), batch)
+    (r,) = maps.values()
+    assert r["kind"] == "window" and r["grid_width"] == 4 and r["window"] == 1
+    adj = analysis.window_graph_adjacency(16, window=1, num_global=1, grid_width=4)
+    assert np.all(r["map"][:, :, ~adj] == 0) and np.all(r["map"][:, :, adj] > 0)
+    np.testing.assert_allclose(r["map"].sum(-1), 1.0, **F32_SIMPLE)
 
 
 def test_favor_error_curve_decreases_with_features():

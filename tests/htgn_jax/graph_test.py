@@ -17,7 +17,7 @@ WIDTH = H * D
 # One compile per call site instead of one per primitive (eager mode compiles every op shape).
 window_attention = jax.jit(G.window_graph_attention,
                            static_argnames=("window", "num_global", "causal", "kl_tau",
-                                            "kl_mode"))
+                                            "kl_mode", "grid_width"))
 cross_attention = jax.jit(G.cross_graph_attention,
                           static_argnames=("window", "num_global", "rho", "kl_tau", "kl_mode"))
 dense_attention = jax.jit(G.dense_graph_attention)
@@ -206,6 +206,36 @@ def test_window_matches_dense(version, num_global, padded):
     np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
     if padded:   # padded nodes neither send nor receive
         assert np.all(np.asarray(out)[1, length - 3:] == 0)
+
+
+@pytest.mark.parametrize("grid_width, num_global", [(3, NG), (2, 0)])
+def test_grid_stencil_matches_dense(grid_width, num_global):
+    """grid_width (spec §5.12): the 2-D stencil of radius 1 over raster-ordered patches, against
+    the dense oracle whose adjacency compares rows and columns; W = 2 < 2w + 1 makes two slots
+    share an offset (only one is valid for any token)."""
+    length, wg = 9 if grid_width == 3 else 8, 1
+    length += num_global
+    q, k, v, attn = _features("v2", 65, length)
+    rel_bias = _normal(66, (H, 9))
+    global_bias = _normal(67, (H,)) if num_global else None
+    mask = _lengths_mask([length, length], length)
+    out, aux = window_attention(q, k, v, attn, window=wg, num_global=num_global, mask=mask,
+                                rel_bias=rel_bias, global_bias=global_bias, kl_tau=0.5,
+                                grid_width=grid_width)
+    adj = G.window_adjacency(mask, window=wg, num_global=num_global, grid_width=grid_width)
+    bias = G.window_bias_matrix(rel_bias, global_bias, length=length, window=wg,
+                                num_global=num_global, grid_width=grid_width)
+    ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
+    np.testing.assert_allclose(out, ref, **F32_SIMPLE)
+    # Distance prior on the grid: Chebyshev hops max(|dr|, |dc|), 1 to a global.
+    node = np.arange(length) - num_global
+    (r, c) = np.divmod(node, grid_width)
+    hops = np.maximum(np.abs(r[:, None] - r[None]), np.abs(c[:, None] - c[None])).astype(float)
+    dist = np.where(node[None] < 0, 1.0, hops)
+    dist = np.broadcast_to(np.where(node[:, None] < 0, np.nan, dist), adj.shape)
+    kl_sum, kl_count = _dense_kl(probs, adj, dist, 0.5)
+    assert float(aux["kl_count"]) == kl_count
+    np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
 
 
 @pytest.mark.parametrize("version", ["v1", "v2", "dot"])
@@ -508,6 +538,11 @@ def test_bad_inputs():
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
     _raises("`kl_tau`",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
+    _raises("a 2-D stencil .grid_width. has no causal form",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, causal=True,
+                                                 grid_width=3), x))
+    _raises("`grid_width` must be an integer >= 1",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, grid_width=0), x))
     _raises("`kl_tau`", lambda: window_attention(*_features("v2", 0, N), window=W, kl_tau=0))
     _raises("`kl_mode` must be one of", lambda: window_attention(*_features("v2", 0, N), window=W,
                                                                   kl_mode="rows"))

@@ -277,7 +277,7 @@ def test_classifier_param_names():
     assert top == {"encoder/final_norm/bias": (16,), "encoder/final_norm/scale": (16,),
                    "encoder/global_tokens": (1, 16), "head/bias": (10,), "head/kernel": (16, 10),
                    "patch_embed/bias": (16,), "patch_embed/kernel": (2 * 2 + 8, 16)}
-    assert shapes["encoder/block_00/graph/rel_bias"] == (2, 2 * 5 + 1)   # window W_p + 1 = 5
+    assert shapes["encoder/block_00/graph/rel_bias"] == (2, 3 * 3)   # 2-D stencil, radius 1
 
 
 def _has(shapes, part):
@@ -443,3 +443,6 @@ def test_the_public_encoder_checks_its_own_fields():
     with pytest.raises(ValueError, match="attention"):
         Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, attention="linear").init(
             jax.random.PRNGKey(0), x, mask)
+    with pytest.raises(ValueError, match="grid_width sets the WinGAT stencil, but use_graph_conv"):
+        Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, grid_width=5,
+                use_graph_conv=False).init(jax.random.PRNGKey(0), x, mask)
