@@ -4,7 +4,9 @@ HTGN's graph convolution (spec `htgn.md` §3.4, §5.3, §5.5, §5.7) is attentio
 stencil graph*: every token i is linked to the tokens i+o for the offsets o in {-w..w} (the window,
 self included) and to g global nodes; every global node is linked to every node. Neighbours are
 gathered by shifted static slices of a zero-padded copy (an "unfold" to `[B, N, K, ...]`), so
-no `[N, N]` buffer is ever built and time and memory are O(B N (2w+1+g) d) (spec §5.11).
+no `[N, N]` buffer is ever built and time and memory are O(B N (2w+1+g) d) (spec §5.11). For
+image patches in raster order (`grid_width` W, spec §5.12) the stencil is 2-D instead: the
+(2w+1)^2 offsets dr W + dc, |dr|, |dc| <= w, with the slots that would cross a row end masked.
 
 Scoring (spec §3.1):
   * GATv2 (Brody, Alon & Yahav, ICLR 2022, the "dynamic" scoring function):
@@ -44,9 +46,9 @@ KL smoothness term (spec §5.7): for every valid receiving node i and head h,
 summed and counted here (`kl_sum`, `kl_count`); `kl = kl_sum / kl_count` is the per-layer mean
 the model weights by lambda_KL (mean over layers, heads and valid nodes). The spec's alternative
 prior `kl_prior = "distance"` is `kl_tau`: pi_i(j) proportional to exp(-dist(i, j) / tau) over
-N(i), with dist = |j - i| in the window (|j - c_i| in Cross-Graph) and 1 for a global node, which
-is one hop from every token; the rows of the global nodes keep the uniform prior (a global has
-no position). The spec's other alternative, `kl_mode = "neighbour"`, is KL(alpha_i || alpha_{i-1})
+N(i), with dist = |j - i| in the window (max(|dr|, |dc|) on a grid, |j - c_i| in Cross-Graph) and
+1 for a global node, which is one hop from every token; the rows of the global nodes keep the
+uniform prior (a global has no position). The spec's other alternative, `kl_mode = "neighbour"`, is KL(alpha_i || alpha_{i-1})
 between consecutive token rows with slots aligned by relative offset (`neighbour_kl`).
 
 The dense `[L, L]` references at the end of the file (`dense_graph_attention` and the adjacency /
