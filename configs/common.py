@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep = 3             # newest checkpoints kept under workdir/checkpoints
     c.checkpoint.best_metric = ""     # e.g. 'eval/accuracy': also keep the best under workdir/best ('' = off)
     c.checkpoint.best_mode = "max"    # 'max' or 'min' for best_metric
+    c.checkpoint.patience = 0         # > 0: early stopping after this many evals without a new best
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"            # adamw | adam | radam | lamb | ranger (lookahead(radam))

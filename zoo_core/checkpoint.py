@@ -81,6 +81,11 @@ class Checkpoints:
                                                       config=ocp.args.JsonSave(config)), force=force)
         self.last.wait_until_finished()
 
+    @property
+    def best_step(self) -> int | None:
+        """Step of the best checkpoint so far (None: no best metric, or no finite eval yet)."""
+        return None if self.best is None else self.best.latest_step()
+
     def maybe_save_best(self, step: int, state: Any, config: dict, metrics: dict[str, float]) -> bool:
         """Saves `state` into best/ if metrics[best_metric] beats the best so far; returns whether it did."""
         if self.best is None:

@@ -13,7 +13,9 @@ split, e.g. the LRA protocol's "select on validation, report test".
 Steps, each a small function: validate the config, prepare the data, build the model and optimiser,
 make the abstract state (`jax.eval_shape`), restore or initialise it directly in its sharding, jit the
 steps once, loop. `train_step` and `eval_step` are pure module-level functions; the same `train_step`
-serves jit over a 'data' mesh (default) and pmap (`axis_name`).
+serves jit over a 'data' mesh (default) and pmap (`axis_name`). With `checkpoint.patience` > 0 the loop
+stops early after that many evaluations in a row without a new best `checkpoint.best_metric` (counted
+from the best checkpoint's step, so a resumed run keeps its count and a finished one stays finished).
 """
 from __future__ import annotations
 
@@ -250,8 +252,23 @@ def validate_config(config) -> None:
     if config.batch_size % (devices * accum):
         raise ValueError(f"batch_size {config.batch_size} must be divisible by devices ({devices}) x "
                          f"optim.grad_accum_steps ({accum})")
+    patience = config.checkpoint.patience
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        raise ValueError(f"checkpoint.patience must be an int >= 0, got {patience!r}")
+    if patience and not (config.checkpoint.best_metric and config.eval_every_steps):
+        raise ValueError("checkpoint.patience stops on evaluations without a new best, so it needs "
+                         "checkpoint.best_metric and eval_every_steps > 0")
     if config.eval_batch_size % devices:
         raise ValueError(f"eval_batch_size {config.eval_batch_size} must be divisible by the {devices} devices")
+
+
+def evals_between(config, after: int, upto: int) -> int:
+    """How many evaluations the loop makes after the steps after+1 .. upto (`is_eval_step`'s count)."""
+    every = config.eval_every_steps
+    if not every:
+        return 0
+    extra = {int(config.total_steps), int(config.eval_also_at_step)}
+    return upto // every - after // every + sum(1 for s in extra if after < s <= upto and s % every)
 
 
 def is_eval_step(config, step: int) -> bool:
@@ -464,6 +481,16 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         to_device = sharding.pmap_batch
         host_state = sharding.unreplicate
 
+    def patience_spent(step: int) -> bool:
+        """Early stopping: checkpoint.patience evaluations in a row without a new best."""
+        return bool(ck.patience) and evals_between(config, checkpoints.best_step or 0, step) >= ck.patience
+
+    if patience_spent(start):
+        logging.info("the run stopped early at step %d (no new best %s in %d evaluations): nothing to do",
+                     start, ck.best_metric, ck.patience)
+        checkpoints.close()
+        return {}
+
     writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
     if start == 0:
         writer.write_text("config", f"```\n{config}\n```")
@@ -530,6 +557,11 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                     check_finite(state)
                     last_eval = run_eval(state, step)
                     checkpoints.maybe_save_best(step, host_state(state), config_dict, last_eval)
+                    if patience_spent(step):
+                        save(state, step, force=True)
+                        logging.info("early stop at step %d: no new best %s in %d evaluations (best: "
+                                     "step %s)", step, ck.best_metric, ck.patience, checkpoints.best_step)
+                        break
                 if (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0) \
                         or step == config.total_steps:
                     save(state, step)

@@ -218,6 +218,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("data.eval_split", "dev", "data.eval_split 'dev' is not a split of"),
     ("batch_size", 4096, "batch_size 4096 exceeds the"),
     ("data.eval_split", "dev[:50%]", "data.eval_split 'dev\\[:50%\\]' is not a split of"),
+    ("checkpoint.patience", -1, "checkpoint.patience must be an int >= 0"),
 ])
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
     c = _config(data_dir, **{field: value})
@@ -267,6 +268,34 @@ def test_eval_steps_are_every_n_the_last_and_the_extra_one(data_dir):
     assert [s for s in range(1, 11) if trainer.is_eval_step(c, s)] == [3, 4, 8, 10]
     c.eval_every_steps = 0
     assert not any(trainer.is_eval_step(c, s) for s in range(1, 11))
+
+
+def test_evals_between_counts_the_eval_steps(data_dir):
+    c = _config(data_dir, total_steps=10, eval_every_steps=4, eval_also_at_step=3)
+    for after in range(11):
+        for upto in range(after, 11):
+            want = sum(trainer.is_eval_step(c, s) for s in range(after + 1, upto + 1))
+            assert trainer.evals_between(c, after, upto) == want, (after, upto)
+
+
+def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_path):
+    """lr 0: the first eval is the best forever, so patience 2 with evals every 2 steps stops at 6."""
+    c = _config(data_dir, total_steps=20, log_every_steps=2, eval_every_steps=2, checkpoint_every_steps=0,
+                **{"optim.learning_rate": 0.0, "checkpoint.best_metric": "eval/loss",
+                   "checkpoint.best_mode": "min", "checkpoint.patience": 2})
+    result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert result and sorted(os.listdir(tmp_path / "best")) == ["2"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
+    records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records if "eval/loss" in r] == [2, 4, 6]
+    assert trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier) == {}
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
+    c.checkpoint.patience = 3                      # more patience: the run goes on from step 6
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]
+    c.checkpoint.best_metric = ""
+    with pytest.raises(trainer.ConfigError, match="checkpoint.patience stops on evaluations without"):
+        trainer.train_and_evaluate(c, str(tmp_path / "other"), models.MLPClassifier)
 
 
 def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
