@@ -18,6 +18,9 @@ OneCycleLR step for step (5% warm-up from lr/10, linear annealing, and torch's d
 --config.schedule.cycle_momentum=False` gives optax's cosine one-cycle that earlier README numbers used),
 gradient clipping at 1, batch 32. DLinear uses the baselines' lr 1e-4 and kernel 25. The budget is `steps`
 (default 3,000 steps of batch 32, about 2.7 epochs of vic_elec) instead of 100 epochs with patience 12.
+The reference's budget and early stopping on vic_elec (35,706 training windows, about 1,115 batches of 32 an
+epoch): `:steps=111500 --config.eval_every_steps=1115 --config.checkpoint.patience=12` (the one-cycle
+then spans 100 epochs where torch's spans 101).
 
 Metrics: eval/mse and eval/mae on the validation split (the best checkpoint by eval/mse is kept in
 workdir/best), and eval/test_mse, eval/test_mae on the test split at every eval; the reported result is
