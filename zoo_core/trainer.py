@@ -670,16 +670,27 @@ def with_eval_split(config, split: str):
 
 
 def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints"):
-    """Restores only the parameters of the newest checkpoint in workdir/<which> (for notebooks, decoding).
+    """Restores the parameters of the newest checkpoint in workdir/<which> (for notebooks, decoding).
+
+    The checkpoint may come from any topology (8 accelerators, 2 processes): the state is restored
+    against its own stored shapes and dtypes placed on this process's first device, so a laptop
+    reads a TPU run's checkpoint.
 
     Returns:
-      (model, params, step).
+      (model, params on jax.devices()[0], step).
     """
     import orbax.checkpoint as ocp
     model = build_model(**config.model.to_dict())
-    mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), which))
+    mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), which),
+                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                "config": ocp.JsonCheckpointHandler()})
     step = mngr.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    meta = mngr.item_metadata(step)["state"]
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
+                                    getattr(meta, "tree", meta))
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    mngr.close()
     return model, restored.state["params"], step

@@ -2,7 +2,10 @@
 import functools
 import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import chex
 import flax.linen as nn
@@ -296,6 +299,35 @@ def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_pa
     c.checkpoint.best_metric = ""
     with pytest.raises(trainer.ConfigError, match="checkpoint.patience stops on evaluations without"):
         trainer.train_and_evaluate(c, str(tmp_path / "other"), models.MLPClassifier)
+
+
+_LOAD_ON_ONE_DEVICE = """
+import sys, jax, numpy as np
+from configs.core import synthetic
+from zoo_core import models, trainer
+c = synthetic.get_config("smoke")
+_, params, step = trainer.load_params(sys.argv[1], models.MLPClassifier, c)
+assert jax.device_count() == 1 and step == 2
+np.savez(sys.argv[2], **{"/".join(map(str, k)): np.asarray(v) for k, v in
+                         jax.tree_util.tree_flatten_with_path(params)[0]})
+"""
+
+
+def test_load_params_reads_a_checkpoint_of_another_topology(data_dir, tmp_path):
+    """Saved replicated over 2 devices here, read back in a 1-device process (a notebook)."""
+    c = _config(data_dir)
+    trainer.train_and_evaluate(c, str(tmp_path / "run"), models.MLPClassifier)
+    _, params, step = trainer.load_params(str(tmp_path / "run"), models.MLPClassifier, c)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root), XLA_FLAGS="")
+    subprocess.run([sys.executable, "-c", _LOAD_ON_ONE_DEVICE, str(tmp_path / "run"),
+                    str(tmp_path / "one.npz")], cwd=root, env=env, check=True, capture_output=True)
+    one = np.load(tmp_path / "one.npz")
+    flat = {"/".join(map(str, k)): np.asarray(v)
+            for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert step == 2 and sorted(one.files) == sorted(flat)
+    for name, value in flat.items():
+        np.testing.assert_array_equal(one[name], value)
 
 
 def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
