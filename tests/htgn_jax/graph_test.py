@@ -290,12 +290,13 @@ def test_cross_graph_matches_dense(version, kl_tau):
     np.testing.assert_allclose(aux["kl_sum"], kl_sum, **F32_SIMPLE)
 
 
-def test_fully_masked_rows_finite():
+@pytest.mark.parametrize("kl", [{}, {"kl_tau": 1.0}, {"kl_mode": "neighbour"}])
+def test_fully_masked_rows_finite(kl):
     q, k, v, attn = _features("v2", 40, N + NG)
     mask = _lengths_mask([0, N + NG], N + NG)           # example 0 is all padding
 
     def loss(q, k, attn):
-        out, aux = window_attention(q, k, k, attn, window=W, num_global=NG, mask=mask)
+        out, aux = window_attention(q, k, k, attn, window=W, num_global=NG, mask=mask, **kl)
         return jnp.sum(out ** 2) + aux["kl_sum"]
 
     out, _ = window_attention(q, k, k, attn, window=W, num_global=NG, mask=mask)
