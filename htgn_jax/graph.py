@@ -48,8 +48,9 @@ the model weights by lambda_KL (mean over layers, heads and valid nodes). The sp
 prior `kl_prior = "distance"` is `kl_tau`: pi_i(j) proportional to exp(-dist(i, j) / tau) over
 N(i), with dist = |j - i| in the window (max(|dr|, |dc|) on a grid, |j - c_i| in Cross-Graph) and
 1 for a global node, which is one hop from every token; the rows of the global nodes keep the
-uniform prior (a global has no position). The spec's other alternative, `kl_mode = "neighbour"`, is KL(alpha_i || alpha_{i-1})
-between consecutive token rows with slots aligned by relative offset (`neighbour_kl`).
+uniform prior (a global has no position). The spec's other alternative, `kl_mode = "neighbour"`,
+is KL(alpha_i || alpha_{i-1}) between consecutive token rows with slots aligned by relative offset
+(`neighbour_kl`; on a grid, not across a row end).
 
 The dense `[L, L]` references at the end of the file (`dense_graph_attention` and the adjacency /
 bias builders) are test oracles only.
@@ -68,6 +69,8 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 VERSIONS = ("v1", "v2", "dot")
+NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
+ATTN_INIT = nn.initializers.glorot_uniform()      # GAT attention vectors a_h
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (plain Python on static shapes, so they raise before anything is traced).
@@ -155,6 +158,7 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
     Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
     row(i) + dr is a row of the grid (`_unfold` drops the others).
     """
+    window_offsets(window, grid_width=grid_width)        # checks window and grid_width
     col = np.arange(num_tokens) % grid_width
     dc = np.tile(np.arange(-window, window + 1), 2 * window + 1)
     c = col[:, None] + dc[None, :]
@@ -164,6 +168,7 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
 def window_distances(window: int, causal: bool = False,
                      grid_width: int | None = None) -> np.ndarray:
     """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
+    window_offsets(window, causal, grid_width)           # checks the arguments
     if grid_width is None:
         return np.abs(np.asarray(window_offsets(window, causal), np.float64))
     r = np.arange(-window, window + 1)
@@ -242,7 +247,7 @@ def attention_kl(probs: Array, log_probs: Array, valid: Array,
 
 def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
                         attn: Array | None, *,
-                        bias: Array | None = None, negative_slope: float = 0.2,
+                        bias: Array | None = None, negative_slope: float = NEGATIVE_SLOPE,
                         dropout_rate: float = 0.0, dropout_rng: Array | None = None,
                         prior_logits: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """GATv2 (or dot-product) attention of each receiver over an explicit neighbour list.
@@ -268,6 +273,9 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
       wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
+    if attn is None and negative_slope != NEGATIVE_SLOPE:
+        _fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
+              f"LeakyReLU, got negative_slope={negative_slope!r}")
     # Logits, softmax and KL in at least float32 (float64 stays float64).
     acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
     if attn is None:
@@ -309,9 +317,13 @@ def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
 KL_MODES = ("prior", "neighbour")
 
 
-def _check_kl(kl_tau: Any, kl_mode: Any) -> None:
+def _check_kl(kl_tau: Any, kl_mode: Any, num_slots: int | None = None) -> None:
+    """`num_slots`: neighbours per token row (K + g); with one, both alternatives are constant."""
     if kl_mode not in KL_MODES:
         _fail(f"`kl_mode` must be one of {KL_MODES}, got {kl_mode!r}")
+    if num_slots == 1 and (kl_tau is not None or kl_mode != "prior"):
+        _fail("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots per row, but "
+              "window=0 with no global nodes leaves one (the KL term is then 0 whatever they are)")
     if kl_tau is None:
         return
     if isinstance(kl_tau, bool) or not isinstance(kl_tau, (int, float)) or not kl_tau > 0:
@@ -320,22 +332,29 @@ def _check_kl(kl_tau: Any, kl_mode: Any) -> None:
         _fail(f"`kl_tau` sets the prior of kl_mode='prior', but kl_mode={kl_mode!r}")
 
 
-def neighbour_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, Array]:
+def neighbour_kl(probs: Array, log_probs: Array, valid: Array,
+                 pair_ok: np.ndarray | None = None) -> tuple[Array, Array]:
     """KL(alpha_i || alpha_{i-1}) of consecutive rows, slots aligned (spec §5.7 `kl_mode`).
 
     Slot k of row i and of row i-1 is the same relative offset (or the same global node), so the
     term pulls the attention pattern to change slowly along the sequence. The two rows are
     restricted to the slots valid in both and renormalised there, which keeps the KL finite at
-    sequence ends and padding; pairs with no common slot (row 0, a padded row) are left out.
+    sequence ends and padding. Only pairs with at least two common slots count: with one the KL is
+    0 whatever alpha is, and counting it would only dilute the mean (row 0 and padded rows have
+    none).
 
     Args:
       probs, log_probs: alpha and log alpha, `[B, M, H, K]` (0 where invalid).
       valid: `[B, M, K]` boolean.
+      pair_ok: static bool `[M - 1]`, False for pairs (i-1, i) that are not neighbours (a grid's
+        row ends), or None for all.
 
     Returns:
       (kl_sum, kl_count): float32 scalars over (pair, head) terms.
     """
     common = (valid[:, 1:] & valid[:, :-1])[:, :, None]                  # [B, M-1, 1, K]
+    if pair_ok is not None:
+        common = common & jnp.asarray(pair_ok)[None, :, None, None]
 
     def restricted(p, lp):
         mass = jnp.sum(jnp.where(common, p, 0.0), axis=-1, keepdims=True)
@@ -345,7 +364,7 @@ def neighbour_kl(probs: Array, log_probs: Array, valid: Array) -> tuple[Array, A
     p, log_p = restricted(probs[:, 1:], log_probs[:, 1:])
     _, log_q = restricted(probs[:, :-1], log_probs[:, :-1])
     kl = jnp.sum(p * (log_p - log_q), axis=-1)                           # [B, M-1, H]
-    has = jnp.broadcast_to(jnp.any(common, axis=-1), kl.shape)
+    has = jnp.broadcast_to(jnp.sum(common, axis=-1) >= 2, kl.shape)
     return jnp.sum(jnp.where(has, kl, 0.0)), jnp.sum(has).astype(jnp.float32)
 
 
@@ -397,7 +416,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            window: int,
                            num_global: int = 0, causal: bool = False, mask: Array | None = None,
                            rel_bias: Array | None = None, global_bias: Array | None = None,
-                           negative_slope: float = 0.2, dropout_rate: float = 0.0,
+                           negative_slope: float = NEGATIVE_SLOPE, dropout_rate: float = 0.0,
                            dropout_rng: Array | None = None, kl_tau: float | None = None,
                            kl_mode: str = "prior",
                            grid_width: int | None = None) -> tuple[Array, dict[str, Array]]:
@@ -432,15 +451,16 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
       rows; columns = window offsets then globals), `global_probs` `[B, g, H, L]` (g > 0 only),
-      and `kl_sum`, `kl_count` over all rows (spec §5.7).
+      and `kl_sum`, `kl_count` (spec §5.7): over all rows for kl_mode='prior', over pairs of
+      consecutive token rows for 'neighbour'.
     """
     _check_int("window", window, 0)
     _check_int("num_global", num_global, 0)
-    _check_kl(kl_tau, kl_mode)
     if causal and num_global:
         _fail(f"`num_global` must be 0 when causal (a global node would see the future), "
               f"got {num_global}")
     offsets = window_offsets(window, causal, grid_width)
+    _check_kl(kl_tau, kl_mode, len(offsets) + num_global)
     _check_kernel_args(query, key, value, attn, rel_bias, global_bias, len(offsets), num_global)
     b, length = query.shape[:2]
     if length <= num_global:
@@ -475,7 +495,9 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                                           window_distances(window, causal, grid_width), g, kl_tau))
     aux = {"probs": st["probs"], "kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
     if kl_mode == "neighbour":
-        aux["kl_sum"], aux["kl_count"] = neighbour_kl(st["probs"], st["log_probs"], valid)
+        # On a grid, raster neighbours across a row end are not image neighbours.
+        pair_ok = None if grid_width is None else np.arange(1, q_tok.shape[1]) % grid_width != 0
+        aux["kl_sum"], aux["kl_count"] = neighbour_kl(st["probs"], st["log_probs"], valid, pair_ok)
     if not g:
         return out_tok, aux
 
@@ -496,7 +518,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
 def causal_window_step(query_t: Array, key_t: Array, value_t: Array, cache: dict[str, Array],
                        attn: Array | None, position: Array | int, *,
                        rel_bias: Array | None = None,
-                       negative_slope: float = 0.2) -> tuple[Array, dict[str, Array]]:
+                       negative_slope: float = NEGATIVE_SLOPE) -> tuple[Array, dict[str, Array]]:
     """One decoding step of the causal window GAT with a rolling cache: O(w H C) per token.
 
     Args:
@@ -566,7 +588,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                           num_global: int = 0, rho: float = 1.0, mask: Array | None = None,
                           memory_mask: Array | None = None, positions: Array | None = None,
                           rel_bias: Array | None = None, global_bias: Array | None = None,
-                          negative_slope: float = 0.2, dropout_rate: float = 0.0,
+                          negative_slope: float = NEGATIVE_SLOPE, dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None, kl_tau: float | None = None,
                           kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
@@ -600,8 +622,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     _check_int("window", window, 0)
     _check_int("num_global", num_global, 0)
     _check_rho(rho)
-    _check_kl(kl_tau, kl_mode)
     offsets = window_offsets(window)
+    _check_kl(kl_tau, kl_mode, len(offsets) + num_global)
     _check_rank("query", query, 4, "[B, T, H, C]")
     _check_rank("key", key, 4, "[B, L, H, C]")
     b, t, heads, ch = query.shape
@@ -738,10 +760,16 @@ class _GraphAttentionBase(nn.Module):
         _check_version(self.version)
         _check_dropout(self.dropout_rate)
         _check_kl(self.kl_tau, self.kl_mode)
+        if self.version == "dot" and self.negative_slope != NEGATIVE_SLOPE:
+            _fail(f"`negative_slope` shapes the GAT scores; version='dot' has no LeakyReLU, got "
+                  f"negative_slope={self.negative_slope!r}")
+        if self.version == "dot" and self.attn_init is not ATTN_INIT:
+            _fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
         if self.out_features is not None:
             _check_int("out_features", self.out_features, 1)
 
     def _setup_common(self, num_offsets: int, with_global_bias: bool) -> None:
+        _check_kl(self.kl_tau, self.kl_mode, num_offsets + self.num_global)
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
@@ -854,7 +882,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       negative_slope: LeakyReLU slope.
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
       kl_tau: None (the KL term's uniform prior, spec §5.7) or tau > 0 of the distance prior
-        pi_i(j) proportional to exp(-|j - i| / tau) (spec `kl_prior = "distance"`).
+        pi_i(j) proportional to exp(-dist / tau) (spec `kl_prior = "distance"`; dist = |j - i|,
+        or max(|dr|, |dc|) on a grid, 1 to a global node).
       kl_mode: 'prior' (KL to the prior above) or 'neighbour' (KL(alpha_i || alpha_{i-1}),
         `neighbour_kl`).
       out_features: F; None means d.
@@ -871,7 +900,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     grid_width: int | None = None
     version: str = "v2"
     use_relative_bias: bool = True
-    negative_slope: float = 0.2
+    negative_slope: float = NEGATIVE_SLOPE
     dropout_rate: float = 0.0
     kl_tau: float | None = None
     kl_mode: str = "prior"
@@ -879,7 +908,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
-    attn_init: Initializer = nn.initializers.glorot_uniform()
+    attn_init: Initializer = ATTN_INIT
     bias_init: Initializer = nn.initializers.zeros_init()
 
     _source_arg = "x"
@@ -903,8 +932,9 @@ class WindowGraphAttention(_GraphAttentionBase):
           deterministic: no attention dropout when True.
 
         Returns:
-          y `[B, L, F]` (zero at padded nodes) and aux {'kl': scalar mean KL(alpha || uniform)
-          over heads and valid nodes, 'kl_sum', 'kl_count'} (spec §5.7; unweighted).
+          y `[B, L, F]` (zero at padded nodes) and aux {'kl': the scalar mean KL term (to the
+          prior over heads and valid nodes, or between consecutive rows, per kl_mode), 'kl_sum',
+          'kl_count'} (spec §5.7; unweighted).
         """
         mask, out, st = self._attend(x, mask, deterministic)
         y = self.output(out, x.shape[-1])
@@ -1022,7 +1052,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     rho: float = 1.0
     version: str = "v2"
     use_relative_bias: bool = True
-    negative_slope: float = 0.2
+    negative_slope: float = NEGATIVE_SLOPE
     dropout_rate: float = 0.0
     kl_tau: float | None = None
     kl_mode: str = "prior"
@@ -1030,7 +1060,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
-    attn_init: Initializer = nn.initializers.glorot_uniform()
+    attn_init: Initializer = ATTN_INIT
     bias_init: Initializer = nn.initializers.zeros_init()
 
     _source_arg = "memory"
@@ -1151,7 +1181,7 @@ class CrossGraphAttention(_GraphAttentionBase):
 
 def dense_graph_attention(query: Array, key: Array, value: Array, attn: Array | None,
                           adjacency: Array,
-                          *, bias: Array | None = None, negative_slope: float = 0.2
+                          *, bias: Array | None = None, negative_slope: float = NEGATIVE_SLOPE
                           ) -> tuple[Array, Array]:
     """Dense masked GATv2 on an explicit adjacency: e_ij for all pairs, softmax over edges.
 

@@ -41,8 +41,9 @@ Interface (the zoo's model contract): `apply(variables, batch, train=False, rngs
   outputs = {'logits': float32 [B, num_classes]}.
 
 aux: 'loss/kl' = kl_weight * L_KL (a scalar the trainer adds to the task loss; 0 when disabled
-or without graph layers) and 'graph/kl' = L_KL unweighted, the mean of KL(alpha_i || uniform) over
-(layer, head, valid node) of every graph-attention layer (§5.7).
+or without graph layers) and 'graph/kl' = L_KL unweighted, the mean over every graph-attention
+layer's terms (§5.7): KL(alpha_i || pi_i) per (head, valid node), pi uniform or the distance prior
+(`kl_tau`), or KL(alpha_i || alpha_{i-1}) per (head, consecutive pair) with kl_mode='neighbour'.
 
 Random features: Omega is `FavorAttention`'s deterministic draw, one for all self-attention
 layers and one (seed + 1) for all cross-attention layers, unless `per_layer_features=True`. With `redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model
@@ -539,6 +540,9 @@ class Encoder(nn.Module):
         `step` selects the FAVOR+ random-feature draw (redraw_every > 0).
         """
         b, n, _ = tokens.shape
+        if self.grid_width and n % self.grid_width:
+            _fail(f"grid_width={self.grid_width} lays the tokens out in rows, but there are {n} "
+                  f"tokens, not a multiple of it")
         g = self.num_global
         x, positions = tokens, None
         if g:
@@ -605,7 +609,8 @@ class Seq2Seq(nn.Module):
       num_pe: K_pe spectral encodings; pe_basis: 'laplacian' | 'adjacency'.
       use_graph_conv, use_hrpe, gat_version, kl_weight: ablation switches (spec §5.13).
       kl_tau: None for the KL term's uniform prior, or tau > 0 of the spec's alternative
-        `kl_prior = "distance"`, pi_i(j) proportional to exp(-|j - i| / tau) (spec §5.7).
+        `kl_prior = "distance"`, pi_i(j) proportional to exp(-dist / tau) with dist = |j - i|
+        (max(|dr|, |dc|) on the classifier's grid, 1 to a global node; spec §5.7).
       kl_mode: 'prior' (KL(alpha_i || pi_i)) or 'neighbour' (KL(alpha_i || alpha_{i-1}) of
         consecutive rows aligned by offset, `graph.neighbour_kl`; spec §5.7).
       dropout_rate: embeddings, residual branches and FFN; attention_dropout: GAT probabilities.
@@ -1025,8 +1030,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "gat_v1": {"gat_version": "v1"},
     "gat_v2": {"gat_version": "v2"},
     "gat_dot": {"gat_version": "dot"},
-    # The spec's alternative KL prior (§5.7), pi_i(j) ~ exp(-|j - i| / tau); tau = 2 is half the
-    # tiny preset's window radius, so the window's edge gets e^-2 of the prior mass of the centre.
+    # The spec's alternative KL prior (§5.7), pi_i(j) ~ exp(-dist / tau); with tau = 2 the edge of
+    # the tiny preset's window (radius 4) gets e^-2 of the prior mass of the centre.
     "kl_distance": {"kl_tau": 2.0},
     # The spec's other alternative: KL(alpha_i || alpha_{i-1}), consecutive rows aligned by offset.
     "kl_neighbour": {"kl_mode": "neighbour"},

@@ -83,8 +83,11 @@ class Checkpoints:
 
     @property
     def best_step(self) -> int | None:
-        """Step of the best checkpoint so far (None: no best metric, or no finite eval yet)."""
-        return None if self.best is None else self.best.latest_step()
+        """Step of the best checkpoint so far (None: no best metric, no finite eval yet, or a best
+        whose metric could not be read back, so tracking restarted)."""
+        if self.best is None or self.best_value is None:
+            return None
+        return self.best.latest_step()
 
     def maybe_save_best(self, step: int, state: Any, config: dict, metrics: dict[str, float]) -> bool:
         """Saves `state` into best/ if metrics[best_metric] beats the best so far; returns whether it did."""

@@ -483,7 +483,10 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
 
     def patience_spent(step: int) -> bool:
         """Early stopping: checkpoint.patience evaluations in a row without a new best."""
-        return bool(ck.patience) and evals_between(config, checkpoints.best_step or 0, step) >= ck.patience
+        best = checkpoints.best_step
+        if best is None or best > step:   # no best yet, or one left by a run whose checkpoints are gone
+            best = 0
+        return bool(ck.patience) and evals_between(config, best, step) >= ck.patience
 
     if patience_spent(start):
         logging.info("the run stopped early at step %d (no new best %s in %d evaluations): nothing to do",
@@ -673,11 +676,11 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     """Restores the parameters of the newest checkpoint in workdir/<which> (for notebooks, decoding).
 
     The checkpoint may come from any topology (8 accelerators, 2 processes): the state is restored
-    against its own stored shapes and dtypes placed on this process's first device, so a laptop
-    reads a TPU run's checkpoint.
+    against its own stored shapes and dtypes placed on this process's first local device, so a
+    laptop reads a TPU run's checkpoint and every process of a multi-process job reads its own copy.
 
     Returns:
-      (model, params on jax.devices()[0], step).
+      (model, params on jax.local_devices()[0], step).
     """
     import orbax.checkpoint as ocp
     model = build_model(**config.model.to_dict())
@@ -687,10 +690,12 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     step = mngr.latest_step()
     if step is None:
         raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
-    meta = mngr.item_metadata(step)["state"]
-    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
-                                    getattr(meta, "tree", meta))
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-    mngr.close()
+    try:
+        meta = mngr.item_metadata(step)["state"]
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), getattr(meta, "tree", meta))
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    finally:
+        mngr.close()
     return model, restored.state["params"], step

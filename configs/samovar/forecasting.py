@@ -20,7 +20,8 @@ gradient clipping at 1, batch 32. DLinear uses the baselines' lr 1e-4 and kernel
 (default 3,000 steps of batch 32, about 2.7 epochs of vic_elec) instead of 100 epochs with patience 12.
 The reference's budget and early stopping on vic_elec (35,706 training windows, about 1,115 batches of 32 an
 epoch): `:steps=111500 --config.eval_every_steps=1115 --config.checkpoint.patience=12` (the one-cycle
-then spans 100 epochs where torch's spans 101).
+then spans 100 epochs where torch's spans 101). Torch's phases need pct_start * steps > 1, so a
+budget of 20 steps or fewer needs `--config.schedule.pct_start` raised or `anneal=cos`.
 
 Metrics: eval/mse and eval/mae on the validation split (the best checkpoint by eval/mse is kept in
 workdir/best), and eval/test_mse, eval/test_mae on the test split at every eval; the reported result is

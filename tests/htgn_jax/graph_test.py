@@ -2,6 +2,7 @@
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,22 +105,23 @@ def test_window_kl_distance_prior_matches_dense(causal):
     assert abs(float(aux["kl_sum"]) - float(aux_u["kl_sum"])) > 1e-2
 
 
-def _dense_neighbour_kl(probs, adj, rows, first, offsets, columns_of):
+def _dense_neighbour_kl(probs, adj, rows, first, offsets, columns_of, pair_ok=lambda i: True):
     """KL(alpha_i || alpha_{i-1}) written from dense probs `[B, H, Lq, Lk]`: for each pair of
-    consecutive real rows (i-1, i) in `rows`, slot o of row r is column `columns_of(b, r, o)` (None
-    if off the memory), global slots are the columns < `first`; both rows renormalised on the
-    slots that are edges of both."""
+    consecutive real rows (i-1, i) in `rows` with `pair_ok(i)`, slot o of row r is column
+    `columns_of(b, r, o)` (None if off the memory), global slots are the columns < `first`; both
+    rows renormalised on the slots that are edges of both; pairs with fewer than 2 such slots
+    are left out (their KL is 0 whatever alpha is)."""
     p, adj = np.asarray(probs, np.float64), np.asarray(adj)
     total, count = 0.0, 0
     for b in range(adj.shape[0]):
         for i in rows:
-            if i - 1 not in rows or not adj[b, i].any() or not adj[b, i - 1].any():
+            if i - 1 not in rows or not pair_ok(i) or not adj[b, i].any() or not adj[b, i - 1].any():
                 continue
             pairs = [(columns_of(b, i, o), columns_of(b, i - 1, o)) for o in offsets]
             pairs += [(j, j) for j in range(first)]
             pairs = [(a, c) for a, c in pairs if a is not None and c is not None
                      and adj[b, i, a] and adj[b, i - 1, c]]
-            if not pairs:
+            if len(pairs) < 2:
                 continue
             for h in range(p.shape[1]):
                 cur = np.array([p[b, h, i, a] for a, _ in pairs])
@@ -147,6 +149,30 @@ def test_window_kl_neighbour_mode_matches_dense(causal):
     want = _dense_neighbour_kl(probs, adj, range(g, length), g,
                                G.window_offsets(W, causal), column)
     assert float(aux["kl_count"]) == want[1] > 0
+    np.testing.assert_allclose(aux["kl_sum"], want[0], **F32_SIMPLE)
+
+
+def test_grid_kl_neighbour_mode_skips_row_ends():
+    """On the grid, raster pairs (r, W-1) -> (r+1, 0) are not image neighbours: no KL term."""
+    wd, rows_, g = 4, 3, 1
+    length = wd * rows_ + g
+    q, k, v, attn = _features("v2", 68, length)
+    mask = _lengths_mask([length, length - 2], length)
+    _, aux = window_attention(q, k, v, attn, window=1, num_global=g, mask=mask,
+                              kl_mode="neighbour", grid_width=wd)
+    adj = G.window_adjacency(mask, window=1, num_global=g, grid_width=wd)
+    _, probs = dense_attention(q, k, v, attn, adj)
+
+    def column(b, i, o):
+        j = i + o
+        dr, dc = divmod(o + wd + 1, wd)           # o = (dr - 1) W + (dc - 1) for |dr|, |dc| <= 1
+        ok = g <= j < length and 0 <= (i - g) % wd + dc - 1 < wd
+        return j if ok else None
+
+    want = _dense_neighbour_kl(probs, adj, range(g, length), g, G.window_offsets(1, grid_width=wd),
+                               column, pair_ok=lambda i: (i - g) % wd != 0)
+    # Example 0: 12 tokens in 3 rows -> 9 pairs; example 1 (10 real) -> 7 pairs; 2 heads each.
+    assert float(aux["kl_count"]) == want[1] == (9 + 7) * H
     np.testing.assert_allclose(aux["kl_sum"], want[0], **F32_SIMPLE)
 
 
@@ -208,17 +234,18 @@ def test_window_matches_dense(version, num_global, padded):
         assert np.all(np.asarray(out)[1, length - 3:] == 0)
 
 
-@pytest.mark.parametrize("grid_width, num_global", [(3, NG), (2, 0)])
-def test_grid_stencil_matches_dense(grid_width, num_global):
-    """grid_width (spec §5.12): the 2-D stencil of radius 1 over raster-ordered patches, against
-    the dense oracle whose adjacency compares rows and columns; W = 2 < 2w + 1 makes two slots
-    share an offset (only one is valid for any token)."""
-    length, wg = 9 if grid_width == 3 else 8, 1
-    length += num_global
+@pytest.mark.parametrize("grid_width, num_global, wg, tokens, pad", [
+    (3, NG, 1, 9, 0), (2, 0, 1, 8, 0), (4, 1, 2, 10, 3)])
+def test_grid_stencil_matches_dense(grid_width, num_global, wg, tokens, pad):
+    """grid_width (spec §5.12): the 2-D stencil of radius w over raster-ordered patches, against
+    the dense oracle whose adjacency compares rows and columns. W = 2 < 2w + 1 makes two slots
+    share an offset (only one is valid for any token); the last case has w = 2, a partial last
+    row and 3 padded tokens in example 1."""
+    length = tokens + num_global
     q, k, v, attn = _features("v2", 65, length)
-    rel_bias = _normal(66, (H, 9))
+    rel_bias = _normal(66, (H, (2 * wg + 1) ** 2))
     global_bias = _normal(67, (H,)) if num_global else None
-    mask = _lengths_mask([length, length], length)
+    mask = _lengths_mask([length, length - pad], length)
     out, aux = window_attention(q, k, v, attn, window=wg, num_global=num_global, mask=mask,
                                 rel_bias=rel_bias, global_bias=global_bias, kl_tau=0.5,
                                 grid_width=grid_width)
@@ -539,6 +566,18 @@ def test_bad_inputs():
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
     _raises("`kl_tau`",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
+    _raises("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=0, kl_mode="neighbour"), x))
+    _raises("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
+            lambda: window_attention(*_features("v2", 0, N), window=0, kl_tau=1.0))
+    _raises("version='dot' has no LeakyReLU",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="dot",
+                                                 negative_slope=0.1), x))
+    _raises("version='dot' has none",
+            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="dot",
+                                                 attn_init=nn.initializers.ones), x))
+    _raises("dot-product scoring .attn=None. has no LeakyReLU",
+            lambda: G.window_graph_attention(*_features("dot", 0, N), window=W, negative_slope=0.1))
     _raises("a 2-D stencil .grid_width. has no causal form",
             lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, causal=True,
                                                  grid_width=3), x))

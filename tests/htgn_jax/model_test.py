@@ -443,6 +443,9 @@ def test_the_public_encoder_checks_its_own_fields():
     with pytest.raises(ValueError, match="attention"):
         Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, attention="linear").init(
             jax.random.PRNGKey(0), x, mask)
+    with pytest.raises(ValueError, match="grid_width=2 lays the tokens out in rows, but there are 5"):
+        Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, window=1,
+                grid_width=2).init(jax.random.PRNGKey(0), x, mask)
     with pytest.raises(ValueError, match="grid_width sets the WinGAT stencil, but use_graph_conv"):
         Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, grid_width=5,
                 use_graph_conv=False).init(jax.random.PRNGKey(0), x, mask)

@@ -296,6 +296,11 @@ def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_pa
     c.checkpoint.patience = 3                      # more patience: the run goes on from step 6
     trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]
+    # Checkpoints gone, best/ left: the old best's step (2) is no reason to stop before training.
+    shutil.rmtree(tmp_path / "checkpoints")
+    c.checkpoint.patience = 2
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     c.checkpoint.best_metric = ""
     with pytest.raises(trainer.ConfigError, match="checkpoint.patience stops on evaluations without"):
         trainer.train_and_evaluate(c, str(tmp_path / "other"), models.MLPClassifier)
