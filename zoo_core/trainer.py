@@ -648,7 +648,11 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
                                   which="best" if which == "best" else "checkpoints")
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)
-    params = jax.device_put(params, replicated)
+    # Each process holds the whole parameters on one local device; the global array is assembled
+    # from every process's local copy (device_put cannot move data across hosts).
+    params = jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_callback(x.shape, replicated, lambda i, x=np.asarray(x): x[i]),
+        params)
     p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
     result = evaluate_params(params, step, p_eval=p_eval, eval_source=eval_source, config=config, model=model,
                              to_device=lambda b: sharding.global_batch(b, mesh), evaluators=evaluators)

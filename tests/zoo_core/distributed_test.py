@@ -1,4 +1,5 @@
 """A 2-process jax.distributed run on localhost trains and matches the single-process run."""
+import json
 import os
 import pathlib
 import re
@@ -61,6 +62,23 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     with open(tmp_path / "multi" / "metrics.jsonl") as f:
         assert '"eval/accuracy"' in f.read()   # process 0 wrote the metrics
+    # Evaluation-only across 2 processes: each loads the checkpoint onto its own device and the
+    # global parameters are assembled from those copies; the result is the run's own last eval.
+    port = _free_port()
+    procs = [subprocess.Popen(_cmd(tmp_path / "multi", data, "--eval_only", "--checkpoint=latest",
+                                   f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                   f"--process_id={i}"),
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    with open(tmp_path / "multi" / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f if '"eval/accuracy"' in line][-1]
+    with open(tmp_path / "multi" / "eval_latest_test.json") as f:
+        again = json.load(f)
+    assert again["step"] == logged["step"] == 20 and again["eval/accuracy"] == logged["eval/accuracy"]
+    np.testing.assert_allclose(again["eval/loss"], logged["eval/loss"], rtol=1e-5)
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
