@@ -69,6 +69,8 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 VERSIONS = ("v1", "v2", "dot")
+# Defaults of the GAT-only options; their fields default to None so that version='dot', which has
+# neither, can refuse any value given explicitly.
 NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
 ATTN_INIT = nn.initializers.glorot_uniform()      # GAT attention vectors a_h
 
@@ -247,7 +249,7 @@ def attention_kl(probs: Array, log_probs: Array, valid: Array,
 
 def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
                         attn: Array | None, *,
-                        bias: Array | None = None, negative_slope: float = NEGATIVE_SLOPE,
+                        bias: Array | None = None, negative_slope: float | None = None,
                         dropout_rate: float = 0.0, dropout_rng: Array | None = None,
                         prior_logits: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """GATv2 (or dot-product) attention of each receiver over an explicit neighbour list.
@@ -264,7 +266,8 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       valid: `[B, M, K]` boolean; an edge exists and both ends are real nodes.
       attn: `[H, C]` attention vectors a_h, or None for scaled dot-product scoring.
       bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
-      negative_slope: LeakyReLU slope (0.2 in GAT/GATv2).
+      negative_slope: LeakyReLU slope of GAT/GATv2; None means 0.2. Dot-product scoring has none,
+        so it must stay None then.
       dropout_rate: dropout on alpha (spec §5.6), used only when `dropout_rng` is given.
       dropout_rng: PRNG key, or None for no dropout.
       prior_logits: `[K]` KL prior logits (see `attention_kl`), or None for the uniform prior.
@@ -273,16 +276,17 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
       wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
-    if attn is None and negative_slope != NEGATIVE_SLOPE:
+    if attn is None and negative_slope is not None:
         _fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
               f"LeakyReLU, got negative_slope={negative_slope!r}")
+    slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
     # Logits, softmax and KL in at least float32 (float64 stays float64).
     acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
     if attn is None:
         logits = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
         logits = logits * (query.shape[-1] ** -0.5)
     else:
-        pre = jax.nn.leaky_relu(query[:, :, None] + keys, negative_slope)    # [B, M, K, H, C]
+        pre = jax.nn.leaky_relu(query[:, :, None] + keys, slope)             # [B, M, K, H, C]
         logits = jnp.einsum("bmkhc,hc->bmhk", pre, attn.astype(pre.dtype),
                             preferred_element_type=acc)
     if bias is not None:
@@ -416,7 +420,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            window: int,
                            num_global: int = 0, causal: bool = False, mask: Array | None = None,
                            rel_bias: Array | None = None, global_bias: Array | None = None,
-                           negative_slope: float = NEGATIVE_SLOPE, dropout_rate: float = 0.0,
+                           negative_slope: float | None = None, dropout_rate: float = 0.0,
                            dropout_rng: Array | None = None, kl_tau: float | None = None,
                            kl_mode: str = "prior",
                            grid_width: int | None = None) -> tuple[Array, dict[str, Array]]:
@@ -439,7 +443,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
       rel_bias: `[H, K]` learned bias per head and stencil slot (K = 2w+1, or w+1 causal, or
         (2w+1)^2 on a grid), in `window_offsets` order; None for no bias.
       global_bias: `[H]` bias on token -> global edges, or None.
-      negative_slope: LeakyReLU slope.
+      negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
       dropout_rate: attention dropout, applied only when `dropout_rng` is given.
       dropout_rng: PRNG key or None.
       kl_tau: None for the uniform KL prior, or tau of the distance prior on the token rows.
@@ -518,7 +522,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
 def causal_window_step(query_t: Array, key_t: Array, value_t: Array, cache: dict[str, Array],
                        attn: Array | None, position: Array | int, *,
                        rel_bias: Array | None = None,
-                       negative_slope: float = NEGATIVE_SLOPE) -> tuple[Array, dict[str, Array]]:
+                       negative_slope: float | None = None) -> tuple[Array, dict[str, Array]]:
     """One decoding step of the causal window GAT with a rolling cache: O(w H C) per token.
 
     Args:
@@ -530,7 +534,7 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, cache: dict
       attn: `[H, C]`, or None for dot-product scoring.
       position: index t of the new token, scalar or `[B]` int.
       rel_bias: `[H, w+1]` or None.
-      negative_slope: LeakyReLU slope.
+      negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
 
     Returns:
       out_t `[B, H, D]` and the updated cache (same shapes and dtypes as `cache`).
@@ -588,7 +592,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                           num_global: int = 0, rho: float = 1.0, mask: Array | None = None,
                           memory_mask: Array | None = None, positions: Array | None = None,
                           rel_bias: Array | None = None, global_bias: Array | None = None,
-                          negative_slope: float = NEGATIVE_SLOPE, dropout_rate: float = 0.0,
+                          negative_slope: float | None = None, dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None, kl_tau: float | None = None,
                           kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
@@ -760,10 +764,10 @@ class _GraphAttentionBase(nn.Module):
         _check_version(self.version)
         _check_dropout(self.dropout_rate)
         _check_kl(self.kl_tau, self.kl_mode)
-        if self.version == "dot" and self.negative_slope != NEGATIVE_SLOPE:
+        if self.version == "dot" and self.negative_slope is not None:
             _fail(f"`negative_slope` shapes the GAT scores; version='dot' has no LeakyReLU, got "
                   f"negative_slope={self.negative_slope!r}")
-        if self.version == "dot" and self.attn_init is not ATTN_INIT:
+        if self.version == "dot" and self.attn_init is not None:
             _fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
         if self.out_features is not None:
             _check_int("out_features", self.out_features, 1)
@@ -777,12 +781,12 @@ class _GraphAttentionBase(nn.Module):
             self.target = _HeadProjection(arg="x", **proj)
             self.source = _HeadProjection(arg=self._source_arg, **proj)
             if self.version == "v2":
-                self.attn = _HeadVector(h, self.param_dtype, self.attn_init)
+                self.attn = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         else:
             # v1 (GAT): one projection W for both ends, two attention halves a = [a_t ; a_s].
             self.source = _HeadProjection(arg=self._source_arg, **proj)
-            self.attn_target = _HeadVector(h, self.param_dtype, self.attn_init)
-            self.attn_source = _HeadVector(h, self.param_dtype, self.attn_init)
+            self.attn_target = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+            self.attn_source = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         if self.use_relative_bias:
             self.rel_bias = self.param("rel_bias", self.bias_init, (h, num_offsets),
                                        self.param_dtype)
@@ -879,7 +883,7 @@ class WindowGraphAttention(_GraphAttentionBase):
       version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
         product, UniMP style); the last two are ablations (spec §5.13).
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), spec §5.2).
-      negative_slope: LeakyReLU slope.
+      negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
       kl_tau: None (the KL term's uniform prior, spec §5.7) or tau > 0 of the distance prior
         pi_i(j) proportional to exp(-dist / tau) (spec `kl_prior = "distance"`; dist = |j - i|,
@@ -889,7 +893,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       out_features: F; None means d.
       dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32.
       param_dtype: parameter dtype.
-      kernel_init, attn_init, bias_init: initialisers for projections, attention vectors, and
+      kernel_init, attn_init, bias_init: initialisers for projections, attention vectors (None:
+        glorot_uniform; GAT only), and
         biases (output bias, rel_bias, global_bias).
     """
     num_heads: int
@@ -900,7 +905,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     grid_width: int | None = None
     version: str = "v2"
     use_relative_bias: bool = True
-    negative_slope: float = NEGATIVE_SLOPE
+    negative_slope: float | None = None
     dropout_rate: float = 0.0
     kl_tau: float | None = None
     kl_mode: str = "prior"
@@ -908,7 +913,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
-    attn_init: Initializer = ATTN_INIT
+    attn_init: Initializer | None = None
     bias_init: Initializer = nn.initializers.zeros_init()
 
     _source_arg = "x"
@@ -1052,7 +1057,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     rho: float = 1.0
     version: str = "v2"
     use_relative_bias: bool = True
-    negative_slope: float = NEGATIVE_SLOPE
+    negative_slope: float | None = None
     dropout_rate: float = 0.0
     kl_tau: float | None = None
     kl_mode: str = "prior"
@@ -1060,7 +1065,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = nn.initializers.lecun_normal()
-    attn_init: Initializer = ATTN_INIT
+    attn_init: Initializer | None = None
     bias_init: Initializer = nn.initializers.zeros_init()
 
     _source_arg = "memory"
@@ -1181,7 +1186,7 @@ class CrossGraphAttention(_GraphAttentionBase):
 
 def dense_graph_attention(query: Array, key: Array, value: Array, attn: Array | None,
                           adjacency: Array,
-                          *, bias: Array | None = None, negative_slope: float = NEGATIVE_SLOPE
+                          *, bias: Array | None = None, negative_slope: float | None = None
                           ) -> tuple[Array, Array]:
     """Dense masked GATv2 on an explicit adjacency: e_ij for all pairs, softmax over edges.
 
@@ -1197,7 +1202,8 @@ def dense_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     if attn is None:
         logits = jnp.einsum("bihc,bjhc->bhij", query, key) / np.sqrt(query.shape[-1])
     else:
-        pre = jax.nn.leaky_relu(query[:, :, None] + key[:, None], negative_slope)  # [B,Lq,Lk,H,C]
+        slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
+        pre = jax.nn.leaky_relu(query[:, :, None] + key[:, None], slope)   # [B, Lq, Lk, H, C]
         logits = jnp.einsum("bijhc,hc->bhij", pre, attn)
     if bias is not None:
         logits = logits + bias

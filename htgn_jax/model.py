@@ -378,9 +378,14 @@ class DecoderBlock(_Residual):
                                               name="cross_attention", **kw)
         if self.use_graph_conv and self.use_cross_graph:
             self.cross_graph_norm = _layer_norm(self, "cross_graph_norm")
+            cross_kw = dict(graph_kw)
+            if self.cross_window == 0 and self.num_global == 0:
+                # One neighbour per row: its KL is 0 in every mode, and the layer refuses the
+                # alternatives there, which still apply to this block's self-graph.
+                cross_kw.update(kl_tau=None, kl_mode="prior")
             self.cross_graph = CrossGraphAttention(window=self.cross_window,
                                                    num_global=self.num_global, rho=self.rho,
-                                                   name="cross_graph", **graph_kw)
+                                                   name="cross_graph", **cross_kw)
         self._setup_mlp()
 
     @property

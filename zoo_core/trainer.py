@@ -398,7 +398,8 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         eval (e.g. decoding + BLEU); their results are logged under 'eval/'.
 
     Returns:
-      The last eval metrics.
+      The last eval metrics ({} when there was nothing left to train: the run had reached
+      total_steps, or had stopped early, before this call).
 
     Raises:
       ValueError: a configuration problem, before anything is compiled.
@@ -484,8 +485,10 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     def patience_spent(step: int) -> bool:
         """Early stopping: checkpoint.patience evaluations in a row without a new best."""
         best = checkpoints.best_step
-        if best is None or best > step:   # no best yet, or one left by a run whose checkpoints are gone
-            best = 0
+        if best is None or best > step:
+            # No usable best (none yet, its metric unreadable or changed, or left by a run whose
+            # checkpoints are gone): count from where this run started.
+            best = start
         return bool(ck.patience) and evals_between(config, best, step) >= ck.patience
 
     if patience_spent(start):
@@ -688,13 +691,16 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     """
     import orbax.checkpoint as ocp
     model = build_model(**config.model.to_dict())
-    mngr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), which),
+    path = os.path.join(os.path.abspath(workdir), which)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
                                  item_handlers={"state": ocp.StandardCheckpointHandler(),
                                                 "config": ocp.JsonCheckpointHandler()})
-    step = mngr.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
     try:
+        step = mngr.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
         meta = mngr.item_metadata(step)["state"]
         here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree_util.tree_map(

@@ -66,9 +66,61 @@ def _edge_list_attention(q, k, v, attn, adj, bias=None, negative_slope=0.2):
     return out.reshape(q.shape[:3] + v.shape[-1:])
 
 
+def _window_edges(mask, rel_bias, global_bias, *, window, num_global, causal=False, grid=None):
+    """Adjacency `[B, L, L]` and bias `[H, L, L]` of the window graph from first principles: token i
+    links token j when j - i is within the window (on a grid: rows and columns each within w),
+    with bias rel_bias[h, slot]; tokens link every global with global_bias; globals link all."""
+    mask = np.asarray(mask)
+    b, length = mask.shape
+    heads, w, g = rel_bias.shape[0], window, num_global
+    adj = np.zeros((b, length, length), bool)
+    bias = np.zeros((heads, length, length), np.float32)
+    rb, gb = np.asarray(rel_bias), None if global_bias is None else np.asarray(global_bias)
+    for i in range(length):
+        for j in range(length):
+            if i < g:
+                edge, value = True, 0.0
+            elif j < g:
+                edge, value = True, gb[:]
+            elif grid:
+                (ri, ci), (rj, cj) = divmod(i - g, grid), divmod(j - g, grid)
+                edge = abs(ri - rj) <= w and abs(ci - cj) <= w
+                value = rb[:, (rj - ri + w) * (2 * w + 1) + (cj - ci + w)] if edge else 0.0
+            else:
+                edge = -w <= j - i <= (0 if causal else w)
+                value = rb[:, j - i + w] if edge else 0.0
+            adj[:, i, j] = edge & mask[:, i] & mask[:, j]
+            bias[:, i, j] = value
+    return adj, bias
+
+
+def _cross_edges(mask, memory_mask, rel_bias, global_bias, *, window, num_global, rho):
+    """Cross-Graph adjacency `[B, T, L]` and bias `[B, H, T, L]` from first principles, with the
+    centres c_i = min(round(rho i), N_b - 1) by Python's round."""
+    mask, memory_mask = np.asarray(mask), np.asarray(memory_mask)
+    b, t = mask.shape
+    length, g = memory_mask.shape[1], num_global
+    adj = np.zeros((b, t, length), bool)
+    bias = np.zeros((b, rel_bias.shape[0], t, length), np.float32)
+    for e in range(b):
+        n_b = int(memory_mask[e, g:].sum())
+        for i in range(t):
+            c = min(round(rho * i), n_b - 1)
+            for j in range(length):
+                if j < g:
+                    edge, value = True, np.asarray(global_bias)
+                else:
+                    edge = abs(j - g - c) <= window
+                    value = np.asarray(rel_bias)[:, j - g - c + window] if edge else 0.0
+                adj[e, i, j] = edge and mask[e, i] and memory_mask[e, j]
+                bias[e, :, i, j] = value
+    return adj, bias
+
+
 @pytest.mark.parametrize("case", ["v1", "v2", "dot", "causal", "grid", "cross"])
 def test_kernels_match_the_edge_list_oracle(case):
-    """Window, causal, grid and Cross-Graph kernels against segment ops on the edge list (§3.4)."""
+    """Window, causal, grid and Cross-Graph kernels against segment ops on an edge list built from
+    first principles (spec §3.4's second oracle)."""
     version = case if case in ("v1", "dot") else "v2"
     if case == "cross":
         t, wx, length = 6, 1, N + NG
@@ -76,11 +128,10 @@ def test_kernels_match_the_edge_list_oracle(case):
         _, k, v, _ = _features(version, 71, length)
         mask, memory_mask = _lengths_mask([t, t - 2], t), _lengths_mask([length, length - 3], length)
         rel_bias, global_bias = _normal(72, (H, 2 * wx + 1)), _normal(73, (H,))
-        out, aux = cross_attention(q, k, v, attn, window=wx, num_global=NG, rho=0.75, mask=mask,
-                                   memory_mask=memory_mask, rel_bias=rel_bias, global_bias=global_bias)
-        adj = G.cross_graph_adjacency(mask, memory_mask, aux["centres"], window=wx, num_global=NG)
-        bias = G.cross_graph_bias_matrix(rel_bias, global_bias, aux["centres"], memory_length=length,
-                                         window=wx, num_global=NG)
+        out, _ = cross_attention(q, k, v, attn, window=wx, num_global=NG, rho=0.75, mask=mask,
+                                 memory_mask=memory_mask, rel_bias=rel_bias, global_bias=global_bias)
+        adj, bias = _cross_edges(mask, memory_mask, rel_bias, global_bias, window=wx,
+                                 num_global=NG, rho=0.75)
     else:
         g = 0 if case == "causal" else NG
         grid = {"grid_width": 3} if case == "grid" else {}
@@ -92,10 +143,9 @@ def test_kernels_match_the_edge_list_oracle(case):
         global_bias = _normal(76, (H,)) if g else None
         out, _ = window_attention(q, k, v, attn, window=wg, num_global=g, causal=case == "causal",
                                   mask=mask, rel_bias=rel_bias, global_bias=global_bias, **grid)
-        adj = G.window_adjacency(mask, window=wg, num_global=g, causal=case == "causal", **grid)
-        bias = G.window_bias_matrix(rel_bias, global_bias, length=length, window=wg, num_global=g,
-                                    causal=case == "causal", **grid)
-    want = _edge_list_attention(q, k, v, attn, adj, bias)
+        adj, bias = _window_edges(mask, rel_bias, global_bias, window=wg, num_global=g,
+                                  causal=case == "causal", grid=grid.get("grid_width"))
+    want = _edge_list_attention(q, k, v, attn, adj, jnp.asarray(bias))
     np.testing.assert_allclose(out, want, **F32_SIMPLE)
 
 

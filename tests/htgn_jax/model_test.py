@@ -108,6 +108,14 @@ def test_neighbour_kl_mode_changes_only_the_kl_term():
     assert abs(float(aux_r["graph/kl"]) - float(aux["graph/kl"])) > 1e-3
 
 
+def test_kl_alternatives_skip_a_one_slot_cross_graph():
+    """cross_window=0 without globals leaves the Cross-Graph one neighbour (KL 0 in every mode): the
+    model keeps the plain prior there instead of refusing an option its self-graphs use."""
+    model = Model(**SEQ, num_global=0, cross_window=0, kl_mode="neighbour")
+    out, aux = _forward(model)(random_params(model, _batch()), _batch())
+    assert np.all(np.isfinite(out["logits"])) and float(aux["graph/kl"]) > 0
+
+
 def test_decoder_is_causal_bit_for_bit():
     """Perturbing future target tokens leaves earlier logits identical (spec §5.14 item 2)."""
     model, params = _init()

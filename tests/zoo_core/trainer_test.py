@@ -301,6 +301,12 @@ def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_pa
     c.checkpoint.patience = 2
     trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
+    # Another best metric on resume: the stored best cannot be compared, so the run trains on; the
+    # first eval after resuming (step 8) is the new best and two more without one stop it at 12.
+    c.checkpoint.best_metric, c.checkpoint.best_mode = "eval/accuracy", "max"
+    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6"]
+    assert sorted(os.listdir(tmp_path / "best")) == ["8"]
     c.checkpoint.best_metric = ""
     with pytest.raises(trainer.ConfigError, match="checkpoint.patience stops on evaluations without"):
         trainer.train_and_evaluate(c, str(tmp_path / "other"), models.MLPClassifier)
