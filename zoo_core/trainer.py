@@ -647,15 +647,12 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
         task = tasks.make_task(config)
     except (ValueError, TypeError, KeyError) as e:
         raise _config_error(e) from e
-    _, params, step = load_params(workdir, build_model, config,
-                                  which="best" if which == "best" else "checkpoints")
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)
-    # Each process holds the whole parameters on one local device; the global array is assembled
-    # from every process's local copy (device_put cannot move data across hosts).
-    params = jax.tree_util.tree_map(
-        lambda x: jax.make_array_from_callback(x.shape, replicated, lambda i, x=np.asarray(x): x[i]),
-        params)
+    # Restored straight into the global replicated sharding: each process reads its own shards.
+    _, params, step = load_params(workdir, build_model, config,
+                                  which="best" if which == "best" else "checkpoints",
+                                  target_sharding=replicated)
     p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
     result = evaluate_params(params, step, p_eval=p_eval, eval_source=eval_source, config=config, model=model,
                              to_device=lambda b: sharding.global_batch(b, mesh), evaluators=evaluators)
@@ -679,15 +676,22 @@ def with_eval_split(config, split: str):
     return config
 
 
-def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints"):
+def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints",
+                target_sharding: jax.sharding.Sharding | None = None):
     """Restores the parameters of the newest checkpoint in workdir/<which> (for notebooks, decoding).
 
     The checkpoint may come from any topology (8 accelerators, 2 processes): the state is restored
-    against its own stored shapes and dtypes placed on this process's first local device, so a
-    laptop reads a TPU run's checkpoint and every process of a multi-process job reads its own copy.
+    against its own stored shapes and dtypes in `target_sharding`, by default this process's first local
+    device, so a laptop reads a TPU run's checkpoint.
+
+    Args:
+      workdir, build_model, config: the run's directory, `Model` factory and config.
+      which: 'checkpoints' (the newest) or 'best'.
+      target_sharding: where every array goes (e.g. a replicated `NamedSharding` over all processes);
+        None means `jax.local_devices()[0]`.
 
     Returns:
-      (model, params on jax.local_devices()[0], step).
+      (model, params, step).
     """
     import orbax.checkpoint as ocp
     model = build_model(**config.model.to_dict())
@@ -702,9 +706,9 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
         meta = mngr.item_metadata(step)["state"]
-        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        where = target_sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), getattr(meta, "tree", meta))
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where), getattr(meta, "tree", meta))
         restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     finally:
         mngr.close()
