@@ -698,18 +698,23 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     path = os.path.join(os.path.abspath(workdir), which)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    # The PyTree handler reads the Standard handler's checkpoints and can restore a subtree.
     mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
-                                 item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                 item_handlers={"state": ocp.PyTreeCheckpointHandler(),
                                                 "config": ocp.JsonCheckpointHandler()})
     try:
         step = mngr.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
-        meta = mngr.item_metadata(step)["state"]
+        stored = mngr.item_metadata(step)["state"]
         where = target_sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where), getattr(meta, "tree", meta))
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        # Only the parameters are read: the optimiser moments would double or triple the memory.
+        target = {"params": jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where),
+            getattr(stored, "tree", stored)["params"])}
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)))
     finally:
         mngr.close()
     return model, restored.state["params"], step
