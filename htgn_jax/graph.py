@@ -170,9 +170,9 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
 def window_distances(window: int, causal: bool = False,
                      grid_width: int | None = None) -> np.ndarray:
     """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
-    window_offsets(window, causal, grid_width)           # checks the arguments
+    offsets = window_offsets(window, causal, grid_width)   # also checks the arguments
     if grid_width is None:
-        return np.abs(np.asarray(window_offsets(window, causal), np.float64))
+        return np.abs(np.asarray(offsets, np.float64))
     r = np.arange(-window, window + 1)
     return np.maximum(np.abs(r)[:, None], np.abs(r)[None, :]).reshape(-1).astype(np.float64)
 
@@ -321,8 +321,11 @@ def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
 KL_MODES = ("prior", "neighbour")
 
 
-def _check_kl(kl_tau: Any, kl_mode: Any, num_slots: int | None = None) -> None:
-    """`num_slots`: neighbours per token row (K + g); with one, both alternatives are constant."""
+def check_kl(kl_tau: Any, kl_mode: Any, num_slots: int | None = None) -> None:
+    """Checks the KL options (spec §5.7); the models call it too, before any layer is built.
+
+    `num_slots`: neighbours per token row (K + g); with one, both alternatives are constant.
+    """
     if kl_mode not in KL_MODES:
         _fail(f"`kl_mode` must be one of {KL_MODES}, got {kl_mode!r}")
     if num_slots == 1 and (kl_tau is not None or kl_mode != "prior"):
@@ -464,7 +467,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
         _fail(f"`num_global` must be 0 when causal (a global node would see the future), "
               f"got {num_global}")
     offsets = window_offsets(window, causal, grid_width)
-    _check_kl(kl_tau, kl_mode, len(offsets) + num_global)
+    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
     _check_kernel_args(query, key, value, attn, rel_bias, global_bias, len(offsets), num_global)
     b, length = query.shape[:2]
     if length <= num_global:
@@ -627,7 +630,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     _check_int("num_global", num_global, 0)
     _check_rho(rho)
     offsets = window_offsets(window)
-    _check_kl(kl_tau, kl_mode, len(offsets) + num_global)
+    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
     _check_rank("query", query, 4, "[B, T, H, C]")
     _check_rank("key", key, 4, "[B, L, H, C]")
     b, t, heads, ch = query.shape
@@ -763,7 +766,6 @@ class _GraphAttentionBase(nn.Module):
         _check_int("num_global", self.num_global, 0)
         _check_version(self.version)
         _check_dropout(self.dropout_rate)
-        _check_kl(self.kl_tau, self.kl_mode)
         if self.version == "dot" and self.negative_slope is not None:
             _fail(f"`negative_slope` shapes the GAT scores; version='dot' has no LeakyReLU, got "
                   f"negative_slope={self.negative_slope!r}")
@@ -773,7 +775,7 @@ class _GraphAttentionBase(nn.Module):
             _check_int("out_features", self.out_features, 1)
 
     def _setup_common(self, num_offsets: int, with_global_bias: bool) -> None:
-        _check_kl(self.kl_tau, self.kl_mode, num_offsets + self.num_global)
+        check_kl(self.kl_tau, self.kl_mode, num_offsets + self.num_global)
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)

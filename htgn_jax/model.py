@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax import hrpe
-from htgn_jax.graph import KL_MODES, CrossGraphAttention, WindowGraphAttention
+from htgn_jax.graph import CrossGraphAttention, WindowGraphAttention, check_kl
 from htgn_jax.layers import FavorAttention
 
 Array = jax.Array
@@ -152,15 +152,10 @@ def _check_common(m) -> None:
               f"with attention='softmax'")
     for name in ("dropout_rate", "attention_dropout", "drop_path"):
         _check_rate(name, getattr(m, name))
-    _check_choice("kl_mode", m.kl_mode, KL_MODES)
-    if m.kl_tau is not None:
-        if isinstance(m.kl_tau, bool) or not isinstance(m.kl_tau, (int, float)) or not m.kl_tau > 0:
-            _fail(f"kl_tau must be None (uniform KL prior) or a number > 0, got {m.kl_tau!r}")
-        if m.kl_mode != "prior":
-            _fail(f"kl_tau sets the prior of kl_mode='prior', but kl_mode={m.kl_mode!r}")
-    for name, default in (("kl_tau", None), ("kl_mode", "prior")):
-        if getattr(m, name) != default and not m.use_graph_conv:
-            _fail(f"{name} shapes the KL term of the graph layers, but use_graph_conv=False")
+    check_kl(m.kl_tau, m.kl_mode)
+    if _kl_options_set(m) and not m.use_graph_conv:
+        _fail(f"{_kl_options_set(m)[0]} shapes the KL term of the graph layers, but "
+              f"use_graph_conv=False")
     if m.attention_dropout and not m.use_graph_conv:
         _fail("attention_dropout acts on the graph-attention probabilities (spec §5.6), but "
               "use_graph_conv=False")
@@ -168,6 +163,12 @@ def _check_common(m) -> None:
     if m.redraw_every and (m.attention != "favor" or m.feature_map != "softmax"):
         _fail(f"redraw_every redraws the FAVOR+ random features, so it needs attention='favor' and "
               f"feature_map='softmax', got attention={m.attention!r}, feature_map={m.feature_map!r}")
+
+
+def _kl_options_set(m) -> list[str]:
+    """The KL alternatives (spec §5.7) a module sets away from the plain uniform prior."""
+    return [name for name, default in (("kl_tau", None), ("kl_mode", "prior"))
+            if getattr(m, name) != default]
 
 
 def _check_grid_width(m) -> None:
@@ -183,9 +184,9 @@ def _check_model(m) -> None:
     _check_common(m)
     if not isinstance(m.kl_weight, (int, float)) or m.kl_weight < 0:
         _fail(f"kl_weight must be a number >= 0, got {m.kl_weight!r}")
-    for name, default in (("kl_tau", None), ("kl_mode", "prior")):
-        if getattr(m, name) != default and not m.kl_weight:
-            _fail(f"{name} shapes the KL term, but kl_weight={m.kl_weight!r} turns it off")
+    if _kl_options_set(m) and not m.kl_weight:
+        _fail(f"{_kl_options_set(m)[0]} shapes the KL term, but kl_weight={m.kl_weight!r} turns it "
+              f"off")
     if m.use_hrpe:
         _check_int("num_pe", m.num_pe, 1)
 

@@ -40,6 +40,13 @@ def leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
+def stored_tree(manager: ocp.CheckpointManager, step: int) -> Any:
+    """The tree of array metadata (shape, dtype) of the 'state' item saved at `step`, read without
+    restoring it (the manager needs a named 'state' handler)."""
+    meta = manager.item_metadata(step)["state"]
+    return getattr(meta, "tree", meta)   # Orbax versions differ: a metadata object or the tree
+
+
 def _first_difference(stored: dict, wanted: dict) -> str:
     for name in sorted(set(stored) | set(wanted), key=lambda n: (not n.startswith("params"), n)):
         if name not in stored:
@@ -141,8 +148,7 @@ class Checkpoints:
         wanted = leaf_shapes(abstract_state)
         for step in sorted(self.last.all_steps(), reverse=True):
             try:
-                meta = self.last.item_metadata(step)["state"]
-                stored = leaf_shapes(getattr(meta, "tree", meta))
+                stored = leaf_shapes(stored_tree(self.last, step))
             except Exception:  # noqa: BLE001 - unreadable metadata: the restore below reports the damage
                 stored = None
             if stored is not None and stored != wanted and self._made_by_another_config(step, config):

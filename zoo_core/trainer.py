@@ -273,9 +273,7 @@ def evals_between(config, after: int, upto: int) -> int:
 
 def is_eval_step(config, step: int) -> bool:
     """Whether the loop evaluates after `step`: every eval_every_steps, at the end, at eval_also_at_step."""
-    if not config.eval_every_steps:
-        return False
-    return step % config.eval_every_steps == 0 or step in (config.total_steps, config.eval_also_at_step)
+    return evals_between(config, step - 1, step) > 0
 
 
 def _check_eval_metrics(name: str, model, task, params, example, *, has_evaluators: bool) -> None:
@@ -696,8 +694,9 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     import orbax.checkpoint as ocp
     model = build_model(**config.model.to_dict())
     path = os.path.join(os.path.abspath(workdir), which)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    missing = FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    if not os.path.isdir(path):   # checked first: a manager would create the directory
+        raise missing
     # The PyTree handler reads the Standard handler's checkpoints and can restore a subtree.
     mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
                                  item_handlers={"state": ocp.PyTreeCheckpointHandler(),
@@ -705,13 +704,12 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     try:
         step = mngr.latest_step()
         if step is None:
-            raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
-        stored = mngr.item_metadata(step)["state"]
+            raise missing
         where = target_sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         # Only the parameters are read: the optimiser moments would double or triple the memory.
         target = {"params": jax.tree_util.tree_map(
             lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where),
-            getattr(stored, "tree", stored)["params"])}
+            ckpt_lib.stored_tree(mngr, step)["params"])}
         restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=True)))
