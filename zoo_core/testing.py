@@ -74,3 +74,21 @@ def param_shapes(params: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(v)) for path, v in flat}
 
+
+
+def assert_forms_agree(outputs: Mapping[str, Any], *, rtol: float, atol: float) -> None:
+    """Asserts that every form of a computation gives the first form's result.
+
+    Args:
+      outputs: {form name: output pytree}, e.g. {'parallel': y, 'chunked(3)': y3, 'scan': ys,
+        'step': yt}; all trees must have the same structure. NaNs must sit at the same places.
+      rtol, atol: one of this module's fixed tolerances (e.g. `**F32_SIMPLE`).
+    """
+    if len(outputs) < 2:
+        raise ValueError(f"assert_forms_agree needs at least two forms, got {list(outputs)}")
+    (ref_name, ref), *rest = outputs.items()
+    for name, out in rest:
+        try:
+            assert_trees_close(out, ref, rtol=rtol, atol=atol)
+        except AssertionError as e:
+            raise AssertionError(f"form {name!r} differs from {ref_name!r}: {e}") from None

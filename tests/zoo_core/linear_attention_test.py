@@ -1,0 +1,124 @@
+"""The shared causal linear-attention kernels: every form equal, state carry, NaN-safe masking."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from zoo_core import linear_attention as la
+from zoo_core.testing import F32_SIMPLE, F64, assert_forms_agree
+
+B, H, D, M = 2, 2, 4, 3
+
+
+def _inputs(t, seed=0, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(kq, (B, t, H, D), dtype), jax.random.normal(kk, (B, t, H, D), dtype),
+            jax.random.normal(kv, (B, t, H, M), dtype))
+
+
+def _oracle(q, k, v, mask=None):
+    """Token loop in float64 numpy: num_t = sum_{s<=t, valid} (q_t.k_s) v_s."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    valid = np.ones(q.shape[:2], bool) if mask is None else np.asarray(mask)
+    num = np.zeros(q.shape[:3] + (v.shape[-1],))
+    den = np.zeros(q.shape[:3])
+    for t in range(q.shape[1]):
+        for s in range(t + 1):
+            w = np.einsum("bhd,bhd->bh", q[:, t], k[:, s]) * valid[:, s, None] * valid[:, t, None]
+            num[:, t] += w[..., None] * v[:, s]
+            den[:, t] += w
+    return num, den
+
+
+def _all_forms(q, k, v, mask=None, denominator=True):
+    out = {"parallel": la.causal_parallel(q, k, v, mask=mask, denominator=denominator)}
+    for c in (1, 3, 16):
+        out[f"chunked({c})"] = la.causal_chunked(q, k, v, chunk_size=c, mask=mask,
+                                                 denominator=denominator)[:2]
+    out["scan"] = la.causal_scan(q, k, v, mask=mask, denominator=denominator)[:2]
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 7, 16])
+@pytest.mark.parametrize("denominator", [False, True])
+def test_forms_match_oracle(t, denominator):
+    q, k, v = _inputs(t)
+    mask = jnp.arange(t)[None, :] < jnp.array([[t], [max(1, t - 2)]])
+    forms = _all_forms(q, k, v, mask, denominator)
+    num, den = _oracle(q, k, v, mask)
+    forms = {"oracle": (num, den if denominator else None), **forms}
+    assert_forms_agree(forms, **F32_SIMPLE)
+
+
+def test_step_loop_and_state_carry():
+    q, k, v = _inputs(7, seed=1)
+    ys, dens, state = [], [], la.init_state(B, H, D, M, denominator=True)
+    for t in range(7):
+        y, d, state = la.causal_step(state, q[:, t], k[:, t], v[:, t])
+        ys.append(y)
+        dens.append(d)
+    num_a, den_a, s_a = la.causal_chunked(q[:, :3], k[:, :3], v[:, :3], chunk_size=2, denominator=True)
+    num_b, den_b, s_b = la.causal_scan(q[:, 3:], k[:, 3:], v[:, 3:], state=s_a, denominator=True)
+    full = la.causal_chunked(q, k, v, chunk_size=4, denominator=True)
+    assert_forms_agree({
+        "chunked": full,
+        "step": (jnp.stack(ys, 1), jnp.stack(dens, 1), state),
+        "split": (jnp.concatenate([num_a, num_b], 1), jnp.concatenate([den_a, den_b], 1), s_b),
+    }, **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30])
+def test_padding_and_future_cannot_change_valid_outputs(bad):
+    t = 7
+    q, k, v = _inputs(t, seed=2)
+    mask = jnp.arange(t)[None, :] < jnp.array([[7], [4]])
+    clean = _all_forms(q, k, v, mask)
+    # Padding (batch row 1, positions 4..6) holds `bad` in q, k and v.
+    pad = ~mask[:, :, None, None]
+    dirty = _all_forms(jnp.where(pad, bad, q), jnp.where(pad, bad, k), jnp.where(pad, bad, v), mask)
+    for name in clean:
+        np.testing.assert_array_equal(np.asarray(dirty[name][0]), np.asarray(clean[name][0]), err_msg=name)
+    # The future (position 5 of every row, unmasked) holds `bad`: outputs before 5 are unchanged.
+    fut = (jnp.arange(t) == 5)[None, :, None, None]
+    dirty = _all_forms(jnp.where(fut, bad, q), jnp.where(fut, bad, k), jnp.where(fut, bad, v))
+    clean = _all_forms(q, k, v)
+    for name in clean:
+        np.testing.assert_array_equal(np.asarray(dirty[name][0])[:, :5], np.asarray(clean[name][0])[:, :5],
+                                      err_msg=name)
+        if np.isnan(bad):   # a NaN input still reaches its own and later outputs
+            assert np.all(np.isnan(np.asarray(dirty[name][0])[:, 5:])), name
+
+
+def test_accumulates_in_float32_for_bf16_inputs():
+    q, k, v = _inputs(7, dtype=jnp.bfloat16)
+    num, den, state = la.causal_chunked(q, k, v, chunk_size=3, denominator=True)
+    assert num.dtype == den.dtype == state.num.dtype == state.den.dtype == jnp.float32
+
+
+def test_gradients_float64():
+    with jax.enable_x64(True):
+        q, k, v = (x.astype(jnp.float64) for x in _inputs(5, seed=3))
+        mask = jnp.arange(5)[None, :] < jnp.array([[5], [3]])
+
+        def f(fn):
+            return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+        grads = {
+            "parallel": jax.grad(f(lambda *a: la.causal_parallel(*a, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v),
+            "chunked": jax.grad(f(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0]),
+                                argnums=(0, 1, 2))(q, k, v),
+            "scan": jax.grad(f(lambda *a: la.causal_scan(*a, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v),
+        }
+        assert_forms_agree(grads, **F64)
+        check_grads(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0], (q, k, v),
+                                  order=1, modes=("rev",))
+
+
+def test_bad_arguments_raise():
+    q, k, v = _inputs(4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        la.causal_chunked(q, k, v, chunk_size=0)
+    with pytest.raises(ValueError, match="mask"):
+        la.causal_parallel(q, k, v, mask=jnp.ones((B, 3), bool))
+    with pytest.raises(ValueError, match="state.den"):
+        la.causal_scan(q, k, v, state=la.init_state(B, H, D, M), denominator=True)

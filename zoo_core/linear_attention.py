@@ -1,0 +1,259 @@
+"""Causal linear attention, once for the whole zoo: parallel, chunked, `lax.scan` and step forms.
+
+    num_t = sum_{s <= t} (q_t . k_s) v_s          [B, T, H, M]
+    den_t = sum_{s <= t}  q_t . k_s               [B, T, H]     (only with `denominator=True`)
+
+inclusive of s = t, per head, with no scale and no feature map: callers pass queries and keys
+already mapped (SAMoVAR's VAR chain and LinTrans use the raw projections, samovar.md §2.6 and §7;
+FAVOR+ passes its random features phi(q), phi(k) and divides num by den, htgn.md §2.6). The state
+carried between calls is `LinearState(num = sum_s k_s v_s^T [B, H, D, M], den = sum_s k_s [B, H, D])`.
+
+Forms (all return the same numbers up to float32 rounding; `tests/zoo_core/linear_attention_test.py`):
+
+* `causal_parallel`: the masked quadratic form `tril(Q K^T) V`, O(T^2) time and memory; the fastest
+  for short sequences.
+* `causal_chunked`: the quadratic form inside chunks of C tokens (any C >= 1, also one that does not
+  divide T) and the state across chunks, carried by a `lax.scan` whose body is rematerialised, so the
+  backward pass keeps one state per chunk: O(T C D + T D M) time, O(T (D + M) + D M) memory.
+* `causal_scan`: a `lax.scan` of `causal_step` over tokens (the recurrent form).
+* `causal_step`: one token, `S += k_t v_t^T; num_t = q_t S`.
+
+Precision: sums and states accumulate in at least float32 (`acc_dtype`; float64 under x64 inputs)
+whatever the input dtype, and outputs are returned in that accumulation dtype: the unnormalised sums
+grow with T and must not be rounded to bf16 before the caller normalises or casts.
+
+Masking is NaN-safe (the zoo's layer contract). Padding (`mask` False) and future positions are
+removed with `jnp.where`, never by multiplying with 0, since 0 * NaN = NaN:
+
+* a padded position's q, k and v are replaced by 0 before any product, so whatever it holds (NaN,
+  1e30) it changes no output and no state, and its own output is 0;
+* the quadratic forms mix every position s into every row t through `scores[t, s] * v_s`, where
+  the future entries of `scores` are zeroed with `jnp.where`; a non-finite future k_s or v_s would
+  still give 0 * NaN. Non-finite keys and values at valid positions are therefore replaced by 0 as
+  well, and every output and state at or after such a position is set to NaN (`_guard`), which is
+  what the token recurrence gives: a NaN input still reaches the loss (the trainer's non-finite
+  check sees it) but never an earlier output. Finite inputs are untouched (bit for bit).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class LinearState(NamedTuple):
+    """Carried state of causal linear attention (float32 unless the inputs are float64).
+
+    Attributes:
+      num: `[B, H, D, M]`, sum_s k_s v_s^T over the tokens seen so far.
+      den: `[B, H, D]`, sum_s k_s; None for attention without a denominator.
+    """
+
+    num: Array
+    den: Optional[Array]
+
+
+def acc_dtype(*xs) -> jnp.dtype:
+    """At least float32 (float64 stays float64): the accumulation dtype of every sum and state."""
+    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
+
+
+def init_state(batch_size: int, num_heads: int, key_dim: int, value_dim: int, *,
+               denominator: bool = False, dtype=jnp.float32) -> LinearState:
+    """Zero state: num `[B, H, D, M]`, den `[B, H, D]` (or None)."""
+    num = jnp.zeros((batch_size, num_heads, key_dim, value_dim), dtype)
+    den = jnp.zeros((batch_size, num_heads, key_dim), dtype) if denominator else None
+    return LinearState(num, den)
+
+
+def _check(q: Array, k: Array, v: Array, mask: Optional[Array], rank: int) -> None:
+    if q.ndim != rank or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        doc = "[B, T, H, D], k [B, T, H, D], v [B, T, H, M]" if rank == 4 else "[B, H, D], ..."
+        raise ValueError(f"causal linear attention expects q {doc}; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}")
+    if mask is not None and tuple(mask.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"mask must be [B, T] = {q.shape[:2]}, got {tuple(mask.shape)}")
+
+
+def _check_state(state: LinearState, q: Array, v: Array, denominator: bool) -> None:
+    b, h, d, m = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
+    if tuple(state.num.shape) != (b, h, d, m):
+        raise ValueError(f"state.num must be [B, H, D, M] = {(b, h, d, m)}, got {tuple(state.num.shape)}")
+    if denominator != (state.den is not None):
+        raise ValueError(f"state.den must be {'[B, H, D]' if denominator else 'None'} with "
+                         f"denominator={denominator}")
+    if denominator and tuple(state.den.shape) != (b, h, d):
+        raise ValueError(f"state.den must be [B, H, D] = {(b, h, d)}, got {tuple(state.den.shape)}")
+
+
+def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array]):
+    """Casts to the accumulation dtype and removes padding and non-finite keys/values with `where`.
+
+    Returns (q, k, v, poisoned) where poisoned `[B, T, H]` is True at and after the first valid
+    position whose key or value is not finite (see the module docstring).
+    """
+    acc = acc_dtype(q, k, v)
+    q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
+    bad = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))   # [B, T, H]
+    if mask is not None:
+        valid = jnp.asarray(mask).astype(bool)[:, :, None]
+        bad = bad & valid
+        q = jnp.where(valid[..., None], q, 0.0)
+        drop = bad | ~valid
+    else:
+        drop = bad
+    k = jnp.where(drop[..., None], 0.0, k)
+    v = jnp.where(drop[..., None], 0.0, v)
+    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
+    return q, k, v, poisoned
+
+
+def _guard(poisoned: Array, num: Array, den: Optional[Array], state: Optional[LinearState]):
+    """NaN at and after a non-finite key/value (rows of `poisoned`), as the recurrence would give."""
+    num = jnp.where(poisoned[..., None], jnp.nan, num)
+    den = None if den is None else jnp.where(poisoned, jnp.nan, den)
+    if state is not None:
+        last = poisoned[:, -1] if poisoned.shape[1] else jnp.zeros(poisoned.shape[:1] + poisoned.shape[2:], bool)
+        snum = jnp.where(last[..., None, None], jnp.nan, state.num)
+        sden = None if state.den is None else jnp.where(last[..., None], jnp.nan, state.den)
+        state = LinearState(snum, sden)
+    return num, den, state
+
+
+def _initial(state: Optional[LinearState], q: Array, v: Array, denominator: bool, dt) -> LinearState:
+    if state is None:
+        return init_state(q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1], denominator=denominator,
+                          dtype=dt)
+    _check_state(state, q, v, denominator)
+    return LinearState(state.num.astype(dt), None if state.den is None else state.den.astype(dt))
+
+
+def causal_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
+                    denominator: bool = False) -> tuple[Array, Optional[Array]]:
+    """Masked quadratic form `tril(Q K^T) V` (and `tril(Q K^T) 1`).
+
+    Args:
+      q: `[B, T, H, D]` queries (or query features).
+      k: `[B, T, H, D]` keys (or key features).
+      v: `[B, T, H, M]` values.
+      mask: optional `[B, T]` bool key-padding mask, True = valid.
+      denominator: also return den.
+
+    Returns:
+      (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
+    """
+    _check(q, k, v, mask, 4)
+    q, k, v, poisoned = _prepare(q, k, v, mask)
+    t = q.shape[1]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, 0.0)
+    num = jnp.einsum("bhts,bshm->bthm", scores, v)
+    den = jnp.swapaxes(jnp.sum(scores, axis=-1), 1, 2) if denominator else None
+    num, den, _ = _guard(poisoned, num, den, None)
+    return num, den
+
+
+def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
+                   state: Optional[LinearState] = None, mask: Optional[Array] = None,
+                   denominator: bool = False) -> tuple[Array, Optional[Array], LinearState]:
+    """Chunkwise form: quadratic inside chunks of C tokens, the state across them (`lax.scan`).
+
+    T is zero-padded at the end to a multiple of C; padded tokens have k = v = 0, so they add nothing
+    to the state, and their rows are dropped. The scan body is wrapped in `jax.checkpoint`, so the
+    backward pass stores one state per chunk instead of the per-chunk score blocks.
+
+    Args:
+      q, k, v, mask, denominator: as in `causal_parallel`.
+      chunk_size: C >= 1 (clipped to T).
+      state: optional `LinearState` of earlier tokens (zeros if None).
+
+    Returns:
+      (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check(q, k, v, mask, 4)
+    q, k, v, poisoned = _prepare(q, k, v, mask)
+    dt = q.dtype
+    state = _initial(state, q, v, denominator, dt)
+    b, t, h, d = q.shape
+    m = v.shape[-1]
+    c = max(1, min(chunk_size, t))
+    n = -(-t // c)
+    pad = n * c - t
+
+    def chunks(x):
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, n, c) + x.shape[2:]), 1, 0)
+
+    tril = jnp.tril(jnp.ones((c, c), bool))
+
+    @jax.checkpoint
+    def body(carry, xs):
+        qc, kc, vc = xs
+        scores = jnp.where(tril, jnp.einsum("bihd,bjhd->bhij", qc, kc), 0.0)
+        num = jnp.einsum("bhij,bjhm->bihm", scores, vc) + jnp.einsum("bihd,bhdm->bihm", qc, carry.num)
+        new_num = carry.num + jnp.einsum("bjhd,bjhm->bhdm", kc, vc)
+        if carry.den is None:
+            return LinearState(new_num, None), (num, jnp.zeros((), dt))
+        den = jnp.sum(scores, axis=-1).swapaxes(1, 2) + jnp.einsum("bihd,bhd->bih", qc, carry.den)
+        return LinearState(new_num, carry.den + jnp.sum(kc, axis=1)), (num, den)
+
+    final, (num, den) = jax.lax.scan(body, state, (chunks(q), chunks(k), chunks(v)))
+    num = jnp.moveaxis(num, 0, 1).reshape(b, n * c, h, m)[:, :t]
+    den = jnp.moveaxis(den, 0, 1).reshape(b, n * c, h)[:, :t] if denominator else None
+    return _guard(poisoned, num, den, final)
+
+
+def causal_step(state: LinearState, q_t: Array, k_t: Array,
+                v_t: Array) -> tuple[Array, Optional[Array], LinearState]:
+    """One token of the recurrence, inclusive of the new token: `S += k_t v_t^T; num_t = q_t S`.
+
+    Args:
+      state: `LinearState` of the prefix (its `den` decides whether a denominator is kept).
+      q_t, k_t: `[B, H, D]`.
+      v_t: `[B, H, M]`.
+
+    Returns:
+      (num_t `[B, H, M]`, den_t `[B, H]` or None, new state).
+    """
+    _check(q_t, k_t, v_t, None, 3)
+    dt = acc_dtype(state.num, q_t, k_t, v_t)
+    q_t, k_t, v_t = q_t.astype(dt), k_t.astype(dt), v_t.astype(dt)
+    num_state = state.num.astype(dt) + jnp.einsum("bhd,bhm->bhdm", k_t, v_t)
+    num = jnp.einsum("bhd,bhdm->bhm", q_t, num_state)
+    if state.den is None:
+        return num, None, LinearState(num_state, None)
+    den_state = state.den.astype(dt) + k_t
+    return num, jnp.einsum("bhd,bhd->bh", q_t, den_state), LinearState(num_state, den_state)
+
+
+def causal_scan(q: Array, k: Array, v: Array, *, state: Optional[LinearState] = None,
+                mask: Optional[Array] = None,
+                denominator: bool = False) -> tuple[Array, Optional[Array], LinearState]:
+    """Recurrent form: `jax.lax.scan` of `causal_step` over the tokens.
+
+    Autodiff through it stores every state (O(T D M)); train with `causal_chunked`.
+
+    Args:
+      q, k, v, mask, denominator: as in `causal_parallel`.
+      state: optional `LinearState` of earlier tokens (zeros if None).
+
+    Returns:
+      (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
+    """
+    _check(q, k, v, mask, 4)
+    q, k, v, poisoned = _prepare(q, k, v, mask)
+    state = _initial(state, q, v, denominator, q.dtype)
+
+    def body(carry, xs):
+        num, den, carry = causal_step(carry, *xs)
+        return carry, (num, jnp.zeros((), q.dtype) if den is None else den)
+
+    final, (num, den) = jax.lax.scan(body, state, tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)))
+    num = jnp.swapaxes(num, 0, 1)
+    den = jnp.swapaxes(den, 0, 1) if denominator else None
+    return _guard(poisoned, num, den, final)
