@@ -14,6 +14,12 @@ Everything the architecture scaling scripts in `benchmarks/` share lives here:
   the same run and states results as ratios to it rather than as raw seconds only.
 * `run_scaling`: the sweep over cases × sequence lengths, producing `Result` records; `write_json`
   and `plot` store them.
+* Roofline accounting: `cost_of` (XLA's FLOP and byte counts of a compiled function),
+  `reference_bandwidth` (streaming GB/s measured now), `machine_bounds` (both peaks, measured in the
+  same process) and `roofline` (achieved GFLOP/s and GB/s of a measured time, the fractions of the
+  compute and memory bounds and the roofline time bound).
+* `train_step_setup`: the shared trainer's jitted `train_step` with its state and one fixed batch, built
+  as `trainer.train_and_evaluate` builds them (peers benchmark, device check).
 
 A scaling script reduces to a `make_fn(case, n) -> (fn, args)` closure; see
 `benchmarks/softmax_attention.py`.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
@@ -130,6 +137,217 @@ def reference_matmul(n: int = 2048, dtype: Any = jnp.float32, *, warmup: int = 1
     b = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32), dtype)
     t = time_jitted(jnp.matmul, a, b, warmup=warmup, repeats=repeats)
     return 2.0 * n**3 / t["min_s"] / 1e9
+
+
+def reference_bandwidth(n_bytes: int = 256 * 2**20, *, warmup: int = 1, repeats: int = 5) -> float:
+    """Measures the streaming memory bandwidth right now, in GB/s (1e9 bytes per second).
+
+    Times a jitted `x + 1` over a float32 array of `n_bytes` (one read and one write of the whole
+    array: 2 * n_bytes moved per call); best of `repeats`. The array must be much larger than the
+    last-level cache (default 256 MiB; on a GPU use 1-4 GiB).
+
+    Returns:
+      GB/s as a float.
+    """
+    n = max(int(n_bytes) // 4, 1)
+    x = jnp.zeros((n,), jnp.float32)
+    t = time_jitted(lambda a: a + 1.0, x, warmup=warmup, repeats=repeats)
+    del x
+    return 2.0 * 4 * n / t["min_s"] / 1e9
+
+
+def _cost_dict(compiled: Any) -> dict[str, float]:
+    try:
+        cost = compiled.cost_analysis()
+    except (NotImplementedError, RuntimeError):
+        return {}
+    if isinstance(cost, (list, tuple)):  # older jax returned one dict per computation
+        cost = cost[0] if cost else None
+    return dict(cost or {})
+
+
+def cost_of(fn: Callable, *args: Any, compiled: Any = None) -> dict[str, float | None]:
+    """XLA's cost analysis of `jax.jit(fn).lower(*args).compile()` (or of `compiled`).
+
+    Args:
+      fn: a function of arrays (jitted or not), ignored when `compiled` is given.
+      *args: arrays or `jax.ShapeDtypeStruct`s.
+      compiled: an already compiled executable (`jax.jit(f).lower(...).compile()`).
+
+    Returns:
+      dict(flops, bytes_accessed, transcendentals): per call, None where the backend does not count
+      (e.g. custom calls such as cuDNN attention count 0 FLOPs).
+    """
+    if compiled is None:
+        compiled, _ = _compile(fn, args)
+    cost = _cost_dict(compiled)
+
+    def get(key):
+        v = cost.get(key)
+        return float(v) if v is not None and v > 0 else None
+
+    return dict(flops=get("flops"), bytes_accessed=get("bytes accessed"),
+                transcendentals=get("transcendentals"))
+
+
+def machine_bounds(*, matmul_n: int | None = None, dtype: Any = jnp.float32,
+                   bandwidth_bytes: int | None = None, repeats: int = 5) -> dict[str, float]:
+    """The compute and memory peaks of this machine measured now, in this process.
+
+    `peak_gflops` is `reference_matmul(matmul_n, dtype)` (default n = 2048 on CPU, 8192 on
+    accelerators) and `peak_gbps` is `reference_bandwidth(bandwidth_bytes)` (default 256 MiB on
+    CPU, 2 GiB on accelerators). Both are lower bounds of the true peaks, so the fractions that
+    `roofline` computes from them are upper bounds.
+    """
+    cpu = jax.default_backend() == "cpu"
+    matmul_n = matmul_n or (2048 if cpu else 8192)
+    bandwidth_bytes = bandwidth_bytes or (256 * 2**20 if cpu else 2 * 2**30)
+    return dict(peak_gflops=reference_matmul(matmul_n, dtype, repeats=repeats),
+                peak_gbps=reference_bandwidth(bandwidth_bytes, repeats=repeats),
+                matmul_n=matmul_n, matmul_dtype=jnp.dtype(dtype).name,
+                bandwidth_bytes=int(bandwidth_bytes))
+
+
+def roofline(cost: dict[str, float | None], seconds: float,
+             bounds: dict[str, float] | None = None) -> dict[str, float | None]:
+    """Roofline accounting of one call that took `seconds`.
+
+    Args:
+      cost: `cost_of(...)` (flops, bytes_accessed).
+      seconds: the measured time per call (e.g. a median).
+      bounds: `machine_bounds()` (peak_gflops, peak_gbps); None: only the achieved rates.
+
+    Returns:
+      dict(seconds, gflop, gbyte, gflops (achieved GFLOP/s), gbps (achieved GB/s),
+      frac_compute = gflops / peak_gflops, frac_memory = gbps / peak_gbps,
+      bound_s = max(flops / peak, bytes / bandwidth), the time the roofline allows,
+      frac_bound = bound_s / seconds (1.0 = at the roofline), bound = 'compute' or 'memory'
+      (the larger of the two lower bounds)). Entries are None where a count or a peak is missing.
+    """
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    flops, nbytes = cost.get("flops"), cost.get("bytes_accessed")
+    out: dict[str, Any] = dict(seconds=seconds, gflop=None if flops is None else flops / 1e9,
+                               gbyte=None if nbytes is None else nbytes / 1e9,
+                               gflops=None if flops is None else flops / seconds / 1e9,
+                               gbps=None if nbytes is None else nbytes / seconds / 1e9,
+                               frac_compute=None, frac_memory=None, bound_s=None, frac_bound=None,
+                               bound=None)
+    if bounds:
+        t_compute = t_memory = None
+        if out["gflops"] is not None and bounds.get("peak_gflops"):
+            out["frac_compute"] = out["gflops"] / bounds["peak_gflops"]
+            t_compute = flops / (bounds["peak_gflops"] * 1e9)
+        if out["gbps"] is not None and bounds.get("peak_gbps"):
+            out["frac_memory"] = out["gbps"] / bounds["peak_gbps"]
+            t_memory = nbytes / (bounds["peak_gbps"] * 1e9)
+        known = [(t, name) for t, name in ((t_compute, "compute"), (t_memory, "memory"))
+                 if t is not None]
+        if known:
+            out["bound_s"], out["bound"] = max(known)
+            out["frac_bound"] = out["bound_s"] / seconds
+    return out
+
+
+ROOFLINE_HEADER = (f"{'GFLOP':>8} {'GB':>7} {'GFLOP/s':>8} {'GB/s':>7} {'f_comp':>6} {'f_mem':>6} "
+                   f"{'bound_s':>8} {'f_bound':>7}")
+
+
+def format_roofline(r: dict[str, Any] | None) -> str:
+    """One fixed-width row of `roofline(...)` under `ROOFLINE_HEADER`."""
+    r = r or {}
+
+    def num(key, width, spec):
+        v = r.get(key)
+        return ("-" if v is None else format(v, spec)).rjust(width)
+
+    return (f"{num('gflop', 8, '.2f')} {num('gbyte', 7, '.2f')} {num('gflops', 8, '.1f')} "
+            f"{num('gbps', 7, '.1f')} {num('frac_compute', 6, '.2f')} {num('frac_memory', 6, '.2f')} "
+            f"{num('bound_s', 8, '.4g')} {num('frac_bound', 7, '.2f')}")
+
+
+def time_state_step(step: Callable, state: Any, *args: Any, warmup: int = 1,
+                    repeats: int = 5) -> tuple[dict[str, Any], Any]:
+    """Times a compiled `step(state, *args) -> (state, ...)` that threads its state (and may
+    donate it): `warmup` untimed then `repeats` timed calls, each ended by `block_until_ready`.
+
+    Returns:
+      (dict(median_s, min_s, all_s), the final state).
+    """
+    _check_counts(warmup, repeats)
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        out = step(state, *args)
+        jax.block_until_ready(out)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        state = out[0] if isinstance(out, tuple) else out
+    return dict(median_s=statistics.median(times), min_s=min(times), all_s=times), state
+
+
+# Data options shrunk by `train_step_setup` (the generated data sets): only a fixed batch is needed.
+_SIZE_OPTIONS = ("num_train", "num_validation", "num_test")
+
+
+def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: int | None = None,
+                     donate: bool = True) -> dict[str, Any]:
+    """The shared trainer's jitted train step, its initial state and one fixed training batch.
+
+    Built as `zoo_core.trainer.train_and_evaluate` builds them: `trainer.prepare_data`, the model
+    from `build_model(**config.model)`, `tasks.make_task`, `optim.make_optimizer`,
+    `trainer.init_state` on the first example, the batch from `pipeline.train_batches` put on the
+    'data' mesh, and `jax.jit(partial(trainer.train_step, ...), donate_argnums=(0,))`.
+
+    Args:
+      config: a resolved config (not changed; a copy is).
+      build_model: the architecture's `Model` factory (`agf_jax.model.Model`, ...).
+      num_examples: where the data set is generated (`config.data.options.num_train` etc.), generate
+        only this many examples per split (default: 2 batches); the shapes are unchanged.
+      donate: donate the state as the trainer does (then always thread the returned state).
+
+    Returns:
+      dict(step: the jitted step, compiled: it compiled for (state, batch), state, batch, model,
+      config: the copy used, compile_s, num_params, cost: `cost_of` the step).
+    """
+    import copy
+
+    from zoo_core import optim, sharding, tasks, trainer
+    from zoo_core.data import pipeline
+
+    config = copy.deepcopy(config)
+    num_examples = num_examples or 2 * int(config.batch_size)
+    with config.unlocked():
+        options = config.data.get("options", None)
+        for key in _SIZE_OPTIONS:
+            if options is not None and key in options and options[key]:
+                need = num_examples if key == "num_train" else min(num_examples,
+                                                                   int(config.eval_batch_size))
+                options[key] = min(int(options[key]), max(need, 1))
+    trainer.validate_config(config)
+    train_source, _ = trainer.prepare_data(config)
+    model = build_model(**config.model.to_dict())
+    task = tasks.make_task(config)
+    tx, schedule = optim.make_optimizer(config)
+    host = sharding.numeric(next(pipeline.train_batches(
+        train_source, global_batch_size=config.batch_size, seed=config.seed, process_index=0,
+        process_count=1, start_step=0)))
+    mesh = sharding.make_mesh()
+    replicated = sharding.replicated(mesh)
+    batch = sharding.global_batch(host, mesh)
+    example = jax.tree_util.tree_map(lambda x: np.asarray(x)[:1], host)
+    init = functools.partial(trainer.init_state, model=model, tx=tx)
+    state = jax.jit(init, out_shardings=replicated)(jax.random.PRNGKey(config.seed), example)
+    step_kw = dict(model=model, tx=tx, task=task, schedule=schedule,
+                   accum_steps=int(config.optim.grad_accum_steps))
+    step = jax.jit(functools.partial(trainer.train_step, **step_kw),
+                   donate_argnums=(0,) if donate else (), out_shardings=(replicated, replicated))
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
+    return dict(step=step, compiled=compiled, state=state, batch=batch, model=model, config=config,
+                compile_s=compile_s, num_params=num_params, cost=cost_of(None, compiled=compiled))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -123,3 +123,39 @@ def test_softmax_attention_script_runs(tmp_path):
     assert [r.status for r in records] == ["ok", "ok"]
     assert (tmp_path / "softmax_attention.json").exists()
     assert (tmp_path / "softmax_attention.png").exists()
+
+
+def test_cost_of_counts_a_matmul():
+    spec = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    cost = bench.cost_of(jnp.matmul, spec, spec)
+    assert cost["flops"] == pytest.approx(2 * 64**3, rel=0.05)
+    assert cost["bytes_accessed"] >= 3 * 64 * 64 * 4
+
+
+def test_reference_bandwidth_and_machine_bounds():
+    assert bench.reference_bandwidth(2**20, warmup=0, repeats=2) > 0
+    bounds = bench.machine_bounds(matmul_n=64, bandwidth_bytes=2**20, repeats=1)
+    assert bounds["peak_gflops"] > 0 and bounds["peak_gbps"] > 0
+    assert bounds["matmul_n"] == 64 and bounds["matmul_dtype"] == "float32"
+
+
+def test_roofline_fractions_and_bound():
+    cost = dict(flops=2e9, bytes_accessed=4e9)
+    r = bench.roofline(cost, 1.0, dict(peak_gflops=10.0, peak_gbps=8.0))
+    assert r["gflops"] == pytest.approx(2.0) and r["gbps"] == pytest.approx(4.0)
+    assert r["frac_compute"] == pytest.approx(0.2) and r["frac_memory"] == pytest.approx(0.5)
+    # compute bound 0.2 s, memory bound 0.5 s: the memory bound is the roofline.
+    assert r["bound"] == "memory" and r["bound_s"] == pytest.approx(0.5)
+    assert r["frac_bound"] == pytest.approx(0.5)
+    bare = bench.roofline(dict(flops=None, bytes_accessed=None), 2.0)
+    assert bare["gflops"] is None and bare["bound_s"] is None
+    assert len(bench.format_roofline(r)) == len(bench.ROOFLINE_HEADER)
+    with pytest.raises(ValueError):
+        bench.roofline(cost, 0.0)
+
+
+def test_time_state_step_threads_the_state():
+    step = jax.jit(lambda s, x: (s + x, s.sum()), donate_argnums=(0,))
+    timing, state = bench.time_state_step(step, jnp.zeros(4), jnp.ones(4), warmup=1, repeats=3)
+    assert len(timing["all_s"]) == 3 and timing["median_s"] > 0
+    assert float(state[0]) == 4.0
