@@ -1,0 +1,628 @@
+"""Peers benchmark: the official PyTorch implementations against ours, on the same configs, in one run.
+
+Step cases (one training step on a fixed batch, both sides in this process, interleaved A B A B):
+
+| case | official (PyTorch) | ours (JAX, the shared trainer's jitted `train_step`) |
+|---|---|---|
+| `agf_listops` | AGF_LRA `ModelForSC`, `lra_config` listops + `best_agf.sh` (svd, jacobi K=5, a=2, b=-1, fixI, reg 0.01), AdamW + OneCycleLR | `configs/agf/lra_listops.py` |
+| `agf_softmax` | the same model with `attn_type=softmax` (grad checkpointing as in `lra_config`) | `configs/agf/lra_listops.py:attention=softmax` |
+| `samovar_fig4` | `visualization/AutoregressiveAlignment.py` `Model` (the Fig. 4 notebook's `ARMAConfig`, batch 256, 64 steps x 2 channels = 128 tokens), AdamW | `configs/samovar/synthetic_var.py` |
+| `lintrans` | `visualization/Autoregressive.py` `Model` on the last 8 steps (the notebook's LinTrans) | `configs/samovar/synthetic_var.py:kind=lintrans` |
+
+Each side is built once, runs `--warmup` untimed steps, then `--rounds` rounds of `--steps` timed steps
+(A = official, then B = ours, in every round). Reported: each side's median s/step over all timed steps,
+the ratio official/ours (> 1: ours is faster), our step's roofline columns (XLA cost analysis against the
+f32 matmul peak and the streaming bandwidth measured in this process), and the load average before and
+after. Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the
+LRA code's CUDA autocast and GradScaler do nothing there, so they are off). Both sides train on the same
+token ids / series where the shapes allow it (our batch is converted for the official model).
+
+End-to-end case `agf_uea_jv` (issue 17): the whole JapaneseVowels job, the official `run_agf_best.sh`
+line (`AGF_UEA/main.py ... --epochs N`) against `python -m agf_jax.train --config
+configs/agf/uea_japanese_vowels.py` (same epochs, batch 16, test every 2 epochs plus the first), each in
+a subprocess, alternating for `--uea_rounds` rounds: wall time, per-epoch training time and
+per-evaluation time of each. The official side runs under `--official_python` (a venv with torch,
+pandas < 3, matplotlib 3.8, scikit-learn, tensorboard, xlrd, xlwt, xlutils, tabulate, ipdb; see
+benchmarks/README.md), on the sktime copy of the data (`--uea_data_dir`).
+
+    python -m benchmarks.peers --agf_src ~/peers/agf --samovar_src ~/peers/samovar
+    python -m benchmarks.peers --agf_src DIR --cases agf_uea_jv --epochs 20 --official_python DIR/venv/bin/python
+    python -m benchmarks.peers --tiny --cases agf_listops,samovar_fig4    # CI smoke: our side only
+
+A case whose official source is not given (or lacks the file it needs) is reported as skipped with the
+reason; with --tiny and no sources only our side is timed, and the printout says so. Timings taken on a
+loaded machine are not results: the load average is printed for that reason. No official code lives in
+this repository: pass the paths of checkouts made outside it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:   # `python benchmarks/peers.py` as well as `python -m benchmarks.peers`
+    sys.path.insert(0, str(REPO))
+
+STEP_CASES = ("agf_listops", "agf_softmax", "samovar_fig4", "lintrans")
+E2E_CASES = ("agf_uea_jv",)
+CASES = STEP_CASES + E2E_CASES
+DEFAULT_CASES = STEP_CASES + E2E_CASES
+
+# Our configs per case: (config module, argument, argument with --tiny).
+OUR_CONFIGS = {
+    "agf_listops": ("configs.agf.lra_listops", None, "smoke"),
+    "agf_softmax": ("configs.agf.lra_listops", "attention=softmax", "attention=softmax,smoke"),
+    "samovar_fig4": ("configs.samovar.synthetic_var", None, "smoke"),
+    "lintrans": ("configs.samovar.synthetic_var", "kind=lintrans", "kind=lintrans,smoke"),
+}
+# The official files each case needs, relative to --agf_src / --samovar_src.
+OFFICIAL_FILES = {
+    "agf_listops": ("agf", "AGF_LRA/model_wrapper.py"),
+    "agf_softmax": ("agf", "AGF_LRA/model_wrapper.py"),
+    "samovar_fig4": ("samovar", "visualization/AutoregressiveAlignment.py"),
+    "lintrans": ("samovar", "visualization/Autoregressive.py"),
+    "agf_uea_jv": ("agf", "AGF_UEA/main.py"),
+}
+# `best_agf.sh`'s listops line.
+AGF_LISTOPS_FILTER = dict(poly_type="jacobi", K=5, alpha=2.0, beta=-1.0, fixI=True, reg=0.01)
+UEA_DATASET = "JapaneseVowels"
+
+
+def loadavg() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Our side.
+
+
+def _our_build_model(case: str):
+    if case.startswith("agf"):
+        from agf_jax import model
+        return model.Model
+    from samovar_jax import train
+    return train.build_model
+
+
+def our_config(case: str, tiny: bool):
+    import importlib
+
+    module, arg, tiny_arg = OUR_CONFIGS[case]
+    return importlib.import_module(module).get_config(tiny_arg if tiny else arg)
+
+
+class OurStep:
+    """The shared trainer's jitted train step on one fixed batch (`bench.train_step_setup`)."""
+
+    def __init__(self, case: str, tiny: bool):
+        from zoo_core import bench
+
+        self.setup = bench.train_step_setup(our_config(case, tiny), _our_build_model(case))
+        self.state = self.setup["state"]
+        self.batch = self.setup["batch"]
+        self.step = self.setup["step"]
+
+    def __call__(self) -> None:
+        import jax
+
+        self.state, metrics = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+
+    def describe(self) -> dict[str, Any]:
+        import numpy as np
+
+        return dict(batch={k: list(np.shape(v)) for k, v in self.batch.items()},
+                    num_params=self.setup["num_params"], compile_s=self.setup["compile_s"],
+                    cost=self.setup["cost"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The official side (PyTorch), built from the user's checkout.
+
+
+@contextlib.contextmanager
+def _on_path(folder: pathlib.Path):
+    """Imports from `folder` (the official code imports its siblings by bare name)."""
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+
+
+def _load_module(path: pathlib.Path, name: str):
+    with _on_path(path.parent):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def _official_agf_lra(src: pathlib.Path, case: str, ours: OurStep | None, tiny: bool, seed: int):
+    import numpy as np
+    import torch
+
+    folder = src / "AGF_LRA"
+    with _on_path(folder):
+        for name in ("lra_config", "model_wrapper", "model", "attention", "attention_svd", "polyconv"):
+            sys.modules.pop(name, None)   # another checkout's modules of the same names
+        lra_config = importlib.import_module("lra_config")
+        model_wrapper = importlib.import_module("model_wrapper")
+        attn_type = "svd" if case == "agf_listops" else "softmax"
+        cfg = dict(lra_config.config["listops"]["model"])
+        cfg.update(lra_config.config["listops"]["extra_attn_config"][attn_type])
+        train_cfg = lra_config.config["listops"]["training"]
+        if ours is not None:
+            ids = np.asarray(ours.batch["inputs"]).astype(np.int64)
+            labels = np.asarray(ours.batch["label"]).astype(np.int64)
+        else:
+            rng = np.random.default_rng(seed)
+            b, n = (4, 64) if tiny else (train_cfg["batch_size"], cfg["max_seq_len"])
+            ids = rng.integers(1, 16, size=(b, n))
+            labels = rng.integers(0, cfg["num_classes"], size=(b,))
+        ids = np.minimum(ids, cfg["vocab_size"] - 1)
+        cfg["max_seq_len"] = int(2 ** math.ceil(math.log2(max(cfg["max_seq_len"], ids.shape[1]))))
+        cfg.update(mixed_precision=False, attn_type=attn_type, num_layers=2, task="listops", skip_train=0)
+        if attn_type == "svd":
+            cfg.update(AGF_LISTOPS_FILTER)
+        else:
+            cfg.update(poly_type="None", K="0", reg=0, alpha=1.0, beta=0.2, fixI=False)
+        torch.manual_seed(seed)
+        model = model_wrapper.ModelForSC(cfg)
+    model.train()
+    batch = dict(input_ids_0=torch.from_numpy(ids), mask_0=torch.from_numpy((ids != 0).astype(np.float32)),
+                 label=torch.from_numpy(labels))
+    opt = torch.optim.AdamW(model.parameters(), lr=train_cfg["learning_rate"], betas=(0.9, 0.999), eps=1e-6,
+                            weight_decay=train_cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=train_cfg["learning_rate"], pct_start=train_cfg["warmup"] / train_cfg["num_train_steps"],
+        anneal_strategy=train_cfg["lr_decay"], total_steps=10**6)
+
+    def step():
+        opt.zero_grad()
+        outputs = model(**batch)
+        loss = outputs["loss"].mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        loss.item()
+
+    info = dict(file="AGF_LRA/model_wrapper.py::ModelForSC", attn_type=attn_type, batch=list(ids.shape),
+                max_seq_len=cfg["max_seq_len"], num_params=sum(p.numel() for p in model.parameters()))
+    return step, info
+
+
+class _ARMAConfig:
+    """The Fig. 4 notebook's `ARMAConfig` (visualization/model_visualize.ipynb)."""
+    seq_len = 64
+    pred_len = 1
+    label_len = 64
+    enc_in = 2
+    number_of_targets = 2
+    d_model = 32
+    dropout = 0.1
+    e_layers = 3
+    n_heads = 2
+    predictor = "LinearAttention"
+    time_emb_dim = 0
+    features = "M"
+    local_attention = False
+    local_attention_window = 8
+
+
+def _official_samovar(src: pathlib.Path, case: str, ours: OurStep | None, tiny: bool, seed: int):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    file = "Autoregressive.py" if case == "lintrans" else "AutoregressiveAlignment.py"
+    module = _load_module(src / "visualization" / file, f"_official_{case}")
+    config = _ARMAConfig()
+    batch_size = 256
+    if ours is not None:
+        batch_size = int(np.shape(next(iter(ours.batch.values())))[0])
+    elif tiny:
+        batch_size = 4
+    torch.manual_seed(seed)
+    model = module.Model(config)
+    model.train()
+    rng = np.random.default_rng(seed)
+    x_i = torch.from_numpy(rng.standard_normal((batch_size, config.seq_len, config.enc_in), dtype=np.float32))
+    x_p = torch.from_numpy(rng.standard_normal((batch_size, config.pred_len, config.enc_in), dtype=np.float32))
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step():
+        # The notebook's model_forward_* (channel-drop augmentation included) and its training loop.
+        xi = x_i[:, -(config.local_attention_window * config.pred_len):, :] if case == "lintrans" else x_i
+        drop_rate = torch.rand(1).item()
+        drop_mask = torch.rand(1, 1, xi.shape[2]) < 1 - drop_rate
+        xi = xi.masked_fill(drop_mask, 0)
+        xp = x_p.masked_fill(drop_mask, 0)
+        opt.zero_grad()
+        output, ar_loss = model(xi)
+        loss = F.mse_loss(output, xp) + ar_loss
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    info = dict(file=f"visualization/{file}::Model", batch=[batch_size, config.seq_len, config.enc_in],
+                num_params=sum(p.numel() for p in model.parameters()))
+    return step, info
+
+
+def official_source(case: str, args) -> tuple[pathlib.Path | None, str | None]:
+    """(checkout, None) or (None, the reason the case's official side is skipped)."""
+    which, rel = OFFICIAL_FILES[case]
+    src = getattr(args, f"{which}_src")
+    flag = f"--{which}_src"
+    if not src:
+        return None, f"no official source: pass {flag} DIR (a checkout made outside this repository)"
+    src = pathlib.Path(src).expanduser()
+    if not (src / rel).is_file():
+        return None, f"{flag} {src} has no {rel}"
+    return src, None
+
+
+def _check_torch() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "torch is not installed (pip install -e '.[peers]')"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Step cases: interleaved timing.
+
+
+def interleave(sides: dict[str, Callable[[], None]], *, warmup: int, steps: int, rounds: int,
+               log: Callable[[str], Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Times each side's step: `warmup` untimed steps each, then `rounds` rounds of `steps` timed
+    steps of every side in turn (A B A B ...). Returns {side: dict(median_s, min_s, all_s, round_medians)}."""
+    for name, fn in sides.items():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[list[float]]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name, fn in sides.items():
+            ts = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            times[name].append(ts)
+            if log:
+                log(f"  round {r + 1}/{rounds} {name}: median {statistics.median(ts):.4g} s/step")
+    out = {}
+    for name, per_round in times.items():
+        flat = [t for ts in per_round for t in ts]
+        out[name] = dict(median_s=statistics.median(flat), min_s=min(flat), all_s=flat,
+                         round_medians=[statistics.median(ts) for ts in per_round])
+    return out
+
+
+def run_step_case(case: str, args, bounds: dict[str, float] | None, log) -> dict[str, Any]:
+    from zoo_core import bench
+
+    rec: dict[str, Any] = dict(case=case, kind="step", status="ok")
+    src, reason = official_source(case, args)
+    if src is not None:
+        reason = _check_torch()
+        src = None if reason else src
+    if src is None and not args.tiny:
+        rec.update(status="skipped", reason=reason)
+        return rec
+    ours = OurStep(case, args.tiny)
+    rec["ours"] = ours.describe()
+    sides: dict[str, Callable[[], None]] = {}
+    if src is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        build = _official_agf_lra if case.startswith("agf") else _official_samovar
+        official_step, rec["official"] = build(src, case, ours, args.tiny, args.seed)
+        sides["official"] = official_step
+    else:
+        rec["official"] = dict(skipped=reason)
+        rec["note"] = f"our side only ({reason})"
+    sides["ours"] = ours
+    rec["load_before"] = loadavg()
+    timing = interleave(sides, warmup=args.warmup, steps=args.steps, rounds=args.rounds, log=log)
+    rec["load_after"] = loadavg()
+    for name, t in timing.items():
+        rec.setdefault(name, {}).update(t)
+    rec["ours"]["roofline"] = bench.roofline(ours.setup["cost"], timing["ours"]["median_s"], bounds)
+    if "official" in timing:
+        rec["ratio_official_over_ours"] = timing["official"]["median_s"] / timing["ours"]["median_s"]
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------
+# The end-to-end UEA case.
+
+_RUNTIME = r"{} runtime: ([\d.]+) hours, ([\d.]+) minutes, ([\d.]+) seconds"
+
+
+def _runtimes(text: str, what: str) -> list[float]:
+    return [float(h) * 3600 + float(m) * 60 + float(s) for h, m, s in re.findall(_RUNTIME.format(what), text)]
+
+
+def official_uea_command(src: pathlib.Path, data_dir: pathlib.Path, out_dir: pathlib.Path, epochs: int,
+                         python: str, seed: int | None) -> list[str]:
+    """`run_agf_best.sh`'s JapaneseVowels line (with --epochs, the CPU and an output folder)."""
+    cmd = [python, "main.py", "--output_dir", str(out_dir), "--comment", "classification for AGF",
+           "--name", "JapaneseVowels_fromScratch", "--records_file", str(out_dir / "Classification_records.xls"),
+           "--data_dir", str(data_dir), "--data_class", "tsra", "--pattern", "TRAIN", "--val_pattern", "TEST",
+           "--epochs", str(epochs), "--lr", "0.001", "--batch_size", "16", "--optimizer", "RAdam",
+           "--pos_encoding", "learnable", "--task", "classification", "--key_metric", "accuracy",
+           "--model", "svd", "--eta", "0.01", "--poly_type", "legendre", "--K", "4", "--gpu", "-1"]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    return cmd
+
+
+def our_uea_command(workdir: pathlib.Path, epochs: int, seed: int | None, tiny: bool) -> list[str]:
+    arg = "smoke" if tiny else None
+    config = "configs/agf/uea_japanese_vowels.py" + (f":{arg}" if arg else "")
+    cmd = [sys.executable, "-m", "agf_jax.train", "--config", config, "--workdir", str(workdir)]
+    if not tiny:
+        from configs.agf import uea_japanese_vowels
+
+        c = uea_japanese_vowels.get_config()
+        epoch = c.log_every_steps
+        cmd += [f"--config.total_steps={epochs * epoch}"]
+    if seed is not None:
+        cmd += [f"--config.seed={seed}"]
+    return cmd
+
+
+def _our_uea_times(workdir: pathlib.Path, steps_per_epoch: int, eval_steps: set[int]) -> dict[str, Any]:
+    """Per-epoch training and per-evaluation time of our run, from workdir/metrics.jsonl.
+
+    The trainer logs `train/steps_per_second` once per epoch over the wall time since the previous
+    log, which includes the evaluation (and checkpoint) made after the previous epoch. Epochs after an
+    epoch without evaluation give the training time; epochs after an evaluation give training +
+    evaluation, whose excess over the median training epoch is the evaluation time. The first epoch
+    includes compiling.
+    """
+    windows = {}
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return dict(error=f"no {path}")
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        sps = rec.get("train/steps_per_second")
+        if sps:
+            windows[int(rec["step"])] = steps_per_epoch / float(sps)
+    if not windows:
+        return dict(error="no train/steps_per_second in metrics.jsonl")
+    steps = sorted(windows)
+    first = windows[steps[0]]
+    plain = [windows[s] for s in steps[1:] if (s - steps_per_epoch) not in eval_steps]
+    after_eval = [windows[s] for s in steps[1:] if (s - steps_per_epoch) in eval_steps]
+    epoch_s = _median(plain) or _median([windows[s] for s in steps[1:]])
+    eval_s = (_median(after_eval) - epoch_s) if after_eval and epoch_s is not None else None
+    return dict(epoch_train_s=epoch_s, eval_s=eval_s, first_epoch_s=first, epochs_logged=len(steps),
+                method="metrics.jsonl train/steps_per_second windows (see _our_uea_times)")
+
+
+def _uea_data_dir(args) -> pathlib.Path | None:
+    if args.uea_data_dir:
+        return pathlib.Path(args.uea_data_dir)
+    spec = importlib.util.find_spec("sktime")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = pathlib.Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / UEA_DATASET
+    return d if (d / f"{UEA_DATASET}_TRAIN.ts").exists() else None
+
+
+def _run(cmd: list[str], cwd, env, log_path: pathlib.Path, timeout: float | None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    with open(log_path, "w") as f:
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return dict(rc=rc, wall_s=time.perf_counter() - t0, log=str(log_path))
+
+
+def run_uea_case(case: str, args, log) -> dict[str, Any]:
+    rec: dict[str, Any] = dict(case=case, kind="end_to_end", status="ok", epochs=args.epochs)
+    src, reason = official_source(case, args)
+    data_dir = _uea_data_dir(args)
+    if src is not None and data_dir is None:
+        src, reason = None, "no JapaneseVowels .ts files: pass --uea_data_dir (the sktime copy)"
+    if src is None and not args.tiny:
+        rec.update(status="skipped", reason=reason)
+        return rec
+    out = pathlib.Path(args.uea_out or tempfile.mkdtemp(prefix="peers_uea_"))
+    out.mkdir(parents=True, exist_ok=True)
+    threads = str(args.threads)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    if args.clear_xla_flags:
+        env.pop("XLA_FLAGS", None)
+    from configs.agf import uea_japanese_vowels
+    from zoo_core import trainer
+
+    c = uea_japanese_vowels.get_config("smoke" if args.tiny else None)
+    steps_per_epoch = int(c.log_every_steps)
+    total = steps_per_epoch * args.epochs if not args.tiny else int(c.total_steps)
+    with c.unlocked():
+        c.total_steps = total
+    eval_steps = {s for s in range(1, total + 1) if trainer.is_eval_step(c, s)}
+    runs: dict[str, list[dict[str, Any]]] = dict(official=[], ours=[])
+    rec["load_before"] = loadavg()
+    for r in range(args.uea_rounds):
+        if src is not None:
+            odir = out / f"official_{r}"
+            odir.mkdir(exist_ok=True)
+            cmd = official_uea_command(src, data_dir, odir, args.epochs, args.official_python, args.uea_seed)
+            res = _run(cmd, src / "AGF_UEA", env, out / f"official_{r}.log", args.uea_timeout)
+            text = pathlib.Path(res["log"]).read_text(errors="replace")
+            epochs, evals = _runtimes(text, "Epoch"), _runtimes(text, "Validation")
+            res.update(epoch_train_s=_median(epochs), eval_s=_median(evals), epochs_logged=len(epochs),
+                       evals_logged=len(evals))
+            runs["official"].append(res)
+            log(f"  round {r + 1} official: rc={res['rc']} wall {res['wall_s']:.1f} s, epoch "
+                f"{res['epoch_train_s']}, eval {res['eval_s']}")
+        wdir = out / f"ours_{r}"
+        cmd = our_uea_command(wdir, args.epochs, args.uea_seed, args.tiny)
+        res = _run(cmd, REPO, env, out / f"ours_{r}.log", args.uea_timeout)
+        res.update(_our_uea_times(wdir, steps_per_epoch, eval_steps))
+        runs["ours"].append(res)
+        log(f"  round {r + 1} ours: rc={res['rc']} wall {res['wall_s']:.1f} s, epoch "
+            f"{res.get('epoch_train_s')}, eval {res.get('eval_s')}")
+    rec["load_after"] = loadavg()
+    rec["out_dir"] = str(out)
+    for side, rs in runs.items():
+        if not rs:
+            rec[side] = dict(skipped=reason)
+            continue
+        rec[side] = dict(runs=rs, median_s=_median([x["wall_s"] for x in rs]),
+                         epoch_train_s=_median([x["epoch_train_s"] for x in rs if x.get("epoch_train_s")]),
+                         eval_s=_median([x["eval_s"] for x in rs if x.get("eval_s") is not None]))
+        if any(x["rc"] != 0 for x in rs):
+            rec["status"] = "failed"
+            rec["reason"] = f"{side} exited with {[x['rc'] for x in rs]} (logs in {out})"
+    if not runs["official"]:
+        rec["note"] = f"our side only ({reason})"
+    elif rec["status"] == "ok":
+        rec["ratio_official_over_ours"] = rec["official"]["median_s"] / rec["ours"]["median_s"]
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------
+# The report.
+
+
+def _fmt(v, spec=".4g"):
+    return "-" if v is None else format(v, spec)
+
+
+def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    from zoo_core import bench
+
+    lines = [f"peers benchmark  {meta['time_utc']}  backend {meta['backend']}  torch threads {meta['threads']}"
+             f"  tiny={meta['tiny']}",
+             f"load average before: {meta['load_before']}   after: {meta['load_after']}",
+             f"bounds (measured now): f32 matmul {_fmt(meta['bounds'].get('peak_gflops'), '.1f')} GFLOP/s, "
+             f"stream {_fmt(meta['bounds'].get('peak_gbps'), '.1f')} GB/s",
+             "",
+             f"{'case':<14} {'status':>7} {'official_s':>10} {'ours_s':>10} {'off/ours':>8}  "
+             + bench.ROOFLINE_HEADER + "  note"]
+    for r in records:
+        off, ours = r.get("official", {}), r.get("ours", {})
+        note = r.get("reason") or r.get("note") or ""
+        if r["kind"] == "end_to_end" and r["status"] != "skipped":
+            note = (f"wall s; epoch train official {_fmt(off.get('epoch_train_s'))} / ours "
+                    f"{_fmt(ours.get('epoch_train_s'))} s, eval {_fmt(off.get('eval_s'))} / "
+                    f"{_fmt(ours.get('eval_s'))} s; {note}").rstrip("; ")
+        lines.append(f"{r['case']:<14} {r['status']:>7} {_fmt(off.get('median_s')):>10} "
+                     f"{_fmt(ours.get('median_s')):>10} {_fmt(r.get('ratio_official_over_ours'), '.2f'):>8}  "
+                     + bench.format_roofline(ours.get("roofline")) + f"  {note}")
+    lines.append("official_s, ours_s: median s/step (end-to-end case: median wall s per job); "
+                 "off/ours > 1: ours is faster; roofline columns: our step.")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--agf_src", default=os.environ.get("AGF_SRC"), help="checkout of jeongwhanchoi/agf")
+    p.add_argument("--samovar_src", default=os.environ.get("SAMOVAR_SRC"),
+                   help="checkout of LJC-FVNR/Structural-Aligned-Mixture-of-VAR")
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated subset of {list(CASES)}")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per side per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B A B ...)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per side before the rounds")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (and OMP/MKL threads of subprocesses)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CI smoke); our side only without sources")
+    p.add_argument("--epochs", type=int, default=100, help="agf_uea_jv: epochs of each job")
+    p.add_argument("--uea_rounds", type=int, default=1, help="agf_uea_jv: alternating rounds of the two jobs")
+    p.add_argument("--uea_timeout", type=float, default=None, help="agf_uea_jv: seconds per job")
+    p.add_argument("--uea_data_dir", default=None, help="folder with JapaneseVowels_{TRAIN,TEST}.ts "
+                   "(default: sktime's copy)")
+    p.add_argument("--uea_out", default=None, help="agf_uea_jv: folder for the jobs' outputs and logs")
+    p.add_argument("--official_python", default=sys.executable,
+                   help="python for the official UEA job (needs its old pandas/matplotlib; see README)")
+    p.add_argument("--clear_xla_flags", action="store_true", help="unset XLA_FLAGS for our subprocess")
+    p.add_argument("--seed", type=int, default=0, help="step cases: official init / data seed")
+    p.add_argument("--uea_seed", type=int, default=None,
+                   help="agf_uea_jv: --seed of both jobs (default: each side's own default)")
+    p.add_argument("--no_bounds", action="store_true", help="skip measuring the matmul/bandwidth bounds")
+    p.add_argument("--out", default=None, help="write the records and meta as JSON here")
+    args = p.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        p.error(f"unknown --cases {unknown}; choose from {list(CASES)}")
+    for name in ("steps", "rounds", "epochs", "uea_rounds", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from zoo_core import bench
+
+    log = lambda s: print(s, flush=True)
+    meta = dict(bench.machine_meta(), threads=args.threads, tiny=args.tiny, steps=args.steps, rounds=args.rounds,
+                warmup=args.warmup, load_before=loadavg(), agf_src=args.agf_src, samovar_src=args.samovar_src)
+    bounds: dict[str, Any] = {}
+    if not args.no_bounds and any(c in STEP_CASES for c in args.cases):
+        bounds = (bench.machine_bounds(matmul_n=256, bandwidth_bytes=16 * 2**20, repeats=2) if args.tiny
+                  else bench.machine_bounds())
+    meta["bounds"] = bounds
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+    except ImportError:
+        meta["torch"] = None
+    records = []
+    for case in args.cases:
+        log(f"{case}:")
+        try:
+            rec = run_step_case(case, args, bounds, log) if case in STEP_CASES else run_uea_case(case, args, log)
+        except Exception as err:  # noqa: BLE001 (one broken case must not hide the others' numbers)
+            import traceback
+
+            traceback.print_exc()
+            rec = dict(case=case, kind="step" if case in STEP_CASES else "end_to_end", status="error",
+                       reason=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300])
+        if rec["status"] != "ok":
+            log(f"  {rec['status']}: {rec['reason']}")
+        records.append(rec)
+    meta["load_after"] = loadavg()
+    report = format_report(records, meta)
+    print(report, flush=True)
+    result = dict(meta=meta, records=records)
+    if args.out:
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(1 if any(r["status"] in ("error", "failed") for r in main()["records"]) else 0)
