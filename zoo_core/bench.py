@@ -486,6 +486,8 @@ class Result:
       memory: the full `compiled_memory` dict.
       flops: FLOPs per call (XLA cost analysis, or `info['flops']` from `make_fn`).
       gflops: flops / median_s / 1e9.
+      bytes_accessed: bytes read + written per call (XLA cost analysis).
+      gbps: bytes_accessed / median_s / 1e9 (achieved GB/s).
       ref_gflops: reference matmul GFLOP/s measured just before this record.
       frac_peak: gflops / ref_gflops (fraction of the machine's measured peak).
       time_over_ref: median_s / time of one reference matmul (machine-independent-ish time).
@@ -509,6 +511,8 @@ class Result:
     memory: dict[str, int | None] = dataclasses.field(default_factory=dict)
     flops: float | None = None
     gflops: float | None = None
+    bytes_accessed: float | None = None
+    gbps: float | None = None
     ref_gflops: float | None = None
     frac_peak: float | None = None
     time_over_ref: float | None = None
@@ -567,7 +571,8 @@ def _measure(case: str, n: int, make_fn: Callable, *, warmup: int, repeats: int,
     est = memory["total_bytes"]
     res = Result(case=case, n=n, status=SKIPPED, compile_s=compile_s, est_bytes=est,
                  guard_factor=factor, memory=memory,
-                 flops=info.pop("flops", None) or _flops_of(compiled), info=info)
+                 flops=info.pop("flops", None) or _flops_of(compiled),
+                 bytes_accessed=cost_of(None, compiled=compiled)["bytes_accessed"], info=info)
     if est is None:
         res.reason = "no compiled memory analysis on this backend: memory guard inactive"
     elif est * factor > max_bytes:
@@ -586,6 +591,8 @@ def _measure(case: str, n: int, make_fn: Callable, *, warmup: int, repeats: int,
     res.median_s, res.min_s, res.all_s = timing["median_s"], timing["min_s"], timing["all_s"]
     if res.flops:
         res.gflops = res.flops / res.median_s / 1e9
+    if res.bytes_accessed:
+        res.gbps = res.bytes_accessed / res.median_s / 1e9
     if res.ref_gflops:
         res.time_over_ref = res.median_s / (2.0 * ref_n**3 / (res.ref_gflops * 1e9))
         if res.gflops:
@@ -597,7 +604,8 @@ def run_scaling(cases: Iterable[str], lengths: Iterable[int],
                 make_fn: Callable[[str, int], tuple], *, warmup: int = 1, repeats: int = 3,
                 max_bytes: int | None = None, mem_factor: float | None = None,
                 max_run_s: float | None = None, ref_n: int | None = 2048,
-                log: Callable[[str], Any] | None = None) -> list[Result]:
+                log: Callable[[str], Any] | None = None,
+                deadline: float | None = None) -> list[Result]:
     """Sweeps every case over increasing lengths, guarding memory before anything runs.
 
     For each (case, n): `make_fn(case, n)` gives `(fn, args)` or `(fn, args, info)`, where `args`
@@ -625,6 +633,9 @@ def run_scaling(cases: Iterable[str], lengths: Iterable[int],
       max_run_s: stop a case once its median time exceeds this (None: no limit).
       ref_n: size of the float32 reference matmul timed before each record (None: skip it).
       log: called with one line per record (e.g. `print`), or None.
+      deadline: a `time.monotonic()` value; once it has passed, every remaining (case, n) is recorded
+        as skipped ('time budget spent') without compiling (None: no limit). A record that started
+        before the deadline runs to its end.
 
     Returns:
       The records, in sweep order.
@@ -646,6 +657,12 @@ def run_scaling(cases: Iterable[str], lengths: Iterable[int],
     for case in cases:
         factor = mem_factor
         for n in lengths:
+            if deadline is not None and time.monotonic() > deadline:
+                res = Result(case=case, n=n, status=SKIPPED, reason="time budget spent")
+                records.append(res)
+                if log is not None:
+                    log(format_table([res], header=False))
+                continue
             try:
                 res = _measure(case, n, make_fn, warmup=warmup, repeats=repeats,
                                max_bytes=max_bytes, factor=factor, ref_n=ref_n)
@@ -753,11 +770,12 @@ def format_table(records: Iterable[Result | dict], header: bool = True) -> str:
     lines = []
     if header:
         lines.append(f"{'case':<20} {'n':>7} {'status':>7} {'median_s':>10} {'GFLOP/s':>8} "
-                     f"{'frac_pk':>7} {'est_mem':>11} {'peak_rss':>11}  reason")
+                     f"{'frac_pk':>7} {'GB/s':>7} {'est_mem':>11} {'peak_rss':>11}  reason")
     for r in _as_dicts(records):
         lines.append(f"{r['case']:<20} {r['n']:>7} {r['status']:>7} "
                      f"{num(r['median_s'], 10, '.4g')} {num(r['gflops'], 8, '.1f')} "
-                     f"{num(r['frac_peak'], 7, '.2f')} {_fmt_bytes(r['est_bytes']):>11} "
+                     f"{num(r['frac_peak'], 7, '.2f')} {num(r.get('gbps'), 7, '.1f')} "
+                     f"{_fmt_bytes(r['est_bytes']):>11} "
                      f"{_fmt_bytes(r['peak_rss_bytes']):>11}  {r['reason'] or ''}")
     return "\n".join(lines)
 
@@ -840,6 +858,7 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
     """An argparse parser with the flags every scaling script has; add the script's own to it.
 
     Flags: --lengths (comma-separated N), --cases (subset of `cases`, default all or `default_cases`),
+    --budget_s (time budget of the sweep, see `run_scaling(deadline=...)`),
     --repeats, --max_gib (memory guard), --max_run_s, --ref_n (reference matmul), --out_dir.
     Parse with `parse_scaling_args`.
     """
@@ -854,6 +873,8 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
     p.add_argument("--max_run_s", type=float, default=max_run_s,
                    help="stop a case once its median time exceeds this")
     p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
+    p.add_argument("--budget_s", type=float, default=None,
+                   help="time budget of the whole sweep; later records are skipped once it is spent")
     p.add_argument("--out_dir", default=str(out_dir))
     return p
 
@@ -878,8 +899,11 @@ def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, me
                    title: str) -> list[Result]:
     """`run_scaling` with the parsed flags, then `<out_dir>/<name>.json` (meta + max_bytes), the plot
     `<name>.png` and the table on stdout."""
+    budget = getattr(args, "budget_s", None)
+    deadline = time.monotonic() + budget if budget else None
     records = run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                          max_bytes=args.max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n, log=print)
+                          max_bytes=args.max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n, log=print,
+                          deadline=deadline)
     out = pathlib.Path(args.out_dir)
     write_json(out / f"{name}.json", records, dict(meta, max_bytes=args.max_bytes))
     plot(records, out / f"{name}.png", max_bytes=args.max_bytes, title=title)

@@ -159,3 +159,15 @@ def test_time_state_step_threads_the_state():
     timing, state = bench.time_state_step(step, jnp.zeros(4), jnp.ones(4), warmup=1, repeats=3)
     assert len(timing["all_s"]) == 3 and timing["median_s"] > 0
     assert float(state[0]) == 4.0
+
+
+def test_run_scaling_deadline_skips_the_rest_and_records_bytes():
+    import time
+
+    records = bench.run_scaling(["a", "b"], [16, 32], _make_gram, repeats=1, max_bytes=2**30, ref_n=None,
+                                deadline=time.monotonic() - 1)
+    assert [(r.case, r.n, r.status, r.reason) for r in records] == [
+        (c, n, "skipped", "time budget spent") for c in "ab" for n in (16, 32)]
+    ok = bench.run_scaling(["a"], [16], _make_gram, repeats=1, max_bytes=2**30, ref_n=None)[0]
+    assert ok.bytes_accessed > 0 and ok.gbps > 0
+    assert "GB/s" in bench.format_table([ok])
