@@ -69,6 +69,10 @@ class Checkpoints:
         self.workdir = os.path.abspath(workdir)
         self.best_metric, self.best_mode = best_metric, best_mode
         self._keep = keep
+        # The folders this instance creates, removed again by close(discard_created=True) when a run is
+        # refused (e.g. on a CheckpointMismatch), so that a refused run leaves nothing behind.
+        self._created = [sub for sub in ("checkpoints", "best") if (sub == "checkpoints" or best_metric)
+                         and not os.path.exists(os.path.join(self.workdir, sub))]
         self.last = self._manager("checkpoints", keep)
         self.best = self._manager("best", 1) if best_metric else None
         self.best_value: float | None = None
@@ -190,7 +194,16 @@ class Checkpoints:
         self.last.close()
         self.last = self._manager("checkpoints", self._keep)
 
-    def close(self) -> None:
+    def close(self, *, discard_created: bool = False) -> None:
+        """Closes the managers; with `discard_created`, removes the folders this instance made if they
+        are still empty."""
         self.last.close()
         if self.best is not None:
             self.best.close()
+        if discard_created:
+            import jax
+            if jax.process_index() == 0:
+                for sub in self._created:
+                    path = os.path.join(self.workdir, sub)
+                    if os.path.isdir(path) and not os.listdir(path):
+                        os.rmdir(path)

@@ -12,6 +12,11 @@ line on stderr and exit status 2, before anything is compiled.
 Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
 a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
 report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json.
+
+Resuming: a --workdir holding checkpoints is resumed only with the config it was trained with (its
+config.json); a difference in what is trained (model, optimiser, schedule, data, seed, batch) is refused
+naming the fields, unless `--allow_config_change` is given. Logging, evaluation and checkpoint cadence,
+the progress bar and a longer total_steps (under a constant or warmup_rsqrt schedule) may always change.
 """
 from __future__ import annotations
 
@@ -35,6 +40,13 @@ _EVAL_ONLY = flags.DEFINE_bool("eval_only", False, "evaluate a saved checkpoint 
 _EVAL_SPLIT = flags.DEFINE_string("eval_split", None, "split for --eval_only (default: config.data.eval_split)")
 _CHECKPOINT = flags.DEFINE_enum("checkpoint", None, ["best", "latest"],
                                 "which checkpoint --eval_only reads (default: best)")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False,
+    "resume the run in --workdir although the config differs from its stored config.json in fields that "
+    "change what is trained (model, optim, schedule, data, seed, batch_size, ...); without it such a resume "
+    "is refused naming the fields. The differences are logged and config.json is replaced. Fields that only "
+    "change logging, evaluation or checkpointing (and a longer total_steps under a constant or "
+    "warmup_rsqrt schedule) may always change: zoo_core.trainer.SAFE_ON_RESUME")
 
 
 def maybe_initialize_distributed() -> None:
@@ -53,25 +65,36 @@ def maybe_initialize_distributed() -> None:
 
 
 class _QuietLibraries:
-    """Drops INFO records from orbax and the grain/tfds internals: dozens of lines per checkpoint."""
+    """Drops INFO records from orbax and the grain/tfds internals (dozens of lines per checkpoint), and
+    TFDS's warning that every dataset here uses a custom configuration (they all do, by design)."""
 
     _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/", "/etils/")
 
     def filter(self, record) -> bool:
+        if "/tensorflow_datasets/" in record.pathname and str(record.msg).startswith("Using custom data conf"):
+            return False
         return record.levelno >= 30 or not any(n in record.pathname for n in self._NOISY)
 
 
 def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any], list] | None) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.get_absl_handler().addFilter(_QuietLibraries())
+        _fail(f"unexpected positional argument(s) {' '.join(argv[1:])!r}: every option is a flag, e.g. "
+              "--workdir DIR or --config.optim.learning_rate=3e-4")
+    handler = logging.get_absl_handler()
+    if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
+        handler.addFilter(_QuietLibraries())
     from zoo_core import trainer
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
     workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+    if _ALLOW_CONFIG_CHANGE.value and _EVAL_ONLY.value:
+        _fail("--allow_config_change applies to training runs, not to --eval_only")
     try:
-        maybe_initialize_distributed()
+        try:
+            maybe_initialize_distributed()
+        except ValueError as e:
+            _fail(str(e))
         if _EVAL_ONLY.value:
             if _EVAL_SPLIT.value is not None:
                 config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
@@ -83,8 +106,11 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
             _fail("--eval_split and --checkpoint are only used with --eval_only (training evaluates "
                   "config.data.eval_split)")
+        trainer.check_setup(config, build_model)   # before the evaluators build anything
+        trainer.check_workdir(workdir)
         evaluators = evaluators_fn(config) if evaluators_fn else ()
-        trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators)
+        trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
+                                   allow_config_change=_ALLOW_CONFIG_CHANGE.value)
     except trainer.ConfigError as e:
         _fail(str(e))
     except FileNotFoundError as e:
@@ -105,10 +131,10 @@ def default_workdir(config_arg: str) -> str:
     return os.path.join("runs", name)
 
 
-def _fail(message: str, status: int = 2, *, log: bool = True) -> None:
-    if log:
-        logging.error("%s", message)
-    print(f"error: {message}", file=sys.stderr)
+def _fail(message: str, status: int = 2) -> None:
+    """Prints the one line `error: <message>` on stderr (not also through logging) and exits."""
+    message = " ".join(str(message).split())
+    print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 
@@ -120,27 +146,46 @@ def _last_line(message: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _innermost(e: BaseException) -> BaseException:
+    """The first exception of the chain (`__cause__` / `__context__`) that led to `e`."""
+    seen = {id(e)}
+    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        e = nxt
+    return e
+
+
+def _first_line(message: str) -> str:
+    """'flag --config=F' of absl's 'flag --config=F: <error>' message."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line.split(": ", 1)[0]
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config mistakes (unknown key, bad value, broken file) reduced to one line."""
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
-        _fail(f"bad flag: {_last_line(str(e))}", log=False)
+        inner = _innermost(e)
+        if isinstance(inner, UnicodeError):
+            # A binary file read as text by the config (e.g. a CSV's header): absl's re-raise of the
+            # decode error loses the message ("function takes exactly 5 arguments").
+            _fail(f"bad flag: {_first_line(str(e))}: a file the config reads is not UTF-8 text "
+                  f"({type(inner).__name__}: {inner}); expected a text file such as a CSV")
+        _fail(f"bad flag: {_last_line(str(e))}")
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         # ml_collections reports an unknown --config.a.b override as AttributeError("'b'").
         detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")
         detail = " ".join(detail.replace("\\", "").replace("'", "").replace('"', "").split())
         bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-        _fail(f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})",
-              log=False)
+        _fail(f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})")
     # A config file that cannot be loaded (e.g. a wrong path) is not a parse error for ml_collections:
     # the flag holds a placeholder that raises OSError on first use. Surface it here as one line.
     if _CONFIG.value is not None:
         try:
             _CONFIG.value.get("seed")
         except OSError as e:
-            _fail(f"bad flag: --config {flags.FLAGS['config'].config_filename}: {_last_line(str(e))}",
-                  log=False)
+            _fail(f"bad flag: --config {flags.FLAGS['config'].config_filename}: {_last_line(str(e))}")
     return rest
 
 

@@ -9,11 +9,14 @@ or an unknown name, raises instead of being ignored.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from zoo_core import checks
 
 OPTIMIZERS = ("adamw", "adam", "radam", "lamb", "ranger")
 SCHEDULES = ("constant", "one_cycle", "warmup_linear", "warmup_cosine", "warmup_rsqrt")
@@ -205,8 +208,46 @@ def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: floa
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def check_ranges(config: Any) -> None:
+    """Value ranges of `config.optim` and `config.schedule` (one line naming the field on failure).
+
+    A negative or zero learning rate trains silently to nothing, so it is refused here with the other
+    numbers that have a meaningful range.
+    """
+    o, s = config.optim, config.schedule
+    for field, value, known in (("optim.name", o.name, OPTIMIZERS), ("schedule.name", s.name, SCHEDULES),
+                                ("optim.decay_mask", o.decay_mask, DECAY_MASKS),
+                                ("schedule.anneal", s.get("anneal", "cos"), ANNEALS)):
+        if value not in known:
+            checks.fail(f"unknown {field} {value!r}; choose one of {', '.join(known)}")
+    checks.check_positive("optim.learning_rate", o.learning_rate)
+    checks.check_rate("optim.b1", o.b1)
+    checks.check_rate("optim.b2", o.b2)
+    for name in ("weight_decay", "grad_clip_norm", "eps"):
+        value = o[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            checks.fail(f"`optim.{name}` must be a finite number >= 0, got {value!r}")
+    checks.check_int("optim.grad_accum_steps", o.grad_accum_steps, 1)
+    checks.check_int("optim.lookahead_steps", o.get("lookahead_steps", 6), 1)
+    alpha = o.get("lookahead_alpha", 0.5)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        checks.fail(f"`optim.lookahead_alpha` must be in (0, 1], got {alpha!r}")
+    checks.check_int("schedule.warmup_steps", s.get("warmup_steps", 0), 0)
+    end = s.get("end_factor", 0.0)
+    if isinstance(end, bool) or not isinstance(end, (int, float)) or not 0 <= end <= 1:
+        checks.fail(f"`schedule.end_factor` must be in [0, 1], got {end!r}")
+    pct = s.get("pct_start", 0.3)
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 < pct <= 1:
+        checks.fail(f"`schedule.pct_start` must be in (0, 1], got {pct!r}")
+    checks.check_positive("schedule.div_factor", s.get("div_factor", 25.0))
+    checks.check_positive("schedule.final_div_factor", s.get("final_div_factor", 1e4))
+    checks.check_rate("schedule.base_momentum", s.get("base_momentum", 0.85))
+    checks.check_rate("schedule.max_momentum", s.get("max_momentum", 0.95))
+
+
 def make_optimizer(config: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (tx, schedule) from `config.optim`, `config.schedule` and `config.total_steps`."""
+    check_ranges(config)
     o = config.optim
     schedule = make_schedule(config.schedule, learning_rate=o.learning_rate, total_steps=config.total_steps)
     name = o.name

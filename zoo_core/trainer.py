@@ -260,6 +260,152 @@ def validate_config(config) -> None:
                          "checkpoint.best_metric and eval_every_steps > 0")
     if config.eval_batch_size % devices:
         raise ValueError(f"eval_batch_size {config.eval_batch_size} must be divisible by the {devices} devices")
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    if int(config.checkpoint.keep) < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1, got {config.checkpoint.keep}")
+    if config.checkpoint.best_mode not in ("max", "min"):
+        raise ValueError(f"checkpoint.best_mode must be 'max' or 'min', got {config.checkpoint.best_mode!r}")
+    best = config.checkpoint.best_metric
+    if best and not str(best).startswith("eval/"):
+        raise ValueError(f"checkpoint.best_metric must name an eval metric 'eval/<name>', got {best!r}")
+    for role in ("train_split", "eval_split"):
+        split = config.data[role]
+        if not isinstance(split, str) or not split:
+            raise ValueError(f"data.{role} must be a split name such as 'train', got {split!r}")
+    optim.check_ranges(config)
+
+
+def check_setup(config, build_model: Callable[..., Any] | None = None) -> None:
+    """Every check that needs no data and no compile, in the order a user would fix them.
+
+    The config's ranges (`validate_config`), the optimiser and schedule (built, which is cheap), the task,
+    the model's constructor (`build_model(**config.model)`, which validates its fields), and the data
+    options and paths (`data.check_options`: a file where a directory is expected and the reverse, an
+    unknown option). Nothing is written.
+
+    Raises:
+      ConfigError: one line naming the field or file and what is expected.
+    """
+    try:
+        validate_config(config)
+        optim.make_optimizer(config)
+        tasks.make_task(config)
+        if build_model is not None:
+            build_model(**config.model.to_dict())
+        data_lib.check_options(config.data.name, config.data.data_dir, config.data.options.to_dict())
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
+        raise _config_error(e) from e
+
+
+def check_workdir(workdir: str) -> None:
+    """`workdir` is a directory or can be made one; nothing is created here.
+
+    Raises:
+      ConfigError: it (or a folder above it) is an existing file, or the nearest existing folder above
+        it is not writable.
+    """
+    if not workdir:
+        raise ConfigError("--workdir is empty; give a directory for checkpoints and metrics")
+    path = os.path.abspath(workdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"workdir {workdir!r} is an existing file; expected a directory (or a path to create)")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"workdir {workdir!r}: {parent!r} is a file, so no directory can be made under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"workdir {workdir!r}: {parent!r} is not writable")
+
+
+# Config fields that may change between a run and its resumption: they decide what is logged,
+# evaluated or kept, not what is trained. `total_steps` may grow when the schedule does not depend on
+# it (see `resume_changes`). Every other difference is refused unless the caller allows it.
+SAFE_ON_RESUME = ("log_every_steps", "eval_every_steps", "eval_also_at_step", "eval_max_examples",
+                  "eval_batch_size", "checkpoint_every_steps", "progress_bar", "checkpoint.keep",
+                  "checkpoint.best_metric", "checkpoint.best_mode", "checkpoint.patience", "data.data_dir",
+                  "data.eval_split", "test_split", "decode.")
+# Schedules whose learning rate at a step does not depend on total_steps.
+_STEP_FREE_SCHEDULES = ("constant", "warmup_rsqrt")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def resume_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused, allowed): the dotted keys in which `new` differs from the `stored` config of a run.
+
+    Both are JSON-like dicts (`config.to_json_best_effort()`). Allowed are the `SAFE_ON_RESUME` fields
+    and a larger total_steps under a schedule that does not depend on it.
+    """
+    a, b = _flatten(dict(stored)), _flatten(dict(new))
+    refused, allowed = [], []
+    for key in sorted(set(a) | set(b)):
+        if key in a and key in b and a[key] == b[key]:
+            continue
+        safe = any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
+        if key == "total_steps":
+            old_steps, new_steps = a.get(key), b.get(key)
+            schedule = b.get("schedule.name")
+            safe = (isinstance(old_steps, int) and isinstance(new_steps, int) and new_steps >= old_steps
+                    and schedule in _STEP_FREE_SCHEDULES and a.get("schedule.name") == schedule)
+        (allowed if safe else refused).append(key)
+    return refused, allowed
+
+
+def _describe(key: str, stored: dict, new: dict) -> str:
+    missing = "(absent)"
+    return f"{key}: {stored.get(key, missing)!r} -> {new.get(key, missing)!r}"
+
+
+def stored_run_config(workdir: str) -> dict | None:
+    """The config.json of the run in `workdir` if it has a checkpoint to resume, else None."""
+    checkpoints = os.path.join(workdir, "checkpoints")
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isdir(checkpoints) or not any(n.isdigit() for n in os.listdir(checkpoints)):
+        return None
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable JSON ({type(e).__name__}); it records the run's config, "
+                          "restore it or use a new --workdir") from e
+
+
+def check_resume(config_dict: dict, workdir: str, *, allow_config_change: bool = False) -> list[str]:
+    """Compares the config of the run being resumed in `workdir` with `config_dict`.
+
+    Returns:
+      The lines describing the differences that the resumed run will use (to be logged).
+
+    Raises:
+      ConfigError: a difference in a field that changes what is trained (model, optimiser, schedule,
+        data, seed, batch, ...), naming the keys, unless `allow_config_change`.
+    """
+    stored = stored_run_config(workdir)
+    if stored is None:
+        return []
+    refused, allowed = resume_changes(stored, config_dict)
+    a, b = _flatten(stored), _flatten(config_dict)
+    if refused and not allow_config_change:
+        shown = ", ".join(_describe(k, a, b) for k in refused[:6])
+        more = f" and {len(refused) - 6} more" if len(refused) > 6 else ""
+        raise ConfigError(f"the run in {workdir} was trained with another config: {shown}{more}; resume it "
+                          f"with its own config, use a new --workdir, or pass --allow_config_change "
+                          f"(train_and_evaluate(allow_config_change=True)) to continue with the new values")
+    return [_describe(k, a, b) for k in refused + allowed]
 
 
 def evals_between(config, after: int, upto: int) -> int:
@@ -300,6 +446,8 @@ def prepare_data(config) -> tuple[Any, Any]:
     builder = make_builder()
     failure = None
     if jax.process_index() == 0:
+        from zoo_core.data import base as data_base
+        data_base.explain_rebuild(builder)
         try:
             builder.download_and_prepare()
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other processes
@@ -352,6 +500,43 @@ def _mean_metrics(history: list[dict[str, jax.Array]]) -> dict[str, float]:
     return out
 
 
+class _TqdmStream:
+    """A text stream that writes through `tqdm.write`, so that a log line clears the progress bar,
+    is printed on its own line, and the bar is redrawn below it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        from tqdm.auto import tqdm
+        if text:
+            tqdm.write(text, file=self._stream, end="")
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _log_through_tqdm() -> Callable[[], None]:
+    """Routes absl's stderr log lines (and Python logging's console handlers) through tqdm.write while
+    a progress bar is shown; returns the function that undoes it."""
+    import logging as py_logging
+    import sys
+    targets = []
+    absl_handler = logging.get_absl_handler().python_handler
+    handlers = [absl_handler] + [h for h in py_logging.getLogger().handlers
+                                 if isinstance(h, py_logging.StreamHandler) and h is not absl_handler]
+    for h in handlers:
+        stream = getattr(h, "stream", None)
+        if stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__):
+            targets.append((h, stream))
+            h.stream = _TqdmStream(stream)
+
+    def restore():
+        for h, stream in targets:
+            h.stream = stream
+    return restore
+
+
 class _Terminate:
     """Turns SIGTERM into a flag the loop polls, so the run can save and exit cleanly."""
 
@@ -384,7 +569,8 @@ class _Terminate:
 
 
 def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
-                       evaluators: Iterable[Callable[..., Mapping[str, float]]] = ()) -> dict[str, float]:
+                       evaluators: Iterable[Callable[..., Mapping[str, float]]] = (),
+                       allow_config_change: bool = False) -> dict[str, float]:
     """Trains `build_model(**config.model)` on `config.data` and evaluates it; resumes from `workdir`.
 
     Args:
@@ -394,27 +580,27 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
       evaluators: extra host-side evaluations `fn(params, model, config, **step_kwargs(model, i))` ->
         {name: value} (i = `eval_step_index`; no keyword for a model without `uses_step`) run with every
         eval (e.g. decoding + BLEU); their results are logged under 'eval/'.
+      allow_config_change: resume a run in `workdir` whose stored config.json differs from `config` in
+        fields that change what is trained (see `check_resume`); the differences are logged and
+        config.json is replaced. Without it such a resume is refused (`SAFE_ON_RESUME` fields, and a
+        longer total_steps under a step-free schedule, are always allowed).
 
     Returns:
       The last eval metrics ({} when there was nothing left to train: the run had reached
       total_steps, or had stopped early, before this call).
 
     Raises:
-      ValueError: a configuration problem, before anything is compiled.
+      ConfigError: a configuration problem (or a refused resume), before anything is compiled or written.
       NonFiniteError: the loss or gradient became non-finite (the message names the step).
     """
-    try:
-        validate_config(config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
+    check_setup(config, build_model)
+    check_workdir(workdir)
     config_dict = json.loads(config.to_json_best_effort())
-    logging.info("config:\n%s", config)
-    logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
-                 jax.process_index(), jax.process_count(), jax.devices())
+    changes = check_resume(config_dict, workdir, allow_config_change=allow_config_change)
+    is_main = jax.process_index() == 0
 
-    # --- data, model, optimiser: every config error surfaces here, before any compile ---
+    # --- data, model, optimiser: every config error surfaces here, before any compile and before the
+    # workdir is made or the config is logged ---
     pcount, pindex = jax.process_count(), jax.process_index()
     rng = jax.random.PRNGKey(config.seed)
     try:
@@ -432,8 +618,18 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         abstract = jax.eval_shape(init, rng, example)
         _check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
                             has_evaluators=bool(evaluators))
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, OSError) as e:
         raise _config_error(e) from e
+    os.makedirs(workdir, exist_ok=True)
+    logging.info("config:\n%s", config)
+    logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
+                 jax.process_index(), jax.process_count(), jax.devices())
+    if changes:
+        logging.warning("resuming %s with a changed config (%s): %s", workdir,
+                        "allowed by allow_config_change" if allow_config_change else "fields safe to change",
+                        "; ".join(changes))
     mode = config.parallel.mode
     mesh = sharding.make_mesh()
     logging.info("parameters:\n%s", parameter_overview(abstract.params))
@@ -445,11 +641,12 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     replicated = sharding.replicated(mesh)
     abstract_sharded = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract)
+    checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
+                                       best_mode=ck.best_mode)
     try:
-        checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
-                                           best_mode=ck.best_mode)
         restored = checkpoints.restore_latest(abstract_sharded, config_dict)
-    except ValueError as e:   # a bad checkpoint option, or the workdir holds another model's run
+    except ckpt_lib.CheckpointMismatch as e:   # the workdir holds another model's run: leave it as it was
+        checkpoints.close(discard_created=True)
         raise ConfigError(str(e)) from e
     if is_main:   # only now: a mismatching workdir keeps its own config.json
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -514,9 +711,11 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     def check_finite(s) -> None:
         bad = int(jax.device_get(host_state(s).bad_step))
         if bad >= 0:
+            last = checkpoints.last.latest_step()
+            kept = (f"the last good checkpoint (step {last}) in {workdir} is kept" if last is not None
+                    else f"no checkpoint had been saved in {workdir} yet")
             raise NonFiniteError(f"non-finite loss or gradient at step {bad + 1} (also what a label outside "
-                                 f"the model's classes gives): stopping; the last good checkpoint in "
-                                 f"{workdir} is kept")
+                                 f"the model's classes gives): stopping; {kept}")
 
     def save(s, step, *, force=False):
         check_finite(s)
@@ -526,9 +725,11 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     train_iter = pipeline.train_batches(train_source, global_batch_size=config.batch_size, seed=config.seed,
                                         process_index=pindex, process_count=pcount, start_step=start)
     progress = None
+    restore_logging = lambda: None
     if is_main and config.progress_bar:
         from tqdm.auto import tqdm
         progress = tqdm(total=config.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        restore_logging = _log_through_tqdm()
     history: list[dict[str, jax.Array]] = []
     last_eval: dict[str, float] = {}
     t0, steps_since = time.time(), 0
@@ -575,6 +776,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                     break
     finally:
         if progress is not None:
+            restore_logging()
             progress.close()
         writer.flush()
         writer.close()

@@ -282,9 +282,10 @@ def test_evals_between_counts_the_eval_steps(data_dir):
 
 
 def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_path):
-    """lr 0: the first eval is the best forever, so patience 2 with evals every 2 steps stops at 6."""
+    """lr 1e-30 (no change in float32): the first eval is the best forever, so patience 2 with evals
+    every 2 steps stops at 6."""
     c = _config(data_dir, total_steps=20, log_every_steps=2, eval_every_steps=2, checkpoint_every_steps=0,
-                **{"optim.learning_rate": 0.0, "checkpoint.best_metric": "eval/loss",
+                **{"optim.learning_rate": 1e-30, "checkpoint.best_metric": "eval/loss",
                    "checkpoint.best_mode": "min", "checkpoint.patience": 2})
     result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
     assert result and sorted(os.listdir(tmp_path / "best")) == ["2"]
@@ -450,11 +451,17 @@ def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_pat
     c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
     trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
     before = json.load(open(tmp_path / "config.json"))
+    shutil.rmtree(tmp_path / "best")   # an empty best/ (no eval yet): a refused run must not make it again
+    listing = sorted(os.listdir(tmp_path))
     wider = _config(data_dir, total_steps=4, eval_every_steps=0, checkpoint_every_steps=2,
                     **{"model.hidden": c.model.hidden * 2})
-    with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
+    with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64"):
         trainer.train_and_evaluate(wider, str(tmp_path), models.MLPClassifier)
+    # Allowed, the change still cannot restore the checkpoint: refused, and no empty best/ is left.
+    with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
+        trainer.train_and_evaluate(wider, str(tmp_path), models.MLPClassifier, allow_config_change=True)
     assert os.listdir(tmp_path / "checkpoints") == ["2"] and not (tmp_path / "damaged").exists()
+    assert sorted(os.listdir(tmp_path)) == listing
     assert json.load(open(tmp_path / "config.json")) == before
     # The same config still resumes from it.
     c.total_steps = 4

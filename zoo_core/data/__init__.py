@@ -5,6 +5,9 @@ unprepared `tfds.core.DatasetBuilder`. `DATASETS` maps the names used in `config
 modules; it is a plain dict (not a decorator registry) so that every dataset is one grep away.
 """
 import importlib
+import os
+
+from absl import logging
 
 DATASETS = {
     "synthetic_linear": "zoo_core.data.synthetic",
@@ -23,11 +26,63 @@ DATASETS = {
 
 
 def make_builder(name: str, data_dir: str, **options):
-    """Returns the (unprepared) TFDS builder of dataset `name` configured with `options`."""
+    """Returns the (unprepared) TFDS builder of dataset `name` configured with `options`.
+
+    Its preparation logs one line instead of printing TFDS's download banner (there is nothing to
+    download: every dataset here is generated or read from local files).
+    """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
     module = importlib.import_module(DATASETS[name])
     # Modules serving several names (the LRA file readers) take the name as their first option.
     if getattr(module, "MULTI_DATASET", False):
-        return module.make_builder(name, data_dir, **options)
-    return module.make_builder(data_dir, **options)
+        builder = module.make_builder(name, data_dir, **options)
+    else:
+        builder = module.make_builder(data_dir, **options)
+    builder._log_download_bytes = lambda: logging.info("preparing %s in %s", name, builder.data_dir)
+    builder._log_download_done = lambda: logging.info("prepared %s in %s", name, builder.data_dir)
+    return builder
+
+
+def _path_kind(key: str) -> str | None:
+    """'dir' or 'file' for an option that names a path, by its name; None for other options."""
+    if key.endswith("_dir"):
+        return "dir"
+    if key == "source" or key.endswith(("_file", "_path")):
+        return "file"
+    return None
+
+
+def check_options(name: str, data_dir: str, options: dict) -> None:
+    """Checks `config.data` without preparing anything or writing a file.
+
+    The dataset name, the data directory (a file there is an error), every path option (a file where
+    a directory is expected and the reverse, a missing file) and the options themselves (the dataset's
+    `make_builder`, which also reads small sources such as UEA's .ts files).
+
+    Raises:
+      ValueError: one line naming the field or file and what is expected.
+    """
+    from zoo_core.data import pipeline
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r} (data.name); known datasets: {', '.join(sorted(DATASETS))}")
+    resolved = pipeline.resolve_data_dir(data_dir)
+    where = "data.data_dir" if data_dir else ("$ZOO_DATA_DIR" if os.environ.get("ZOO_DATA_DIR") else "the data dir")
+    parent = os.path.abspath(resolved)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        what = "is a file" if parent == os.path.abspath(resolved) else f"is under the file {parent!r}"
+        raise ValueError(f"{where} {resolved!r} {what}; expected a directory (prepared datasets go there)")
+    for key, value in options.items():
+        kind = _path_kind(key)
+        if kind is None or not isinstance(value, str) or not value or value.startswith("embedded:"):
+            continue
+        path = os.path.expanduser(value)
+        if kind == "dir" and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"data.options.{key} {value!r} is a file; expected a directory")
+        if kind == "file" and os.path.isdir(path):
+            raise ValueError(f"data.options.{key} {value!r} is a directory; expected a file")
+        if kind == "file" and not os.path.exists(path):
+            raise ValueError(f"data.options.{key} {value!r} does not exist; expected a file")
+    make_builder(name, resolved, **options)

@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any, TypeVar
 
+from absl import logging
 import tensorflow_datasets as tfds
 
 C = TypeVar("C", bound=tfds.core.BuilderConfig)
@@ -27,11 +28,37 @@ def absolute_path_option(options: dict[str, Any], key: str, *, keep_prefix: str 
     return options
 
 
-def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset: str) -> C:
-    """Makes a BuilderConfig from user options, one directory per distinct set of options.
+def file_digest(path: str) -> str:
+    """SHA-1 of a file's bytes (hex), memoised per (path, size, mtime, inode) within the process."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _DIGESTS:
+        h = hashlib.sha1()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def sources_digest(paths) -> str:
+    """A short hash of the contents of `paths` (files), in the given order."""
+    h = hashlib.sha1()
+    for path in paths:
+        h.update(file_digest(path).encode())
+    return h.hexdigest()[:8]
+
+
+def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset: str, sources=()) -> C:
+    """Makes a BuilderConfig from user options, one directory per distinct set of options and sources.
 
     The config name is a readable prefix plus a short hash of every option value, so two runs with
-    different generation settings never share (and never corrupt) one prepared directory.
+    different generation settings never share (and never corrupt) one prepared directory; with
+    `sources` (the files the data is read from) a hash of their contents follows, 'cfg_<options>_<files>',
+    so an edited or replaced source file is prepared again (`explain_rebuild` says why).
 
     Raises:
       ValueError: an option that the dataset does not have (named, with the valid ones).
@@ -44,4 +71,24 @@ def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset
     values = {name: options.get(name, fields[name].default) for name in own}
     key = json.dumps(values, sort_keys=True, default=str)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
-    return config_cls(name=f"cfg_{digest}", description=key, **values)
+    sources = [os.fspath(p) for p in sources]
+    name = f"cfg_{digest}_{sources_digest(sources)}" if sources else f"cfg_{digest}"
+    return config_cls(name=name, description=key, **values)
+
+
+def explain_rebuild(builder: tfds.core.DatasetBuilder) -> str | None:
+    """Why an unprepared builder is prepared again: another content hash of its sources was prepared
+    with the same options. Returns that sentence (also logged), or None."""
+    name = builder.builder_config.name if builder.builder_config else ""
+    prefix, sep, _ = name.rpartition("_")
+    if not sep or not prefix.startswith("cfg_") or builder.is_prepared():
+        return None
+    root = os.path.join(os.fspath(builder.data_dir_root), builder.name)
+    others = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else ())
+                    if n.startswith(prefix + "_") and n != name)
+    if not others:
+        return None
+    message = (f"{builder.name}: the source files changed since they were prepared as {', '.join(others)} "
+               f"(content hash {name.rsplit('_', 1)[1]} now): preparing {name}")
+    logging.info("%s", message)
+    return message

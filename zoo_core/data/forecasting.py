@@ -360,8 +360,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     but 'date'; a list is accepted), split ('auto' | 'ett_hour' | 'ett_minute' | 'ratio'),
     train_ratio (0.7) and test_ratio (0.2) for 'ratio', lookback_overlap (True).
 
-    The prepared directory is keyed by the options, not by the file's content: re-prepare into a fresh
-    data_dir if a CSV changes.
+    The prepared directory is keyed by the options and by a hash of the CSV's content, so an edited CSV
+    is prepared again.
 
     Raises:
       ValueError: an unknown option or invalid value (named). Data problems (missing columns, NaNs, too
@@ -393,4 +393,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
                          f"{resolve_split_rule(config)!r}")
     if config.mode == "S" and config.columns:
         raise ValueError("forecasting: columns is ignored in mode 'S' (the target column alone); drop it")
+    if not config.source.startswith("embedded:") and os.path.isfile(config.source):
+        # Keyed by the file's content too: an edited or replaced CSV is prepared again.
+        config = base.config_from_options(ForecastingConfig, options, dataset="forecasting",
+                                          sources=[config.source])
     return Forecasting(data_dir=data_dir, config=config, file_format="array_record")

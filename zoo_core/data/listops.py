@@ -229,6 +229,10 @@ def read_released(path: str, max_length: int):
             yield ids, int(target)
 
 
+def _released_candidates(source_dir: str) -> list[str]:
+    return [os.path.join(source_dir, name) for _, name in sorted(RELEASED_FILES.items())]
+
+
 def released_paths(source_dir: str) -> dict[str, str]:
     """{split: path} of LRA's released files in `source_dir`; a one-line error names missing ones."""
     paths = {split: os.path.join(source_dir, name) for split, name in RELEASED_FILES.items()}
@@ -320,4 +324,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """
     config = base.config_from_options(ListOpsConfig, options, dataset="lra_listops")
     _check(config)
+    if config.source_dir and all(os.path.isfile(p) for p in _released_candidates(config.source_dir)):
+        # Keyed by the released files' contents too: replaced files are prepared again.
+        config = base.config_from_options(ListOpsConfig, options, dataset="lra_listops",
+                                          sources=_released_candidates(config.source_dir))
     return LraListops(data_dir=data_dir, config=config, file_format="array_record")

@@ -311,6 +311,15 @@ def make_builder(name: str, data_dir: str, **options) -> tfds.core.DatasetBuilde
     options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(_CONFIGS[name], options, dataset=name)
     _check(name, config)
+    if config.source_dir:
+        try:
+            found = check_files(name, config.source_dir)
+        except ValueError:
+            found = None   # reported below unless prepared data for these options already exists
+        if found:
+            # Keyed by the files' contents too: edited or replaced files are prepared again.
+            config = base.config_from_options(_CONFIGS[name], options, dataset=name,
+                                              sources=[found[s] for s in sorted(found)])
     builder = BUILDERS[name](data_dir=data_dir, config=config, file_format="array_record")
     if not builder.is_prepared():
         check_files(name, config.source_dir)

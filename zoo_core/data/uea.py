@@ -393,4 +393,7 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(UeaConfig, options, dataset="uea")
     _check(config)
+    # Keyed by the files' contents too: an edited or replaced .ts file is prepared again.
+    config = base.config_from_options(UeaConfig, options, dataset="uea",
+                                      sources=locate(config.dataset, config.source_dir))
     return Uea(data_dir=data_dir, config=config, file_format="array_record")
