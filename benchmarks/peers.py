@@ -44,6 +44,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -416,8 +417,9 @@ def _our_uea_times(workdir: pathlib.Path, steps_per_epoch: int, eval_steps: set[
     first = windows[steps[0]]
     plain = [windows[s] for s in steps[1:] if (s - steps_per_epoch) not in eval_steps]
     after_eval = [windows[s] for s in steps[1:] if (s - steps_per_epoch) in eval_steps]
-    epoch_s = _median(plain) or _median([windows[s] for s in steps[1:]])
-    eval_s = (_median(after_eval) - epoch_s) if after_eval and epoch_s is not None else None
+    # Too few epochs for a window without an evaluation before it: the epoch time then includes one.
+    epoch_s = _median(plain) if plain else _median(after_eval)
+    eval_s = (_median(after_eval) - epoch_s) if after_eval and plain else None
     return dict(epoch_train_s=epoch_s, eval_s=eval_s, first_epoch_s=first, epochs_logged=len(steps),
                 method="metrics.jsonl train/steps_per_second windows (see _our_uea_times)")
 
@@ -472,7 +474,9 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
     for r in range(args.uea_rounds):
         if src is not None:
             odir = out / f"official_{r}"
-            odir.mkdir(exist_ok=True)
+            if odir.exists():
+                shutil.rmtree(odir)
+            odir.mkdir()
             cmd = official_uea_command(src, data_dir, odir, args.epochs, args.official_python, args.uea_seed)
             res = _run(cmd, src / "AGF_UEA", env, out / f"official_{r}.log", args.uea_timeout)
             text = pathlib.Path(res["log"]).read_text(errors="replace")
@@ -483,6 +487,8 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
             log(f"  round {r + 1} official: rc={res['rc']} wall {res['wall_s']:.1f} s, epoch "
                 f"{res['epoch_train_s']}, eval {res['eval_s']}")
         wdir = out / f"ours_{r}"
+        if wdir.exists():   # a previous run's checkpoints would make this one resume, not train
+            shutil.rmtree(wdir)
         cmd = our_uea_command(wdir, args.epochs, args.uea_seed, args.tiny)
         res = _run(cmd, REPO, env, out / f"ours_{r}.log", args.uea_timeout)
         res.update(_our_uea_times(wdir, steps_per_epoch, eval_steps))
