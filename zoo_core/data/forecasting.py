@@ -126,10 +126,20 @@ def read_source(source: str):
     if not os.path.isfile(path):
         raise ValueError(f"forecasting: source file {path!r} does not exist (expected an ETT-format CSV "
                          "with a 'date' column, or 'embedded:<name>')")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"forecasting: source file {path!r} is empty (expected an ETT-format CSV with a "
+                         "header line and one row per time step)")
     try:
         frame = pd.read_csv(path)
-    except Exception as e:  # pandas raises several parser error types
-        raise ValueError(f"forecasting: cannot parse CSV {path!r}: {e}") from e
+    except UnicodeError as e:
+        raise ValueError(f"forecasting: source file {path!r} is not UTF-8 text ({e}); expected an "
+                         "ETT-format CSV") from None
+    except Exception as e:  # noqa: BLE001 - pandas raises several parser error types
+        detail = " ".join(str(e).split())
+        raise ValueError(f"forecasting: cannot parse CSV {path!r}: {type(e).__name__}: {detail}") from None
+    if len(frame) == 0:
+        raise ValueError(f"forecasting: {path!r} has a header but no data rows (columns: "
+                         f"{', '.join(map(str, frame.columns))})")
     return frame, path, ""
 
 
