@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zoo_core import checks
+
 Array = jax.Array
 
 
@@ -129,24 +131,21 @@ class DLinear(nn.Module):
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
-        self._check()
+        self.check_fields()
         super().__post_init__()
 
-    def _check(self) -> None:
+    def check_fields(self) -> None:
+        """Boundary checks of the fields (also called by `samovar_jax.model.Model`)."""
         for name in ("num_channels", "input_len", "horizon", "kernel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            checks.check_int(name, getattr(self, name), 1)
         if self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd (the trend keeps the input length), got {self.kernel_size}")
-        if not 0 <= self.num_targets <= self.num_channels:
-            raise ValueError(f"num_targets must be in [0, num_channels={self.num_channels}], got {self.num_targets}")
+            checks.fail(f"`kernel_size` must be odd (the trend keeps the input length), got {self.kernel_size}")
+        checks.check_choice("num_targets", self.num_targets, range(self.num_channels + 1))
         for name in ("dtype", "param_dtype"):
             try:
-                if getattr(self, name) is not None:
-                    jnp.dtype(getattr(self, name))
+                getattr(self, name) is None or jnp.dtype(getattr(self, name))
             except TypeError:
-                raise ValueError(f"{name} must be a dtype or its name, got {getattr(self, name)!r}") from None
+                checks.fail(f"`{name}` must be a dtype or its name, got {getattr(self, name)!r}")
 
     def setup(self):
         kw = dict(dtype=None if self.dtype is None else jnp.dtype(self.dtype),
@@ -167,13 +166,13 @@ class DLinear(nn.Module):
         """
         del train  # DLinear has no dropout or auxiliary loss
         if not isinstance(batch, dict) or "inputs" not in batch:
-            raise ValueError("batch must be a dict with key 'inputs' [B, L_I, C]")
+            checks.fail("`batch` must be a dict with key 'inputs' [B, L_I, C]")
         x = jnp.asarray(batch["inputs"])
         if x.ndim != 3 or x.shape[1:] != (self.input_len, self.num_channels):
-            raise ValueError(f"batch['inputs'] must be [B, input_len={self.input_len}, num_channels="
-                             f"{self.num_channels}], got shape {x.shape}")
+            checks.fail(f"`batch['inputs']` must be [B, input_len={self.input_len}, num_channels="
+                        f"{self.num_channels}], got shape {x.shape}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"batch['inputs'] must be floating point, got {x.dtype}")
+            checks.fail(f"`batch['inputs']` must be floating point, got {x.dtype}")
         seasonal, trend = series_decomposition(x.astype(jnp.promote_types(x.dtype, jnp.float32)), self.kernel_size)
         y = self.seasonal(seasonal) + self.trend(trend)
         c_t = self.num_targets or self.num_channels

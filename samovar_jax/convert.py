@@ -59,7 +59,7 @@ def _rules(kind: str) -> list[tuple[str, str | None, str]]:
             (r"transformer\.attn\.(\d+)\.k1\.(weight|bias)", "block_{i}/attention/key/{p}", _LINEAR),
             (r"transformer\.attn\.(\d+)\.v1\.(weight|bias)", "block_{i}/attention/value/{p}", _LINEAR),
             (r"transformer\.attn\.(\d+)\.c_proj\.(weight|bias)", "block_{i}/attention/out/{p}", _LINEAR),
-            (r"transformer\.pns\.(\d+)\.weight", "block_{i}/attention/norm/scale", _COPY),
+            (r"transformer\.pns\.(\d+)\.weight", "block_{i}/attention_norm/scale", _COPY),
             (r"transformer\.lns\.(\d+)\.weight", "block_{i}/mlp/norm/scale", _COPY),
             (r"transformer\.mlps\.(\d+)\.c_fc\.(weight|bias)", "block_{i}/mlp/fc_in/{p}", _LINEAR),
             (r"transformer\.mlps\.(\d+)\.c_proj\.(weight|bias)", "block_{i}/mlp/fc_out/{p}", _LINEAR),

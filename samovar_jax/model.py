@@ -1,6 +1,7 @@
 """SAMoVAR forecaster and its LinTrans / FixedVAR baselines (Lu & Yang, ICML 2025, arXiv:2502.07244).
 
-`Model(**config.model)` is the only place that reads a config. Sections refer to the project spec
+`Model(**config.model)` (a factory: `kind` picks `Forecaster` or `baselines.DLinear`, `variant` a size
+preset) is the only place that reads a config. Sections refer to the project spec
 `samovar.md`, which follows the released code (LJC-FVNR/Structural-Aligned-Mixture-of-VAR @ 4e2581f):
 
   §2.1 instance normalisation -> §2.2 left zero-padding and patching -> §2.3 ARX tokens
@@ -12,27 +13,29 @@
      is the forecast; §2.9 `ar_loss` = next-patch MSE in normalised units.
 
 Beyond the reference: horizons longer than one patch by autoregressive rollout (`horizon=`,
-`Model.rollout`), which continues the recurrent state of the prefix patch by patch (O(1) work per new
+`Forecaster.rollout`), which continues the recurrent state of the prefix patch by patch (O(1) work per new
 patch) and equals re-running the parallel form on the extended patch sequence.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from samovar_jax import layers, ops
+from samovar_jax import attention, baselines, layers, ops
+from zoo_core import checks
 
 Array = jax.Array
 
-KINDS = ("samovar", "lintrans", "fixedvar")
+FORECASTER_KINDS = ("samovar", "lintrans", "fixedvar")
+KINDS = FORECASTER_KINDS + ("dlinear",)
 
-# Model sizes. `width=0` is the reference's automatic width 32 * floor(sqrt(C)) (C = input channels for
+# Sizes of the SAMoVAR kinds (`Forecaster` fields; without a variant its defaults are 'paper').
+# `width=0` is the reference's automatic width 32 * floor(sqrt(C)) (C = input channels for
 # SAMoVAR/FixedVAR, C_t for LinTrans); `num_heads=0` is its fallback width // 16 (not for LinTrans).
 VARIANTS: dict[str, dict[str, Any]] = {
     # samovar.sh / baseline settings of the benchmarks (spec §6, §9): d = 32 floor(sqrt(C)), 8 heads, 3 layers.
@@ -46,6 +49,41 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _pick(value, default):
     return default if value is None else value
+
+
+def _check_dtype(name: str, value) -> None:
+    try:
+        value is None or jnp.dtype(value)
+    except TypeError:
+        checks.fail(f"`{name}` must be a dtype or its name (e.g. 'bfloat16'), got {value!r}")
+
+
+def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  # noqa: N802
+    """Builds a forecaster from `config.model` (the only place that reads config values).
+
+    Args:
+      kind: 'samovar' | 'lintrans' | 'fixedvar' (`Forecaster`) or 'dlinear' (`baselines.DLinear`).
+      variant: a key of `VARIANTS` (width, num_heads, num_layers, mlp_ratio, dropout) for the SAMoVAR
+        kinds; explicit kwargs override it; None = `Forecaster`'s defaults (the 'paper' sizes).
+      **kwargs: fields of the selected class (see its docstring).
+
+    Returns:
+      An unbound Linen module: `apply(variables, batch, train=...)` -> ({'forecast'}, aux).
+
+    Raises:
+      ValueError: unknown kind, variant or kwarg, or an invalid value (named), before any tracing.
+    """
+    checks.check_choice("kind", kind, KINDS)
+    cls = baselines.DLinear if kind == "dlinear" else Forecaster
+    if variant is not None:
+        checks.check_choice("variant", variant, tuple(VARIANTS) if kind != "dlinear" else ())
+    args = {**(VARIANTS[variant] if variant else {}), **kwargs, **({} if kind == "dlinear" else {"kind": kind})}
+    unknown = sorted(set(args) - {f.name for f in dataclasses.fields(cls)} - {"parent", "name"})
+    if unknown:
+        checks.fail(f"unknown Model kwargs for kind={kind!r}: {unknown}")
+    module = cls(**args)
+    module.check_fields()
+    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +106,8 @@ class Resolved:
     structural: str
 
 
-class Model(nn.Module):
-    """SAMoVAR / LinTrans / FixedVAR forecaster on ARX patch tokens.
+class Forecaster(nn.Module):
+    """SAMoVAR / LinTrans / FixedVAR forecaster on ARX patch tokens (built by `Model`).
 
     Batch keys: `inputs` float [B, L_I, C] (the input window, raw units); `target` [B, horizon, C_t]
     is not read by the model (the forecast task computes the MSE). Returns `(outputs, aux)` with
@@ -79,22 +117,21 @@ class Model(nn.Module):
     predictions}`. The shared trainer adds every `aux['loss/*']`, giving the reference's total loss
     `forecast MSE + ar_loss` (spec §2.9); as in the reference, validation uses the forecast MSE only.
 
-    Attributes (every field; `None` means "from the variant" or "the default for this kind"):
+    Attributes (`None` means "the default for this kind"):
       num_channels: C, input series (required).
       input_len: L_I, input window length (required; the channel embedding is indexed by absolute
         token position, so it is fixed).
       patch_len: P, patch length = per-token forecast step (the reference sets P = horizon).
       kind: 'samovar' | 'lintrans' | 'fixedvar'.
-      variant: key of `VARIANTS` giving width, num_heads, num_layers, mlp_ratio, dropout.
       horizon: forecast length; 0 -> patch_len (the reference). Longer horizons are produced by
         autoregressive rollout of ceil(horizon / P) patches and truncated (needs num_targets == C).
       num_targets: C_t, the last C_t channels are forecast; 0 -> all.
-      width: d; 0 -> 32 floor(sqrt(C)) (C_t for LinTrans). None -> variant.
-      num_heads: H; 0 -> d // 16 (SAMoVAR/FixedVAR; LinTrans needs H > 0). None -> variant.
-      num_layers: l (MLP blocks and VAR layers; LinTrans blocks). None -> variant.
-      mlp_ratio: MLP hidden width / d (4 in the reference). None -> variant.
+      width: d; 0 -> 32 floor(sqrt(C)) (C_t for LinTrans).
+      num_heads: H; 0 -> d // 16 (SAMoVAR/FixedVAR; LinTrans needs H > 0).
+      num_layers: l (MLP blocks and VAR layers; LinTrans blocks).
+      mlp_ratio: MLP hidden width / d (4 in the reference).
       dropout: rate of every dropout (tokens, MLP outputs, VAR-layer outputs; LinTrans key input and
-        attention output). None -> variant.
+        attention output).
       ar_loss_weight: weight of `aux['loss/ar']` (1 in the reference; 0 -> no AR loss term, as FixedVAR
         in the synthetic notebook).
       use_qv_norm: per-head RMSNorm of q and v (SAMoVAR only; False = ablation "w/o QV Norm").
@@ -109,8 +146,8 @@ class Model(nn.Module):
       univariate: exogenous tokens are zero (ablation `--univariate 1`).
       norm_mean: 'last_patch' (instance-norm mean over the last P raw values, the released code) or
         'window' (whole-window mean).
-      attention_form: 'parallel' (masked), 'chunked' or 'recurrent' for the training/eval pass.
-      chunk_size: chunk length of the chunked form (any value >= 1).
+      chunk_size: form of the training/eval pass: None = the parallel (masked) form, an int C >= 1 =
+        the chunked form with chunks of C tokens. Rollouts continue the recurrent form (`scan`).
       max_patches: patch slots of the position tables; 0 -> N (the reference). Rollout to K patches
         needs N + K - 1 slots unless position_overflow='clamp'.
       position_overflow: 'error' (token positions beyond the tables raise) or 'clamp' (positions past
@@ -126,14 +163,13 @@ class Model(nn.Module):
     input_len: int
     patch_len: int
     kind: str = "samovar"
-    variant: str = "paper"
     horizon: int = 0
     num_targets: int = 0
-    width: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_layers: Optional[int] = None
-    mlp_ratio: Optional[int] = None
-    dropout: Optional[float] = None
+    width: int = 0
+    num_heads: int = 8
+    num_layers: int = 3
+    mlp_ratio: int = 4
+    dropout: float = 0.1
     ar_loss_weight: float = 1.0
     use_qv_norm: Optional[bool] = None
     use_key_proj: Optional[bool] = None
@@ -141,8 +177,7 @@ class Model(nn.Module):
     shortcut_inside: bool = False
     univariate: bool = False
     norm_mean: str = "last_patch"
-    attention_form: str = "parallel"
-    chunk_size: int = 64
+    chunk_size: Optional[int] = None
     max_patches: int = 0
     position_overflow: str = "error"
     fixed_max_tokens: int = 128
@@ -152,123 +187,70 @@ class Model(nn.Module):
 
     # ------------------------------------------------------------------ configuration
 
-    def __post_init__(self):
-        self.resolved  # validates the configuration at construction, before any tracing
-        super().__post_init__()
+    def check_fields(self) -> None:
+        """Boundary checks of every field (called by `Model`); raises ValueError naming the field."""
+        for name in ("dtype", "param_dtype"):
+            _check_dtype(name, getattr(self, name))
+        for name, low in (("num_channels", 1), ("input_len", 2), ("patch_len", 1), ("num_layers", 1),
+                          ("mlp_ratio", 1), ("num_targets", 0), ("width", 0), ("num_heads", 0),
+                          ("max_patches", 0), ("horizon", 0), ("fixed_max_tokens", 2)):
+            checks.check_int(name, getattr(self, name), low)
+        checks.check_choice("kind", self.kind, FORECASTER_KINDS)
+        checks.check_optional_int("chunk_size", self.chunk_size, 1)
+        checks.check_rate("dropout", self.dropout)
+        checks.check_choice("norm_mean", self.norm_mean, ("last_patch", "window"))
+        checks.check_choice("position_overflow", self.position_overflow, ("error", "clamp"))
+        checks.check_choice("structural", self.structural, (None, "lu", "lu_inverse", "none"))
+        if not self.ar_loss_weight >= 0 or self.num_targets > self.num_channels:
+            checks.fail(f"`ar_loss_weight` must be >= 0 and `num_targets` <= num_channels, got "
+                        f"{self.ar_loss_weight}, {self.num_targets}")
+        only = [("use_qv_norm", self.use_qv_norm is not None, ("samovar",)),
+                ("use_key_proj", self.use_key_proj is not None, ("samovar",)),
+                ("structural", self.structural is not None, ("samovar", "fixedvar")),
+                ("shortcut_inside", self.shortcut_inside, ("samovar", "fixedvar")),
+                ("fixed_max_tokens", self.fixed_max_tokens != 128, ("fixedvar",))]
+        for name, given, kinds in only:
+            if given and self.kind not in kinds:
+                checks.fail(f"`{name}` applies to kind in {kinds} only, got kind={self.kind!r}")
+        if self.kind == "lintrans" and self.num_heads == 0:
+            checks.fail("`num_heads`=0 (automatic) is not available for kind='lintrans'; give num_heads > 0")
+        r = self.resolved
+        checks.check_divisible("width", r.width, "num_heads", r.num_heads)
+        if r.max_patches < r.num_patches or (self.kind == "fixedvar" and 2 * r.num_patches > self.fixed_max_tokens):
+            checks.fail(f"`max_patches` {r.max_patches} / `fixed_max_tokens` {self.fixed_max_tokens} do not "
+                        f"fit the {r.num_patches} input patches")
+        if r.horizon_patches > 1 and r.num_targets != self.num_channels:
+            checks.fail(f"`horizon` {r.horizon} > patch_len needs num_targets == num_channels (rollout feeds "
+                        f"the predicted patches back); got num_targets={r.num_targets}")
+        if self.ar_loss_weight > 0 and r.num_patches < 2:
+            checks.fail(f"`ar_loss_weight` > 0 needs at least 2 patches; input_len {self.input_len} with "
+                        f"patch_len {self.patch_len} gives {r.num_patches}")
+        self._check_positions(r, r.num_patches + r.horizon_patches - 1)
 
     @property
     def resolved(self) -> Resolved:
-        """Checks the fields and derives the sizes; raises ValueError naming a bad argument."""
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {self.variant!r}")
-        for name in ("dtype", "param_dtype"):
-            try:
-                if getattr(self, name) is not None:
-                    jnp.dtype(getattr(self, name))
-            except TypeError:
-                raise ValueError(f"{name} must be a dtype or its name (e.g. 'bfloat16'), "
-                                 f"got {getattr(self, name)!r}") from None
-        for name in ("num_channels", "input_len", "patch_len"):
-            if not isinstance(getattr(self, name), numbers.Integral) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        for name in ("num_targets", "width", "num_heads", "num_layers", "mlp_ratio", "max_patches", "horizon",
-                     "chunk_size", "fixed_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be an int, got {value!r}")
-        if self.kind != "fixedvar" and self.fixed_max_tokens != 128:
-            raise ValueError(f"fixed_max_tokens applies to kind='fixedvar' only, got {self.fixed_max_tokens} "
-                             f"with kind={self.kind!r}")
-        if self.input_len < 2:
-            raise ValueError(f"input_len must be >= 2 (the unbiased std needs two values), got {self.input_len}")
-        if not 0 <= self.num_targets <= self.num_channels:
-            raise ValueError(f"num_targets must be in [0, num_channels={self.num_channels}], got {self.num_targets}")
-        var = VARIANTS[self.variant]
+        """Sizes derived from the fields (automatic width and heads, patches, horizon)."""
         c_t = self.num_targets or self.num_channels
-        width = _pick(self.width, var["width"])
-        if width == 0:
-            width = 32 * math.isqrt(c_t if self.kind == "lintrans" else self.num_channels)
-        heads = _pick(self.num_heads, var["num_heads"])
-        if heads == 0:
-            if self.kind == "lintrans":
-                raise ValueError("num_heads=0 (automatic) is not available for kind='lintrans' "
-                                 "(the reference has no fallback); give num_heads > 0")
-            heads = max(width // 16, 1)
-        if width < 1 or heads < 1 or width % heads:
-            raise ValueError(f"width {width} must be a positive multiple of num_heads {heads}")
-        layers_ = _pick(self.num_layers, var["num_layers"])
-        mlp_ratio = _pick(self.mlp_ratio, var["mlp_ratio"])
-        dropout = _pick(self.dropout, var["dropout"])
-        if layers_ < 1:
-            raise ValueError(f"num_layers must be >= 1, got {layers_}")
-        if mlp_ratio < 1:
-            raise ValueError(f"mlp_ratio must be >= 1, got {mlp_ratio}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if self.ar_loss_weight < 0:
-            raise ValueError(f"ar_loss_weight must be >= 0, got {self.ar_loss_weight}")
-
-        var_kinds = ("samovar", "fixedvar")
-        if self.kind != "samovar":
-            for name in ("use_qv_norm", "use_key_proj"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} applies to kind='samovar' only, got {name}="
-                                     f"{getattr(self, name)!r} with kind={self.kind!r}")
-        if self.kind not in var_kinds:
-            if self.structural is not None:
-                raise ValueError(f"structural applies to kind='samovar'/'fixedvar' only, got {self.structural!r}")
-            if self.shortcut_inside:
-                raise ValueError("shortcut_inside applies to kind='samovar'/'fixedvar' only")
-        structural = _pick(self.structural, "lu" if self.kind in var_kinds else "none")
-        if structural not in ("lu", "lu_inverse", "none"):
-            raise ValueError(f"structural must be 'lu', 'lu_inverse' or 'none', got {structural!r}")
-        if self.norm_mean not in ("last_patch", "window"):
-            raise ValueError(f"norm_mean must be 'last_patch' or 'window', got {self.norm_mean!r}")
-        if self.attention_form not in layers.FORMS:
-            raise ValueError(f"attention_form must be one of {layers.FORMS}, got {self.attention_form!r}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.position_overflow not in ("error", "clamp"):
-            raise ValueError(f"position_overflow must be 'error' or 'clamp', got {self.position_overflow!r}")
-
+        width = self.width or 32 * math.isqrt(c_t if self.kind == "lintrans" else self.num_channels)
+        heads = self.num_heads or max(width // 16, 1)
         n = -(-self.input_len // self.patch_len)
-        pad = n * self.patch_len - self.input_len
-        max_patches = self.max_patches or n
-        if max_patches < n:
-            raise ValueError(f"max_patches {max_patches} is smaller than the {n} input patches")
-        if self.kind == "fixedvar" and 2 * n > self.fixed_max_tokens:
-            raise ValueError(f"fixed_max_tokens {self.fixed_max_tokens} < {2 * n} tokens of the input window")
         horizon = self.horizon or self.patch_len
-        if horizon < 1:
-            raise ValueError(f"horizon must be >= 1, got {self.horizon}")
-        k = -(-horizon // self.patch_len)
-        if k > 1 and c_t != self.num_channels:
-            raise ValueError(f"horizon {horizon} > patch_len needs num_targets == num_channels (rollout feeds "
-                             f"the predicted patches back); got num_targets={c_t}, num_channels={self.num_channels}")
-        if self.ar_loss_weight > 0 and n < 2:
-            raise ValueError(f"ar_loss_weight > 0 needs at least 2 patches; input_len {self.input_len} with "
-                             f"patch_len {self.patch_len} gives {n}")
-        use_qv_norm = _pick(self.use_qv_norm, True) if self.kind == "samovar" else False
-        use_key_proj = _pick(self.use_key_proj, False) if self.kind == "samovar" else False
-        res = Resolved(num_targets=c_t, width=width, num_heads=heads, head_dim=width // heads,
-                       num_layers=layers_, mlp_ratio=mlp_ratio, dropout=dropout, num_patches=n,
-                       pad_len=pad, max_patches=max_patches, horizon=horizon, horizon_patches=k,
-                       use_qv_norm=use_qv_norm, use_key_proj=use_key_proj, structural=structural)
-        self._check_positions(res, n + k - 1)
-        return res
+        var_kind = self.kind != "lintrans"
+        return Resolved(num_targets=c_t, width=width, num_heads=heads, head_dim=width // heads,
+                        num_layers=self.num_layers, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
+                        num_patches=n, pad_len=n * self.patch_len - self.input_len,
+                        max_patches=self.max_patches or n, horizon=horizon,
+                        horizon_patches=-(-horizon // self.patch_len),
+                        use_qv_norm=_pick(self.use_qv_norm, True) if self.kind == "samovar" else False,
+                        use_key_proj=_pick(self.use_key_proj, False) if self.kind == "samovar" else False,
+                        structural=_pick(self.structural, "lu" if var_kind else "none"))
 
     def _check_positions(self, res: Resolved, patches: int) -> None:
         """Raises if `patches` patches do not fit the position tables (unless clamping)."""
-        if self.position_overflow == "clamp":
-            return
-        if patches > res.max_patches:
-            raise ValueError(f"{patches} patches (input + rollout) exceed max_patches={res.max_patches}; "
-                             f"raise max_patches or set position_overflow='clamp'")
-        if self.kind == "fixedvar" and 2 * patches > self.fixed_max_tokens:
-            raise ValueError(f"{2 * patches} tokens (input + rollout) exceed fixed_max_tokens="
-                             f"{self.fixed_max_tokens}; set position_overflow='clamp'")
+        if self.position_overflow != "clamp" and (
+                patches > res.max_patches or (self.kind == "fixedvar" and 2 * patches > self.fixed_max_tokens)):
+            checks.fail(f"{patches} patches (input + rollout) exceed `max_patches`={res.max_patches} or "
+                        f"`fixed_max_tokens`={self.fixed_max_tokens}; raise them or set position_overflow='clamp'")
 
     # ------------------------------------------------------------------ parameters
 
@@ -286,18 +268,18 @@ class Model(nn.Module):
         self.token_dropout = nn.Dropout(r.dropout)
         if self.kind == "lintrans":
             self.blocks = [
-                layers.LinTransBlock(d, r.num_heads, r.mlp_ratio * d, r.dropout, out_std, self.attention_form,
-                                     self.chunk_size, **kw, name=f"block_{i:02d}")
+                attention.LinTransBlock(d, r.num_heads, r.mlp_ratio * d, r.dropout, out_std, self.chunk_size,
+                                        **kw, name=f"block_{i:02d}")
                 for i in range(r.num_layers)]
         else:
             self.mlps = [layers.MLPBlock(d, r.mlp_ratio * d, r.dropout, out_std, **kw, name=f"mlp_{i:02d}")
                          for i in range(r.num_layers)]
             self.var_norm = layers.RMSNorm(d, **kw, name="var_norm")
-            self.var = layers.VARChain(
+            self.var = attention.VARChain(
                 d, r.num_heads, r.num_layers,
                 qv_source="projection" if self.kind == "samovar" else "fixed",
                 use_qv_norm=r.use_qv_norm, use_key_proj=r.use_key_proj, num_channels=r.num_targets,
-                max_tokens=self.fixed_max_tokens, dropout=r.dropout, form=self.attention_form,
+                max_tokens=self.fixed_max_tokens, dropout_rate=r.dropout,
                 chunk_size=self.chunk_size, **kw, name="var")
             if r.structural != "none":
                 self.structural_matrix = layers.StructuralMatrix(
@@ -311,22 +293,15 @@ class Model(nn.Module):
         return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
 
     def _inputs(self, batch: dict) -> Array:
+        """batch['inputs'] [B, L_I, C] floating (cropped to input_len with crop_inputs)."""
         if not isinstance(batch, dict) or "inputs" not in batch:
-            raise ValueError("batch must be a dict with key 'inputs' [B, L_I, C]")
+            checks.fail("`batch` must be a dict with key 'inputs' [B, L_I, C]")
         x = jnp.asarray(batch["inputs"])
-        if x.ndim != 3:
-            raise ValueError(f"batch['inputs'] must be [B, L_I, C], got shape {x.shape}")
-        if x.shape[2] != self.num_channels:
-            raise ValueError(f"batch['inputs'] has {x.shape[2]} channels, the model has num_channels="
-                             f"{self.num_channels}")
-        if x.shape[1] != self.input_len:
-            if not (self.crop_inputs and x.shape[1] > self.input_len):
-                raise ValueError(f"batch['inputs'] has length {x.shape[1]}, the model has input_len="
-                                 f"{self.input_len}" + ("" if self.crop_inputs else " (crop_inputs=False)"))
-            x = x[:, -self.input_len:]
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"batch['inputs'] must be floating point, got {x.dtype}")
-        return x
+        length_ok = x.ndim == 3 and (x.shape[1] == self.input_len or (self.crop_inputs and x.shape[1] > self.input_len))
+        if not (length_ok and x.shape[2] == self.num_channels and jnp.issubdtype(x.dtype, jnp.floating)):
+            checks.fail(f"`batch['inputs']` must be floating [B, L_I={self.input_len}, C={self.num_channels}] "
+                        f"(longer with crop_inputs), got {x.dtype} {x.shape}")
+        return x[:, -self.input_len:]
 
     def normalise(self, x: Array) -> tuple[Array, Array, Array]:
         """Instance normalisation and patching (spec §2.1-2.2).
@@ -351,6 +326,10 @@ class Model(nn.Module):
                 limit = min(limit, self.fixed_max_tokens - self.fixed_max_tokens % 2)
             pos = jnp.where(pos < limit, pos, limit - 2 + pos % 2)
         return pos
+
+    def _table_positions(self, positions: Array) -> Optional[Array]:
+        """Token positions for the VAR chain: read by FixedVAR's tables only."""
+        return positions if self.kind == "fixedvar" else None
 
     def _embed(self, segments: Array, start, *, train: bool) -> tuple[Array, Array]:
         """Tokens + embeddings + pre-norm, channels folded (spec §2.3-2.4).
@@ -391,26 +370,27 @@ class Model(nn.Module):
         """Sequence model on folded tokens: h [B', T, E] -> (z [B', T/2, E] at endogenous tokens, state).
 
         With `want_state` (or a `state` to continue from) the stateful `scan` entry points are used
-        (chunked or recurrent per `attention_form`), else `__call__`.
+        (the token recurrence), else `__call__` (parallel or chunked per `chunk_size`).
         """
         stateful = want_state or state is not None
         if self.kind == "lintrans":
             states = []
             for i, block in enumerate(self.blocks):
                 if stateful:
-                    h, s = block.scan(h, None if state is None else state[i], train=train)
+                    h, s = block.scan(h, None if state is None else state[i], deterministic=not train)
                     states.append(s)
                 else:
-                    h = block(h, train=train)
+                    h, _ = block(h, deterministic=not train)
             z = h[:, 1::2]
             return z, (tuple(states) if stateful else None)
         for mlp in self.mlps:
-            h = mlp(h, train=train)
+            h = mlp(h, deterministic=not train)
         x0 = self.var_norm(h)
         if stateful:
-            o, new_state = self.var.scan(x0, state, positions=positions, train=train)
+            o, new_state = self.var.scan(x0, state, positions=self._table_positions(positions),
+                                         deterministic=not train)
         else:
-            o, new_state = self.var(x0, positions=positions, train=train), None
+            o, new_state = self.var(x0, positions=self._table_positions(positions), deterministic=not train)[0], None
         return self._mixture(x0[:, 1::2], o[:, :, 1::2]), new_state
 
     def _head(self, z: Array, batch: int) -> Array:
@@ -519,12 +499,10 @@ class Model(nn.Module):
           [B, K * P, C] forecast in raw units (float32).
         """
         r = self.resolved
-        if num_patches < 1:
-            raise ValueError(f"num_patches must be >= 1, got {num_patches}")
+        checks.check_int("num_patches", num_patches, 1)
+        checks.check_choice("mode", mode, ("recurrent", "parallel"))
         if num_patches > 1 and r.num_targets != self.num_channels:
-            raise ValueError("rollout beyond one patch needs num_targets == num_channels")
-        if mode not in ("recurrent", "parallel"):
-            raise ValueError(f"mode must be 'recurrent' or 'parallel', got {mode!r}")
+            checks.fail("rollout beyond one patch needs `num_targets` == num_channels")
         self._check_positions(r, r.num_patches + num_patches - 1)
         segments, mean, std = self.normalise(self._inputs(batch))
         if mode == "recurrent":
@@ -551,14 +529,14 @@ class Model(nn.Module):
           [B, C, N, P].
         """
         if self.kind == "lintrans":
-            raise ValueError("var_terms needs kind='samovar' or 'fixedvar' (LinTrans has no VAR chain)")
+            checks.fail("var_terms needs kind='samovar' or 'fixedvar' (LinTrans has no VAR chain)")
         r = self.resolved
         segments, _, _ = self.normalise(self._inputs(batch))
         h, positions = self._embed(segments, 0, train=False)
         for mlp in self.mlps:
-            h = mlp(h, train=False)
+            h = mlp(h)
         x0 = self.var_norm(h)
-        xh, q, v, kernels = self.var.project(x0, positions)
+        xh, q, v, kernels = self.var.project(x0, self._table_positions(positions))
         b = segments.shape[0]
         unfold = lambda a, lead: a.reshape(lead + (b, r.num_targets) + a.shape[len(lead) + 1:])  # noqa: E731
         return {

@@ -10,22 +10,21 @@ length or series channels (said where used), N patches, P patch length.
 
 Contents:
 
-* Causal linear attention without normaliser, `o_t = sum_{s<=t} (q_t . k_s) v_s` (spec §2.6; the
-  LinTrans baseline §7 and one layer of the VAR chain), in four forms:
-  `linear_attention_parallel` (masked), `linear_attention_chunked`, `linear_attention_recurrent`
-  (`jax.lax.scan`) and `linear_attention_step`, with `linear_attention_init_state`.
 * The VAR attention chain of SAMoVAR (spec §2.6, §4): queries and values from the first-layer input
   x0, key of layer m = output of layer m-1 (key of layer 1 = x0), optionally through a key matrix
-  W_k (the "w/ W_k" ablation). Four forms: `var_chain_parallel`, `var_chain_chunked`,
-  `var_chain_recurrent` (ONE scan over time carrying all layers' D x D states) and
-  `var_chain_step`, with `var_chain_init_state`.
+  W_k (the "w/ W_k" ablation). Each layer is the zoo's causal linear attention without normaliser,
+  `o_t = sum_{s<=t} (q_t . k_s) v_s` (`zoo_core.linear_attention`, denominator=False), in four forms:
+  `var_chain_parallel`, `var_chain_chunked`, `var_chain_recurrent` (a token scan per layer) and
+  `var_chain_step`, with `var_chain_init_state`. Padding masks and non-finite values are handled by
+  the shared kernels with `jnp.where` (NaN-safe: no future or padded position reaches a past or valid
+  output, in any form and through the whole chain).
 * The LU-parameterised structural matrix D = L U (spec §2.7): `structural_matrix`,
   `structural_matrix_inverse` (two triangular solves).
 * RMS normalisation (spec §1), instance normalisation and patching (spec §2.1-2.2).
 
-Precision: the attention sums have no normaliser and grow with T, so every kernel accumulates in
-at least float32 (`_acc_dtype`) and returns outputs in the input dtype; recurrent states are float32
-(float64 under x64 inputs).
+Precision: the attention sums have no normaliser and grow with T, so they accumulate in at least
+float32 (`zoo_core.linear_attention.acc_dtype`); layer outputs are returned in x0's dtype; states
+are float32 (float64 under x64 inputs).
 """
 from __future__ import annotations
 
@@ -34,12 +33,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from zoo_core import linear_attention as la
+
 Array = jax.Array
-
-
-def _acc_dtype(*xs) -> jnp.dtype:
-    """At least float32: the unnormalised causal sums must not be accumulated in bf16/fp16."""
-    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,7 +58,7 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     Returns:
       [..., F] normalised x in the promoted dtype of (x, scale).
     """
-    xf = x.astype(_acc_dtype(x))
+    xf = x.astype(la.acc_dtype(x))
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return y.astype(x.dtype) * scale
 
@@ -115,124 +111,7 @@ def unpatchify(patches: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Causal linear attention without normaliser (spec §2.6 for one layer, §7 for LinTrans)
-# ---------------------------------------------------------------------------------------------
-
-def linear_attention_init_state(batch: int, heads: int, key_dim: int, value_dim: int,
-                                dtype=jnp.float32) -> Array:
-    """Zero state S = sum_s k_s v_s^T of the causal linear attention: [B, H, D, M]."""
-    return jnp.zeros((batch, heads, key_dim, value_dim), dtype)
-
-
-def linear_attention_parallel(q: Array, k: Array, v: Array) -> Array:
-    """Masked (quadratic) form: `o_t = sum_{s<=t} (q_t . k_s) v_s` per head, inclusive of s = t.
-
-    No 1/sqrt(D) scale, no feature map, no denominator (spec §2.6: "inclusive causal linear attention
-    with no normaliser"). O(T^2) time and memory; cheapest for the short token sequences of the
-    benchmarks (T <= 22).
-
-    Args:
-      q: [B, T, H, D] queries.
-      k: [B, T, H, D] keys.
-      v: [B, T, H, M] values.
-
-    Returns:
-      [B, T, H, M] outputs in q's dtype.
-    """
-    acc = _acc_dtype(q, k, v)
-    t = q.shape[1]
-    scores = jnp.einsum("bthd,bshd->bhts", q.astype(acc), k.astype(acc))
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, 0.0)
-    return jnp.einsum("bhts,bshm->bthm", scores, v.astype(acc)).astype(q.dtype)
-
-
-def linear_attention_chunked(q: Array, k: Array, v: Array, chunk_size: int,
-                             state: Optional[Array] = None) -> tuple[Array, Array]:
-    """Chunkwise form: masked attention inside chunks plus an inter-chunk state (spec §4, "chunked").
-
-    The sequence is zero-padded at the END to a multiple of `chunk_size` (any chunk size works, also
-    one that does not divide T); padded positions have v = 0, so they add nothing to the state, and
-    their outputs are dropped. Chunk states are combined with an exclusive cumulative sum (no
-    sequential loop), so time is O(T C D + T D M) and memory O(T C H + (T/C) H D M), against O(T^2 H)
-    for the masked form.
-
-    Args:
-      q: [B, T, H, D]; k: [B, T, H, D]; v: [B, T, H, M].
-      chunk_size: C >= 1.
-      state: optional [B, H, D, M] state carried in from earlier tokens (zeros if None).
-
-    Returns:
-      (o [B, T, H, M] in q's dtype, final state [B, H, D, M] in the accumulation dtype).
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    acc = _acc_dtype(q, k, v)
-    b, t, h, d = q.shape
-    m = v.shape[-1]
-    c = min(chunk_size, max(t, 1))
-    pad = (-t) % c
-    n = (t + pad) // c
-
-    def chunks(x):
-        x = jnp.pad(x.astype(acc), ((0, 0), (0, pad), (0, 0), (0, 0)))
-        return x.reshape(b, n, c, h, x.shape[-1])
-
-    qc, kc, vc = chunks(q), chunks(k), chunks(v)
-    s0 = jnp.zeros((b, h, d, m), acc) if state is None else state.astype(acc)
-    scores = jnp.einsum("bnthd,bnshd->bnhts", qc, kc)
-    scores = jnp.where(jnp.tril(jnp.ones((c, c), bool)), scores, 0.0)
-    o = jnp.einsum("bnhts,bnshm->bnthm", scores, vc)
-    delta = jnp.einsum("bnshd,bnshm->bnhdm", kc, vc)              # one state increment per chunk
-    # Exclusive prefix sum (state entering each chunk), built by shifting rather than by subtracting
-    # delta from the inclusive sum, which would leak rounding of later chunks into earlier ones.
-    inclusive = jnp.cumsum(delta, axis=1)
-    before = s0[:, None] + jnp.concatenate([jnp.zeros_like(inclusive[:, :1]), inclusive[:, :-1]], axis=1)
-    o = o + jnp.einsum("bnthd,bnhdm->bnthm", qc, before)
-    o = o.reshape(b, n * c, h, m)[:, :t]
-    return o.astype(q.dtype), s0 + inclusive[:, -1]
-
-
-def linear_attention_step(state: Array, q_t: Array, k_t: Array, v_t: Array) -> tuple[Array, Array]:
-    """One token of the recurrent form: `S += k_t v_t^T; o_t = q_t S` (inclusive of the new token).
-
-    Args:
-      state: [B, H, D, M] running sum of k v^T.
-      q_t, k_t: [B, H, D]; v_t: [B, H, M].
-
-    Returns:
-      (new state [B, H, D, M], o_t [B, H, M] in q_t's dtype).
-    """
-    acc = _acc_dtype(state, q_t, k_t, v_t)
-    state = state.astype(acc) + jnp.einsum("bhd,bhm->bhdm", k_t.astype(acc), v_t.astype(acc))
-    o = jnp.einsum("bhd,bhdm->bhm", q_t.astype(acc), state)
-    return state, o.astype(q_t.dtype)
-
-
-def linear_attention_recurrent(q: Array, k: Array, v: Array,
-                               state: Optional[Array] = None) -> tuple[Array, Array]:
-    """Recurrent form: `jax.lax.scan` of `linear_attention_step` over time.
-
-    Args:
-      q: [B, T, H, D]; k: [B, T, H, D]; v: [B, T, H, M].
-      state: optional [B, H, D, M] initial state (zeros if None).
-
-    Returns:
-      (o [B, T, H, M], final state [B, H, D, M]).
-    """
-    acc = _acc_dtype(q, k, v)
-    b, _, h, d = q.shape
-    if state is None:
-        state = linear_attention_init_state(b, h, d, v.shape[-1], acc)
-
-    def body(s, xs):
-        return linear_attention_step(s, *xs)
-
-    state, o = jax.lax.scan(body, state.astype(acc), tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)))
-    return jnp.swapaxes(o, 0, 1), state
-
-
-# ---------------------------------------------------------------------------------------------
-# The VAR attention chain (spec §2.6, §3, §4)
+# The VAR attention chain (spec §2.6, §3, §4) on the shared causal linear-attention kernels
 # ---------------------------------------------------------------------------------------------
 
 def _key_map(o: Array, key_kernel: Optional[Array]) -> Array:
@@ -264,9 +143,30 @@ def var_chain_init_state(layers: int, batch: int, heads: int, head_dim: int, dty
     return jnp.zeros((layers, batch, heads, head_dim, head_dim), dtype)
 
 
+def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state):
+    """Runs `layer_fn(m, q_m, key_m, v_m, state_m) -> (num, state)` for m = 1..L, chaining keys.
+
+    Every layer output is cast to x0's dtype, multiplied by its dropout mask (position-wise, so a
+    non-finite output stays at its own position) and becomes the next key; the shared kernel then
+    keeps any non-finite key from reaching an earlier output of the next layer.
+    """
+    k = x0
+    outs, states = [], []
+    for m in range(q.shape[0]):
+        key = _key_map(k, None if key_kernels is None else key_kernels[m])
+        num, s = layer_fn(q[m], key, v[m], None if state is None else la.LinearState(state[m], None))
+        o = num.astype(x0.dtype)
+        if dropout_mask is not None:
+            o = o * dropout_mask[m].astype(o.dtype)
+        outs.append(o)
+        states.append(None if s is None else s.num)
+        k = o
+    return jnp.stack(outs), (None if states[0] is None else jnp.stack(states))
+
+
 def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[Array] = None,
-                       dropout_mask: Optional[Array] = None) -> Array:
-    """Masked form of the VAR chain, one quadratic causal linear attention per layer.
+                       dropout_mask: Optional[Array] = None, mask: Optional[Array] = None) -> Array:
+    """Masked form of the VAR chain: `zoo_core.linear_attention.causal_parallel` once per layer.
 
     For m = 1..L (spec §2.6): `k^(0) = x0`,
     `o^(m)_t = sum_{s<=t} <q^(m)_t, k^(m-1)_s> v^(m)_s` per head, `o^(m) <- dropout(o^(m))`,
@@ -279,54 +179,61 @@ def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[A
       key_kernels: optional [L, E, E] key matrices (row-vector layout, `k = o_flat @ W`); None = I.
       dropout_mask: optional [L, B, T, H, D] multiplier applied to each layer output (already scaled
         by 1/(1-rate)); the same mask makes every form agree in training mode.
+      mask: optional [B, T] bool key-padding mask (True = valid); padded outputs are 0.
 
     Returns:
-      [L, B, T, H, D] every layer's output (the model sums them over L).
+      [L, B, T, H, D] every layer's output in x0's dtype (the model sums them over L).
     """
     _check_chain(x0, q, v, key_kernels, dropout_mask)
-    k = x0
-    outs = []
-    for m in range(q.shape[0]):
-        key = _key_map(k, None if key_kernels is None else key_kernels[m])
-        o = linear_attention_parallel(q[m], key, v[m])
-        if dropout_mask is not None:
-            o = o * dropout_mask[m].astype(o.dtype)
-        outs.append(o)
-        k = o
-    return jnp.stack(outs)
+    fn = lambda qm, km, vm, _: (la.causal_parallel(qm, km, vm, mask=mask)[0], None)  # noqa: E731
+    return _chain(fn, x0, q, v, key_kernels, dropout_mask, None)[0]
 
 
 def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: Optional[Array] = None,
-                      key_kernels: Optional[Array] = None,
-                      dropout_mask: Optional[Array] = None) -> tuple[Array, Array]:
-    """Chunked form of the VAR chain: `linear_attention_chunked` once per layer (spec §4).
+                      key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
+                      mask: Optional[Array] = None) -> tuple[Array, Array]:
+    """Chunked form: `zoo_core.linear_attention.causal_chunked` once per layer (spec §4).
 
     Args:
-      x0, q, v, key_kernels, dropout_mask: as in `var_chain_parallel`.
+      x0, q, v, key_kernels, dropout_mask, mask: as in `var_chain_parallel`.
       chunk_size: C >= 1 (need not divide T).
       state: optional [L, B, H, D, D] state carried in from earlier tokens.
 
     Returns:
-      (o [L, B, T, H, D], final state [L, B, H, D, D]).
+      (o [L, B, T, H, D], final state [L, B, H, D, D] float32).
     """
     _check_chain(x0, q, v, key_kernels, dropout_mask)
-    k = x0
-    outs, states = [], []
-    for m in range(q.shape[0]):
-        key = _key_map(k, None if key_kernels is None else key_kernels[m])
-        o, s = linear_attention_chunked(q[m], key, v[m], chunk_size, None if state is None else state[m])
-        if dropout_mask is not None:
-            o = o * dropout_mask[m].astype(o.dtype)
-        outs.append(o)
-        states.append(s)
-        k = o
-    return jnp.stack(outs), jnp.stack(states)
+
+    def fn(qm, km, vm, s):
+        num, _, s = la.causal_chunked(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
+        return num, s
+    return _chain(fn, x0, q, v, key_kernels, dropout_mask, state)
+
+
+def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,
+                        key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
+                        mask: Optional[Array] = None) -> tuple[Array, Array]:
+    """Recurrent form: `zoo_core.linear_attention.causal_scan` (a token `lax.scan`) once per layer.
+
+    Args:
+      x0, q, v, key_kernels, dropout_mask, mask: as in `var_chain_parallel`.
+      state: optional [L, B, H, D, D] initial state (zeros if None).
+
+    Returns:
+      (o [L, B, T, H, D], final state [L, B, H, D, D] float32).
+    """
+    _check_chain(x0, q, v, key_kernels, dropout_mask)
+
+    def fn(qm, km, vm, s):
+        num, _, s = la.causal_scan(qm, km, vm, state=s, mask=mask)
+        return num, s
+    return _chain(fn, x0, q, v, key_kernels, dropout_mask, state)
 
 
 def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
                    key_kernels: Optional[Array] = None,
                    dropout_mask_t: Optional[Array] = None) -> tuple[Array, Array]:
-    """One token through all L layers (spec §4, "recurrent"): one call per time step.
+    """One token through all L layers (spec §4, "recurrent"), `causal_step` per layer.
 
     With `k = x0_t`, for m = 1..L: `S^(m) += k v^(m)_t^T`, `o^(m)_t = q^(m)_t S^(m)`, `k = o^(m)_t`.
     This works token by token because layer m at time t needs only layer m-1's outputs at times <= t.
@@ -339,47 +246,13 @@ def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
       dropout_mask_t: optional [L, B, H, D] this token's output dropout multipliers.
 
     Returns:
-      (new state [L, B, H, D, D], o_t [L, B, H, D]).
+      (new state [L, B, H, D, D], o_t [L, B, H, D]) in the scan-carry order.
     """
-    k = x0_t
-    new_states, outs = [], []
-    for m in range(q_t.shape[0]):
-        key = _key_map(k, None if key_kernels is None else key_kernels[m])
-        s, o = linear_attention_step(state[m], q_t[m], key, v_t[m])
-        if dropout_mask_t is not None:
-            o = o * dropout_mask_t[m].astype(o.dtype)
-        new_states.append(s)
-        outs.append(o)
-        k = o
-    return jnp.stack(new_states), jnp.stack(outs)
-
-
-def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,
-                        key_kernels: Optional[Array] = None,
-                        dropout_mask: Optional[Array] = None) -> tuple[Array, Array]:
-    """Recurrent form: ONE `jax.lax.scan` over time carrying all layers' D x D states (spec §4).
-
-    Args:
-      x0, q, v, key_kernels, dropout_mask: as in `var_chain_parallel`.
-      state: optional [L, B, H, D, D] initial state (zeros if None).
-
-    Returns:
-      (o [L, B, T, H, D], final state [L, B, H, D, D]).
-    """
-    _check_chain(x0, q, v, key_kernels, dropout_mask)
-    layers, b, _, h, d = q.shape
-    acc = _acc_dtype(x0, q, v)
-    if state is None:
-        state = var_chain_init_state(layers, b, h, d, acc)
-
-    def body(s, xs):
-        x_t, q_t, v_t, m_t = xs
-        return var_chain_step(s, x_t, q_t, v_t, key_kernels=key_kernels, dropout_mask_t=m_t)
-
-    xs = (jnp.swapaxes(x0, 0, 1), jnp.moveaxis(q, 2, 0), jnp.moveaxis(v, 2, 0),
-          None if dropout_mask is None else jnp.moveaxis(dropout_mask, 2, 0))
-    state, o = jax.lax.scan(body, state.astype(acc), xs)
-    return jnp.moveaxis(o, 0, 2), state
+    def fn(qm, km, vm, s):
+        num, _, s = la.causal_step(s, qm, km, vm)
+        return num, s
+    o, state = _chain(fn, x0_t, q_t, v_t, key_kernels, dropout_mask_t, state)
+    return state, o
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,9 +80,8 @@ def get_config(arg=None):
     c.model.variant = "synthetic"
     c.model.num_channels = 2
     c.model.patch_len = 1
-    # The chunked form equals the masked one (tests/samovar_jax/ops_test.py) and is about 2x faster on a
-    # CPU for T = 128 tokens (benchmarks/samovar_scaling.py).
-    c.model.attention_form = "chunked"
+    # The chunked form (chunk_size set) equals the masked one (tests/samovar_jax/ops_test.py) and is
+    # about 2x faster on a CPU for T = 128 tokens (benchmarks/samovar_scaling.py).
     c.model.chunk_size = 32
     c.model.update(KIND_FIELDS[args.kind])
     if args.smoke:

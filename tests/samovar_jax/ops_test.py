@@ -1,5 +1,5 @@
-"""Tests of samovar_jax.ops: the four forms of the VAR chain and of causal linear attention agree,
-state carry across split sequences, causality, numerical gradients, structural matrix."""
+"""Tests of samovar_jax.ops: the four forms of the VAR chain agree (on the shared zoo_core kernels),
+state carry across split sequences, causality and NaN-safety, numerical gradients, structural matrix."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +45,7 @@ def _naive_chain(x0, q, v, wk=None, mask=None):
 
 
 def _all_forms(x0, q, v, wk=None, mask=None):
-    """Every form of the chain and of plain linear attention (run eagerly: JAX caches every primitive
+    """Every form of the chain (run eagerly: JAX caches every primitive
     per shape, which is cheaper here than compiling one large program per shape).
 
     The step forms are called once per token (a Python loop unrolled into the trace), so this checks
@@ -62,17 +62,7 @@ def _all_forms(x0, q, v, wk=None, mask=None):
                                       dropout_mask_t=None if mask is None else mask[:, :, i])
         steps.append(o)
     out["step"], out["step_state"] = jnp.stack(steps, axis=2), state
-    # Plain causal linear attention on (q, k, v) = (q[0], x0, v[0]).
-    la = {"la_parallel": ops.linear_attention_parallel(q[0], x0, v[0])}
-    la["la_recurrent"], la["la_recurrent_state"] = ops.linear_attention_recurrent(q[0], x0, v[0])
-    for c in CHUNKS[:2]:
-        la[f"la_chunked{c}"], la[f"la_chunked{c}_state"] = ops.linear_attention_chunked(q[0], x0, v[0], c)
-    state, steps = ops.linear_attention_init_state(B, H, D, D), []
-    for i in range(x0.shape[1]):
-        state, o = ops.linear_attention_step(state, q[0][:, i], x0[:, i], v[0][:, i])
-        steps.append(o)
-    la["la_step"], la["la_step_state"] = jnp.stack(steps, axis=1), state
-    return out, la
+    return out
 
 
 def _assert_forms(out, want):
@@ -84,18 +74,12 @@ def _assert_forms(out, want):
 @pytest.mark.parametrize("t", [1, 7, 16])
 def test_four_forms_agree(t):
     x0, q, v, _, _ = _chain_inputs(t)
-    out, la = _all_forms(x0, q, v)
-    _assert_forms(out, _naive_chain(x0, q, v))
-    want = _naive_chain(x0, q[:1], v[:1])[0]                       # one layer = plain linear attention
-    for name, value in la.items():
-        ref = la["la_recurrent_state"] if name.endswith("state") else want
-        np.testing.assert_allclose(value, ref, **F32_SIMPLE, err_msg=name)
+    _assert_forms(_all_forms(x0, q, v), _naive_chain(x0, q, v))
 
 
 def test_four_forms_agree_with_key_kernels_and_dropout():
     x0, q, v, wk, mask = _chain_inputs(7, seed=1)
-    out, _ = _all_forms(x0, q, v, wk, mask)
-    _assert_forms(out, _naive_chain(x0, q, v, wk, mask))
+    _assert_forms(_all_forms(x0, q, v, wk, mask), _naive_chain(x0, q, v, wk, mask))
 
 
 def _split(x0, q, v, wk):
@@ -107,17 +91,14 @@ def _split(x0, q, v, wk):
         o1, s1 = fn(x0[:, :a], q[:, :, :a], v[:, :, :a])
         o2, s2 = fn(x0[:, a:], q[:, :, a:], v[:, :, a:], state=s1)
         parts[name] = (jnp.concatenate([o1, o2], axis=2), s2)
-    oa, sa = ops.linear_attention_recurrent(q[0][:, :a], x0[:, :a], v[0][:, :a])
-    ob, sb = ops.linear_attention_chunked(q[0][:, a:], x0[:, a:], v[0][:, a:], 3, sa)
-    parts["linear_attention"] = (jnp.concatenate([oa, ob], 1), sb)
-    return full, parts, ops.linear_attention_recurrent(q[0], x0, v[0])
+    return full, parts
 
 
 def test_split_sequence_state_carry():
     x0, q, v, wk, _ = _chain_inputs(16, seed=2)
-    full, parts, la_full = _split(x0, q, v, wk)
+    full, parts = _split(x0, q, v, wk)
     for name, got in parts.items():
-        want = la_full if name == "linear_attention" else full
+        want = full
         np.testing.assert_allclose(got[0], want[0], **F32_SIMPLE, err_msg=name)
         np.testing.assert_allclose(got[1], want[1], **F32_SIMPLE, err_msg=name)
 
@@ -137,6 +118,57 @@ def test_causality():
         # Bitwise: masked terms are exact zeros and no later quantity enters an earlier sum.
         np.testing.assert_array_equal(np.asarray(a[:, :, :cut]), np.asarray(b[:, :, :cut]))
         assert not np.allclose(a[:, :, cut:], b[:, :, cut:])
+
+
+def _chain_forms(x0, q, v, wk, drop, mask):
+    """{form: o [L, B, T, H, D]} of every form of the chain (step: token by token, no padding mask)."""
+    kw = dict(key_kernels=wk, dropout_mask=drop, mask=mask)
+    out = {"parallel": ops.var_chain_parallel(x0, q, v, **kw),
+           "recurrent": ops.var_chain_recurrent(x0, q, v, **kw)[0]}
+    for c in (2, 3):
+        out[f"chunked{c}"] = ops.var_chain_chunked(x0, q, v, c, **kw)[0]
+    if mask is None:
+        state, steps = ops.var_chain_init_state(L, B, H, D), []
+        for i in range(x0.shape[1]):
+            state, o = ops.var_chain_step(state, x0[:, i], q[:, :, i], v[:, :, i], key_kernels=wk,
+                                          dropout_mask_t=None if drop is None else drop[:, :, i])
+            steps.append(o)
+        out["step"] = jnp.stack(steps, axis=2)
+    return out
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30])
+@pytest.mark.parametrize("where", ["x0", "q", "v"])
+def test_a_bad_future_value_changes_no_past_output_in_any_form(bad, where):
+    """A NaN or 1e30 at step 3 (in x0, which is also the first key, or in one layer's q or v) leaves
+    steps 0-2 of every layer bit for bit, through the chain and its dropout masks."""
+    t, cut = 7, 3
+    x0, q, v, wk, drop = _chain_inputs(t, seed=7)
+    poisoned = {"x0": (x0.at[:, cut].set(bad), q, v), "q": (x0, q.at[0, :, cut].set(bad), v),
+                "v": (x0, q, v.at[1, :, cut].set(bad))}[where]
+    for kernels, mask in ((None, None), (wk, drop)):
+        clean, dirty = _chain_forms(x0, q, v, kernels, mask, None), _chain_forms(*poisoned, kernels, mask, None)
+        for name in clean:
+            np.testing.assert_array_equal(np.asarray(dirty[name][:, :, :cut]), np.asarray(clean[name][:, :, :cut]),
+                                          err_msg=name)
+
+
+def test_padding_holding_nan_changes_no_valid_output():
+    t = 7
+    x0, q, v, wk, drop = _chain_inputs(t, seed=8)
+    mask = jnp.asarray([[True] * 5 + [False] * 2, [True, False, True, True, False, True, True]])
+    pad = ~mask[:, :, None, None]
+    x0n, qn, vn = jnp.where(pad, jnp.nan, x0), jnp.where(pad, 1e30, q), jnp.where(pad, jnp.nan, v)
+    clean, dirty = _chain_forms(x0, q, v, wk, drop, mask), _chain_forms(x0n, qn, vn, wk, drop, mask)
+    keep = np.asarray(mask)[None, :, :, None, None]
+    for name in clean:
+        np.testing.assert_array_equal(np.where(keep, dirty[name], 0.0), np.where(keep, clean[name], 0.0),
+                                      err_msg=name)
+        np.testing.assert_array_equal(np.where(keep, 0.0, dirty[name]), 0.0, err_msg=name)   # padded outputs are 0
+    # Valid outputs equal the chain run on the valid tokens only (row 0: its first 5 tokens).
+    short = ops.var_chain_parallel(x0[:1, :5], q[:, :1, :5], v[:, :1, :5], key_kernels=wk,
+                                   dropout_mask=drop[:, :1, :5])
+    np.testing.assert_allclose(dirty["parallel"][:, :1, :5], short, **F32_SIMPLE)
 
 
 def test_check_grads_float64(x64):
@@ -188,4 +220,4 @@ def test_chain_rejects_bad_shapes():
     with pytest.raises(ValueError, match="dropout_mask"):
         ops.var_chain_recurrent(x0, q, v, dropout_mask=mask[:, :1])
     with pytest.raises(ValueError, match="chunk_size"):
-        ops.linear_attention_chunked(q[0], x0, v[0], 0)
+        ops.var_chain_chunked(x0, q, v, 0)
