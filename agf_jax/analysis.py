@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from agf_jax import ops
+from agf_jax import ops, softmax
 
 _AGF_KEYS = frozenset({"query", "key", "sigma", "value", "out"})
 
@@ -124,7 +124,7 @@ def softmax_attention_matrix(layer, variables, x, *, mask=None) -> np.ndarray:
         `[B, H, T, T]`, row-stochastic.
     """
     f = layer.apply(variables, x, mask=mask, method="factors")
-    return np.asarray(ops.softmax_attention_weights(f["zu"], f["zv"], mask=mask))
+    return np.asarray(softmax.softmax_attention_weights(f["zu"], f["zv"], mask=mask))
 
 
 def frequency_energy(y, *, axis: int = 1, num_low: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -330,7 +330,8 @@ def attention_probes(model, variables, batch: Mapping[str, Any]) -> list[dict]:
         block = blocks[name]
         layer = layers_lib.AGFAttention(
             num_heads=model.num_heads, head_dim=head_dim, basis=model.basis, order=model.order,
-            alpha=model.alpha, beta=model.beta, learn_c0=False if is_lra else model.learn_c0)
+            alpha=model.alpha, beta=model.beta, learn_c0=False if is_lra else model.learn_c0,
+            ortho_count_padding=True)
         x = jnp.asarray(hidden[i])
         if is_lra:   # pre-LN: the attention sees LN(h)
             norm = nn.LayerNorm(epsilon=model_lib.LN_EPS)

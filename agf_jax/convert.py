@@ -387,6 +387,7 @@ def module_from_meta(meta: Mapping[str, Any]):
         return "lra_attention", AGFAttention(
             num_heads=h, head_dim=d, order=int(cfg["K"]), learn_c0=False,
             ortho_scale=float(cfg["reg"]),   # required like the other keys: no silent default
+            ortho_count_padding=True,        # the reference regulariser (spec §2.5)
             **_basis_args(cfg["poly_type"], cfg.get("alpha"), cfg.get("beta")))
     if "AttentionLayer" in cls:
         _expect(args, "attn_type", ("svd", "softmax"), cls)
@@ -432,8 +433,8 @@ def run_golden(golden) -> dict[str, np.ndarray]:
         mask = jnp.asarray(inp["mask"]) if "mask" in inp else None
         y, aux = module.apply(variables, x, mask=mask)
         out = {"y": y}
-        if "orthogonality" in aux:
-            out["ortho"] = aux["orthogonality"]
+        if "orthogonality/per_sample" in aux:
+            out["ortho"] = aux["orthogonality/per_sample"]
         return {k: np.asarray(v) for k, v in out.items()}
     variables = convert(golden.params, module)
     if case == "uea_classifier":

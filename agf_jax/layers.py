@@ -1,10 +1,16 @@
 """Flax Linen layers for AGF (Wi, Choi, Park, IJCAI 2025, arXiv 2505.08516) and a softmax baseline.
 
+Both layers follow the zoo's layer contract (README "Layer contract"):
+
+* `__call__(x, *, mask=None, deterministic=True) -> (y, aux)`, x `[B, T, E]`, mask bool `[B, T]`
+  (True = valid); `aux['loss/<name>']` scalars are auxiliary losses, other keys diagnostics;
+* with `causal=True` also `init_state(batch_size)`, `scan(x, state=None, *, mask=None,
+  deterministic=True) -> (y, state)` and `step(state, x_t, *, position=None) -> (y_t, state)`;
+* `chunk_size` chooses the form of a causal `__call__`: None = parallel, C = chunked.
+
 `AGFAttention` owns the four projections of spec §2.1 (W_U, W_V, W_Sigma, W_val), the output
-projection and the K+1 filter parameters theta (spec §2.4); every piece of maths is in
-`agf_jax.ops`. One parameter tree serves `__call__` (parallel; chunked when `chunk_size` is set),
-`scan` (recurrent, `jax.lax.scan` of a parameter-free function), `step` and `init_state`; the last
-three exist only for the causal extension (`causal=True`, see `agf_jax.ops`).
+projection and the K+1 filter parameters theta (spec §2.4); the maths is in `agf_jax.ops` (and
+`agf_jax.softmax` for the baseline). One parameter tree serves every form.
 
 Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
 
@@ -27,6 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax import ops
+from agf_jax import softmax as softmax_ops
+from agf_jax.ops import AGFState
+from agf_jax.softmax import KVCache
+from zoo_core import checks
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -48,8 +58,7 @@ def torch_linear_bias_init(fan_in: int) -> Initializer:
     A bias initialiser only sees the bias shape, so the layer's input width is given here; the
     models pass it for every projection (the layers' own default stays Flax's zeros).
     """
-    if fan_in < 1:
-        raise ValueError(f"fan_in must be >= 1, got {fan_in}")
+    checks.check_int("fan_in", fan_in, 1)
     bound = 1.0 / math.sqrt(fan_in)
 
     def init(key, shape, dtype=jnp.float32):
@@ -57,14 +66,61 @@ def torch_linear_bias_init(fan_in: int) -> Initializer:
     return init
 
 
+class _Attention(nn.Module):
+    """Fields, projections and helpers shared by the two layers (not a layer itself)."""
+
+    def _check_fields(self) -> None:
+        checks.check_int("num_heads", self.num_heads, 1)
+        checks.check_int("head_dim", self.head_dim, 1)
+        checks.check_optional_int("chunk_size", self.chunk_size)
+        checks.check_rate("dropout_rate", self.dropout_rate)
+        if self.chunk_size is not None and not self.causal:
+            checks.fail("`chunk_size` applies only to causal=True (it chooses the causal form)")
+
+    def _projection(self, name: str) -> nn.Module:
+        return nn.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
+                               param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                               bias_init=self.bias_init, name=name)
+
+    @nn.compact
+    def _out(self, o: Array, width: int) -> Array:
+        # A DenseGeneral over (H, D) -> E', declared in this one compact method (called from every
+        # form) because E' defaults to the input width, unknown in setup().
+        return nn.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
+                               param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                               bias_init=self.out_bias_init or self.bias_init, name="out")(o)
+
+    def _compute_dtype(self, x: Array):
+        return self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
+
+    def _require_causal(self, what: str) -> None:
+        if not self.causal:
+            checks.fail(f"{type(self).__name__}.{what} exists only for causal=True")
+
+    def _dropout_fn(self, deterministic: bool):
+        """Pure `(w, index) -> w` dropout for the forms that run inside `lax.scan` / `lax.map`."""
+        if deterministic or self.dropout_rate == 0.0:
+            return None
+        rng, keep = self.make_rng("dropout"), 1.0 - self.dropout_rate
+
+        def drop(w, index):
+            m = jax.random.bernoulli(jax.random.fold_in(rng, index), keep, w.shape)
+            return jnp.where(m, w / keep, 0.0)
+        return drop
+
+
 def _check_x(x: Array, mask: Optional[Array]) -> None:
-    if jnp.ndim(x) != 3:
-        raise ValueError(f"x must have rank 3 [B, T, E], got shape {jnp.shape(x)}")
-    if mask is not None and tuple(jnp.shape(mask)) != tuple(jnp.shape(x)[:2]):
-        raise ValueError(f"mask must have shape [B, T] = {jnp.shape(x)[:2]}, got {jnp.shape(mask)}")
+    checks.check_rank("x", x, 3, "[B, T, E]")
+    checks.check_mask(mask, jnp.shape(x)[:2])
 
 
-class AGFAttention(nn.Module):
+def _check_step(x_t: Array, position) -> None:
+    checks.check_rank("x_t", x_t, 2, "[B, E]")
+    if position is not None:
+        checks.fail("`position` must be None: this layer reads no positions")
+
+
+class AGFAttention(_Attention):
     """Attentive Graph Filter self-attention (spec §2), with an optional causal extension.
 
     Shapes: x `[B, T, E]` -> y `[B, T, E']` (E' = `out_features` or E).
@@ -81,9 +137,12 @@ class AGFAttention(nn.Module):
             initialised to 0, so the filter starts at 0 (UEA without `--fixI`).
         ortho_scale: factor on the orthogonality regulariser returned in aux (the LRA layer
             multiplies by `reg` inside; UEA uses 1 and applies eta in the loss).
+        ortho_count_padding: False (default): padded rows of U are removed from the regulariser,
+            so padding cannot change it; True: the reference's regulariser, whose U Gram counts
+            padded tokens (spec §2.5; the reference models and the converter set it).
         causal: prefix-normalised V (an extension the paper does not have; see `agf_jax.ops`).
-        chunk_size: causal only; if set, `__call__` uses the chunked form with this chunk length,
-            else the parallel (associative-scan) form.
+        chunk_size: causal only: None = the parallel (associative-scan) form of `__call__`, an int
+            C >= 1 = the chunked form.
         dropout_rate: dropout on the merged head outputs before `out` (not in the reference, whose
             `attention_dropout` is unused on the AGF path; default 0 keeps it identical).
         dtype: compute dtype of the projections (None: inferred); attention maths is float32.
@@ -93,6 +152,10 @@ class AGFAttention(nn.Module):
         out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
+
+    The causal forms keep AGF's own kernels rather than `zoo_core.linear_attention`: AGF normalises
+    each of the D features by its own prefix sum under a running maximum (an online softmax), which
+    the linear kernels' unstabilised `q . sum_s k_s v_s^T` cannot express.
     """
     num_heads: int
     head_dim: int
@@ -103,6 +166,7 @@ class AGFAttention(nn.Module):
     beta: Optional[float] = None
     learn_c0: bool = False
     ortho_scale: float = 1.0
+    ortho_count_padding: bool = False
     causal: bool = False
     chunk_size: Optional[int] = None
     dropout_rate: float = 0.0
@@ -114,41 +178,16 @@ class AGFAttention(nn.Module):
     theta_init: Initializer = nn.initializers.zeros_init()
 
     def setup(self):
-        # Validate every option before anything is traced: bad input fails with one clear error.
-        if self.num_heads < 1 or self.head_dim < 1:
-            raise ValueError(f"num_heads and head_dim must be >= 1, got {self.num_heads}, "
-                             f"{self.head_dim}")
-        if not isinstance(self.order, int) or isinstance(self.order, bool) or self.order < 0:
-            raise ValueError(f"order must be an int >= 0, got {self.order!r}")
+        self._check_fields()
+        checks.check_int("order", self.order, 0)
         ops.resolve_basis(self.basis, self.alpha, self.beta, self.order)
-        if self.chunk_size is not None:
-            if not self.causal:
-                raise ValueError("chunk_size applies only to causal=True (the non-causal form is "
-                                 "already O(T D^2))")
-            if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-                raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
-        proj = functools.partial(nn.DenseGeneral, features=(self.num_heads, self.head_dim),
-                                 dtype=self.dtype, param_dtype=self.param_dtype,
-                                 kernel_init=self.kernel_init, bias_init=self.bias_init)
-        self.query = proj(name="query")
-        self.key = proj(name="key")
-        self.sigma = proj(name="sigma")
-        self.value = proj(name="value")
+        self.query, self.key = self._projection("query"), self._projection("key")
+        self.sigma, self.value = self._projection("sigma"), self._projection("value")
         if self.order > 0:
             self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
         if self.learn_c0:
             self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
         self.dropout = nn.Dropout(self.dropout_rate)
-
-    @nn.compact
-    def _out(self, o: Array, width: int) -> Array:
-        # A DenseGeneral over (H, D) -> E', declared in this one compact method (called from every
-        # form) because E' defaults to the input width, unknown in setup().
-        return nn.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
-                               param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                               bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 
     def coefficients(self) -> Array:
         """Effective filter coefficients c_0..c_K, `[K+1]` float32."""
@@ -162,13 +201,9 @@ class AGFAttention(nn.Module):
     def _project(self, x: Array):
         return self.query(x), self.key(x), self.sigma(x), self.value(x)
 
-    def _finish(self, o: Array, width: int, dtype, deterministic: bool = True) -> Array:
-        o = o.astype(dtype)
-        o = self.dropout(o, deterministic=deterministic)
-        return self._out(o, width)
-
-    def _compute_dtype(self, x: Array):
-        return self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
+    def _finish(self, o: Array, x: Array, deterministic: bool) -> Array:
+        o = self.dropout(o.astype(self._compute_dtype(x)), deterministic=deterministic)
+        return self._out(o, x.shape[-1])
 
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
@@ -176,27 +211,29 @@ class AGFAttention(nn.Module):
 
         Args:
             x: `[B, T, E]`.
-            mask: `[B, T]` padding mask (bool or 0/1; 1 = real), applied to V only as in the
-                reference; padded rows of y are not zeroed.
-            deterministic: disables dropout (only matters when dropout_rate > 0; uses the
-                'dropout' rng).
+            mask: `[B, T]` key-padding mask (bool, True = valid; 0/1 accepted), applied to V (and
+                Val) only as in the reference; padded rows of y are not zeroed.
+            deterministic: disables dropout (uses the 'dropout' rng when dropout_rate > 0).
 
         Returns:
-            (y `[B, T, E']`, aux) with aux['orthogonality'] `[B]` = ortho_scale * regulariser
-            (float32).
+            (y `[B, T, E']`, aux) with aux['loss/orthogonality'] the batch mean of
+            'orthogonality/per_sample' `[B]` = ortho_scale * regulariser, and
+            'filter/coefficients' `[K+1]` (all float32).
         """
         _check_x(x, mask)
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
-        if self.causal and self.chunk_size is not None:
+        if self.chunk_size is not None:
             o, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size, mask=mask,
                                    **self._basis_kwargs())
         else:
             o = ops.agf_parallel(zu, zv, zs, val, c, mask=mask, causal=self.causal,
                                  **self._basis_kwargs())
-        ortho = self.ortho_scale * ops.orthogonality_loss(zu, zv, mask=mask)
-        y = self._finish(o, x.shape[-1], self._compute_dtype(x), deterministic)
-        return y, {"orthogonality": ortho}
+        ortho = self.ortho_scale * ops.orthogonality_loss(
+            zu, zv, mask=mask, count_padding=self.ortho_count_padding)
+        aux = {"loss/orthogonality": jnp.mean(ortho), "orthogonality/per_sample": ortho,
+               "filter/coefficients": c}
+        return self._finish(o, x, deterministic), aux
 
     def factors(self, x: Array, *, mask: Optional[Array] = None) -> dict:
         """Singular-domain intermediates for analysis (float32).
@@ -215,25 +252,20 @@ class AGFAttention(nn.Module):
         f = ops.agf_factors(zu, zv, zs, c, mask=mask, **self._basis_kwargs())
         return dict(zu=zu, zv=zv, zs=zs, value=val, coeffs=c, **f._asdict())
 
-    def _require_causal(self, what: str) -> None:
-        if not self.causal:
-            raise ValueError(f"AGFAttention.{what} exists only for causal=True (the non-causal "
-                             "right factor is normalised over the whole sequence, so there is no "
-                             "recurrence)")
-
-    def init_state(self, batch_size: int) -> ops.AGFState:
+    def init_state(self, batch_size: int) -> AGFState:
         """Empty causal state, float32: num `[B, H, D, D]`, den and max `[B, H, D]`."""
         self._require_causal("init_state")
         return ops.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
 
-    def scan(self, x: Array, state: Optional[ops.AGFState] = None, *,
-             mask: Optional[Array] = None) -> tuple[Array, ops.AGFState]:
+    def scan(self, x: Array, state: Optional[AGFState] = None, *, mask: Optional[Array] = None,
+             deterministic: bool = True) -> tuple[Array, AGFState]:
         """Recurrent form: projections for the whole sequence, then `jax.lax.scan` of pure maths.
 
         Args:
             x: `[B, T, E]`.
-            state: `AGFState` of the preceding tokens, or None.
+            state: `AGFState` of the preceding tokens, or None (empty).
             mask: `[B, T]` or None.
+            deterministic: as in `__call__`.
 
         Returns:
             (y `[B, T, E']`, final state).
@@ -243,42 +275,43 @@ class AGFAttention(nn.Module):
         zu, zv, zs, val = self._project(x)
         o, state = ops.agf_recurrent(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
                                      **self._basis_kwargs())
-        return self._finish(o, x.shape[-1], self._compute_dtype(x)), state
+        return self._finish(o, x, deterministic), state
 
-    def step(self, state: ops.AGFState, x_t: Array) -> tuple[Array, ops.AGFState]:
-        """One token: O(H D^2).
+    def step(self, state: AGFState, x_t: Array, *,
+             position: Optional[Array] = None) -> tuple[Array, AGFState]:
+        """One token, O(H D^2): x_t `[B, E]` -> (y_t `[B, E']`, new state).
 
-        Args:
-            state: `AGFState` of the prefix.
-            x_t: `[B, E]`.
-
-        Returns:
-            (y_t `[B, E']`, new state).
+        `position` must be None (AGF reads no positions; a value is refused, not ignored).
         """
         self._require_causal("step")
-        if jnp.ndim(x_t) != 2:
-            raise ValueError(f"x_t must have rank 2 [B, E], got shape {jnp.shape(x_t)}")
+        _check_step(x_t, position)
         zu, zv, zs, val = self._project(x_t)
         state, o = ops.agf_step(state, zu, zv, zs, val, self.coefficients(), **self._basis_kwargs())
-        return self._finish(o, x_t.shape[-1], self._compute_dtype(x_t)), state
+        return self._finish(o, x_t, True), state
 
 
-class SoftmaxAttention(nn.Module):
-    """Vanilla multi-head softmax attention, the baseline of the reference harnesses (O(T^2)).
+class SoftmaxAttention(_Attention):
+    """Multi-head softmax attention, the baseline of the reference harnesses (O(T^2)).
 
-    Same projections names as `AGFAttention` minus `sigma`, and the same `(y, aux)` interface
-    (aux is empty: no regulariser). Shapes: x `[B, T, E]` -> `[B, T, E']`.
+    Same projection names as `AGFAttention` minus `sigma`, and the same contract (aux is empty:
+    no regulariser). Shapes: x `[B, T, E]` -> `[B, T, E']`. Kernels: `agf_jax.softmax`.
 
     Attributes:
         num_heads: H.
         head_dim: D.
         out_features: E' (default E).
+        causal: token t attends to s <= t; adds `init_state` / `scan` / `step` on a `KVCache`.
+        chunk_size: causal only: None = the parallel form of `__call__`, C = C queries at a time.
+        max_length: causal only: the `KVCache` slots of `init_state` (required there).
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
     """
     num_heads: int
     head_dim: int
     out_features: Optional[int] = None
+    causal: bool = False
+    chunk_size: Optional[int] = None
+    max_length: Optional[int] = None
     dropout_rate: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -287,32 +320,60 @@ class SoftmaxAttention(nn.Module):
     out_bias_init: Optional[Initializer] = None
 
     def setup(self):
-        if self.num_heads < 1 or self.head_dim < 1:
-            raise ValueError(f"num_heads and head_dim must be >= 1, got {self.num_heads}, "
-                             f"{self.head_dim}")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
-        proj = functools.partial(nn.DenseGeneral, features=(self.num_heads, self.head_dim),
-                                 dtype=self.dtype, param_dtype=self.param_dtype,
-                                 kernel_init=self.kernel_init, bias_init=self.bias_init)
-        self.query = proj(name="query")
-        self.key = proj(name="key")
-        self.value = proj(name="value")
+        self._check_fields()
+        checks.check_optional_int("max_length", self.max_length)
+        if self.max_length is not None and not self.causal:
+            checks.fail("`max_length` applies only to causal=True (it sizes the KV cache)")
+        self.query, self.key = self._projection("query"), self._projection("key")
+        self.value = self._projection("value")
         self.dropout = nn.Dropout(self.dropout_rate)
+
+    def _finish(self, o: Array, x: Array) -> Array:
+        return self._out(o.astype(self._compute_dtype(x)), x.shape[-1])
 
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """Args: x `[B, T, E]`; mask `[B, T]` key padding mask. Returns (y `[B, T, E']`, {})."""
+        """x `[B, T, E]`, mask `[B, T]` key-padding mask -> (y `[B, T, E']`, {})."""
         _check_x(x, mask)
         q, k, v = self.query(x), self.key(x), self.value(x)
-        w = ops.softmax_attention_weights(q, k, mask=mask)
-        w = self.dropout(w, deterministic=deterministic)
-        o = jnp.einsum("bhtj,bjhm->bthm", w, v.astype(w.dtype))
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
-        return self._out(o.astype(dtype), x.shape[-1]), {}
+        if self.chunk_size is not None:
+            o = softmax_ops.softmax_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask,
+                                            dropout=self._dropout_fn(deterministic))
+        else:
+            o = softmax_ops.softmax_parallel(
+                q, k, v, mask=mask, causal=self.causal,
+                dropout=lambda w, _: self.dropout(w, deterministic=deterministic))
+        return self._finish(o, x), {}
 
-    @nn.compact
-    def _out(self, o: Array, width: int) -> Array:
-        return nn.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
-                               param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                               bias_init=self.out_bias_init or self.bias_init, name="out")(o)
+    def init_state(self, batch_size: int) -> KVCache:
+        """Empty `KVCache` of `max_length` slots (float32 key/value, int32 length `[B]`)."""
+        self._require_causal("init_state")
+        if self.max_length is None:
+            checks.fail("SoftmaxAttention.init_state needs `max_length` (the KV-cache size)")
+        return softmax_ops.init_cache(batch_size, self.max_length, self.num_heads, self.head_dim)
+
+    def scan(self, x: Array, state: Optional[KVCache] = None, *, mask: Optional[Array] = None,
+             deterministic: bool = True) -> tuple[Array, KVCache]:
+        """Token recurrence on the KV cache (padded tokens are not written): (y, final cache)."""
+        self._require_causal("scan")
+        _check_x(x, mask)
+        if state is None:
+            state = self.init_state(x.shape[0])
+            if x.shape[1] > self.max_length:
+                checks.fail(f"x has {x.shape[1]} tokens, more than max_length = {self.max_length}")
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        o, state = softmax_ops.softmax_scan(q, k, v, cache=state, mask=mask,
+                                            dropout=self._dropout_fn(deterministic))
+        return self._finish(o, x), state
+
+    def step(self, state: KVCache, x_t: Array, *,
+             position: Optional[Array] = None) -> tuple[Array, KVCache]:
+        """One token x_t `[B, E]` -> (y_t `[B, E']`, new cache); NaN once the cache is full.
+
+        `position` must be None (the layer reads no positions; a value is refused, not ignored).
+        """
+        self._require_causal("step")
+        _check_step(x_t, position)
+        q, k, v = self.query(x_t), self.key(x_t), self.value(x_t)
+        state, o = softmax_ops.softmax_step(state, q, k, v)
+        return self._finish(o, x_t), state

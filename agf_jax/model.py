@@ -12,11 +12,16 @@ Each takes `attention='agf' | 'softmax'` so the vanilla Transformer baseline run
 `Model(**config.model)` builds one of them from a `kind`, a `VARIANTS` size preset and overrides.
 
 Interface (the zoo's model contract): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
-returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True`.
+returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True`. Blocks and
+encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
+(`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
 
 aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
     'loss/orthogonality': scalar, mean over the batch of 'orthogonality/per_sample' (already
-        weighted; the shared trainer adds it to the task loss).
+        weighted; the shared trainer adds it to the task loss). The reference averages over layers
+        (spec §2.5), so this is weight / L times the encoder's summed 'loss/orthogonality'; it is
+        computed from the per-sample values in the reference's order (the training loss is the
+        same, bit for bit, as before the layer contract).
     'orthogonality/per_sample': [B], weighted mean over layers: the reference's `loss_ortho` (LRA,
         reg applied inside each layer) or eta * `ortho_mean` (UEA, eta applied outside).
     'orthogonality/per_layer': [L, B], what each layer returns as in the reference: times `reg`
@@ -29,8 +34,10 @@ Larger intermediates are sown (collection 'intermediates', only when made mutabl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, Optional
+import operator
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -39,6 +46,7 @@ import numpy as np
 
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
+from zoo_core import checks
 
 Array = jax.Array
 
@@ -71,34 +79,22 @@ def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Mo
     init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
                 bias_init=torch_linear_bias_init(owner.d_model),
                 out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
-    _check_attention_fields(owner)
+    checks.check_choice("attention", owner.attention, ATTENTIONS)
     if owner.attention == "agf":
+        # The reference regulariser counts padded rows of U (spec §2.5): kept for parity.
         return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
                             order=owner.order, alpha=owner.alpha, beta=owner.beta,
-                            learn_c0=learn_c0, ortho_scale=ortho_scale, **init)
+                            learn_c0=learn_c0, ortho_scale=ortho_scale, ortho_count_padding=True,
+                            **init)
     return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
                             dropout_rate=owner.attention_dropout, **init)
 
 
-def _check_attention_fields(m) -> None:
-    """`attention` is known and no option of the other attention is set (it would be ignored)."""
-    if m.attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, got {m.attention!r}")
-    if m.attention == "agf" and m.attention_dropout:
-        raise ValueError("attention_dropout applies only to attention='softmax' (AGF has no "
-                         "attention dropout in the reference)")
-    if m.attention == "softmax":
-        defaults = {f.name: f.default for f in dataclasses.fields(m)}
-        changed = sorted(k for k in AGF_ONLY_KWARGS if k in defaults and getattr(m, k) != defaults[k])
-        if changed:
-            raise ValueError(f"{changed} apply only to attention='agf' (got attention='softmax')")
-
-
-def _check_common(m) -> None:
-    _check_attention_fields(m)
-    for name in ("d_model", "mlp_dim", "num_heads", "num_layers", "num_classes"):
-        if getattr(m, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(m, name)}")
+def merge_aux(auxes: Sequence[dict]) -> dict:
+    """Merges the aux dicts of a stack of layers: `loss/*` scalars summed, other keys stacked."""
+    keys = auxes[0].keys() if auxes else ()
+    return {k: functools.reduce(operator.add, [a[k] for a in auxes]) if k.startswith("loss/")
+            else jnp.stack([a[k] for a in auxes]) for k in keys}
 
 
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
@@ -112,16 +108,16 @@ def _layer_norm(m, name: str) -> nn.LayerNorm:
     return nn.LayerNorm(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
 
 
-def _aux(ortho_layers: list, coeffs: list, weight: float) -> dict:
-    """aux dict from per-layer [B] regularisers; `weight` is applied on top (UEA eta, LRA 1)."""
-    if not ortho_layers:
+def _aux(aux: dict, weight: float) -> dict:
+    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1)."""
+    if "orthogonality/per_sample" not in aux:
         return {}
-    per_layer = jnp.stack(ortho_layers)                       # [L, B]
+    per_layer = aux["orthogonality/per_sample"]                # [L, B]
     per_sample = weight * jnp.mean(per_layer, axis=0)          # [B]
     return {"loss/orthogonality": jnp.mean(per_sample),
             "orthogonality/per_sample": per_sample,
             "orthogonality/per_layer": per_layer,
-            "filter/coefficients": jnp.stack(coeffs)}
+            "filter/coefficients": aux["filter/coefficients"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,16 +152,14 @@ class LRABlock(nn.Module):
         self.mlp_out = _dense(self.d_model, self.mlp_dim, self, "mlp_out")
         self.dropout = nn.Dropout(self.dropout_rate)
 
-    def __call__(self, x, mask, *, deterministic: bool):
+    def __call__(self, x, *, mask=None, deterministic: bool = True):
+        """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
         y, aux = self.attention_layer(self.attention_norm(x), mask=mask,
                                       deterministic=deterministic)
         x = x + self.dropout(y, deterministic=deterministic)
         h = self.dropout(_gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
         x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
         return x, aux
-
-    def coefficients(self):
-        return self.attention_layer.coefficients()
 
 
 class LRAEncoder(nn.Module):
@@ -208,23 +202,21 @@ class LRAEncoder(nn.Module):
         self.final_norm = _layer_norm(self, "final_norm")
         self.dropout = nn.Dropout(self.dropout_rate)
 
-    def __call__(self, ids: Array, mask: Array, *, deterministic: bool):
-        """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, per-layer `[B]`, coefficients)."""
+    def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
+        """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
         x = self.token_embed(ids) + self.pos_embed.embedding[:t].astype(
             self.dtype or self.param_dtype)[None]
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
-        orthos, coeffs = [], []
+        auxes = []
         for block in self.blocks:
-            x, aux = block(x, mask, deterministic=deterministic)
+            x, aux = block(x, mask=mask, deterministic=deterministic)
             self.sow("intermediates", "hidden_states", x)
-            if "orthogonality" in aux:
-                orthos.append(aux["orthogonality"])
-                coeffs.append(block.coefficients())
+            auxes.append(aux)
         x = self.final_norm(x) * mask[:, :, None].astype(x.dtype)
         self.sow("intermediates", "token_out", x)
-        return x, orthos, coeffs
+        return x, merge_aux(auxes)
 
 
 class _LRABase(nn.Module):
@@ -270,9 +262,6 @@ class _LRABase(nn.Module):
     param_dtype: Any = jnp.float32
 
     def _setup_encoder(self):
-        _check_common(self)
-        if self.pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {self.pooling!r}")
         self.encoder = LRAEncoder(
             vocab_size=self.vocab_size, max_len=self.max_len, d_model=self.d_model,
             mlp_dim=self.mlp_dim, num_heads=self.num_heads, head_dim=self.head_dim,
@@ -284,24 +273,26 @@ class _LRABase(nn.Module):
         self.head_out = _dense(self.num_classes, self.mlp_dim, self, "head_out")
 
     def _ids(self, batch: dict, key: str) -> Array:
-        if key not in batch:
-            raise ValueError(f"batch must contain {key!r} (int [B, T], 0 = padding); got keys "
-                             f"{sorted(batch)}")
-        ids = jnp.asarray(batch[key])
-        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"batch[{key!r}] must be int [B, T], got {ids.dtype} {ids.shape}")
-        if ids.shape[1] > self.max_len:
-            raise ValueError(f"batch[{key!r}] length {ids.shape[1]} exceeds max_len {self.max_len}")
+        ids = jnp.asarray(_batch_entry(batch, key, "int [B, T], 0 = padding"))
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] > self.max_len:
+            checks.fail(f"`batch[{key!r}]` must be int [B, T <= max_len = {self.max_len}], got "
+                        f"{ids.dtype} {ids.shape}")
         return ids
 
     def _encode(self, ids: Array, deterministic: bool):
         ids, mask = lra_encoder_tokens(ids, pooling=self.pooling, vocab_size=self.vocab_size)
-        x, orthos, coeffs = self.encoder(ids, mask, deterministic=deterministic)
+        x, aux = self.encoder(ids, mask, deterministic=deterministic)
         pooled = x[:, 0] if self.pooling == "cls" else jnp.mean(x, axis=1)
-        return pooled, orthos, coeffs
+        return pooled, aux
 
     def _head(self, z: Array) -> Array:
         return self.head_out(nn.relu(self.head_hidden(z))).astype(jnp.float32)
+
+
+def _batch_entry(batch: dict, key: str, doc: str):
+    if key not in batch:
+        checks.fail(f"`batch` must contain {key!r} ({doc}), got keys {sorted(batch)}")
+    return batch[key]
 
 
 def lra_encoder_tokens(ids: Array, *, pooling: str, vocab_size: int) -> tuple[Array, Array]:
@@ -330,8 +321,8 @@ class LRAClassifier(_LRABase):
         self._setup_encoder()
 
     def __call__(self, batch: dict, *, train: bool = False):
-        pooled, orthos, coeffs = self._encode(self._ids(batch, "inputs"), not train)
-        return {"logits": self._head(pooled)}, _aux(orthos, coeffs, 1.0)
+        pooled, aux = self._encode(self._ids(batch, "inputs"), not train)
+        return {"logits": self._head(pooled)}, _aux(aux, 1.0)
 
 
 class LRARetrieval(_LRABase):
@@ -347,11 +338,11 @@ class LRARetrieval(_LRABase):
         self._setup_encoder()
 
     def __call__(self, batch: dict, *, train: bool = False):
-        x0, o0, coeffs = self._encode(self._ids(batch, "inputs1"), not train)
-        x1, o1, _ = self._encode(self._ids(batch, "inputs2"), not train)
+        x0, a0 = self._encode(self._ids(batch, "inputs1"), not train)
+        x1, a1 = self._encode(self._ids(batch, "inputs2"), not train)
         z = jnp.concatenate([x0, x1, x0 * x1, x0 - x1], axis=-1)
-        orthos = [0.5 * (a + b) for a, b in zip(o0, o1)]
-        return {"logits": self._head(z)}, _aux(orthos, coeffs, 1.0)
+        aux = {k: 0.5 * (a0[k] + a1[k]) if k != "filter/coefficients" else a0[k] for k in a0}
+        return {"logits": self._head(z)}, _aux(aux, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,16 +381,14 @@ class UEABlock(nn.Module):
         self.ffn_norm = _layer_norm(self, "ffn_norm")
         self.dropout = nn.Dropout(self.dropout_rate)
 
-    def __call__(self, x, *, deterministic: bool):
-        # The reference UEA attention is never masked: padding is zero input (spec §2.2).
-        y, aux = self.attention_layer(x, deterministic=deterministic)
+    def __call__(self, x, *, mask=None, deterministic: bool = True):
+        """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
+        the reference UEA attention is never masked, padding is zero input (spec §2.2)."""
+        y, aux = self.attention_layer(x, mask=mask, deterministic=deterministic)
         x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
         h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
         h = self.dropout(self.ffn_out(h), deterministic=deterministic)
         return self.ffn_norm(x + h), aux
-
-    def coefficients(self):
-        return self.attention_layer.coefficients()
 
 
 def sinusoidal_table(length: int, width: int) -> np.ndarray:
@@ -468,20 +457,11 @@ class UEAClassifier(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
-        _check_common(self)
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
-        if self.pos_encoding not in ("learnable", "fixed"):
-            raise ValueError(f"pos_encoding must be 'learnable' or 'fixed', got "
-                             f"{self.pos_encoding!r}")
-        if self.head_dim is None and self.d_model % self.num_heads:
-            # The reference would silently use d_model // num_heads per head (a narrower layer).
-            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}; "
-                             f"pass head_dim explicitly for a different width")
+        if self.head_dim is None:
+            # The reference would silently use d_model // num_heads per head (a narrower layer);
+            # pass head_dim explicitly for a different width.
+            checks.check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         head_dim = self.d_model // self.num_heads if self.head_dim is None else self.head_dim
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
         self.input_proj = _dense(self.d_model, self.feat_dim, self, "input_proj")
         if self.pos_encoding == "learnable":
             self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),
@@ -500,19 +480,12 @@ class UEAClassifier(nn.Module):
         self.dropout = nn.Dropout(self.dropout_rate)
 
     def __call__(self, batch: dict, *, train: bool = False):
-        if "inputs" not in batch:
-            raise ValueError(f"batch must contain 'inputs' (float [B, T, C]); got keys "
-                             f"{sorted(batch)}")
-        x = jnp.asarray(batch["inputs"])
-        if x.ndim != 3 or x.shape[1] != self.max_len or x.shape[2] != self.feat_dim:
-            raise ValueError(f"batch['inputs'] must be [B, max_len={self.max_len}, "
-                             f"feat_dim={self.feat_dim}], got {x.shape}")
+        x = jnp.asarray(_batch_entry(batch, "inputs", "float [B, T, C]"))
+        checks.check_shape("batch['inputs']", x, (x.shape[0] if x.ndim else 0, self.max_len,
+                                                  self.feat_dim), "[B, max_len, feat_dim]")
         mask = batch.get("mask")
-        if mask is None:
-            mask = jnp.ones(x.shape[:2], bool)
-        mask = jnp.asarray(mask)
-        if mask.shape != x.shape[:2]:
-            raise ValueError(f"batch['mask'] must be [B, T] = {x.shape[:2]}, got {mask.shape}")
+        mask = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask)
+        checks.check_mask(mask, x.shape[:2], "batch['mask']")
         det = not train
         h = self.input_proj(x) * math.sqrt(self.d_model)
         if self.pos_encoding == "learnable":
@@ -521,19 +494,17 @@ class UEAClassifier(nn.Module):
             pe = jnp.asarray(sinusoidal_table(self.max_len, self.d_model))
         h = self.dropout(h + pe.astype(h.dtype)[None], deterministic=det)
         self.sow("intermediates", "hidden_states", h)
-        orthos, coeffs = [], []
+        auxes = []
         for block in self.blocks:
             h, aux = block(h, deterministic=det)
             self.sow("intermediates", "hidden_states", h)
-            if "orthogonality" in aux:
-                orthos.append(aux["orthogonality"])
-                coeffs.append(block.coefficients())
+            auxes.append(aux)
         h = self.final_norm(h)
         self.sow("intermediates", "token_out", h)
         h = self.dropout(ACTIVATIONS[self.activation](h), deterministic=det)
         h = h * mask[:, :, None].astype(h.dtype)
         logits = self.output(h.reshape(h.shape[0], -1)).astype(jnp.float32)
-        return {"logits": logits}, _aux(orthos, coeffs, self.ortho_weight)
+        return {"logits": logits}, _aux(merge_aux(auxes), self.ortho_weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,10 +520,31 @@ KINDS: dict[str, type] = {
 
 def model_kwargs(kind: str) -> tuple[str, ...]:
     """The constructor kwargs accepted by `Model(kind=kind, ...)` besides `kind` and `variant`."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {tuple(KINDS)}, got {kind!r}")
+    checks.check_choice("kind", kind, KINDS)
     return tuple(f.name for f in dataclasses.fields(KINDS[kind])
                  if f.name not in ("parent", "name"))
+
+
+def _check_options(kind: str, args: dict) -> None:
+    """Validates the model options once, at the factory (the classes trust their fields)."""
+    field = {f.name: f.default for f in dataclasses.fields(KINDS[kind])}
+    get = lambda k: args.get(k, field[k])   # noqa: E731
+    for name in ("d_model", "mlp_dim", "num_heads", "num_layers", "num_classes"):
+        checks.check_int(name, get(name), 1)
+    checks.check_optional_int("head_dim", get("head_dim"))
+    checks.check_choice("attention", get("attention"), ATTENTIONS)
+    checks.check_rate("dropout_rate", get("dropout_rate"))
+    checks.check_rate("attention_dropout", get("attention_dropout"))
+    given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
+    if get("attention") == "softmax" and given:
+        checks.fail(f"{given} apply only to attention='agf' (got attention='softmax')")
+    if get("attention") == "agf" and get("attention_dropout"):
+        checks.fail("`attention_dropout` applies only to attention='softmax' (AGF has none)")
+    if kind == "uea_classifier":
+        checks.check_choice("activation", get("activation"), ACTIVATIONS)
+        checks.check_choice("pos_encoding", get("pos_encoding"), ("learnable", "fixed"))
+    else:
+        checks.check_choice("pooling", get("pooling"), ("mean", "cls"))
 
 
 def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  # noqa: N802
@@ -571,18 +563,15 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         An unbound Linen module; `apply(variables, batch, train=...)` -> ({'logits'}, aux).
 
     Raises:
-        ValueError: unknown kind/variant/kwarg, or an AGF-only kwarg with attention='softmax'.
+        ValueError: unknown kind/variant/kwarg, a missing or invalid option, or an AGF-only kwarg
+            with attention='softmax'.
     """
     allowed = model_kwargs(kind)
-    if variant is not None and variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    if variant is not None:
+        checks.check_choice("variant", variant, VARIANTS)
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown Model kwargs for kind={kind!r}: {unknown}; allowed: {allowed}")
-    if kwargs.get("attention", "agf") == "softmax":
-        given = sorted(k for k in AGF_ONLY_KWARGS if k in kwargs)
-        if given:
-            raise ValueError(f"{given} apply only to attention='agf' (got attention='softmax')")
+        checks.fail(f"unknown Model kwargs for kind={kind!r}: {unknown}; allowed: {allowed}")
     args = dict(VARIANTS[variant]) if variant is not None else {}
     if kind == "uea_classifier" and "head_dim" not in kwargs:
         # The UEA reference ties the head width to d_model // n_heads; derive it (head_dim=None)
@@ -593,5 +582,6 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
                if f.name not in ("parent", "name") and f.default is dataclasses.MISSING
                and f.name not in args]
     if missing:
-        raise ValueError(f"Model(kind={kind!r}) is missing required kwargs {missing}")
+        checks.fail(f"Model(kind={kind!r}) is missing required kwargs {missing}")
+    _check_options(kind, args)
     return KINDS[kind](**args)

@@ -226,11 +226,15 @@ def _check_projections(zu, zv, zs=None, val=None, *, rank=4):
 
 
 def masked_logits(zv: Array, mask: Optional[Array]) -> Array:
-    """Applies the padding mask to the V logits as the reference does: Z_V - 1e9 (1 - mask).
+    """The V logits with padded tokens set to -1e9 (the reference's Z_V - 1e9 (1 - mask)).
+
+    Padding is removed with `jnp.where`, so a padded position holding NaN or 1e30 gets the same
+    logit as any other; for partially padded sequences the result equals the reference's bit for
+    bit (a padded weight is exp(-1e9 - max) = 0 either way).
 
     Args:
         zv: `[B, T, H, D]`.
-        mask: `[B, T]` bool or 0/1 float (1 = real token), or None.
+        mask: `[B, T]` bool or 0/1 (nonzero = real token), or None.
 
     Returns:
         `[B, T, H, D]` float32 (or float64).
@@ -238,11 +242,24 @@ def masked_logits(zv: Array, mask: Optional[Array]) -> Array:
     zv = _float(zv)
     if mask is None:
         return zv
-    mask = jnp.asarray(mask)
-    if mask.shape != zv.shape[:2]:
-        raise ValueError(f"mask must have shape [B, T] = {zv.shape[:2]}, got {mask.shape}")
-    # astype(bool) first: any nonzero entry is a valid token, as in softmax_attention_weights.
-    return zv - MASK_OFFSET * (1.0 - mask.astype(bool).astype(zv.dtype))[:, :, None, None]
+    _check_mask(mask, zv)
+    return jnp.where(_valid(mask), zv, -MASK_OFFSET)
+
+
+def masked_values(val: Array, mask: Optional[Array]) -> Array:
+    """Val with padded rows replaced by 0 (`jnp.where`: 0 * NaN would still be NaN), float32."""
+    val = _float(val)
+    return val if mask is None else jnp.where(_valid(mask), val, 0.0)
+
+
+def _valid(mask: Array) -> Array:
+    """`[B, T]` mask -> `[B, T, 1, 1]` bool (any nonzero entry is a valid token)."""
+    return jnp.asarray(mask).astype(bool)[:, :, None, None]
+
+
+def _check_mask(mask: Array, x: Array) -> None:
+    if tuple(jnp.shape(mask)) != tuple(x.shape[:2]):
+        raise ValueError(f"mask must have shape [B, T] = {x.shape[:2]}, got {jnp.shape(mask)}")
 
 
 def left_factor(zu: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
@@ -300,22 +317,28 @@ def agf_factors(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = 
     return AGFFactors(u, v, s, g)
 
 
-def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None) -> Array:
+def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
+                       count_padding: bool = True) -> Array:
     """Per-sample orthogonality regulariser on the post-softmax factors (spec §2.5, pitfall 5).
 
     ortho_b = mean_{H,D,D} |U^T U - I| + mean_{H,D,D} |V^T V - I|, where U^T U = sum_t U_t U_t^T.
-    U is not masked (padded rows count, as in the reference); V uses the masked sequence softmax, so
-    padded rows of V are exactly 0. In causal mode the same function is used (see module docstring).
+    V uses the masked sequence softmax, so padded rows of V are exactly 0. In causal mode the same
+    function is used (see module docstring).
 
     Args:
         zu, zv: `[B, T, H, D]`.
         mask: `[B, T]` or None.
+        count_padding: True (the reference): padded rows of U count in U^T U, so the value depends
+            on what padded positions hold; False: they are removed with `jnp.where`, so padding
+            (even NaN or 1e30) cannot change it (the zoo's layer contract).
 
     Returns:
         `[B]`, unweighted (the LRA layer multiplies it by `reg`, the UEA loss by `eta`).
     """
     _check_projections(zu, zv)
     u = jax.nn.softmax(_float(zu), axis=-1)
+    if mask is not None and not count_padding:
+        u = jnp.where(_valid(mask), u, 0.0)
     v = jax.nn.softmax(masked_logits(zv, mask), axis=1)
     eye = jnp.eye(u.shape[-1], dtype=u.dtype)
     utu = jnp.einsum("bthd,bthe->bhde", u, u)
@@ -397,7 +420,7 @@ def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     _check_projections(zu, zv, zs, val)
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
     zv = masked_logits(zv, mask)
-    val = _float(val).astype(a.dtype)
+    val = masked_values(val, mask).astype(a.dtype)
     if not causal:
         v = jax.nn.softmax(zv, axis=1)
         kv = jnp.einsum("bthd,bthm->bhdm", v, val)   # V^T Val: [B, H, D, M]
@@ -449,7 +472,14 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
     zv = masked_logits(zv, mask)
-    val = _float(val).astype(a.dtype)
+    val = masked_values(val, mask).astype(a.dtype)
+    # The intra-chunk sum multiplies the future weights (exactly 0) with the future values, and
+    # 0 * NaN = NaN: a non-finite Z_V or Val at a valid position is replaced here and every output
+    # at or after it is set to NaN below, which is what the recurrence gives.
+    bad = ~(jnp.all(jnp.isfinite(zv), axis=-1) & jnp.all(jnp.isfinite(val), axis=-1))   # [B, T, H]
+    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
+    zv = jnp.where(bad[..., None], -MASK_OFFSET, zv)
+    val = jnp.where(bad[..., None], 0.0, val)
     b, t, h, d = a.shape
     if state is None:
         state = init_state(b, h, d, val.shape[-1], a.dtype)
@@ -491,7 +521,11 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
 
     state, ys = jax.lax.scan(body, state, (to_chunks(a), to_chunks(zv), to_chunks(val)))
     y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])[:, :t]
-    return y, state
+    last = poisoned[:, -1]                                                            # [B, H]
+    state = AGFState(jnp.where(last[..., None, None], jnp.nan, state.num),
+                     jnp.where(last[..., None], jnp.nan, state.den),
+                     jnp.where(last[..., None], jnp.nan, state.max))
+    return jnp.where(poisoned[..., None], jnp.nan, y), state
 
 
 def _step_core(state: AGFState, a_t: Array, zv_t: Array, val_t: Array) -> tuple[AGFState, Array]:
@@ -526,7 +560,7 @@ def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     # online softmax is scanned.
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
     zv = masked_logits(zv, mask)
-    val = _float(val).astype(a.dtype)
+    val = masked_values(val, mask).astype(a.dtype)
     b, _, h, d = a.shape
     if state is None:
         state = init_state(b, h, d, val.shape[-1], a.dtype)
@@ -589,44 +623,3 @@ def agf_attention_matrix(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basi
     logits = jnp.broadcast_to(zv[:, None], (zv.shape[0], t) + zv.shape[1:])      # [B, t, j, H, D]
     v_t = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=2)
     return jnp.einsum("bthd,btjhd->bhtj", a, v_t)
-
-
-# ---------------------------------------------------------------------------------------------
-# Softmax baseline (vanilla Transformer attention of the reference harnesses).
-# ---------------------------------------------------------------------------------------------
-
-
-def softmax_attention_weights(q: Array, k: Array, *, mask: Optional[Array] = None) -> Array:
-    """Scaled dot-product softmax weights, keys masked (float32).
-
-    Args:
-        q, k: `[B, T, H, D]`.
-        mask: `[B, T]` key padding mask, or None.
-
-    Returns:
-        `[B, H, T, T]` row-stochastic weights.
-    """
-    _check_projections(q, k)
-    q, k = _float(q), _float(k)
-    logits = jnp.einsum("bthd,bjhd->bhtj", q, k) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.shape != q.shape[:2]:
-            raise ValueError(f"mask must have shape [B, T] = {q.shape[:2]}, got {mask.shape}")
-        logits = jnp.where(mask.astype(bool)[:, None, None, :], logits, -MASK_OFFSET)
-    return jax.nn.softmax(logits, axis=-1)
-
-
-def softmax_attention(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None) -> Array:
-    """softmax(Q K^T / sqrt(D)) V per head, O(T^2) (the baseline).
-
-    Args:
-        q, k: `[B, T, H, D]`.
-        v: `[B, T, H, M]`.
-        mask: `[B, T]` key padding mask, or None.
-
-    Returns:
-        `[B, T, H, M]` float32.
-    """
-    w = softmax_attention_weights(q, k, mask=mask)
-    return jnp.einsum("bhtj,bjhm->bthm", w, _float(v).astype(w.dtype))
