@@ -173,6 +173,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
             _fail(f"bad flag: {_first_line(str(e))}: a file the config reads is not UTF-8 text "
                   f"({type(inner).__name__}: {inner}); expected a text file such as a CSV")
         _fail(f"bad flag: {_last_line(str(e))}")
+    except OSError as e:   # a config file that does not load, met while registering its override flags
+        _fail(f"bad flag: --config {flags.FLAGS['config'].config_filename}: {_last_line(str(e))}")
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         # ml_collections reports an unknown --config.a.b override as AttributeError("'b'").
         detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import time
 from typing import Any, Callable, Iterable, Mapping
@@ -47,8 +48,11 @@ class ConfigError(ValueError):
 
 
 def _config_error(e: Exception) -> ConfigError:
-    """A setup exception as a one-line ConfigError naming its type."""
-    return ConfigError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    """A setup exception as a one-line ConfigError (naming its type unless it is the zoo's ValueError)."""
+    line = str(e).splitlines()[0] if str(e) else ""
+    if type(e) is ValueError and line:
+        return ConfigError(line)
+    return ConfigError(f"{type(e).__name__}: {line}")
 
 
 class NonFiniteError(FloatingPointError):
@@ -448,10 +452,16 @@ def prepare_data(config) -> tuple[Any, Any]:
     if jax.process_index() == 0:
         from zoo_core.data import base as data_base
         data_base.explain_rebuild(builder)
+        # The folders a failed preparation would leave behind (outermost first), removed on failure.
+        config_name = builder.builder_config.name if builder.builder_config else ""
+        created = [p for p in (data_dir, os.path.join(data_dir, builder.name),
+                               os.path.join(data_dir, builder.name, config_name)) if not os.path.exists(p)]
         try:
             builder.download_and_prepare()
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other processes
             failure = e
+            if created:
+                shutil.rmtree(created[0], ignore_errors=True)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         # Doubles as the barrier; without it a failure on process 0 would leave the others waiting.

@@ -58,7 +58,8 @@ def check_options(name: str, data_dir: str, options: dict) -> None:
 
     The dataset name, the data directory (a file there is an error), every path option (a file where
     a directory is expected and the reverse, a missing file) and the options themselves (the dataset's
-    `make_builder`, which also reads small sources such as UEA's .ts files).
+    `make_builder`, which also reads small sources such as UEA's .ts files). A dataset module with a
+    `check_sources(builder)` function reads its unprepared sources here too (a forecasting CSV).
 
     Raises:
       ValueError: one line naming the field or file and what is expected.
@@ -85,4 +86,7 @@ def check_options(name: str, data_dir: str, options: dict) -> None:
             raise ValueError(f"data.options.{key} {value!r} is a directory; expected a file")
         if kind == "file" and not os.path.exists(path):
             raise ValueError(f"data.options.{key} {value!r} does not exist; expected a file")
-    make_builder(name, resolved, **options)
+    builder = make_builder(name, resolved, **options)
+    check_sources = getattr(importlib.import_module(DATASETS[name]), "check_sources", None)
+    if check_sources is not None and not builder.is_prepared():
+        check_sources(builder)

@@ -310,7 +310,7 @@ class Forecasting(tfds.core.GeneratorBasedBuilder):
 
     def _split_generators(self, dl_manager):
         c = self.builder_config
-        prepared = prepare_arrays(c)
+        prepared = _CHECKED.pop(c.name, None) or prepare_arrays(c)
         meta = self.info.metadata
         meta.update({
             "source": prepared["label"], "columns": prepared["columns"], "target": prepared["target"],
@@ -345,6 +345,18 @@ class Forecasting(tfds.core.GeneratorBasedBuilder):
 
 # ----------------------------------------------------------------------------------------------------
 # Public helpers.
+
+_CHECKED: dict[str, dict[str, Any]] = {}   # config name (keyed by content) -> prepare_arrays(config)
+
+
+def check_sources(builder: tfds.core.DatasetBuilder) -> None:
+    """Reads and checks the source of an unprepared builder now (columns, NaNs, length), so that a bad
+    file is reported before anything is written; the arrays are kept for its preparation."""
+    c = builder.builder_config
+    if c.name not in _CHECKED:
+        _CHECKED.clear()
+        _CHECKED[c.name] = prepare_arrays(c)
+
 
 def scaler_stats(builder: tfds.core.DatasetBuilder) -> tuple[np.ndarray, np.ndarray]:
     """(mean, std), float32 [C] each, of the train-fit StandardScaler of a prepared builder."""

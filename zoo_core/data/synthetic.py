@@ -56,4 +56,8 @@ class SyntheticLinear(tfds.core.GeneratorBasedBuilder):
 
 def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     config = base.config_from_options(SyntheticLinearConfig, options, dataset="synthetic_linear")
+    for name, minimum in (("num_features", 1), ("num_classes", 2), ("num_train", 1), ("num_test", 1), ("seed", 0)):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"synthetic_linear: {name} must be an integer >= {minimum}, got {value!r}")
     return SyntheticLinear(data_dir=data_dir, config=config, file_format="array_record")

@@ -1,0 +1,324 @@
+"""The command line on bad inputs: exit status 2, exactly one `error:` line, no traceback, nothing created.
+
+Most cases run `zoo_core.main` in-process (a subprocess costs 5-10 s here); a few run the real
+`python -m <package>.train` entry points, among them config mistakes on the full ListOps config, which
+must be reported in seconds, before its dataset is built. Also: resuming with a changed config is refused
+naming the keys, safe changes are allowed and logged, `--allow_config_change` overrides, and an edited
+source file is prepared again.
+"""
+import json
+import logging as py_logging
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+from absl import flags
+
+from zoo_core import main, models, trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOY = "tests/zoo_core/cli_configs/toy.py"
+_TS = "@dimensions 2\n@classLabel true up down\n@data\n1,2,3:4,5,6:up\n3,2,1:6,5,4:down\n2,2,2:1,1,1:up\n"
+
+
+def _snapshot(path) -> list[str]:
+    """Every path under `path` (or [] when it does not exist)."""
+    out = []
+    for root, dirs, files in os.walk(path):
+        out += [os.path.relpath(os.path.join(root, n), path) for n in dirs + files]
+    return sorted(out)
+
+
+def cli(argv, capfd):
+    """Runs `python -m zoo_core.train <argv>` in this process; returns (exit status, stdout, stderr)."""
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+        delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
+    flags.FLAGS.unparse_flags()
+    old = sys.argv
+    sys.argv = ["zoo_core.train", *map(str, argv)]
+    capfd.readouterr()
+    try:
+        main.run(models.MLPClassifier)
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def _assert_refused(status, out, err, expected):
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 2, (status, err[-2000:])
+    assert len(errors) == 1, err[-2000:]
+    assert "Traceback" not in err + out and not any(line.startswith("E1") for line in err.splitlines()), err
+    assert expected in errors[0], errors[0]
+    assert not any(line.endswith("] config:") for line in err.splitlines()), "the config dump came first"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A prepared data dir (synthetic), a file, a UEA source folder, a binary and a header-only CSV."""
+    root = tmp_path_factory.mktemp("cli")
+    data = root / "data"
+    from configs.core import synthetic
+    c = synthetic.get_config("smoke")
+    c.unlock()
+    c.data.data_dir = str(data)
+    trainer.prepare_data(c)
+    (root / "file").write_text("not a folder\n")
+    (root / "uea" / "Toy").mkdir(parents=True)
+    for split in ("TRAIN", "TEST"):
+        (root / "uea" / "Toy" / f"Toy_{split}.ts").write_text(_TS)
+    (root / "binary.csv").write_bytes(bytes(range(256)) * 8)
+    (root / "header.csv").write_text("date,a,OT\n")
+    (root / "empty.csv").write_bytes(b"")
+    return root
+
+
+# (arguments after --config/--workdir/--data_dir, text expected in the error line). '{file}' is an existing
+# file, '{root}' the fixture's folder; the default config is the synthetic smoke run.
+CASES = [
+    ("--config.optim.learning_rate=-1", "`optim.learning_rate` must be a finite number > 0, got -1.0"),
+    ("--config.optim.learning_rate=0", "`optim.learning_rate` must be a finite number > 0"),
+    ("--config.optim.learning_rate=nan", "`optim.learning_rate` must be a finite number > 0"),
+    ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'"),
+    ("--config.schedule.name=cosine", "unknown schedule.name 'cosine'"),
+    ("--config.schedule.anneal=cubic", "unknown schedule.anneal 'cubic'"),
+    ("--config.optim.decay_mask=some", "unknown optim.decay_mask 'some'"),
+    ("--config.optim.b1=1.5", "`optim.b1` must be in [0, 1)"),
+    ("--config.optim.b2=-0.1", "`optim.b2` must be in [0, 1)"),
+    ("--config.optim.weight_decay=-1", "`optim.weight_decay` must be a finite number >= 0"),
+    ("--config.optim.eps=-1", "`optim.eps` must be a finite number >= 0"),
+    ("--config.optim.grad_clip_norm=-1", "grad_clip_norm must be >= 0"),
+    ("--config.optim.grad_accum_steps=0", "optim.grad_accum_steps must be >= 1"),
+    ("--config.schedule.warmup_steps=-3", "schedule.warmup_steps must be >= 0"),
+    ("--config.schedule.pct_start=0.5", "schedule.pct_start=0.5 is not used by schedule.name='constant'"),
+    ("--config.total_steps=0", "total_steps must be >= 1"),
+    ("--config.batch_size=0", "batch_size must be >= 1"),
+    ("--config.batch_size=-4", "batch_size must be >= 1"),
+    ("--config.eval_batch_size=0", "eval_batch_size must be >= 1"),
+    ("--config.log_every_steps=0", "log_every_steps must be >= 1"),
+    ("--config.eval_every_steps=-1", "eval_every_steps must be >= 0"),
+    ("--config.checkpoint_every_steps=-1", "checkpoint_every_steps must be >= 0"),
+    ("--config.eval_also_at_step=999999", "eval_also_at_step must be in [0, total_steps=2]"),
+    ("--config.checkpoint.keep=0", "checkpoint.keep must be >= 1"),
+    ("--config.checkpoint.best_mode=median", "checkpoint.best_mode must be 'max' or 'min'"),
+    ("--config.checkpoint.best_metric=accuracy", "must name an eval metric 'eval/<name>'"),
+    ("--config.checkpoint.patience=-1", "checkpoint.patience must be an int >= 0"),
+    ("--config.seed=-1", "seed must be an int in [0, 2**32)"),
+    ("--config.parallel.mode=spmd", "unknown parallel.mode 'spmd'"),
+    ("--config.data.name=nope", "unknown dataset 'nope'"),
+    ("--config.data.train_split=", "data.train_split must be a split name"),
+    ("--config.data.options.num_train=0", "num_train must be an integer >= 1"),
+    ("--config.data.options.num_classes=1", "num_classes must be an integer >= 2"),
+    ("--config.data.options.bogus=1", "invalid config override: bogus"),
+    ("--config.data.data_dir={file}", "is a file; expected a directory"),
+    ("--config.data.data_dir={file}/sub", "is under the file"),
+    ("--config.task.name=regression", "unknown task.name 'regression'"),
+    ("--config.eval_max_examples=-1", "eval_max_examples must be >= 0"),
+    ("--config.model.hidden=-4", "hidden"),
+    ("--config.model.bogus=1", "invalid config override: bogus"),
+    ("--config.nope=3", "invalid config override: nope"),
+    ("--config.total_steps=abc", "bad flag"),
+    ("--eval_split=test", "only used with --eval_only"),
+    ("--checkpoint=latest", "only used with --eval_only"),
+    ("--eval_only", "no checkpoint under"),
+    ("--eval_only --allow_config_change", "--allow_config_change applies to training runs"),
+    ("WORKDIR={file}", "is an existing file; expected a directory"),
+    ("WORKDIR={file}/run", "is a file, so no directory can be made under it"),
+    ("extra_argument", "unexpected positional argument(s) 'extra_argument'"),
+    ("CONFIG=none", "--config is required"),
+    ("CONFIG=configs/core/synthetic.py:bogus", "unknown config argument 'bogus'"),
+    ("CONFIG=configs/core/no_such_file.py", "No such file or directory"),
+    (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{file}}", "source_dir"),
+    (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{root}}/nowhere", "not found: put Toy/Toy_TRAIN.ts"),
+    (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{root}}/uea --config.data.options.normalization=z",
+     "normalization must be one of"),
+    (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{root}}/uea --config.data.options.dataset=Nope",
+     "dataset 'Nope' not found"),
+    (f"CONFIG={TOY}:data=forecasting --config.data.options.source={{root}}", "is a directory; expected a file"),
+    (f"CONFIG={TOY}:data=forecasting --config.data.options.source={{root}}/none.csv", "does not exist"),
+    (f"CONFIG={TOY}:data=forecasting --config.data.options.source={{root}}/binary.csv", "is not UTF-8 text"),
+    (f"CONFIG={TOY}:data=forecasting --config.data.options.source={{root}}/header.csv",
+     "has a header but no data rows"),
+    (f"CONFIG={TOY}:data=forecasting --config.data.options.source={{root}}/empty.csv", "is empty"),
+    (f"CONFIG={TOY}:data=forecasting --config.data.options.source={{root}}/header.csv "
+     "--config.data.options.horizon=0", "input_length and horizon must be >= 1"),
+]
+
+
+def _argv(case: str, env, workdir):
+    config, work, rest = "configs/core/synthetic.py:smoke", str(workdir), []
+    for token in case.format(file=env / "file", root=env).split():
+        if token.startswith("CONFIG="):
+            config = token[len("CONFIG="):]
+        elif token.startswith("WORKDIR="):
+            work = token[len("WORKDIR="):]
+        else:
+            rest.append(token)
+    head = [] if config == "none" else ["--config", config]
+    data = [] if config == "none" or "data.data_dir" in case else [f"--config.data.data_dir={env / 'data'}"]
+    return [*head, "--workdir", work, *data, *rest]
+
+
+def test_the_table_has_at_least_40_cases():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("case,expected", CASES, ids=[c for c, _ in CASES])
+def test_a_bad_input_exits_2_with_one_error_line_and_creates_nothing(env, tmp_path, capfd, case, expected):
+    workdir = tmp_path / "run"
+    before = _snapshot(env)
+    status, out, err = cli(_argv(case, env, workdir), capfd)
+    _assert_refused(status, out, err, expected)
+    assert not workdir.exists(), _snapshot(workdir)
+    assert _snapshot(env) == before
+    assert _snapshot(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resuming with another config.
+
+
+def _train(env, workdir, capfd, *overrides):
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", workdir,
+                            f"--config.data.data_dir={env / 'data'}", *overrides], capfd)
+    assert status == 0, err[-3000:]
+    return err
+
+
+def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tmp_path, capfd):
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    stored, before = (work / "config.json").read_text(), _snapshot(work)
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work,
+                            f"--config.data.data_dir={env / 'data'}", "--config.optim.learning_rate=0.1",
+                            "--config.model.hidden=64", "--config.seed=3", "--config.optim.name=adam"], capfd)
+    _assert_refused(status, out, err, "was trained with another config: model.hidden: 32 -> 64, "
+                                      "optim.learning_rate: 0.003 -> 0.1, optim.name: 'adamw' -> 'adam', seed: 0 -> 3")
+    assert "--allow_config_change" in err
+    assert (work / "config.json").read_text() == stored and _snapshot(work) == before
+    # A smoke-sized run on a full run's workdir is refused the same way (batch sizes differ).
+    status, out, err = cli(["--config", "configs/core/synthetic.py", "--workdir", work,
+                            f"--config.data.data_dir={env / 'data'}"], capfd)
+    _assert_refused(status, out, err, "batch_size: 4 -> 16")
+
+
+def _logged(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def test_safe_changes_are_allowed_and_logged(env, tmp_path, capfd, caplog):
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    caplog.set_level(py_logging.INFO)
+    _train(env, work, capfd, "--config.total_steps=4", "--config.log_every_steps=2",
+                 "--config.eval_every_steps=4", "--config.checkpoint_every_steps=4", "--config.progress_bar=True",
+                 "--config.checkpoint.keep=2", "--config.eval_max_examples=4")
+    err = _logged(caplog)
+    assert "resuming" in err and "total_steps: 2 -> 4" in err and "log_every_steps: 1 -> 2" in err
+    assert sorted(os.listdir(work / "checkpoints")) == ["2", "4"]
+    assert json.loads((work / "config.json").read_text())["total_steps"] == 4
+
+
+def test_allow_config_change_resumes_with_the_new_values(env, tmp_path, capfd, caplog):
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    caplog.set_level(py_logging.INFO)
+    _train(env, work, capfd, "--config.optim.learning_rate=0.01", "--config.total_steps=4", "--allow_config_change")
+    err = _logged(caplog)
+    assert "allowed by allow_config_change" in err and "optim.learning_rate: 0.003 -> 0.01" in err
+    assert json.loads((work / "config.json").read_text())["optim"]["learning_rate"] == 0.01
+    assert sorted(os.listdir(work / "checkpoints")) == ["2", "4"]
+
+
+@pytest.mark.parametrize("old,new,refused", [
+    ({"total_steps": 10, "schedule": {"name": "constant"}}, {"total_steps": 20, "schedule": {"name": "constant"}}, []),
+    ({"total_steps": 10, "schedule": {"name": "warmup_rsqrt"}}, {"total_steps": 20, "schedule": {"name": "warmup_rsqrt"}},
+     []),
+    ({"total_steps": 10, "schedule": {"name": "warmup_cosine"}}, {"total_steps": 20, "schedule": {"name": "warmup_cosine"}},
+     ["total_steps"]),
+    ({"total_steps": 10, "schedule": {"name": "constant"}}, {"total_steps": 5, "schedule": {"name": "constant"}},
+     ["total_steps"]),
+    ({"data": {"options": {"a": 1}}, "test_split": "test"}, {"data": {"options": {"a": 2}}, "test_split": ""},
+     ["data.options.a"]),
+    ({"decode": {"beam_size": 4}, "checkpoint": {"best_metric": "eval/a"}},
+     {"decode": {"beam_size": 1}, "checkpoint": {"best_metric": "eval/b"}}, []),
+    ({"model": {"x": 1}}, {"model": {"x": 1, "y": 2}}, ["model.y"]),
+])
+def test_resume_changes_classifies_the_keys(old, new, refused):
+    got, allowed = trainer.resume_changes(old, new)
+    assert got == refused
+    assert not set(got) & set(allowed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prepared data keyed by content.
+
+
+def test_an_edited_source_file_is_prepared_again_and_says_why(tmp_path, caplog):
+    from configs import common
+    folder = tmp_path / "src" / "Toy"
+    folder.mkdir(parents=True)
+    for split in ("TRAIN", "TEST"):
+        (folder / f"Toy_{split}.ts").write_text(_TS)
+    c = common.base_config()
+    c.data.name, c.data.data_dir = "uea", str(tmp_path / "data")
+    c.data.options = common.ml_collections.ConfigDict(dict(dataset="Toy", source_dir=str(tmp_path / "src"),
+                                                           normalization="none"))
+    first, _ = trainer.prepare_data(c)
+    assert float(first[0]["inputs"][0, 0]) == 1.0
+    trainer.prepare_data(c)                       # unchanged: reused, no rebuild message
+    (folder / "Toy_TRAIN.ts").write_text(_TS.replace("1,2,3:4,5,6:up", "7,2,3:4,5,6:up"))
+    with caplog.at_level(py_logging.INFO):
+        edited, _ = trainer.prepare_data(c)
+    assert float(edited[0]["inputs"][0, 0]) == 7.0
+    assert any("the source files changed since they were prepared" in r.getMessage() for r in caplog.records)
+    assert len([n for n in os.listdir(tmp_path / "data" / "uea") if n.startswith("cfg_")]) == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# The real entry points (subprocesses).
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.time() - t0
+
+
+@pytest.mark.entry
+@pytest.mark.parametrize("override,expected", [
+    ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'"),
+    ("--config.schedule.name=cosine", "unknown schedule.name 'cosine'"),
+])
+def test_full_listops_config_mistakes_are_reported_in_seconds(tmp_path, override, expected):
+    data = tmp_path / "data"
+    proc, seconds = _run("agf_jax.train", "--config", "configs/agf/lra_listops.py", "--workdir", tmp_path / "w",
+                         f"--config.data.data_dir={data}", override)
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, expected)
+    assert seconds < 30, seconds
+    assert not (tmp_path / "w").exists() and not data.exists()
+
+
+@pytest.mark.entry
+def test_the_real_entry_point_refuses_a_file_workdir_and_a_binary_csv_source(tmp_path):
+    (tmp_path / "file").write_text("x")
+    proc, _ = _run("samovar_jax.train", "--config", "configs/samovar/synthetic_var.py:smoke",
+                   "--workdir", tmp_path / "file", "--config.optim.learning_rate=-1")
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, "optim.learning_rate")
+    proc, _ = _run("samovar_jax.train", "--config", "configs/samovar/synthetic_var.py:smoke",
+                   "--workdir", tmp_path / "file")
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, "is an existing file; expected a directory")
+    (tmp_path / "bin.csv").write_bytes(bytes(range(256)) * 8)
+    proc, _ = _run("samovar_jax.train", "--config", f"configs/samovar/forecasting.py:source={tmp_path / 'bin.csv'}",
+                   "--workdir", tmp_path / "w")
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, "not UTF-8 text")
+    assert sorted(os.listdir(tmp_path)) == ["bin.csv", "file"]
