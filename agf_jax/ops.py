@@ -43,13 +43,18 @@ would dominate early positions and make the penalty's scale depend on T. The reg
 the loss, so it leaks no future information into any output. The recurrent forms (`agf_recurrent`,
 `agf_step`) are inference forms and do not compute it.
 
+Masking is NaN-safe (the zoo's layer contract): padded V logits and values are replaced with
+`jnp.where` (`masked_logits`, `masked_values`), never multiplied by 0, so a padded position holding
+NaN or 1e30 changes no valid output; the chunked form also replaces a non-finite Z_V / Val at a
+valid position and sets every output at or after it to NaN, as the recurrence gives. Finite inputs
+give the reference's numbers bit for bit.
+
 All attention maths runs in float32 (float64 stays float64) whatever the input dtype, as the
 reference does under AMP (spec §2.3, pitfall 8); outputs are returned in that float type and callers
 cast back.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -367,18 +372,8 @@ class AGFState(NamedTuple):
 
 def init_state(batch_size: int, num_heads: int, head_dim: int, value_dim: Optional[int] = None,
                dtype=jnp.float32) -> AGFState:
-    """Empty causal state (no tokens seen).
-
-    Args:
-        batch_size: B.
-        num_heads: H.
-        head_dim: D.
-        value_dim: M (defaults to D).
-        dtype: float32 (or float64); never a low-precision type.
-
-    Returns:
-        `AGFState` with num `[B, H, D, M]`, den and max `[B, H, D]`.
-    """
+    """Empty causal state: num `[B, H, D, M]` (M = value_dim, default D), den and max `[B, H, D]`,
+    in float32 (float64 stays float64; never a low-precision type)."""
     value_dim = head_dim if value_dim is None else value_dim
     dtype = jnp.promote_types(dtype, jnp.float32)
     return AGFState(num=jnp.zeros((batch_size, num_heads, head_dim, value_dim), dtype),
@@ -544,16 +539,7 @@ def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
                   state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
     """Causal AGF as a `jax.lax.scan` of `agf_step` over time (O(D M) state per head).
 
-    Args:
-        zu, zv, zs: `[B, T, H, D]`.
-        val: `[B, T, H, M]`.
-        coeffs: `[K+1]`.
-        basis, alpha, beta: see `resolve_basis`.
-        mask: `[B, T]` or None.
-        state: initial `AGFState` or None.
-
-    Returns:
-        (y `[B, T, H, M]`, final `AGFState`).
+    Arguments as in `agf_chunked` (without chunk_size); returns (y `[B, T, H, M]`, final state).
     """
     _check_projections(zu, zv, zs, val)
     # The token-local factor is computed for the whole sequence first; only the parameter-free
@@ -574,17 +560,8 @@ def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
 def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Array, val_t: Array, coeffs: Array,
              *, basis: str = "jacobi", alpha: Optional[float] = None,
              beta: Optional[float] = None) -> tuple[AGFState, Array]:
-    """One causal AGF token: O(D M) per head.
-
-    Args:
-        state: `AGFState` of the prefix.
-        zu_t, zv_t, zs_t: `[B, H, D]` projections of the new token.
-        val_t: `[B, H, M]`.
-        coeffs: `[K+1]`.
-        basis, alpha, beta: see `resolve_basis`.
-
-    Returns:
-        (new `AGFState`, y_t `[B, H, M]`).
+    """One causal AGF token, O(D M) per head: state of the prefix, zu_t, zv_t, zs_t `[B, H, D]`,
+    val_t `[B, H, M]` -> (new `AGFState`, y_t `[B, H, M]`); coeffs and basis as in `agf_parallel`.
     """
     _check_projections(zu_t, zv_t, zs_t, val_t, rank=3)
     a_t = left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta)
@@ -600,17 +577,8 @@ def agf_attention_matrix(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basi
     """The implicit T x T attention matrix H_tj = sum_k U_tk g_tk V^(t)_jk; O(T^2 D), small T only.
 
     Used as the explicit reference in tests and by `agf_jax.analysis`. Non-causal: V^(t) = V.
-    Causal: V^(t) is the softmax over the prefix j <= t (zero for j > t).
-
-    Args:
-        zu, zv, zs: `[B, T, H, D]`.
-        coeffs: `[K+1]`.
-        basis, alpha, beta: see `resolve_basis`.
-        mask: `[B, T]` or None.
-        causal: prefix normalisation.
-
-    Returns:
-        `[B, H, T, T]` (query t, key j); `O = H @ Val` per head.
+    Causal: V^(t) is the softmax over the prefix j <= t (zero for j > t). Arguments as in
+    `agf_parallel` (no values); returns `[B, H, T, T]` (query t, key j), `O = H @ Val` per head.
     """
     _check_projections(zu, zv, zs)
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
