@@ -17,7 +17,7 @@ inside 8 minutes; `--tiny`: 120 s):
    control: compile time, median s/step, steps/s, XLA's FLOPs and bytes, MFU against the f32 and the
    bf16 peak, and the roofline fractions. With --tiny the configs' `smoke` variants.
 4. `scaling`: benchmarks/{agf,samovar,htgn}_scaling.py in subprocesses, N = 1K, 2K, ... up to
-   `--max_n` (default 1M; --tiny: 64, 128), each with its share of `--scaling_budget_s` passed as
+   `--max_n` (default 1M; --tiny: N = 64 only), each with its share of `--scaling_budget_s` passed as
    --budget_s (records past it are skipped, so the JSON is always written); per case the largest N
    that ran.
 5. `reference_runs`: in the time left, the LRA ListOps softmax control and the AGF ListOps run at the
@@ -182,7 +182,7 @@ def _mfu(flops, seconds, peak_gflops):
 
 def _lengths(max_n: int, tiny: bool) -> list[int]:
     if tiny:
-        return [64, 128]
+        return [64]
     return [1024 * 2**i for i in range(int(math.log2(max(max_n, 1024) // 1024)) + 1)]
 
 

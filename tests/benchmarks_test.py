@@ -1,0 +1,86 @@
+"""Smoke tests of the one-call device check and the peers benchmark (`--tiny`, CPU, subprocesses).
+
+Timings printed here mean nothing (tiny shapes, a shared CI machine); only the structure is checked.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(args, tmp_path, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # The test conftest forces two host devices; the scripts run as a user runs them.
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_device_check_tiny_writes_its_summary(tmp_path):
+    out = tmp_path / "dc.json"
+    stdout = _run(["benchmarks/device_check.py", "--tiny", "--configs", "agf_listops", "--scaling_scripts",
+                   "agf_scaling", "--budget_s", "400", "--work_dir", str(tmp_path / "work"), "--out", str(out)],
+                  tmp_path)
+    summary = json.loads(out.read_text())
+    assert summary["tiny"] is True and summary["ok"] is True
+    ph = summary["phases"]
+    assert set(ph) == {"tests", "bounds", "steps", "scaling", "reference_runs"}
+    assert ph["tests"]["status"] == "ok" and ph["tests"]["counts"]["passed"] >= 1
+    assert ph["bounds"]["peak_gflops"] > 0 and ph["bounds"]["peak_gflops_bf16"] > 0
+    assert ph["bounds"]["peak_gbps"] > 0
+    step = ph["steps"]["records"]["agf_listops"]
+    assert step["status"] == "ok" and step["median_s"] > 0 and step["steps_per_s"] > 0
+    assert step["cost"]["flops"] > 0 and step["mfu_f32"] > 0 and step["roofline"]["bound"] in ("compute", "memory")
+    scaling = ph["scaling"]["scripts"]["agf_scaling"]
+    assert scaling["status"] == "ok", scaling
+    assert scaling["cases"]["agf"]["largest_n"] == 64
+    assert all(r["status"] == "skipped" and "--tiny" in r["reason"] for r in ph["reference_runs"]["runs"].values())
+    assert "device check" in stdout and "MFU_f32" in stdout
+
+
+def test_peers_tiny_times_our_side_only_without_sources(tmp_path):
+    out = tmp_path / "peers.json"
+    stdout = _run(["benchmarks/peers.py", "--tiny", "--cases", "agf_listops", "--agf_src", "", "--samovar_src", "",
+                   "--steps", "2", "--rounds", "2", "--warmup", "1", "--out", str(out)], tmp_path)
+    data = json.loads(out.read_text())
+    (step,) = data["records"]
+    assert step["case"] == "agf_listops" and step["status"] == "ok"
+    assert "our side only" in step["note"] and "ratio_official_over_ours" not in step
+    assert step["ours"]["median_s"] > 0 and len(step["ours"]["all_s"]) == 4
+    assert len(step["ours"]["round_medians"]) == 2 and step["ours"]["roofline"]["gflops"] > 0
+    assert len(data["meta"]["load_before"]) == 3 and len(data["meta"]["load_after"]) == 3
+    for text in ("load average before:", "off/ours", "agf_listops", "our side only", "GFLOP/s"):
+        assert text in stdout
+
+
+def test_peers_uea_timing_parsers(tmp_path):
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks import peers
+    finally:
+        sys.path.remove(str(REPO))
+    log = ("Epoch runtime: 0.0 hours, 0.0 minutes, 3.5 seconds\n"
+           "Validation runtime: 0.0 hours, 0.0 minutes, 1.25 seconds\n"
+           "Epoch runtime: 0.0 hours, 1.0 minutes, 2.0 seconds\n")
+    assert peers._runtimes(log, "Epoch") == [3.5, 62.0]
+    assert peers._runtimes(log, "Validation") == [1.25]
+    # 10 steps per epoch; evaluations after epochs 1, 2, 4 (steps 10, 20, 40); one log per epoch.
+    windows = {10: 9.0, 20: 3.0, 30: 4.0, 40: 3.0, 50: 4.0}   # seconds per epoch window
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "train/steps_per_second": 10 / w}) + "\n" for s, w in windows.items()))
+    times = peers._our_uea_times(tmp_path, 10, {10, 20, 40})
+    # Windows after a plain epoch: step 40 (after 30) -> 3 s; after an eval: 20, 30, 50 -> 3, 4, 4.
+    assert times["epoch_train_s"] == 3.0 and times["eval_s"] == 1.0 and times["first_epoch_s"] == 9.0
+
+
+def test_peers_reports_a_missing_official_source_as_skipped(tmp_path):
+    out = tmp_path / "peers.json"
+    _run(["benchmarks/peers.py", "--cases", "samovar_fig4", "--samovar_src", str(tmp_path / "nowhere"),
+          "--no_bounds", "--out", str(out)], tmp_path, timeout=120)
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["status"] == "skipped" and "has no visualization/AutoregressiveAlignment.py" in rec["reason"]
