@@ -2,6 +2,14 @@
 
 Every knob of the trainer is here with one comment (the schedule and lookahead fields take their
 defaults, and their comments, from zoo_core/optim.py); architecture configs override what they need.
+
+Resuming: a workdir with checkpoints resumes only under the config stored in its config.json. Fields
+marked "(safe on resume)" below may change between a run and its resumption (they decide what is
+logged, evaluated or kept, not what is trained), and so may total_steps when it grows under a constant
+or warmup_rsqrt schedule; any other difference (model, optim, schedule, data, seed, batch_size, ...) is
+refused naming the fields unless the run is started with `--allow_config_change`
+(`train_and_evaluate(..., allow_config_change=True)`), which logs the differences and replaces
+config.json. The list is zoo_core.trainer.SAFE_ON_RESUME.
 """
 from __future__ import annotations
 
@@ -47,21 +55,21 @@ def base_config() -> ml_collections.ConfigDict:
     """The trainer's full set of fields with defaults (configs override and then lock)."""
     c = ml_collections.ConfigDict()
     c.seed = 0                        # parameter init, dropout and data order all derive from it
-    c.total_steps = 1000              # optimiser steps
+    c.total_steps = 1000              # optimiser steps (may grow on resume under a constant/warmup_rsqrt schedule)
     c.batch_size = 32                 # global batch (all devices and processes); divisible by device count
-    c.eval_batch_size = 32            # global eval batch; the last batch is padded and masked
-    c.eval_max_examples = 0           # 0 = the whole eval split; >0 caps it (smoke runs)
-    c.log_every_steps = 50            # train metrics to metrics.jsonl / TensorBoard (averaged since last log)
-    c.eval_every_steps = 500          # also at total_steps and eval_also_at_step; 0 = no eval at all
-    c.eval_also_at_step = 0           # one more eval step (UEA: the end of epoch 1, as the reference); 0 = none
-    c.checkpoint_every_steps = 500    # 0 = only at the end (and on SIGTERM)
-    c.progress_bar = True             # tqdm bar with ETA and live loss on process 0
+    c.eval_batch_size = 32            # global eval batch; the last batch is padded and masked (safe on resume)
+    c.eval_max_examples = 0           # 0 = the whole eval split; >0 caps it (smoke runs) (safe on resume)
+    c.log_every_steps = 50            # train metrics to metrics.jsonl / TensorBoard, averaged (safe on resume)
+    c.eval_every_steps = 500          # also at total_steps and eval_also_at_step; 0 = no eval at all (safe on resume)
+    c.eval_also_at_step = 0           # one more eval (UEA: end of epoch 1, as the reference); 0 = none (safe on resume)
+    c.checkpoint_every_steps = 500    # 0 = only at the end (and on SIGTERM) (safe on resume)
+    c.progress_bar = True             # tqdm bar with ETA and live loss on process 0 (safe on resume)
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.keep = 3             # newest checkpoints kept under workdir/checkpoints
-    c.checkpoint.best_metric = ""     # e.g. 'eval/accuracy': also keep the best under workdir/best ('' = off)
-    c.checkpoint.best_mode = "max"    # 'max' or 'min' for best_metric
-    c.checkpoint.patience = 0         # > 0: early stopping after this many evals without a new best
+    c.checkpoint.keep = 3             # newest checkpoints kept under workdir/checkpoints (safe on resume)
+    c.checkpoint.best_metric = ""     # e.g. 'eval/accuracy': keep the best in workdir/best; '' = off (safe on resume)
+    c.checkpoint.best_mode = "max"    # 'max' or 'min' for best_metric (safe on resume)
+    c.checkpoint.patience = 0         # > 0: early stopping after this many evals without a new best (safe on resume)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"            # adamw | adam | radam | lamb | ranger (lookahead(radam))
@@ -84,9 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.name = ""                  # a key of zoo_core.data.DATASETS
-    c.data.data_dir = ""              # '' = $ZOO_DATA_DIR or ~/.cache/linear_attention_zoo
+    c.data.data_dir = ""              # '' = $ZOO_DATA_DIR or ~/.cache/linear_attention_zoo (safe on resume)
     c.data.train_split = "train"
-    c.data.eval_split = "test"
+    c.data.eval_split = "test"        # (safe on resume)
     c.data.options = ml_collections.ConfigDict()  # the dataset's own options (validated by the dataset)
 
     c.task = ml_collections.ConfigDict()

@@ -68,7 +68,7 @@ class _QuietLibraries:
     """Drops INFO records from orbax and the grain/tfds internals (dozens of lines per checkpoint), and
     TFDS's warning that every dataset here uses a custom configuration (they all do, by design)."""
 
-    _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/", "/etils/")
+    _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/", "/etils/", "/jax/_src/xla_bridge.py")
 
     def filter(self, record) -> bool:
         if "/tensorflow_datasets/" in record.pathname and str(record.msg).startswith("Using custom data conf"):

@@ -237,14 +237,16 @@ def test_allow_config_change_resumes_with_the_new_values(env, tmp_path, capfd, c
     assert sorted(os.listdir(work / "checkpoints")) == ["2", "4"]
 
 
+def _steps(total, schedule):
+    return {"total_steps": total, "schedule": {"name": schedule}}
+
+
 @pytest.mark.parametrize("old,new,refused", [
-    ({"total_steps": 10, "schedule": {"name": "constant"}}, {"total_steps": 20, "schedule": {"name": "constant"}}, []),
-    ({"total_steps": 10, "schedule": {"name": "warmup_rsqrt"}}, {"total_steps": 20, "schedule": {"name": "warmup_rsqrt"}},
-     []),
-    ({"total_steps": 10, "schedule": {"name": "warmup_cosine"}}, {"total_steps": 20, "schedule": {"name": "warmup_cosine"}},
-     ["total_steps"]),
-    ({"total_steps": 10, "schedule": {"name": "constant"}}, {"total_steps": 5, "schedule": {"name": "constant"}},
-     ["total_steps"]),
+    (_steps(10, "constant"), _steps(20, "constant"), []),
+    (_steps(10, "warmup_rsqrt"), _steps(20, "warmup_rsqrt"), []),
+    (_steps(10, "warmup_cosine"), _steps(20, "warmup_cosine"), ["total_steps"]),
+    (_steps(10, "constant"), _steps(5, "constant"), ["total_steps"]),
+    (_steps(10, "constant"), _steps(20, "warmup_rsqrt"), ["schedule.name", "total_steps"]),
     ({"data": {"options": {"a": 1}}, "test_split": "test"}, {"data": {"options": {"a": 2}}, "test_split": ""},
      ["data.options.a"]),
     ({"decode": {"beam_size": 4}, "checkpoint": {"best_metric": "eval/a"}},
