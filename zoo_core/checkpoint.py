@@ -58,6 +58,41 @@ def _first_difference(stored: dict, wanted: dict) -> str:
     return ""
 
 
+def restore_params(workdir: str, *, which: str = "checkpoints", target_sharding: Any = None) -> tuple[Any, int]:
+    """The parameters of the newest checkpoint in workdir/<which> ('checkpoints' or 'best'), and its step.
+
+    Only the parameters are read (a partial restore), not the optimiser moments, which would double or
+    triple the memory. They are restored against their own stored shapes and dtypes into
+    `target_sharding` (default: this process's first local device), so a checkpoint of any topology
+    (8 accelerators, 2 processes) reads back on a laptop.
+
+    Raises:
+      FileNotFoundError: no checkpoint there (nothing is created).
+    """
+    import jax
+    path = os.path.join(os.path.abspath(workdir), which)
+    missing = FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    if not os.path.isdir(path):   # checked first: a manager would create the directory
+        raise missing
+    # The PyTree handler reads the Standard handler's checkpoints and can restore a subtree.
+    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
+                                 item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                "config": ocp.JsonCheckpointHandler()})
+    try:
+        step = mngr.latest_step()
+        if step is None:
+            raise missing
+        where = target_sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = {"params": jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where), stored_tree(mngr, step)["params"])}
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)))
+    finally:
+        mngr.close()
+    return restored.state["params"], step
+
+
 class Checkpoints:
     """Saves and restores the train state under `workdir` (see the module docstring)."""
 

@@ -888,7 +888,9 @@ def with_eval_split(config, split: str):
 
 def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints",
                 target_sharding: jax.sharding.Sharding | None = None):
-    """Restores the parameters of the newest checkpoint in workdir/<which> (for notebooks, decoding).
+    """The run's model and the parameters of its newest checkpoint in workdir/<which> (notebooks, decoding).
+
+    The restore itself is `checkpoint.restore_params`.
 
     The checkpoint may come from any topology (8 accelerators, 2 processes): the state is restored
     against its own stored shapes and dtypes in `target_sharding`, by default this process's first local
@@ -903,28 +905,6 @@ def load_params(workdir: str, build_model: Callable[..., Any], config, *, which:
     Returns:
       (model, params, step).
     """
-    import orbax.checkpoint as ocp
     model = build_model(**config.model.to_dict())
-    path = os.path.join(os.path.abspath(workdir), which)
-    missing = FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
-    if not os.path.isdir(path):   # checked first: a manager would create the directory
-        raise missing
-    # The PyTree handler reads the Standard handler's checkpoints and can restore a subtree.
-    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
-                                 item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                "config": ocp.JsonCheckpointHandler()})
-    try:
-        step = mngr.latest_step()
-        if step is None:
-            raise missing
-        where = target_sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        # Only the parameters are read: the optimiser moments would double or triple the memory.
-        target = {"params": jax.tree_util.tree_map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=where),
-            ckpt_lib.stored_tree(mngr, step)["params"])}
-        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True)))
-    finally:
-        mngr.close()
-    return model, restored.state["params"], step
+    params, step = ckpt_lib.restore_params(workdir, which=which, target_sharding=target_sharding)
+    return model, params, step

@@ -68,3 +68,11 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, damage, capl
     ck.save(2, _state(20.0), {})                               # the step can be written again
     assert ck.restore_latest(_abstract())[0] == 2
     ck.close()
+
+
+def test_restore_params_of_a_missing_run_raises_and_creates_nothing(tmp_path):
+    from zoo_core import checkpoint
+    for which in ("checkpoints", "best"):
+        with pytest.raises(FileNotFoundError, match=f"no checkpoint under .*{which}"):
+            checkpoint.restore_params(str(tmp_path / "run"), which=which)
+    assert not (tmp_path / "run").exists()
