@@ -282,6 +282,11 @@ def test_an_edited_source_file_is_prepared_again_and_says_why(tmp_path, caplog):
     assert float(edited[0]["inputs"][0, 0]) == 7.0
     assert any("the source files changed since they were prepared" in r.getMessage() for r in caplog.records)
     assert len([n for n in os.listdir(tmp_path / "data" / "uea") if n.startswith("cfg_")]) == 2
+    # Without the source files, the newest data prepared from them with these options is used.
+    for split in ("TRAIN", "TEST"):
+        os.remove(folder / f"Toy_{split}.ts")
+    gone, _ = trainer.prepare_data(c)
+    assert float(gone[0]["inputs"][0, 0]) == 7.0
 
 
 # ----------------------------------------------------------------------------------------------------

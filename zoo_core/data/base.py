@@ -76,6 +76,27 @@ def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset
     return config_cls(name=name, description=key, **values)
 
 
+def find_prepared(data_dir: str, builder_name: str, config: tfds.core.BuilderConfig) -> C | None:
+    """`config` renamed to the newest prepared directory made from the same options with any source
+    contents ('cfg_<options>_<files>'), for when the source files are gone; None if there is none."""
+    root = os.path.join(os.fspath(data_dir), builder_name)
+    if not os.path.isdir(root):
+        return None
+    found = []
+    for name in os.listdir(root):
+        if not name.startswith(config.name + "_"):
+            continue
+        for version in os.listdir(os.path.join(root, name)):
+            info = os.path.join(root, name, version, "dataset_info.json")
+            if os.path.isfile(info):
+                found.append((os.path.getmtime(info), name))
+    if not found:
+        return None
+    name = max(found)[1]
+    logging.info("%s: the source files are not there; using the data prepared from them as %s", builder_name, name)
+    return dataclasses.replace(config, name=name)
+
+
 def explain_rebuild(builder: tfds.core.DatasetBuilder) -> str | None:
     """Why an unprepared builder is prepared again: another content hash of its sources was prepared
     with the same options. Returns that sentence (also logged), or None."""

@@ -328,4 +328,6 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
         # Keyed by the released files' contents too: replaced files are prepared again.
         config = base.config_from_options(ListOpsConfig, options, dataset="lra_listops",
                                           sources=_released_candidates(config.source_dir))
+    elif config.source_dir:
+        config = base.find_prepared(data_dir, LraListops.name, config) or config
     return LraListops(data_dir=data_dir, config=config, file_format="array_record")

@@ -320,6 +320,8 @@ def make_builder(name: str, data_dir: str, **options) -> tfds.core.DatasetBuilde
             # Keyed by the files' contents too: edited or replaced files are prepared again.
             config = base.config_from_options(_CONFIGS[name], options, dataset=name,
                                               sources=[found[s] for s in sorted(found)])
+        else:
+            config = base.find_prepared(data_dir, BUILDERS[name].name, config) or config
     builder = BUILDERS[name](data_dir=data_dir, config=config, file_format="array_record")
     if not builder.is_prepared():
         check_files(name, config.source_dir)

@@ -393,7 +393,15 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(UeaConfig, options, dataset="uea")
     _check(config)
-    # Keyed by the files' contents too: an edited or replaced .ts file is prepared again.
-    config = base.config_from_options(UeaConfig, options, dataset="uea",
-                                      sources=locate(config.dataset, config.source_dir))
+    # Keyed by the files' contents too: an edited or replaced .ts file is prepared again. Without the
+    # files, data prepared from them with these options is still usable.
+    try:
+        sources = locate(config.dataset, config.source_dir)
+    except ValueError:
+        prepared = base.find_prepared(data_dir, "uea", config)
+        if prepared is None:
+            raise
+        config = prepared
+    else:
+        config = base.config_from_options(UeaConfig, options, dataset="uea", sources=sources)
     return Uea(data_dir=data_dir, config=config, file_format="array_record")
