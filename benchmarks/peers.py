@@ -6,8 +6,11 @@ Step cases (one training step on a fixed batch, both sides in this process, inte
 |---|---|---|
 | `agf_listops` | AGF_LRA `ModelForSC`, `lra_config` listops + `best_agf.sh` (svd, jacobi K=5, a=2, b=-1, fixI, reg 0.01), AdamW + OneCycleLR | `configs/agf/lra_listops.py` |
 | `agf_softmax` | the same model with `attn_type=softmax` (grad checkpointing as in `lra_config`) | `configs/agf/lra_listops.py:attention=softmax` |
-| `samovar_fig4` | `visualization/AutoregressiveAlignment.py` `Model` (the Fig. 4 notebook's `ARMAConfig`, batch 256, 64 steps x 2 channels = 128 tokens), AdamW | `configs/samovar/synthetic_var.py` |
-| `lintrans` | `visualization/Autoregressive.py` `Model` on the last 8 steps (the notebook's LinTrans) | `configs/samovar/synthetic_var.py:kind=lintrans` |
+| `samovar_fig4` | `models/AutoregressiveAlignment.py` `Model` (the goldens' file) with the Fig. 4 notebook's `ARMAConfig` values (batch 256, 64 steps x 2 channels = 128 tokens, d 32, 2 heads, 3 layers, dropout 0.1), the notebook's step (channel drop, MSE + AR loss, AdamW) | `configs/samovar/synthetic_var.py` |
+| `lintrans` | `models/Autoregressive.py` `Model` on the last 8 steps (the notebook's LinTrans) | `configs/samovar/synthetic_var.py:kind=lintrans` |
+
+(The notebook imports `visualization/AutoregressiveAlignment.py`, whose `Transformer.forward` iterates
+`zip(self.attn)` and calls a tuple: it cannot run as stored; `models/` holds the working copy.)
 
 Each side is built once, runs `--warmup` untimed steps, then `--rounds` rounds of `--steps` timed steps
 (A = official, then B = ours, in every round). Reported: each side's median s/step over all timed steps,
@@ -72,8 +75,8 @@ OUR_CONFIGS = {
 OFFICIAL_FILES = {
     "agf_listops": ("agf", "AGF_LRA/model_wrapper.py"),
     "agf_softmax": ("agf", "AGF_LRA/model_wrapper.py"),
-    "samovar_fig4": ("samovar", "visualization/AutoregressiveAlignment.py"),
-    "lintrans": ("samovar", "visualization/Autoregressive.py"),
+    "samovar_fig4": ("samovar", "models/AutoregressiveAlignment.py"),
+    "lintrans": ("samovar", "models/Autoregressive.py"),
     "agf_uea_jv": ("agf", "AGF_UEA/main.py"),
 }
 # `best_agf.sh`'s listops line.
@@ -212,22 +215,11 @@ def _official_agf_lra(src: pathlib.Path, case: str, ours: OurStep | None, tiny: 
     return step, info
 
 
-class _ARMAConfig:
-    """The Fig. 4 notebook's `ARMAConfig` (visualization/model_visualize.ipynb)."""
-    seq_len = 64
-    pred_len = 1
-    label_len = 64
-    enc_in = 2
-    number_of_targets = 2
-    d_model = 32
-    dropout = 0.1
-    e_layers = 3
-    n_heads = 2
-    predictor = "LinearAttention"
-    time_emb_dim = 0
-    features = "M"
-    local_attention = False
-    local_attention_window = 8
+# The Fig. 4 notebook's `ARMAConfig` (visualization/model_visualize.ipynb), as the fields the models/
+# constructors read (number_of_targets 0 = all channels, as the goldens; the notebook's 2 = C).
+FIG4_CONFIG = dict(seq_len=64, pred_len=1, label_len=64, enc_in=2, number_of_targets=0, d_model=32, dropout=0.1,
+                   e_layers=3, n_heads=2, predictor="LinearAttention", time_emb_dim=0, univariate=0, features="M")
+LINTRANS_WINDOW = 8   # local_attention_window * pred_len: LinTrans sees the last 8 steps
 
 
 def _official_samovar(src: pathlib.Path, case: str, ours: OurStep | None, tiny: bool, seed: int):
@@ -235,9 +227,11 @@ def _official_samovar(src: pathlib.Path, case: str, ours: OurStep | None, tiny: 
     import torch
     import torch.nn.functional as F
 
+    import types
+
     file = "Autoregressive.py" if case == "lintrans" else "AutoregressiveAlignment.py"
-    module = _load_module(src / "visualization" / file, f"_official_{case}")
-    config = _ARMAConfig()
+    module = _load_module(src / "models" / file, f"_official_{case}")
+    config = types.SimpleNamespace(**FIG4_CONFIG)
     batch_size = 256
     if ours is not None:
         batch_size = int(np.shape(next(iter(ours.batch.values())))[0])
@@ -253,7 +247,7 @@ def _official_samovar(src: pathlib.Path, case: str, ours: OurStep | None, tiny: 
 
     def step():
         # The notebook's model_forward_* (channel-drop augmentation included) and its training loop.
-        xi = x_i[:, -(config.local_attention_window * config.pred_len):, :] if case == "lintrans" else x_i
+        xi = x_i[:, -LINTRANS_WINDOW:, :] if case == "lintrans" else x_i
         drop_rate = torch.rand(1).item()
         drop_mask = torch.rand(1, 1, xi.shape[2]) < 1 - drop_rate
         xi = xi.masked_fill(drop_mask, 0)
@@ -265,7 +259,7 @@ def _official_samovar(src: pathlib.Path, case: str, ours: OurStep | None, tiny: 
         opt.step()
         loss.item()
 
-    info = dict(file=f"visualization/{file}::Model", batch=[batch_size, config.seq_len, config.enc_in],
+    info = dict(file=f"models/{file}::Model", batch=[batch_size, config.seq_len, config.enc_in],
                 num_params=sum(p.numel() for p in model.parameters()))
     return step, info
 

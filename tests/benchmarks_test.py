@@ -83,4 +83,4 @@ def test_peers_reports_a_missing_official_source_as_skipped(tmp_path):
     _run(["benchmarks/peers.py", "--cases", "samovar_fig4", "--samovar_src", str(tmp_path / "nowhere"),
           "--no_bounds", "--out", str(out)], tmp_path, timeout=120)
     (rec,) = json.loads(out.read_text())["records"]
-    assert rec["status"] == "skipped" and "has no visualization/AutoregressiveAlignment.py" in rec["reason"]
+    assert rec["status"] == "skipped" and "has no models/AutoregressiveAlignment.py" in rec["reason"]
