@@ -23,8 +23,8 @@ Contents:
 * RMS normalisation (spec §1), instance normalisation and patching (spec §2.1-2.2).
 
 Precision: the attention sums have no normaliser and grow with T, so they accumulate in at least
-float32 (`zoo_core.linear_attention.acc_dtype`); layer outputs are returned in x0's dtype; states
-are float32 (float64 under x64 inputs).
+float32 (`zoo_core.linear_attention.acc_dtype`), and the chain passes each layer's output to the next
+one in that dtype; the returned outputs are in x0's dtype; states are float32 (float64 under x64).
 """
 from __future__ import annotations
 
@@ -146,19 +146,20 @@ def var_chain_init_state(layers: int, batch: int, heads: int, head_dim: int, dty
 def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state):
     """Runs `layer_fn(m, q_m, key_m, v_m, state_m) -> (num, state)` for m = 1..L, chaining keys.
 
-    Every layer output is cast to x0's dtype, multiplied by its dropout mask (position-wise, so a
-    non-finite output stays at its own position) and becomes the next key; the shared kernel then
-    keeps any non-finite key from reaching an earlier output of the next layer.
+    Every layer output is multiplied by its dropout mask (position-wise, so a non-finite output stays
+    at its own position) and becomes the next key in the kernels' accumulation dtype (at least
+    float32: a bf16 rounding between layers would compound over the chain); the shared kernel keeps
+    any non-finite key from reaching an earlier output of the next layer. The returned outputs are
+    cast to x0's dtype.
     """
     k = x0
     outs, states = [], []
     for m in range(q.shape[0]):
         key = _key_map(k, None if key_kernels is None else key_kernels[m])
-        num, s = layer_fn(q[m], key, v[m], None if state is None else la.LinearState(state[m], None))
-        o = num.astype(x0.dtype)
+        o, s = layer_fn(q[m], key, v[m], None if state is None else la.LinearState(state[m], None))
         if dropout_mask is not None:
             o = o * dropout_mask[m].astype(o.dtype)
-        outs.append(o)
+        outs.append(o.astype(x0.dtype))
         states.append(None if s is None else s.num)
         k = o
     return jnp.stack(outs), (None if states[0] is None else jnp.stack(states))
