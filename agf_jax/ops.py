@@ -406,7 +406,7 @@ def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
         val: `[B, T, H, M]` values.
         coeffs: `[K+1]` filter coefficients.
         basis, alpha, beta: see `resolve_basis`.
-        mask: `[B, T]` padding mask (1/True = real), applied to V only, or None.
+        mask: `[B, T]` padding mask (1/True = real), applied to V and Val only, or None.
         causal: prefix-normalised V.
 
     Returns:
