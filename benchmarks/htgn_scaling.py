@@ -7,7 +7,7 @@ tokens (htgn.md §5.11, "no N^2 term anywhere"):
   m features, key stabiliser 'max'), the encoder self-attention and the cross-attention form;
 * `favor_causal`: causal FAVOR+ in the chunked form (`lax.scan` over chunks of C tokens, constant
   key stabiliser), the decoder self-attention;
-* `gat`: windowed GATv2 with g global nodes (`htgn_jax.graph.window_graph_attention`: window +-w,
+* `gat`: windowed GATv2 with g global nodes (`htgn_jax.graph_ops.window_graph_attention`: window +-w,
   learned relative bias, globals attending to all nodes; N tokens + g globals), the encoder graph
   convolution, O(N (2w+1+g) H D);
 * `gat_causal`: the decoder's causal window GAT (offsets -w..0, no globals);
@@ -34,7 +34,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from htgn_jax import graph, ops
+from htgn_jax import graph_ops, ops
 from zoo_core import bench
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -80,12 +80,12 @@ def make_case(case: str, n: int, args, projection):
         g = 0 if causal else args.globals
         nodes = jax.ShapeDtypeStruct((1, g + n, h, d), dtype)
         attn = jax.ShapeDtypeStruct((h, d), dtype)
-        k_offsets = len(graph.window_offsets(args.window, causal))
+        k_offsets = len(graph_ops.window_offsets(args.window, causal))
         bias = jax.ShapeDtypeStruct((h, k_offsets), dtype)
 
         def loss(target, source, attn, rel_bias):
             # GATv2: the source projection is both the score key and the message (spec §3.4).
-            out, _ = graph.window_graph_attention(
+            out, _ = graph_ops.window_graph_attention(
                 target, source, source, attn, window=args.window, num_global=g, causal=causal,
                 rel_bias=rel_bias, global_bias=jnp.zeros((h,), dtype) if g else None)
             return jnp.sum(out.astype(jnp.float32))

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htgn_jax import graph, ops
+from htgn_jax import graph_ops, ops
+from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
 
 Array = jax.Array
 
@@ -33,6 +34,37 @@ Array = jax.Array
 # ----------------------------------------------------------------------------------------------
 # Static graphs (pictures).
 # ----------------------------------------------------------------------------------------------
+
+
+def window_adjacency(mask: Array, *, window: int, num_global: int = 0,
+                     causal: bool = False, grid_width: int | None = None) -> Array:
+    """`[B, L, L]` adjacency of the window + global graph over `[globals ; tokens]` nodes (with
+    `grid_width`: tokens within w rows and w columns of each other on the raster grid)."""
+    b, length = mask.shape
+    g = num_global
+    node = jnp.arange(length)
+    i, j = node[:, None], node[None, :]
+    rel = j - i
+    tok_i, tok_j = i >= g, j >= g
+    if grid_width is None:
+        band = (rel >= -window) & (rel <= (0 if causal else window))
+    else:
+        (ri, ci), (rj, cj) = divmod(i - g, grid_width), divmod(j - g, grid_width)
+        band = (jnp.abs(ri - rj) <= window) & (jnp.abs(ci - cj) <= window)
+    adj = (tok_i & tok_j & band) | (tok_i & ~tok_j) | ~tok_i
+    mask = mask.astype(bool)
+    return adj[None] & mask[:, :, None] & mask[:, None, :]
+
+
+def cross_graph_adjacency(mask: Array, memory_mask: Array, centres: Array, *, window: int,
+                          num_global: int = 0) -> Array:
+    """`[B, T, L]` Cross-Graph adjacency: |j_tok - c_i| <= w, plus all encoder globals."""
+    length = memory_mask.shape[1]
+    j = jnp.arange(length)[None, None, :]
+    tok = j >= num_global
+    near = jnp.abs((j - num_global) - centres[:, :, None]) <= window
+    adj = (tok & near) | ~tok
+    return adj & mask.astype(bool)[:, :, None] & memory_mask.astype(bool)[:, None, :]
 
 
 def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
@@ -54,8 +86,8 @@ def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
     if causal and num_global:
         raise ValueError(f"num_global must be 0 when causal, got {num_global}")
     mask = jnp.ones((1, num_global + length), bool)
-    graph.window_offsets(window, causal, grid_width)       # checks window, grid_width, causal
-    return np.asarray(graph.window_adjacency(mask, window=window, num_global=num_global,
+    graph_ops.window_offsets(window, causal, grid_width)       # checks window, grid_width, causal
+    return np.asarray(window_adjacency(mask, window=window, num_global=num_global,
                                              causal=causal, grid_width=grid_width)[0])
 
 
@@ -76,9 +108,9 @@ def cross_graph_adjacency_matrix(target_length: int, source_length: int, *, wind
     for name, value in (("target_length", target_length), ("source_length", source_length)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    centres = graph.cross_graph_centres(jnp.arange(target_length), rho,
+    centres = graph_ops.cross_graph_centres(jnp.arange(target_length), rho,
                                         jnp.asarray([source_length]))
-    return np.asarray(graph.cross_graph_adjacency(
+    return np.asarray(cross_graph_adjacency(
         jnp.ones((1, target_length), bool), jnp.ones((1, num_global + source_length), bool),
         centres, window=window, num_global=num_global)[0])
 
@@ -91,7 +123,7 @@ def cross_graph_adjacency_matrix(target_length: int, source_length: int, *, wind
 def window_probs_to_dense(probs: Array, global_probs: Array | None, *, window: int,
                           num_global: int = 0, causal: bool = False,
                           grid_width: int | None = None) -> np.ndarray:
-    """Scatters the stencil coefficients of `graph.window_graph_attention` into dense maps.
+    """Scatters the stencil coefficients of `graph_ops.window_graph_attention` into dense maps.
 
     Args:
       probs: token rows `[B, N, H, K + g]` (columns: window offsets, then the globals).
@@ -104,9 +136,9 @@ def window_probs_to_dense(probs: Array, global_probs: Array | None, *, window: i
     probs = np.asarray(probs)
     b, n, h, _ = probs.shape
     g = num_global
-    offsets = graph.window_offsets(window, causal, grid_width)
+    offsets = graph_ops.window_offsets(window, causal, grid_width)
     column_ok = (np.ones((n, len(offsets)), bool) if grid_width is None
-                 else graph.grid_column_ok(n, window, grid_width))
+                 else graph_ops.grid_column_ok(n, window, grid_width))
     dense = np.zeros((b, h, g + n, g + n), probs.dtype)
     rows = np.arange(n)
     for k, o in enumerate(offsets):
@@ -125,7 +157,7 @@ def cross_probs_to_dense(probs: Array, centres: Array, *, window: int, num_globa
     """Scatters Cross-Graph coefficients `[B, T, H, 2w+1+g]` into `[B, H, T, g + N]` maps.
 
     Args:
-      probs: from `graph.cross_graph_attention` (columns: offsets -w..w around c_i, then globals).
+      probs: from `graph_ops.cross_graph_attention` (columns: offsets -w..w around c_i, then globals).
       centres: int `[B, T]` window centres c_i (encoder token index).
       window: w_x.
       num_global: g.
@@ -150,7 +182,7 @@ def _module_path(module: nn.Module) -> str:
     return "/".join(str(p) for p in module.scope.path)
 
 
-def _window_probe(module: graph.WindowGraphAttention, x: Array, mask: Array | None) -> dict:
+def _window_probe(module: WindowGraphAttention, x: Array, mask: Array | None) -> dict:
     weights = module.attention_weights(x, mask=mask)
     return {"kind": "causal_window" if module.causal else "window", "window": module.window,
             "num_global": module.num_global, "grid_width": module.grid_width,
@@ -158,7 +190,7 @@ def _window_probe(module: graph.WindowGraphAttention, x: Array, mask: Array | No
             "global_probs": weights.get("global_probs"), "mask": weights["mask"]}
 
 
-def _cross_probe(module: graph.CrossGraphAttention, x: Array, memory: Array,
+def _cross_probe(module: CrossGraphAttention, x: Array, memory: Array,
                  mask: Array | None, memory_mask: Array | None) -> dict:
     weights = module.attention_weights(x, memory, mask=mask, memory_mask=memory_mask)
     return {"kind": "cross", "window": module.window, "num_global": module.num_global,
@@ -196,10 +228,10 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
             module = context.module
             if context.method_name != "__call__":
                 return out
-            if isinstance(module, graph.WindowGraphAttention):
+            if isinstance(module, WindowGraphAttention):
                 records[_module_path(module)] = _window_probe(module, args[0],
                                                               kwargs.get("mask"))
-            elif isinstance(module, graph.CrossGraphAttention):
+            elif isinstance(module, CrossGraphAttention):
                 records[_module_path(module)] = _cross_probe(module, args[0], args[1],
                                                              kwargs.get("mask"),
                                                              kwargs.get("memory_mask"))

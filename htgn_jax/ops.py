@@ -10,19 +10,21 @@ google-research/google-research `performer/fast_attention/jax/fast_attention.py`
 `tests/testdata/performer/` were recorded from it), rewritten for this project.
 
 Layout (zoo shape letters): queries, keys and values are `[B, T, H, D]` (batch, time, heads, head
-width); keys/values may have another length S; features are `[B, T, H, M]` (M random features);
-the recurrent state is `FavorState(s [B, H, M, Dv], z [B, H, M])`. Accumulators and states are kept
-in float32 (float64 when the inputs are float64), whatever the compute dtype.
+width); keys/values may have another length S; features are `[B, T, H, M]` (M random features).
+Accumulators and states are kept in float32 (float64 when the inputs are float64), whatever the
+compute dtype.
 
 Forms (all take the *features*, so every form is tested against every other with the same phi):
 
 * `favor_parallel`: non-causal, Z = phi(K)^T V, out = phi(Q) Z / phi(Q) phi(K)^T 1 (§2.5).
-* `favor_causal_quadratic`: the masked quadratic form tril(phi(Q) phi(K)^T) V (test oracle).
-* `favor_chunked`: causal, intra-chunk quadratic + inter-chunk carried (S, z) with `lax.scan`
-  over chunks and `jax.checkpoint` on the chunk body (§2.6, §5.4). Exactly equal to the quadratic
-  form in exact arithmetic for any chunk size, including chunks that do not divide T.
-* `favor_recurrent`: causal token-by-token `lax.scan` (prefix sums S_t, z_t; spec §2.6).
-* `favor_step`: one token of the recurrent form.
+* causal (§2.6, §5.4): the zoo's shared kernels `zoo_core.linear_attention` with
+  `denominator=True` on (phi(Q), phi(K), V): `causal_parallel` (masked quadratic form),
+  `causal_chunked` (intra-chunk quadratic, inter-chunk carried state, rematerialised chunk body),
+  `causal_scan` / `causal_step` (the token recurrence). Their state is
+  `LinearState(num = S [B, H, M, Dv], den = z [B, H, M])`; `normalize` divides num by den.
+
+Masking is NaN-safe: padded keys and values are removed with `jnp.where` (never by multiplying
+with 0), so a padded position holding NaN or 1e30 changes no valid output.
 
 Stabilisers (spec §5.4):
 
@@ -34,7 +36,7 @@ Stabilisers (spec §5.4):
 * keys, `key_stabiliser='constant'` (our extension, the causal default): a data-independent
   constant c = min(M_w, 40), M_w = max_i ||w_i||^2 / 2. M_w bounds w^T x - ||x||^2/2 for every x
   (complete the square), so exp() <= exp(M_w - c). c depends on Omega only, so every form stays
-  exactly causal and `favor_step` can stream. Two **deviations from a literal reading of the
+  exactly causal and the step form can stream. Two **deviations from a literal reading of the
   spec** (which subtracts M_w and adds eps=1e-6 unscaled):
   - `eps` and the denominator guard are scaled by exp(-c), i.e. the key features are
     exp(-c) * (exp(w^T x - ||x||^2/2) + eps) / sqrt(M), so c cancels exactly, eps included, and
@@ -59,33 +61,20 @@ by passing the last training step (or none). k = 0 means never redraw (draw inde
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from zoo_core import linear_attention as la
+from zoo_core.linear_attention import LinearState, acc_dtype
 
 Array = Any
 
 FEATURE_MAPS = ("softmax", "relu", "elu", "exact")
 KEY_STABILISERS = ("max", "constant")
+CAUSAL_IMPLS = ("chunked", "recurrent", "quadratic")
 RELU_EPS = 1e-3  # kernel_epsilon of the original's generalized (ReLU) attention
-
-
-class FavorState(NamedTuple):
-    """Recurrent state of causal linear attention (also the cross-attention cache).
-
-    Attributes:
-      s: numerator state sum_s phi(k_s) v_s^T, `[B, H, M, Dv]`, float32.
-      z: denominator state sum_s phi(k_s), `[B, H, M]`, float32.
-    """
-
-    s: Array
-    z: Array
-
-
-def _acc_dtype(*xs) -> Any:
-    """float32 for low-precision inputs, float64 when the inputs are float64 (gradient checks)."""
-    return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,8 +238,9 @@ def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
     if is_query and mask is not None:
         raise ValueError("mask applies to keys only; pass is_query=False or mask=None")
     _check_mask(mask, x, "mask")
-    dt = _acc_dtype(x, projection)
-    x = x.astype(dt)
+    mask = None if mask is None else jnp.asarray(mask).astype(bool)
+    dt = acc_dtype(x, projection)
+    x = _without_padding(x.astype(dt), mask)
     projection = projection.astype(dt)
     num_features, dim = projection.shape
     normaliser = dim ** -0.25
@@ -269,14 +259,12 @@ def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
         # A fully padded example has stab = -inf; any finite value works since its phi is zeroed.
         stab = jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))
         phi = ratio * (jnp.exp(proj - half_sq - stab) + eps)
-    if mask is not None:
-        phi = phi * mask[:, :, None, None].astype(dt)
-    return phi
+    return _without_padding(phi, mask)
 
 
 def relu_features(x: Array, eps: float = RELU_EPS) -> Array:
     """Deterministic Performer-ReLU features relu(x) + eps (LRA's default generalized attention)."""
-    x = x.astype(_acc_dtype(x))
+    x = x.astype(acc_dtype(x))
     return jax.nn.relu(x) + eps
 
 
@@ -286,7 +274,7 @@ def elu_features(x: Array) -> Array:
     Written as x + 1 (x > 0) / exp(x) (x <= 0): elu(x) + 1 = (exp(x) - 1) + 1 rounds to 0 for
     x < -17 in float32, which would break positivity.
     """
-    x = x.astype(_acc_dtype(x))
+    x = x.astype(acc_dtype(x))
     return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
@@ -329,9 +317,7 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
         raise ValueError(f"projection must be None for the deterministic "
                          f"feature_map={feature_map!r}")
     fn = relu_features if feature_map == "relu" else elu_features
-    phi_q, phi_k = fn(q), fn(k)
-    if key_mask is not None:
-        phi_k = phi_k * key_mask[:, :, None, None].astype(phi_k.dtype)
+    phi_q, phi_k = fn(q), _without_padding(fn(_without_padding(k, key_mask)), key_mask)
     return phi_q, phi_k, jnp.asarray(eps, phi_k.dtype)
 
 
@@ -361,12 +347,12 @@ def favor_parallel(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
     Args:
       phi_q: `[B, T, H, M]`.
       phi_k: `[B, S, H, M]` (zero at padded keys).
-      v: `[B, S, H, Dv]`.
+      v: `[B, S, H, Dv]` (zero at padded keys: `favor_attention` removes them with `where`).
 
     Returns:
       (numerator W `[B, T, H, Dv]`, denominator R `[B, T, H]`), before `normalize`.
     """
-    v = v.astype(_acc_dtype(v, phi_k))
+    v = v.astype(acc_dtype(v, phi_k))
     z_mat = jnp.einsum("bshm,bshd->bhmd", phi_k, v)
     num = jnp.einsum("bthm,bhmd->bthd", phi_q, z_mat)
     t = jnp.sum(phi_k, axis=1)
@@ -374,141 +360,19 @@ def favor_parallel(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
     return num, den
 
 
-def favor_causal_quadratic(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
-    """Masked quadratic causal form tril(phi(Q) phi(K)^T) V: the O(T^2) oracle for the tests.
-
-    Args:
-      phi_q: `[B, T, H, M]`; phi_k: `[B, T, H, M]`; v: `[B, T, H, Dv]`.
-
-    Returns:
-      (numerator `[B, T, H, Dv]`, denominator `[B, T, H]`).
-    """
-    v = v.astype(_acc_dtype(v, phi_k))
-    length = phi_q.shape[1]
-    scores = jnp.einsum("bihm,bjhm->bhij", phi_q, phi_k)
-    scores = scores * jnp.tril(jnp.ones((length, length), scores.dtype))
-    return jnp.einsum("bhij,bjhd->bihd", scores, v), jnp.einsum("bhij->bih", scores)
+def cross_cache(phi_k: Array, v: Array) -> LinearState:
+    """Z = phi(K)^T V `[B, H, M, Dv]`, t = phi(K)^T 1 `[B, H, M]` (the decoding cache of a
+    non-causal attention over a fixed memory, spec §5.4), as a `LinearState`."""
+    v = v.astype(acc_dtype(v, phi_k))
+    return LinearState(jnp.einsum("bshm,bshd->bhmd", phi_k, v), jnp.sum(phi_k, axis=1))
 
 
-def init_state(batch_size: int, num_heads: int, num_features: int, value_dim: int, *,
-               dtype: Any = jnp.float32) -> FavorState:
-    """Zero recurrent state: s `[B, H, M, Dv]`, z `[B, H, M]` (float32 by default)."""
-    return FavorState(jnp.zeros((batch_size, num_heads, num_features, value_dim), dtype),
-                      jnp.zeros((batch_size, num_heads, num_features), dtype))
-
-
-def _check_state(state: FavorState, phi_k: Array, v: Array) -> None:
-    b, h, m = phi_k.shape[0], phi_k.shape[-2], phi_k.shape[-1]
-    want_s, want_z = (b, h, m, v.shape[-1]), (b, h, m)
-    if tuple(state.s.shape) != want_s or tuple(state.z.shape) != want_z:
-        raise ValueError(f"state must have s {want_s} and z {want_z}, "
-                         f"got {tuple(state.s.shape)} and {tuple(state.z.shape)}")
-
-
-def favor_chunked(phi_q: Array, phi_k: Array, v: Array, *, chunk_size: int = 64,
-                  state: FavorState | None = None) -> tuple[Array, Array, FavorState]:
-    """Causal linear attention in chunked form (spec §2.6, §5.4).
-
-    Within a chunk of C tokens the masked quadratic form is used; across chunks the prefix state
-    (S, z) is carried by `lax.scan`, whose body is wrapped in `jax.checkpoint` so the backward
-    pass stores one carry per chunk. T is zero-padded to a multiple of C (zero key features add
-    nothing; padded query rows are dropped). Cost O(T C M + T M Dv) time, O(T (M + Dv)) memory.
-
-    Args:
-      phi_q: `[B, T, H, M]`.
-      phi_k: `[B, T, H, M]`.
-      v: `[B, T, H, Dv]`.
-      chunk_size: C >= 1 (clipped to T).
-      state: optional prefix state from earlier tokens (float32 `FavorState`).
-
-    Returns:
-      (numerator `[B, T, H, Dv]`, denominator `[B, T, H]`, final state).
-    """
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    dt = _acc_dtype(phi_q, phi_k, v)
-    phi_q, phi_k, v = phi_q.astype(dt), phi_k.astype(dt), v.astype(dt)
-    b, length, h, m = phi_q.shape
-    dv = v.shape[-1]
-    if state is None:
-        state = init_state(b, h, m, dv, dtype=dt)
-    _check_state(state, phi_k, v)
-    state = FavorState(state.s.astype(dt), state.z.astype(dt))
-    c = min(chunk_size, length)
-    n = -(-length // c)
-    pad = n * c - length
-
-    def chunks(x):
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape((b, n, c) + x.shape[2:]), 1, 0)
-
-    tril = jnp.tril(jnp.ones((c, c), dt))
-
-    @jax.checkpoint
-    def body(carry, xs):
-        s, z = carry
-        qc, kc, vc = xs
-        scores = jnp.einsum("bihm,bjhm->bhij", qc, kc) * tril
-        num = jnp.einsum("bhij,bjhd->bihd", scores, vc) + jnp.einsum("bihm,bhmd->bihd", qc, s)
-        den = jnp.einsum("bhij->bih", scores) + jnp.einsum("bihm,bhm->bih", qc, z)
-        s = s + jnp.einsum("bjhm,bjhd->bhmd", kc, vc)
-        z = z + jnp.sum(kc, axis=1)
-        return FavorState(s, z), (num, den)
-
-    final, (num, den) = jax.lax.scan(body, state, (chunks(phi_q), chunks(phi_k), chunks(v)))
-    num = jnp.moveaxis(num, 0, 1).reshape(b, n * c, h, dv)[:, :length]
-    den = jnp.moveaxis(den, 0, 1).reshape(b, n * c, h)[:, :length]
-    return num, den, final
-
-
-def favor_step(state: FavorState, phi_q_t: Array, phi_k_t: Array,
-               v_t: Array) -> tuple[FavorState, Array, Array]:
-    """One token of causal linear attention (spec §2.6): S += phi(k_t) v_t^T, z += phi(k_t).
-
-    Args:
-      state: `FavorState(s [B, H, M, Dv], z [B, H, M])`.
-      phi_q_t: `[B, H, M]`.
-      phi_k_t: `[B, H, M]`.
-      v_t: `[B, H, Dv]`.
-
-    Returns:
-      (new state, numerator `[B, H, Dv]`, denominator `[B, H]`); the current token is included.
-    """
-    dt = state.s.dtype
-    phi_q_t, phi_k_t, v_t = phi_q_t.astype(dt), phi_k_t.astype(dt), v_t.astype(dt)
-    s = state.s + jnp.einsum("bhm,bhd->bhmd", phi_k_t, v_t)
-    z = state.z + phi_k_t
-    return (FavorState(s, z), jnp.einsum("bhm,bhmd->bhd", phi_q_t, s),
-            jnp.einsum("bhm,bhm->bh", phi_q_t, z))
-
-
-def favor_recurrent(phi_q: Array, phi_k: Array, v: Array, *,
-                    state: FavorState | None = None) -> tuple[Array, Array, FavorState]:
-    """Causal linear attention as a token-by-token `lax.scan` of `favor_step`.
-
-    Autodiff through this form saves every carry (O(T M Dv)); train with `favor_chunked`.
-
-    Args:
-      phi_q: `[B, T, H, M]`; phi_k: `[B, T, H, M]`; v: `[B, T, H, Dv]`.
-      state: optional initial state.
-
-    Returns:
-      (numerator `[B, T, H, Dv]`, denominator `[B, T, H]`, final state).
-    """
-    dt = _acc_dtype(phi_q, phi_k, v)
-    b, _, h, m = phi_q.shape
-    if state is None:
-        state = init_state(b, h, m, v.shape[-1], dtype=dt)
-    _check_state(state, phi_k, v)
-    state = FavorState(state.s.astype(dt), state.z.astype(dt))
-
-    def body(carry, xs):
-        carry, num, den = favor_step(carry, *xs)
-        return carry, (num, den)
-
-    xs = tuple(jnp.moveaxis(x.astype(dt), 1, 0) for x in (phi_q, phi_k, v))
-    final, (num, den) = jax.lax.scan(body, state, xs)
-    return jnp.moveaxis(num, 0, 1), jnp.moveaxis(den, 0, 1), final
+def _without_padding(x: Array, mask: Array | None) -> Array:
+    """x `[B, S, ...]` with the padded positions (mask False) replaced by 0 (`where`, NaN-safe)."""
+    if mask is None:
+        return x
+    mask = jnp.asarray(mask).astype(bool)
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,6 +384,10 @@ def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | N
                             causal: bool = False) -> Array:
     """Exact softmax(q k^T / sqrt(D)) v, O(T S) memory: the oracle mode (`feature_map='exact'`).
 
+    NaN-safe: padded keys/values are removed with `where`; a non-finite value at a valid key s is
+    replaced by 0 in the product and every row that attends to s (s <= t when causal) is set to
+    NaN, which is what the unmasked product gives to those rows only.
+
     Args:
       q: `[B, T, H, D]`; k: `[B, S, H, D]`; v: `[B, S, H, Dv]`.
       key_mask: optional `[B, S]` key-padding mask.
@@ -529,21 +397,23 @@ def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | N
       `[B, T, H, Dv]` in the accumulation dtype; rows with no valid key are 0 (as in FAVOR+).
     """
     _check_mask(key_mask, k, "key_mask")
-    dt = _acc_dtype(q, k, v)
-    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
+    dt = acc_dtype(q, k, v)
+    keys = jnp.ones(k.shape[:2], bool) if key_mask is None else jnp.asarray(key_mask).astype(bool)
+    q, k, v = q.astype(dt), _without_padding(k.astype(dt), keys), _without_padding(v.astype(dt), keys)
+    bad = keys[:, :, None] & ~jnp.all(jnp.isfinite(v), axis=-1)               # [B, S, H]
+    v = jnp.where(bad[..., None], 0.0, v)
     logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
-    valid = jnp.ones(logits.shape, bool)
-    if key_mask is not None:
-        valid = valid & key_mask.astype(bool)[:, None, None, :]
+    valid = jnp.broadcast_to(keys[:, None, None, :], logits.shape)
     if causal:
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(f"causal attention needs equal lengths, "
-                             f"got {q.shape[1]} and {k.shape[1]}")
         valid = valid & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
     # finfo.min / 2 instead of -inf keeps fully masked rows finite; they are zeroed below.
     logits = jnp.where(valid, logits, jnp.finfo(dt).min / 2)
-    weights = jax.nn.softmax(logits, axis=-1) * jnp.any(valid, axis=-1, keepdims=True)
-    return jnp.einsum("bhts,bshd->bthd", weights, v)
+    weights = jnp.where(jnp.any(valid, axis=-1, keepdims=True), jax.nn.softmax(logits, axis=-1), 0.0)
+    out = jnp.einsum("bhts,bshd->bthd", weights, v)
+    poisoned = jnp.swapaxes(jnp.any(valid & jnp.swapaxes(bad, 1, 2)[:, :, None, :], axis=-1), 1, 2)
+    return jnp.where(poisoned[..., None], jnp.nan, out)
 
 
 def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax",
@@ -561,7 +431,8 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
       key_mask: optional `[B, S]` key-padding mask.
       eps: numerical stabiliser (features and denominator guard).
       key_stabiliser: 'max' | 'constant'; None picks 'constant' when causal, else 'max'.
-      causal_impl: 'chunked' | 'recurrent' | 'quadratic'.
+      causal_impl: 'chunked' | 'recurrent' | 'quadratic' (`la.causal_chunked` / `causal_scan` /
+        `causal_parallel`).
       chunk_size: chunk length of the chunked form.
 
     Returns:
@@ -569,9 +440,8 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
     """
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
-    if causal_impl not in ("chunked", "recurrent", "quadratic"):
-        raise ValueError(f"causal_impl must be 'chunked', 'recurrent' or 'quadratic', "
-                         f"got {causal_impl!r}")
+    if causal_impl not in CAUSAL_IMPLS:
+        raise ValueError(f"causal_impl must be one of {CAUSAL_IMPLS}, got {causal_impl!r}")
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
     if feature_map == "exact":
@@ -582,12 +452,14 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
         key_stabiliser = "constant" if causal else "max"
     phi_q, phi_k, guard = favor_features(q, k, feature_map=feature_map, projection=projection,
                                          key_mask=key_mask, eps=eps, key_stabiliser=key_stabiliser)
+    v = _without_padding(v, key_mask)
     if not causal:
         num, den = favor_parallel(phi_q, phi_k, v)
     elif causal_impl == "chunked":
-        num, den, _ = favor_chunked(phi_q, phi_k, v, chunk_size=chunk_size)
+        num, den, _ = la.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size, mask=key_mask,
+                                        denominator=True)
     elif causal_impl == "recurrent":
-        num, den, _ = favor_recurrent(phi_q, phi_k, v)
+        num, den, _ = la.causal_scan(phi_q, phi_k, v, mask=key_mask, denominator=True)
     else:
-        num, den = favor_causal_quadratic(phi_q, phi_k, v)
+        num, den = la.causal_parallel(phi_q, phi_k, v, mask=key_mask, denominator=True)
     return normalize(num, den, guard)

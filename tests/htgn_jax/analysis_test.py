@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htgn_jax import analysis, graph
+from htgn_jax import CrossGraphAttention, WindowGraphAttention, analysis
 from htgn_jax.model import Model
 from zoo_core.testing import F32_SIMPLE
 
@@ -88,7 +88,7 @@ def test_graph_attention_maps_are_the_coefficients_the_layers_use(version):
         def record(next_fun, args, kwargs, context):
             out = next_fun(*args, **kwargs)
             if context.method_name == "__call__" and isinstance(
-                    context.module, (graph.WindowGraphAttention, graph.CrossGraphAttention)):
+                    context.module, (WindowGraphAttention, CrossGraphAttention)):
                 seen["/".join(context.module.scope.path)] = (args[-1], kwargs["mask"], out[0])
             return out
 

@@ -1,4 +1,5 @@
-"""Tests for htgn_jax.graph: windowed / causal / Cross-Graph GAT against dense masked oracles."""
+"""Tests of htgn_jax.graph_ops / graph_causal / graph_layers: windowed, causal and Cross-Graph GAT
+against dense masked oracles (tests/htgn_jax/oracles.py), every causal form, NaN-safe masking."""
 import functools
 import math
 
@@ -9,8 +10,11 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from htgn_jax import graph as G
-from zoo_core.testing import F32_SIMPLE, F64, param_shapes
+from htgn_jax import CrossGraphCache, WindowState, graph_causal
+from htgn_jax import graph_ops as G
+from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
+from tests.htgn_jax import oracles as O
+from zoo_core.testing import BF16, F32_SIMPLE, F64, assert_forms_agree, param_shapes
 
 B, N, H, D, W, NG = 2, 7, 2, 4, 2, 2      # batch, tokens, heads, head dim, window, globals
 WIDTH = H * D
@@ -21,7 +25,7 @@ window_attention = jax.jit(G.window_graph_attention,
                                             "kl_mode", "grid_width"))
 cross_attention = jax.jit(G.cross_graph_attention,
                           static_argnames=("window", "num_global", "rho", "kl_tau", "kl_mode"))
-dense_attention = jax.jit(G.dense_graph_attention)
+dense_attention = jax.jit(O.dense_graph_attention)
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -200,7 +204,7 @@ def test_window_kl_distance_prior_matches_dense(causal):
     uniform, aux_u = window_attention(q, k, v, attn, window=W, num_global=g, causal=causal,
                                       mask=mask)
     np.testing.assert_array_equal(out, uniform)          # the prior only changes the KL term
-    adj = G.window_adjacency(mask, window=W, num_global=g, causal=causal)
+    adj = O.window_adjacency(mask, window=W, num_global=g, causal=causal)
     _, probs = dense_attention(q, k, v, attn, adj)
     i, j = np.arange(length)[:, None], np.arange(length)[None, :]
     dist = np.where(j < g, 1.0, np.abs(j - i).astype(float))
@@ -246,7 +250,7 @@ def test_window_kl_neighbour_mode_matches_dense(causal):
     mask = _lengths_mask([length, length - 3], length)
     out, aux = window_attention(q, k, v, attn, window=W, num_global=g, causal=causal, mask=mask,
                                 kl_mode="neighbour")
-    adj = G.window_adjacency(mask, window=W, num_global=g, causal=causal)
+    adj = O.window_adjacency(mask, window=W, num_global=g, causal=causal)
     _, probs = dense_attention(q, k, v, attn, adj)
 
     def column(b, i, o):
@@ -266,7 +270,7 @@ def test_grid_kl_neighbour_mode_skips_row_ends():
     mask = _lengths_mask([length, length - 2], length)
     _, aux = window_attention(q, k, v, attn, window=1, num_global=g, mask=mask,
                               kl_mode="neighbour", grid_width=wd)
-    adj = G.window_adjacency(mask, window=1, num_global=g, grid_width=wd)
+    adj = O.window_adjacency(mask, window=1, num_global=g, grid_width=wd)
     _, probs = dense_attention(q, k, v, attn, adj)
 
     def column(b, i, o):
@@ -291,7 +295,7 @@ def test_cross_graph_kl_neighbour_mode_matches_dense():
     _, aux = cross_attention(q, k, v, attn, window=wx, num_global=NG, rho=rho, mask=mask,
                              memory_mask=memory_mask, kl_mode="neighbour")
     centres = np.asarray(aux["centres"])
-    adj = G.cross_graph_adjacency(mask, memory_mask, jnp.asarray(centres), window=wx,
+    adj = O.cross_graph_adjacency(mask, memory_mask, jnp.asarray(centres), window=wx,
                                   num_global=NG)
     _, probs = dense_attention(q, k, v, attn, adj)
 
@@ -328,8 +332,8 @@ def test_window_matches_dense(version, num_global, padded):
     global_bias = _normal(6, (H,)) if num_global else None
     out, aux = window_attention(q, k, v, attn, window=W, num_global=num_global, mask=mask,
                                         rel_bias=rel_bias, global_bias=global_bias)
-    adj = G.window_adjacency(mask, window=W, num_global=num_global)
-    bias = G.window_bias_matrix(rel_bias, global_bias, length=length, window=W,
+    adj = O.window_adjacency(mask, window=W, num_global=num_global)
+    bias = O.window_bias_matrix(rel_bias, global_bias, length=length, window=W,
                                 num_global=num_global)
     ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
     np.testing.assert_allclose(out, ref, **F32_SIMPLE)
@@ -355,8 +359,8 @@ def test_grid_stencil_matches_dense(grid_width, num_global, wg, tokens, pad):
     out, aux = window_attention(q, k, v, attn, window=wg, num_global=num_global, mask=mask,
                                 rel_bias=rel_bias, global_bias=global_bias, kl_tau=0.5,
                                 grid_width=grid_width)
-    adj = G.window_adjacency(mask, window=wg, num_global=num_global, grid_width=grid_width)
-    bias = G.window_bias_matrix(rel_bias, global_bias, length=length, window=wg,
+    adj = O.window_adjacency(mask, window=wg, num_global=num_global, grid_width=grid_width)
+    bias = O.window_bias_matrix(rel_bias, global_bias, length=length, window=wg,
                                 num_global=num_global, grid_width=grid_width)
     ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
     np.testing.assert_allclose(out, ref, **F32_SIMPLE)
@@ -378,8 +382,8 @@ def test_causal_window_matches_dense(version):
     rel_bias = _normal(13, (H, W + 1))
     out, _ = window_attention(q, k, v, attn, window=W, causal=True, mask=mask,
                                       rel_bias=rel_bias)
-    adj = G.window_adjacency(mask, window=W, causal=True)
-    bias = G.window_bias_matrix(rel_bias, None, length=N, window=W, causal=True)
+    adj = O.window_adjacency(mask, window=W, causal=True)
+    bias = O.window_bias_matrix(rel_bias, None, length=N, window=W, causal=True)
     ref, _ = dense_attention(q, k, v, attn, adj, bias=bias)
     np.testing.assert_allclose(out, ref, **F32_SIMPLE)
     # Causality: changing future inputs leaves the past bit-identical.
@@ -410,8 +414,8 @@ def test_cross_graph_matches_dense(version, kl_tau):
     # Centres by hand: clip(round(rho * i), 0, N_b - 1), Python's round (half to even).
     want = np.array([[min(round(rho * i), n - 1) for i in range(t)] for n in memory_lengths])
     np.testing.assert_array_equal(aux["centres"], want)
-    adj = G.cross_graph_adjacency(mask, memory_mask, jnp.asarray(want), window=wx, num_global=NG)
-    bias = G.cross_graph_bias_matrix(rel_bias, global_bias, jnp.asarray(want),
+    adj = O.cross_graph_adjacency(mask, memory_mask, jnp.asarray(want), window=wx, num_global=NG)
+    bias = O.cross_graph_bias_matrix(rel_bias, global_bias, jnp.asarray(want),
                                      memory_length=length, window=wx, num_global=NG)
     ref, probs = dense_attention(q, k, v, attn, adj, bias=bias)
     np.testing.assert_allclose(out, ref, **F32_SIMPLE)
@@ -535,40 +539,99 @@ def test_window_layer_matches_dense(version):
     length = N + NG
     x = _normal(70, (B, length, WIDTH))
     mask = _lengths_mask([length, length - 3], length)
-    layer = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, version=version)
+    layer = WindowGraphAttention(num_heads=H, window=W, num_global=NG, version=version)
     variables = _randomise(_init(layer, x, mask=mask))
     y, aux = _apply(layer, variables, x, mask=mask)
     p = variables["params"]
-    adj = G.window_adjacency(mask, window=W, num_global=NG)
-    bias = G.window_bias_matrix(p["rel_bias"], p["global_bias"], length=length, window=W,
+    adj = O.window_adjacency(mask, window=W, num_global=NG)
+    bias = O.window_bias_matrix(p["rel_bias"], p["global_bias"], length=length, window=W,
                                 num_global=NG)
     np.testing.assert_allclose(y, _layer_reference(p, x, version, adj, bias), **F32_SIMPLE)
-    assert aux["kl"].shape == () and float(aux["kl"]) > 0
+    assert set(aux) == {"kl_sum", "kl_count"} and aux["kl_sum"].shape == ()
+    assert float(aux["kl_sum"]) > 0 and float(aux["kl_count"]) > 0
     if version == "v1":
         return
     # Padding invariance: appending pads changes nothing for the real nodes.
     xp = jnp.concatenate([x, _normal(71, (B, 3, WIDTH))], axis=1)
     mp = jnp.concatenate([mask, jnp.zeros((B, 3), bool)], axis=1)
     yp, auxp = _apply(layer, variables, xp, mask=mp)
-    np.testing.assert_allclose(yp[:, :length], y, **F32_SIMPLE)
-    np.testing.assert_allclose(auxp["kl"], aux["kl"], **F32_SIMPLE)
+    assert_forms_agree({"unpadded": (y, aux), "padded": (yp[:, :length], auxp)}, **F32_SIMPLE)
 
 
-@pytest.mark.parametrize("version,window", [("v1", W), ("v2", W), ("v2", 0), ("dot", W)])
-def test_causal_step_matches_parallel(version, window):
-    x = _normal(80, (B, N, WIDTH))
-    layer = G.WindowGraphAttention(num_heads=H, window=window, causal=True, version=version)
-    variables = _randomise(_init(layer, x))
-    y, _ = _apply(layer, variables, x)
-    step = jax.jit(functools.partial(layer.apply, method=layer.step))
+def _causal_forms(layer, variables, x, mask=None):
+    """{form: (y, aux or final state)} of a causal window layer: parallel, chunked(3), scan, step."""
+    chunked = layer.clone(chunk_size=3)
+    out = {"parallel": _apply(layer, variables, x, mask=mask),
+           "chunked(3)": _apply(chunked, variables, x, mask=mask)}
     state = layer.apply(variables, B, method=layer.init_state)
+    out["scan"] = _apply(layer, variables, x, state, mask=mask, method=layer.scan)
+    step = jax.jit(functools.partial(layer.apply, method=layer.step))
     ys = []
-    for t in range(N):
-        y_t, state = step(variables, state, x[:, t], t)
+    for t in range(x.shape[1]):
+        y_t, state = step(variables, state, x[:, t])
         ys.append(y_t)
-    np.testing.assert_allclose(jnp.stack(ys, axis=1), y, **F32_SIMPLE)
-    assert state["value"].shape[1] == window and state["value"].dtype == jnp.float32
-    assert ("key" in state) == (version == "v1")
+    out["step"] = (jnp.stack(ys, axis=1), state)
+    return out
+
+
+@pytest.mark.parametrize("version,window,kl", [("v1", W, {}), ("v2", W, {"kl_tau": 1.5}),
+                                               ("v2", 0, {}), ("dot", W, {"kl_mode": "neighbour"})])
+def test_causal_forms_agree(version, window, kl):
+    """parallel == chunked (C = 3, not dividing T) == scan == step loop, outputs and KL aux."""
+    x = _normal(80, (B, N, WIDTH))
+    layer = WindowGraphAttention(num_heads=H, window=window, causal=True, version=version, **kl)
+    variables = _randomise(_init(layer, x))
+    forms = _causal_forms(layer, variables, x)
+    assert_forms_agree({k: v[0] for k, v in forms.items()}, **F32_SIMPLE)
+    assert_forms_agree({k: forms[k][1] for k in ("parallel", "chunked(3)")}, **F32_SIMPLE)
+    assert_forms_agree({k: forms[k][1] for k in ("scan", "step")}, **F32_SIMPLE)
+    state = forms["step"][1]
+    assert isinstance(state, WindowState) and state.value.shape[1] == window
+    assert state.value.dtype == jnp.float32 and (state.key is not None) == (version == "v1")
+    # Continuing a scan from a carried state.
+    y1, s1 = _apply(layer, variables, x[:, :3], method=layer.scan)
+    y2, _ = _apply(layer, variables, x[:, 3:], s1, method=layer.scan)
+    assert_forms_agree({"parallel": forms["parallel"][0],
+                        "scan+scan": jnp.concatenate([y1, y2], 1)}, **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("version", ["v1", "v2", "dot"])
+def test_garbage_in_padding_or_future_changes_nothing(version, bad):
+    """NaN-safe masking in every form: padded nodes (and, causal, future tokens) holding NaN or
+    1e30 change no valid / past output and no KL term."""
+    length = N + NG
+    x = _normal(130, (B, length, WIDTH))
+    mask = _lengths_mask([length, length - 3], length)
+    valid = np.asarray(mask)
+    dirty = jnp.where(mask[..., None], x, bad)
+    layer = WindowGraphAttention(num_heads=H, window=W, num_global=NG, version=version)
+    variables = _randomise(_init(layer, x))
+    (y, aux), (y_bad, aux_bad) = (_apply(layer, variables, a, mask=mask) for a in (x, dirty))
+    np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y)[valid])
+    assert_forms_agree({"clean": aux, "dirty": aux_bad}, rtol=0.0, atol=0.0)
+    causal = WindowGraphAttention(num_heads=H, window=W, causal=True, version=version)
+    cv = _randomise(_init(causal, x))
+    clean, padded = (_causal_forms(causal, cv, a, mask) for a in (x, dirty))
+    future = _causal_forms(causal, cv, x.at[:, 4].set(bad))
+    unmasked = _causal_forms(causal, cv, x)
+    for form in clean:
+        np.testing.assert_array_equal(np.asarray(padded[form][0])[valid],
+                                      np.asarray(clean[form][0])[valid], err_msg=form)
+        np.testing.assert_array_equal(np.asarray(future[form][0])[:, :4],
+                                      np.asarray(unmasked[form][0])[:, :4], err_msg=form)
+    for form in ("parallel", "chunked(3)"):
+        assert_forms_agree({"clean": clean[form][1], "dirty": padded[form][1]}, rtol=0.0, atol=0.0)
+    # Cross-Graph: garbage in padded memory and in padded decoder rows.
+    cross = CrossGraphAttention(num_heads=H, window=1, num_global=NG, rho=0.8, version=version)
+    t = 5
+    dmask = _lengths_mask([t, t - 2], t)
+    xv = _randomise(_init(cross, x[:, :t], x))
+    y, aux = _apply(cross, xv, x[:, :t], x, mask=dmask, memory_mask=mask)
+    y_bad, aux_bad = _apply(cross, xv, jnp.where(dmask[..., None], x[:, :t], bad), dirty,
+                            mask=dmask, memory_mask=mask)
+    np.testing.assert_array_equal(np.asarray(y_bad), np.asarray(y))
+    assert_forms_agree({"clean": aux, "dirty": aux_bad}, rtol=0.0, atol=0.0)
 
 
 @pytest.mark.parametrize("version", ["v1", "v2", "dot"])
@@ -579,15 +642,15 @@ def test_cross_layer_matches_dense_and_step(version):
     mask = _lengths_mask([t, t - 1], t)
     memory_lengths = [N, N - 4]
     memory_mask = _lengths_mask([n + NG for n in memory_lengths], length)
-    layer = G.CrossGraphAttention(num_heads=H, window=wx, num_global=NG, rho=rho,
+    layer = CrossGraphAttention(num_heads=H, window=wx, num_global=NG, rho=rho,
                                   version=version)
     variables = _randomise(_init(layer, x, memory, mask=mask, memory_mask=memory_mask))
     y, aux = _apply(layer, variables, x, memory, mask=mask, memory_mask=memory_mask)
     p = variables["params"]
     centres = jnp.asarray([[min(round(rho * i), n - 1) for i in range(t)]
                            for n in memory_lengths])
-    adj = G.cross_graph_adjacency(mask, memory_mask, centres, window=wx, num_global=NG)
-    bias = G.cross_graph_bias_matrix(p["rel_bias"], p["global_bias"], centres,
+    adj = O.cross_graph_adjacency(mask, memory_mask, centres, window=wx, num_global=NG)
+    bias = O.cross_graph_bias_matrix(p["rel_bias"], p["global_bias"], centres,
                                      memory_length=length, window=wx, num_global=NG)
     if version != "v1":
         s, u = _project(x, p["target"]["kernel"]), _project(memory, p["source"]["kernel"])
@@ -601,23 +664,24 @@ def test_cross_layer_matches_dense_and_step(version):
     ref = jnp.einsum("blhd,hdf->blf", ref, p["output"]["kernel"]) + p["output"]["bias"]
     ref = jnp.where(mask[..., None], ref, 0)
     np.testing.assert_allclose(y, ref, **F32_SIMPLE)
-    assert float(aux["kl"]) > 0
+    assert float(aux["kl_sum"]) > 0 and float(aux["kl_count"]) > 0
     # Decoding: project the memory once, then one step per token.
     cache = _apply(layer, variables, memory, memory_mask=memory_mask, method=layer.prepare_memory)
+    assert isinstance(cache, CrossGraphCache) and (cache.key is not None) == (version == "v1")
     step = jax.jit(functools.partial(layer.apply, method=layer.step))
-    ys = jnp.stack([step(variables, cache, x[:, i], i) for i in range(t)], axis=1)
-    np.testing.assert_allclose(jnp.where(mask[..., None], ys, 0), y, **F32_SIMPLE)
+    ys = jnp.stack([step(variables, cache, x[:, i], position=i)[0] for i in range(t)], axis=1)
+    assert_forms_agree({"parallel": y, "step": jnp.where(mask[..., None], ys, 0)}, **F32_SIMPLE)
 
 
 def test_layer_relative_bias_and_dropout():
     x = _normal(100, (B, N + NG, WIDTH))
-    layer = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, dropout_rate=0.5)
+    layer = WindowGraphAttention(num_heads=H, window=W, num_global=NG, dropout_rate=0.5)
     variables = _randomise(_init(layer, x))
     y, _ = _apply(layer, variables, x)
     shifted = jax.tree_util.tree_map(lambda a: a, variables)
     shifted["params"]["rel_bias"] = variables["params"]["rel_bias"].at[:, 0].add(5.0)
     assert np.abs(np.asarray(_apply(layer, shifted, x)[0] - y)).max() > 1e-3
-    no_bias = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG,
+    no_bias = WindowGraphAttention(num_heads=H, window=W, num_global=NG,
                                      use_relative_bias=False)
     assert "rel_bias" not in _init(no_bias, x)["params"]
     y_drop, _ = _apply(layer, variables, x, deterministic=False,
@@ -627,26 +691,30 @@ def test_layer_relative_bias_and_dropout():
 
 def test_layer_dtype():
     x = _normal(110, (B, N + NG, WIDTH))
-    layer = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, dtype=jnp.bfloat16)
+    layer = WindowGraphAttention(num_heads=H, window=W, num_global=NG, dtype=jnp.bfloat16)
     variables = _init(layer, x)
     y, aux = _apply(layer, variables, x)
-    assert y.dtype == jnp.bfloat16 and aux["kl"].dtype == jnp.float32
+    assert y.dtype == jnp.bfloat16 and aux["kl_sum"].dtype == jnp.float32
     assert all(l.dtype == jnp.float32 for l in jax.tree_util.tree_leaves(variables))
+    y32, aux32 = _apply(layer.clone(dtype=None), variables, x)
+    np.testing.assert_allclose(np.asarray(y, np.float32), y32, **BF16)
+    np.testing.assert_allclose(aux["kl_sum"] / aux["kl_count"], aux32["kl_sum"] / aux32["kl_count"],
+                               **BF16)
 
 
 def test_param_snapshot():
     x = _normal(120, (B, N + NG, WIDTH))
-    v2 = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG, out_features=6)
+    v2 = WindowGraphAttention(num_heads=H, window=W, num_global=NG, out_features=6)
     assert param_shapes(_init(v2, x)["params"]) == {
         "attn/vector": (H, D), "global_bias": (H,), "output/bias": (6,),
         "output/kernel": (H, D, 6), "rel_bias": (H, 2 * W + 1), "source/kernel": (WIDTH, H, D),
         "target/kernel": (WIDTH, H, D)}
-    v1 = G.WindowGraphAttention(num_heads=H, head_dim=3, window=W, causal=True, version="v1")
+    v1 = WindowGraphAttention(num_heads=H, head_dim=3, window=W, causal=True, version="v1")
     assert param_shapes(_init(v1, x)["params"]) == {
         "attn_source/vector": (H, 3), "attn_target/vector": (H, 3), "output/bias": (WIDTH,),
         "output/kernel": (H, 3, WIDTH), "rel_bias": (H, W + 1), "source/kernel": (WIDTH, H, 3)}
     # head_dim=None follows the memory width (12 // 2 = 6) on both sides.
-    cross = G.CrossGraphAttention(num_heads=H, window=1, num_global=NG)
+    cross = CrossGraphAttention(num_heads=H, window=1, num_global=NG)
     memory = _normal(121, (B, N + NG, 12))
     assert param_shapes(_init(cross, x[:, :5], memory)["params"]) == {
         "attn/vector": (H, 6), "global_bias": (H,), "output/bias": (WIDTH,),
@@ -661,55 +729,57 @@ def _raises(match, fn):
 
 def test_bad_inputs():
     x = jnp.ones((B, N + NG, WIDTH))
-    win = G.WindowGraphAttention(num_heads=H, window=W, num_global=NG)
+    win = WindowGraphAttention(num_heads=H, window=W, num_global=NG)
     variables = _init(win, x)
     _raises("`x` must have rank 3", lambda: win.apply(variables, x[0]))
     _raises("`mask` must have shape", lambda: win.apply(variables, x, mask=jnp.ones((B, N))))
     _raises("not divisible by num_heads",
-            lambda: _init(G.WindowGraphAttention(num_heads=3, window=W), x))
-    _raises("`window`", lambda: _init(G.WindowGraphAttention(num_heads=H, window=-1), x))
+            lambda: _init(WindowGraphAttention(num_heads=3, window=W), x))
+    _raises("`window`", lambda: _init(WindowGraphAttention(num_heads=H, window=-1), x))
     _raises("`version`",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
     _raises("`kl_tau`",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
     _raises("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=0, kl_mode="neighbour"), x))
+            lambda: _init(WindowGraphAttention(num_heads=H, window=0, kl_mode="neighbour"), x))
     _raises("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
             lambda: window_attention(*_features("v2", 0, N), window=0, kl_tau=1.0))
-    _raises("version='dot' has no LeakyReLU",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="dot",
+    _raises("has no LeakyReLU",
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
                                                  negative_slope=0.1), x))
     _raises("version='dot' has none",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, version="dot",
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
                                                  attn_init=nn.initializers.ones), x))
     _raises("dot-product scoring .attn=None. has no LeakyReLU",
             lambda: G.window_graph_attention(*_features("dot", 0, N), window=W, negative_slope=0.1))
     _raises("a 2-D stencil .grid_width. has no causal form",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, causal=True,
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True,
                                                  grid_width=3), x))
     _raises("`grid_width` must be an integer >= 1",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, grid_width=0), x))
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, grid_width=0), x))
     _raises("`kl_tau`", lambda: window_attention(*_features("v2", 0, N), window=W, kl_tau=0))
     _raises("`kl_mode` must be one of", lambda: window_attention(*_features("v2", 0, N), window=W,
                                                                   kl_mode="rows"))
     _raises("`kl_tau` sets the prior of kl_mode='prior'",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, kl_tau=1.0,
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=1.0,
                                                  kl_mode="neighbour"), x))
     _raises("`num_global` must be 0",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, num_global=1,
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, num_global=1,
                                                  causal=True), x))
     _raises("`step` needs causal=True",
-            lambda: win.apply(variables, {}, x[:, 0], 0, method=win.step))
+            lambda: win.apply(variables, None, x[:, 0], method=win.step))
+    _raises("`chunk_size` chooses the causal form",
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, chunk_size=2), x))
     _raises("`dropout_rate`",
-            lambda: _init(G.WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), x))
+            lambda: _init(WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), x))
     q = jnp.ones((B, 5, H, 4))
     _raises(r"`key` must have shape \[B, L, H, C\] = \(2, 5, 2, 4\)",   # windows: one sequence length
             lambda: G.window_graph_attention(q, q[:, :4], q[:, :4], jnp.ones((H, 4)), window=1))
-    cross = G.CrossGraphAttention(num_heads=H, window=1, num_global=NG)
+    cross = CrossGraphAttention(num_heads=H, window=1, num_global=NG)
     _raises("`memory` must have rank 3", lambda: _init(cross, x, x[0]))
     _raises("`memory_mask` must have shape",
             lambda: _init(cross, x, x, memory_mask=jnp.ones((B, 3))))
-    _raises("`rho`", lambda: _init(G.CrossGraphAttention(num_heads=H, rho=-1.0), x, x))
+    _raises("`rho`", lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), x, x))
     _raises("`attn` must have shape",
             lambda: window_attention(x[..., None], x[..., None], x[..., None],
                                              jnp.ones((3, 1)), window=1))
@@ -719,7 +789,7 @@ def test_bad_inputs():
 
 
 def test_memory_linear_in_length():
-    layer = G.WindowGraphAttention(num_heads=H, window=4, num_global=NG)
+    layer = WindowGraphAttention(num_heads=H, window=4, num_global=NG)
     variables = _init(layer, jnp.ones((1, 16 + NG, 16)))
     fwd = jax.jit(lambda v, x: layer.apply(v, x)[0])
 

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htgn_jax import ops
+from htgn_jax import LinearState, ops
 from htgn_jax.layers import FavorAttention
-from zoo_core.testing import BF16, F32_SIMPLE, param_shapes
+from zoo_core.testing import BF16, F32_SIMPLE, assert_forms_agree, param_shapes
 
 B, T, H, D, M = 2, 7, 2, 4, 8
 E = H * D
@@ -19,7 +19,7 @@ def _x(seed=0, length=T, width=E):
 
 
 def _layer(**kw):
-    kw = {"num_heads": H, "head_dim": D, **kw}
+    kw = {"num_heads": H, "head_dim": D, "use_rotary": True, **kw}
     if kw.get("feature_map", "softmax") == "softmax":
         kw.setdefault("num_features", M)
     return FavorAttention(**kw)
@@ -41,6 +41,13 @@ def _jitted_apply(layer):
 def _apply(layer, *args, **kwargs):
     """layer.apply under jit: one compile per shape instead of op-by-op dispatch."""
     return _jitted_apply(layer)(*args, **kwargs)
+
+
+def _y(layer, *args, **kwargs):
+    """The output of `__call__` (its aux is {} for FAVOR+)."""
+    y, aux = _apply(layer, *args, **kwargs)
+    assert aux == {}
+    return y
 
 
 # ------------------------------------------------------------------------------------------
@@ -77,7 +84,7 @@ def assert_memory_at_most_linear(make_args, fn, *, n_small=1024, n_large=8192, s
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_memory_grows_linearly(causal):
-    layer, variables = _init(causal=causal)
+    layer, variables = _init(causal=causal, chunk_size=64 if causal else None)
     abstract = jax.eval_shape(lambda: variables)
     make_args = lambda n: (abstract, jax.ShapeDtypeStruct((1, n, E), jnp.float32))
     assert_memory_at_most_linear(make_args, layer.apply)
@@ -112,16 +119,16 @@ def test_dtype_policy():
     layer, variables = _init(causal=True, chunk_size=3)
     half = _layer(causal=True, chunk_size=3, dtype=jnp.bfloat16)
     x = _x()
-    y32 = _apply(layer, variables, x)
-    y16 = _apply(half, variables, x)
+    y32 = _y(layer, variables, x)
+    y16 = _y(half, variables, x)
     assert y32.dtype == jnp.float32 and y16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y16, np.float32), y32, **BF16)
     bf_vars = jax.eval_shape(half.init, jax.random.PRNGKey(1), x)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(bf_vars))
     ys, state = jax.eval_shape(functools.partial(half.apply, method="scan"), variables, x)
     assert ys.dtype == jnp.bfloat16
-    assert state.s.dtype == state.z.dtype == jnp.float32
-    grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({**variables, "params": p}, x) ** 2)))(
+    assert isinstance(state, LinearState) and state.num.dtype == state.den.dtype == jnp.float32
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({**variables, "params": p}, x)[0] ** 2)))(
         variables["params"])
     assert all(bool(jnp.all(jnp.isfinite(g))) and float(jnp.max(jnp.abs(g))) > 0
                for g in jax.tree.leaves(grads))
@@ -133,30 +140,58 @@ def test_dtype_policy():
 
 
 @pytest.mark.parametrize("feature_map", ["softmax", "relu"])
-def test_causal_call_scan_step_agree(feature_map):
-    layer, variables = _init(causal=True, chunk_size=3, feature_map=feature_map)
+def test_causal_forms_agree(feature_map):
+    """parallel (chunk_size None) == chunked (C = 3, not dividing T) == scan == step loop."""
+    layer, variables = _init(causal=True, feature_map=feature_map)
     x = _x(seed=2)
-    y = _apply(layer, variables, x)
     ys, final = _apply(layer, variables, x, method="scan")
-    np.testing.assert_allclose(ys, y, **F32_SIMPLE)
 
     @jax.jit
     def decode(variables, x):
         state = layer.apply(variables, B, method="init_state")
         outs = []
         for t in range(T):
-            y_t, state = layer.apply(variables, state, x[:, t], t, method="step")
+            y_t, state = layer.apply(variables, state, x[:, t], position=t, method="step")
             outs.append(y_t)
         return jnp.stack(outs, 1), state
 
     yd, state = decode(variables, x)
-    np.testing.assert_allclose(yd, y, **F32_SIMPLE)
-    for a, b in zip(state, final):
-        np.testing.assert_allclose(a, b, **F32_SIMPLE)
+    chunked = _layer(causal=True, chunk_size=3, feature_map=feature_map)
+    assert_forms_agree({"parallel": _y(layer, variables, x), "chunked(3)": _y(chunked, variables, x),
+                        "scan": ys, "step": yd}, **F32_SIMPLE)
+    assert_forms_agree({"scan": final, "step": state}, **F32_SIMPLE)
     # Continuing a scan from a carried state (positions continue too).
     y1, s1 = _apply(layer, variables, x[:, :3], method="scan")
     y2, s2 = _apply(layer, variables, x[:, 3:], s1, positions=jnp.arange(3, T), method="scan")
-    np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), y, **F32_SIMPLE)
+    assert_forms_agree({"parallel": _y(layer, variables, x),
+                        "scan+scan": jnp.concatenate([y1, y2], 1)}, **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_garbage_in_padding_or_future_changes_nothing(causal, bad):
+    """NaN-safe masking: padded positions and (causal) future positions holding NaN or 1e30."""
+    layer, variables = _init(causal=causal, chunk_size=3 if causal else None)
+    x = _x(seed=12)
+    mask = jnp.arange(T)[None, :] < jnp.array([[T], [4]])
+    dirty = jnp.where(mask[..., None], x, bad)
+    valid = np.asarray(mask)
+    forms = {"call": lambda x, m: _y(layer, variables, x, mask=m)}
+    if causal:
+        forms["parallel"] = lambda x, m: _y(_layer(causal=True), variables, x, mask=m)
+        forms["scan"] = lambda x, m: _apply(layer, variables, x, mask=m, method="scan")[0]
+    for name, run in forms.items():
+        np.testing.assert_array_equal(np.asarray(run(dirty, mask))[valid],
+                                      np.asarray(run(x, mask))[valid], err_msg=name)
+        if causal:
+            future = x.at[:, 4].set(bad)
+            np.testing.assert_array_equal(np.asarray(run(future, None))[:, :4],
+                                          np.asarray(run(x, None))[:, :4], err_msg=name)
+    if not causal:   # cross-attention: garbage in padded memory
+        cross, cv = _init(use_rotary=False)
+        y = _apply(cross, cv, x, x, memory_mask=mask, method="cross")
+        y_bad = _apply(cross, cv, x, dirty, memory_mask=mask, method="cross")
+        np.testing.assert_array_equal(np.asarray(y_bad), np.asarray(y))
 
 
 def test_causal_layer_is_exactly_causal():
@@ -164,7 +199,7 @@ def test_causal_layer_is_exactly_causal():
     x = _x(seed=3)
     cut = 4
     x2 = x.at[:, cut:].set(5.0 * _x(seed=4)[:, cut:])
-    y1, y2 = _apply(layer, variables, x), _apply(layer, variables, x2)
+    y1, y2 = _y(layer, variables, x), _y(layer, variables, x2)
     np.testing.assert_array_equal(y1[:, :cut], y2[:, :cut])
     assert not np.allclose(y1[:, cut:], y2[:, cut:])
 
@@ -172,14 +207,14 @@ def test_causal_layer_is_exactly_causal():
 @pytest.mark.parametrize("causal", [False, True])
 def test_padding_invariance(causal):
     # Spec §5.14 item 9: appending pads does not change the outputs for real tokens.
-    layer, variables = _init(causal=causal, chunk_size=3)
+    layer, variables = _init(causal=causal, chunk_size=3 if causal else None)
     x = _x(seed=5)
     lengths = jnp.array([7, 4])
     mask = jnp.arange(T)[None, :] < lengths[:, None]
-    y = _apply(layer, variables, x, mask=mask)
+    y = _y(layer, variables, x, mask=mask)
     padded = jnp.concatenate([x, 9.0 * _x(seed=6, length=16 - T)], axis=1)
     mask16 = jnp.arange(16)[None, :] < lengths[:, None]
-    y16 = _apply(layer, variables, padded, mask=mask16)
+    y16 = _y(layer, variables, padded, mask=mask16)
     for b, n in enumerate((7, 4)):
         np.testing.assert_allclose(y16[b, :n], y[b, :n], **F32_SIMPLE)
 
@@ -208,21 +243,22 @@ def test_feature_redraw_schedule():
     layer, variables = _init(redraw_every=5, projection_seed=3)
     x = _x(seed=9)
     params_only = {"params": variables["params"]}
-    frozen = _apply(layer, variables, x)
-    np.testing.assert_array_equal(_apply(layer, variables, x, step=0), frozen)
-    np.testing.assert_array_equal(_apply(layer, variables, x, step=4, deterministic=False), frozen)
-    np.testing.assert_array_equal(_apply(layer, params_only, x), frozen)
-    redrawn = _apply(layer, variables, x, step=5, deterministic=False)
+    frozen = _y(layer, variables, x)
+    np.testing.assert_array_equal(_y(layer, variables, x, feature_step=0), frozen)
+    np.testing.assert_array_equal(_y(layer, variables, x, feature_step=4, deterministic=False),
+                                  frozen)
+    np.testing.assert_array_equal(_y(layer, params_only, x), frozen)
+    redrawn = _y(layer, variables, x, feature_step=5, deterministic=False)
     assert not np.allclose(redrawn, frozen)
     # With a mutable collection the draw in force is written back, and evaluation without a
     # step then reuses it (frozen at evaluation).
-    y, updated = _apply(layer, variables, x, step=7, deterministic=False,
+    (y, _), updated = _apply(layer, variables, x, feature_step=7, deterministic=False,
                              mutable="random_features")
     np.testing.assert_array_equal(y, redrawn)
     want = ops.draw_projection(jax.random.PRNGKey(3), 7, num_features=M, dim=D, redraw_every=5)
     np.testing.assert_array_equal(updated["random_features"]["projection"], want)
-    np.testing.assert_array_equal(_apply(layer, {**variables, **updated}, x), redrawn)
-    with pytest.raises(ValueError, match="step"):
+    np.testing.assert_array_equal(_y(layer, {**variables, **updated}, x), redrawn)
+    with pytest.raises(ValueError, match="feature_step"):
         _apply(layer, variables, x, deterministic=False)
 
 
@@ -232,7 +268,7 @@ def test_feature_redraw_schedule():
 
 
 @pytest.mark.parametrize("kwargs,call,match", [
-    ({}, lambda l, v: l.apply(v, jnp.zeros((B, E))), "x must have rank 3"),
+    ({}, lambda l, v: l.apply(v, jnp.zeros((B, E))), "`x` must have rank 3"),
     ({}, lambda l, v: l.apply(v, _x(), mask=jnp.ones((B, T + 1), bool)), "mask"),
     ({}, lambda l, v: l.apply(v, _x(), positions=jnp.arange(T + 1)), "positions"),
     ({"use_rotary": False}, lambda l, v: l.apply(v, _x(), positions=jnp.arange(T)), "positions"),
@@ -241,16 +277,20 @@ def test_feature_redraw_schedule():
     ({"feature_map": "elu", "redraw_every": 10}, None, "redraw_every"),
     ({"head_dim": 3}, None, "head_dim"),
     ({"num_heads": 0}, None, "num_heads"),
-    ({"chunk_size": 0}, None, "chunk_size"),
+    ({"chunk_size": 0, "causal": True}, None, "chunk_size"),
+    ({"chunk_size": 4}, None, "chunk_size. chooses the causal form"),
     ({}, lambda l, v: l.apply(v, _x(), method="scan"), "causal=True"),
-    ({"causal": True}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "causal=False"),
+    ({"causal": True}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "needs causal=False"),
     ({}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "use_rotary=False"),
+    ({"causal": True}, lambda l, v: l.apply(v, l.apply(v, B, method="init_state"), _x()[:, 0],
+                                            position=jnp.zeros((B + 1,), jnp.int32),
+                                            method="step"), "position"),
     ({"causal": True, "feature_map": "exact"}, lambda l, v: l.apply(v, B, method="init_state"),
      "exact"),
     ({"causal": True}, lambda l, v: l.apply(v, l.apply(v, B, method="init_state"), _x()[:, 0],
-                                            method="step"), "position is required"),
+                                            method="step"), "position. is required"),
     ({"causal": True}, lambda l, v: l.apply(v, _x()[:, :3], l.apply(v, B, method="init_state"),
-                                            method="scan"), "positions is required"),
+                                            method="scan"), "positions. is required"),
     ({"use_rotary": False}, lambda l, v: l.apply(v, _x(), _x(length=16), method="cross",
                                                  memory_mask=jnp.ones((B, T), bool)),
      "memory_mask"),

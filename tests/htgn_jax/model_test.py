@@ -1,4 +1,5 @@
 """Tests of htgn_jax.model (HTGN spec §5.1, §5.7, §5.8, §5.13, §5.14 items 2, 9, 10)."""
+import dataclasses
 import functools
 
 import jax
@@ -6,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htgn_jax import model as htgn_model
-from htgn_jax.model import EncoderBlock, Model
-from zoo_core.testing import F32_MODEL, param_shapes
+from htgn_jax.blocks import BlockConfig, DecoderBlock, Encoder, EncoderBlock, drop_path_rate
+from htgn_jax.model import Model
+from zoo_core.testing import F32_MODEL, assert_forms_agree, param_shapes
 
 B, S, T = 2, 7, 7
 SRC_V, TGT_V = 11, 9
@@ -145,8 +146,8 @@ def test_encoder_is_invariant_to_appended_padding():
 
 
 def test_train_mode_dropout_drop_path_and_zero_kl_weight():
-    assert [htgn_model._drop_path_rate(0.2, i, 3) for i in range(3)] == [0.0, 0.1, 0.2]
-    assert htgn_model._drop_path_rate(0.2, 0, 1) == 0.0
+    assert [drop_path_rate(0.2, i, 3) for i in range(3)] == [0.0, 0.1, 0.2]
+    assert drop_path_rate(0.2, 0, 1) == 0.0
     _, params = _init()
     # Same parameter tree as the default model: only rates and the KL weight differ.
     model = Model(**SEQ, drop_path=0.2, dropout_rate=0.1, kl_weight=0.0)
@@ -343,24 +344,24 @@ def test_softmax_baseline_has_the_same_attention_and_no_graph():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(d_model=18, num_heads=4), "d_model .18. must be divisible by num_heads"),
+    (dict(d_model=18, num_heads=4), "`d_model` = 18 must be divisible by `num_heads` = 4"),
     (dict(no_such_option=1), "unknown Model kwargs"),
-    (dict(attention="linear"), "attention must be one of"),
-    (dict(feature_map="cos"), "feature_map must be one of"),
-    (dict(gat_version="v3"), "gat_version must be one of"),
+    (dict(attention="linear"), "`attention` must be one of"),
+    (dict(feature_map="cos"), "`feature_map` must be one of"),
+    (dict(gat_version="v3"), "`gat_version` must be one of"),
     (dict(kl_tau=0.0), "`kl_tau` must be None .uniform KL prior. or a number > 0"),
     (dict(kl_tau=2.0, kl_weight=0.0), "kl_tau shapes the KL term, but kl_weight"),
     (dict(kl_mode="rows"), "`kl_mode` must be one of"),
     (dict(kl_mode="neighbour", kl_tau=1.0), "`kl_tau` sets the prior of kl_mode='prior'"),
     (dict(kl_mode="neighbour", kl_weight=0.0), "kl_mode shapes the KL term, but kl_weight"),
-    (dict(norm="mid"), "norm must be one of"),
-    (dict(window=-1), "window must be an int"),
-    (dict(dropout_rate=1.0), "dropout_rate must be in"),
+    (dict(norm="mid"), "`norm` must be one of"),
+    (dict(window=-1), "`window` must be an integer >= 0"),
+    (dict(dropout_rate=1.0), "`dropout_rate` must be in"),
     (dict(share_embeddings=True), "share_embeddings=True needs equal vocab sizes"),
     (dict(attention="softmax", feature_map="relu"), "feature_map applies to attention='favor'"),
     (dict(use_graph_conv=False, attention_dropout=0.1), "attention_dropout"),
     (dict(feature_map="relu", num_features=16), "num_features applies to"),
-    (dict(redraw_every=-1), "redraw_every must be an int"),
+    (dict(redraw_every=-1), "`redraw_every` must be an integer >= 0"),
     (dict(attention="softmax", redraw_every=10), "redraw_every redraws the FAVOR"),
     (dict(feature_map="relu", redraw_every=10), "redraw_every redraws the FAVOR"),
 ])
@@ -409,21 +410,65 @@ def test_bad_images_raise():
 # ------------------------------------------------------------------------------------------
 
 
+CONFIG = BlockConfig(d_model=16, num_heads=2, mlp_dim=32, num_features=8, window=2, num_global=2,
+                     cross_window=2, chunk_size=3)
+
+
 def test_encoder_block_memory_is_linear_in_length():
-    block = EncoderBlock(d_model=16, num_heads=2, mlp_dim=32, num_features=8, window=2,
-                         num_global=2)
+    block = EncoderBlock(CONFIG)
 
     def temp_bytes(n):
         x = jax.ShapeDtypeStruct((1, n, 16), jnp.float32)
         mask = jax.ShapeDtypeStruct((1, n), jnp.bool_)
         pos = jax.ShapeDtypeStruct((n,), jnp.int32)
-        variables = jax.eval_shape(block.init, jax.random.PRNGKey(0), x, mask, pos)
-        fn = lambda v, x, m, p: block.apply(v, x, m, p)[0]
+        fn = lambda v, x, m, p: block.apply(v, x, mask=m, positions=p)[0]
+        variables = jax.eval_shape(lambda x, m, p: block.init(jax.random.PRNGKey(0), x, mask=m,
+                                                              positions=p), x, mask, pos)
         compiled = jax.jit(fn).lower(variables, x, mask, pos).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     small, large = temp_bytes(1024), temp_bytes(8192)
     assert large / small < 12, (small, large)
+
+
+@pytest.mark.parametrize("options", [{}, {"gat_version": "v1", "norm": "post", "use_hrpe": False},
+                                     {"use_graph_conv": False}])
+def test_decoder_block_parallel_equals_step_decoding(options):
+    """One wiring, two paths: the block over a sequence == token by token from its cache."""
+    config = dataclasses.replace(CONFIG, **options)
+    block = DecoderBlock(config)
+    t, s = 6, 5
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.normal(size=(B, t, 16)), jnp.float32)
+    memory = jnp.asarray(rng.normal(size=(B, 2 + s, 16)), jnp.float32)
+    memory_mask = jnp.arange(2 + s)[None, :] < jnp.array([[2 + s], [2 + s - 2]])
+    variables = block.init(jax.random.PRNGKey(0), y, memory, memory_mask=memory_mask)
+
+    @jax.jit
+    def run(variables):
+        out, aux = block.apply(variables, y, memory, memory_mask=memory_mask)
+        static, state = block.apply(variables, memory, memory_mask, method="init_cache")
+        steps = []
+        for i in range(t):
+            y_t, state = block.apply(variables, y[:, i], static, cache=state,
+                                     position=jnp.int32(i))
+            steps.append(y_t)
+        return out, aux, jnp.stack(steps, 1)
+
+    out, aux, steps = run(variables)
+    assert_forms_agree({"parallel": out, "step": steps}, **F32_MODEL)
+    assert set(aux) == ({"kl_sum", "kl_count"} if config.use_graph_conv else set())
+
+
+def test_encoder_aux_sums_the_blocks_kl():
+    encoder = Encoder(CONFIG, num_layers=2)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(B, 5, 16)), jnp.float32)
+    mask = jnp.arange(5)[None, :] < jnp.array([[5], [3]])
+    variables = encoder.init(jax.random.PRNGKey(0), x, mask)
+    memory, aux = encoder.apply(variables, x, mask)
+    assert memory.shape == (B, 2 + 5, 16) and set(aux) == {"kl_sum", "kl_count"}
+    # Per (head, valid row) terms of both blocks: 2 blocks * 2 heads * (2 + 5 / 2 + 3 rows).
+    assert float(aux["kl_count"]) == 2 * 2 * (7 + 5)
 
 
 def test_fields_of_a_switched_off_part_are_refused():
@@ -443,17 +488,8 @@ def test_fields_of_a_switched_off_part_are_refused():
     Model(**SEQ, use_graph_conv=False, kl_weight=0.0)   # the no_graph ablation's own setting
 
 
-def test_the_public_encoder_checks_its_own_fields():
-    from htgn_jax.model import Encoder
+def test_the_encoder_checks_the_grid_layout():
     x, mask = jnp.ones((2, 5, 16)), jnp.ones((2, 5), bool)
-    with pytest.raises(ValueError, match="num_layers"):
-        Encoder(num_layers=0, d_model=16, num_heads=2, mlp_dim=32).init(jax.random.PRNGKey(0), x, mask)
-    with pytest.raises(ValueError, match="attention"):
-        Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, attention="linear").init(
-            jax.random.PRNGKey(0), x, mask)
+    encoder = Encoder(dataclasses.replace(CONFIG, window=1, grid_width=2), num_layers=1)
     with pytest.raises(ValueError, match="grid_width=2 lays the tokens out in rows, but there are 5"):
-        Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, window=1,
-                grid_width=2).init(jax.random.PRNGKey(0), x, mask)
-    with pytest.raises(ValueError, match="grid_width sets the WinGAT stencil, but use_graph_conv"):
-        Encoder(num_layers=1, d_model=16, num_heads=2, mlp_dim=32, grid_width=5,
-                use_graph_conv=False).init(jax.random.PRNGKey(0), x, mask)
+        encoder.init(jax.random.PRNGKey(0), x, mask)

@@ -8,7 +8,8 @@ import pytest
 from jax.test_util import check_grads
 
 from htgn_jax import ops
-from zoo_core.testing import F32_SIMPLE, F64, TESTDATA, Golden, golden_excess
+from zoo_core import linear_attention as la
+from zoo_core.testing import F32_SIMPLE, F64, TESTDATA, Golden, assert_forms_agree, golden_excess
 
 B, T, H, D, M = 2, 7, 2, 4, 8
 
@@ -68,9 +69,11 @@ def test_golden_parity(case):
     assert golden_excess(to_bhl(phi_q), g.outputs["phi_q"]) <= 0
     assert golden_excess(to_bhl(phi_k), g.outputs["phi_k"]) <= 0
     if causal:
-        forms = jax.jit(lambda a, b, c: [ops.favor_recurrent(a, b, c)[:2],
-                                         ops.favor_chunked(a, b, c, chunk_size=5)[:2],
-                                         ops.favor_causal_quadratic(a, b, c)])(phi_q, phi_k, v)
+        # FAVOR+'s causal forms are the zoo's shared kernels with a denominator.
+        forms = jax.jit(lambda a, b, c: [
+            la.causal_scan(a, b, c, denominator=True)[:2],
+            la.causal_chunked(a, b, c, chunk_size=5, denominator=True)[:2],
+            la.causal_parallel(a, b, c, denominator=True)])(phi_q, phi_k, v)
     else:
         forms = [ops.favor_parallel(phi_q, phi_k, v)]
     for num, den in forms:
@@ -88,13 +91,16 @@ def test_golden_parity(case):
 
 @jax.jit
 def _all_causal_forms(phi_q, phi_k, v):
-    out = {"quadratic": ops.favor_causal_quadratic(phi_q, phi_k, v)}
+    """{form: (num, den, state)} of the shared causal kernels on FAVOR+ features, plus a step loop
+    over the first tokens from a zero state."""
+    out = {"quadratic": la.causal_parallel(phi_q, phi_k, v, denominator=True) + (None,)}
     for chunk in (3, 4, 64):  # C dividing T or not, C > T (clipped to T); T = 1 gives C = 1
-        out[f"chunked_{chunk}"] = ops.favor_chunked(phi_q, phi_k, v, chunk_size=chunk)
-    out["recurrent"] = ops.favor_recurrent(phi_q, phi_k, v)
-    state, steps = ops.init_state(B, H, M, D), []
-    for t in range(min(3, phi_q.shape[1])):  # the first tokens one by one, from a zero state
-        state, num_t, den_t = ops.favor_step(state, phi_q[:, t], phi_k[:, t], v[:, t])
+        out[f"chunked_{chunk}"] = la.causal_chunked(phi_q, phi_k, v, chunk_size=chunk,
+                                                    denominator=True)
+    out["recurrent"] = la.causal_scan(phi_q, phi_k, v, denominator=True)
+    state, steps = la.init_state(B, H, M, D, denominator=True), []
+    for t in range(min(3, phi_q.shape[1])):
+        num_t, den_t, state = la.causal_step(state, phi_q[:, t], phi_k[:, t], v[:, t])
         steps.append((num_t, den_t))
     return out, steps
 
@@ -102,19 +108,23 @@ def _all_causal_forms(phi_q, phi_k, v):
 @pytest.mark.parametrize("length", [1, 7, 16])
 def test_causal_forms_agree(length):
     q, k, v = _qkv(seed=length, length=length)
-    phi_q, phi_k, _ = _features(q, k)
+    phi_q, phi_k, guard = _features(q, k)
     forms, steps = _all_causal_forms(phi_q, phi_k, v)
-    ref_num, ref_den = forms.pop("quadratic")
     final = forms["recurrent"][2]
-    assert final.s.dtype == final.z.dtype == jnp.float32
-    for name, (num, den, state) in forms.items():
-        np.testing.assert_allclose(num, ref_num, **F32_SIMPLE, err_msg=name)
-        np.testing.assert_allclose(den, ref_den, **F32_SIMPLE, err_msg=name)
-        for a, b in zip(state, final):
-            np.testing.assert_allclose(a, b, **F32_SIMPLE, err_msg=name)
-    for t, (num_t, den_t) in enumerate(steps):
-        np.testing.assert_allclose(num_t, ref_num[:, t], **F32_SIMPLE, err_msg=f"step {t}")
-        np.testing.assert_allclose(den_t, ref_den[:, t], **F32_SIMPLE, err_msg=f"step {t}")
+    assert final.num.dtype == final.den.dtype == jnp.float32
+    assert_forms_agree({name: (num, den) for name, (num, den, _) in forms.items()}, **F32_SIMPLE)
+    assert_forms_agree({name: state for name, (_, _, state) in forms.items()
+                        if state is not None}, **F32_SIMPLE)
+    ref_num, ref_den, _ = forms["quadratic"]
+    n = len(steps)
+    assert_forms_agree({"quadratic": (ref_num[:, :n], ref_den[:, :n]),
+                        "step": (jnp.stack([s[0] for s in steps], 1),
+                                 jnp.stack([s[1] for s in steps], 1))}, **F32_SIMPLE)
+    # ... and favor_attention's three causal_impl give the same attention.
+    omega = _omega()
+    assert_forms_agree({impl: _attn(q, k, v, projection=omega, causal=True, causal_impl=impl,
+                                    chunk_size=3)
+                        for impl in ops.CAUSAL_IMPLS}, **F32_SIMPLE)
 
 
 def test_state_carry_split_sequence():
@@ -124,18 +134,18 @@ def test_state_carry_split_sequence():
 
     @jax.jit
     def run(phi_q, phi_k, v):
-        full = ops.favor_chunked(phi_q, phi_k, v, chunk_size=4)
-        n1, d1, s1 = ops.favor_chunked(phi_q[:, :a], phi_k[:, :a], v[:, :a], chunk_size=4)
+        kw = dict(chunk_size=4, denominator=True)
+        full = la.causal_chunked(phi_q, phi_k, v, **kw)
+        n1, d1, s1 = la.causal_chunked(phi_q[:, :a], phi_k[:, :a], v[:, :a], **kw)
         rest = (phi_q[:, a:], phi_k[:, a:], v[:, a:])
-        return full, (n1, d1), [ops.favor_chunked(*rest, chunk_size=4, state=s1),
-                                ops.favor_recurrent(*rest, state=s1)]
+        return full, (n1, d1), [la.causal_chunked(*rest, state=s1, **kw),
+                                la.causal_scan(*rest, state=s1, denominator=True)]
 
     (full_num, full_den, full_state), (n1, d1), continued = run(phi_q, phi_k, v)
-    for num, den, state in continued:
-        np.testing.assert_allclose(jnp.concatenate([n1, num], 1), full_num, **F32_SIMPLE)
-        np.testing.assert_allclose(jnp.concatenate([d1, den], 1), full_den, **F32_SIMPLE)
-        for x, y in zip(state, full_state):
-            np.testing.assert_allclose(x, y, **F32_SIMPLE)
+    forms = {"full": (full_num, full_den, full_state)}
+    for name, (num, den, state) in zip(("chunked", "scan"), continued):
+        forms[name] = (jnp.concatenate([n1, num], 1), jnp.concatenate([d1, den], 1), state)
+    assert_forms_agree(forms, **F32_SIMPLE)
 
 
 def test_causal_constant_stabiliser_is_exactly_causal():
@@ -148,7 +158,7 @@ def test_causal_constant_stabiliser_is_exactly_causal():
     omega = _omega()
     run = lambda q, k, v, stab, impl: _attn(q, k, v, projection=omega, causal=True,
                                             key_stabiliser=stab, causal_impl=impl, chunk_size=4)
-    for impl in ("chunked", "recurrent"):
+    for impl in ops.CAUSAL_IMPLS:
         y1, y2 = run(q, k, v, "constant", impl), run(q2, k2, v2, "constant", impl)
         np.testing.assert_array_equal(y1[:, :cut], y2[:, :cut], err_msg=impl)
         assert not np.allclose(y1[:, cut:], y2[:, cut:])
@@ -315,9 +325,9 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="key_stabiliser"):
         ops.favor_attention(q, k, v, projection=_omega(), key_stabiliser="mean")
     with pytest.raises(ValueError, match="chunk_size"):
-        ops.favor_chunked(q, k, v, chunk_size=0)
-    with pytest.raises(ValueError, match="state"):
-        ops.favor_recurrent(q, k, v, state=ops.init_state(B, H, M + 1, D))
+        ops.favor_attention(q, k, v, projection=_omega(), causal=True, chunk_size=0)
+    with pytest.raises(ValueError, match="causal_impl"):
+        ops.favor_attention(q, k, v, projection=_omega(), causal=True, causal_impl="fft")
     with pytest.raises(ValueError, match="redraw_every"):
         ops.draw_projection(jax.random.PRNGKey(0), 3, num_features=M, dim=D, redraw_every=-1)
     with pytest.raises(ValueError, match="rank 4"):
@@ -345,7 +355,7 @@ def _softmax_forms(q, k, v):
         # eps > 0 the max enters the output at O(eps) and finite differences would see it.
         "noncausal_max_masked": attn(key_mask=mask, eps=0.0),
         "causal_chunked": attn(causal=True, chunk_size=3),
-        # (the recurrent form is a lax.scan of favor_step, so this covers the step too)
+        # (the recurrent form is a lax.scan of la.causal_step, so this covers the step too)
         "causal_recurrent": attn(causal=True, causal_impl="recurrent"),
     }
 
@@ -368,3 +378,34 @@ def test_check_grads_float64(x64, fn):
     q, k, v = _qkv(seed=14, dtype=jnp.float64, scale=0.7)
     assert all(y.dtype == jnp.float64 for y in fn(q, k, v).values())
     check_grads(jax.jit(fn), (q, k, v), order=1, modes=("rev",), **F64)
+
+
+# ------------------------------------------------------------------------------------------
+# NaN-safe masking: garbage in padded keys / future positions changes no valid / past output
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("feature_map", ["softmax", "relu", "exact"])
+def test_padding_and_future_garbage_change_nothing(feature_map, bad):
+    q, k, v = _qkv(seed=15)
+    mask = jnp.arange(T)[None, :] < jnp.array([[T], [4]])
+    omega = _omega() if feature_map == "softmax" else None
+    dirty = lambda a: jnp.where(mask[..., None, None], a, bad)
+    for causal in (False, True):
+        impls = ops.CAUSAL_IMPLS if causal else ("chunked",)
+        for impl in impls:
+            run = lambda q, k, v: _attn(q, k, v, feature_map=feature_map, projection=omega,
+                                        causal=causal, key_mask=mask, causal_impl=impl,
+                                        chunk_size=3)
+            y, y_bad = run(q, k, v), run(dirty(q), dirty(k), dirty(v))
+            valid = np.asarray(mask)
+            np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y)[valid],
+                                          err_msg=f"causal={causal} {impl}")
+    cut = 4   # causal: a garbage future token changes no earlier output
+    for impl in ops.CAUSAL_IMPLS:
+        run = lambda q, k, v: _attn(q, k, v, feature_map=feature_map, projection=omega,
+                                    causal=True, causal_impl=impl, chunk_size=3)
+        y, y_bad = run(q, k, v), run(*(a.at[:, cut].set(bad) for a in (q, k, v)))
+        np.testing.assert_array_equal(np.asarray(y_bad)[:, :cut], np.asarray(y)[:, :cut],
+                                      err_msg=impl)

@@ -1,0 +1,414 @@
+"""HTGN blocks (spec §5.1, §5.6, §5.8): encoder hybrid block, decoder hybrid + Cross-Graph block,
+and the encoder stack, configured by one frozen `BlockConfig`.
+
+Every residual branch is `x + DropPath_l(Dropout(f(LN(x))))` (Pre-LN), or x <- LN(x + branch(x))
+with `norm='post'`; DropPath rate p_l = drop_path * l / (L - 1):
+
+* `EncoderBlock`: FAVOR+ self-attention (RoPE; globals at position 0) -> WinGAT (window +-w plus g
+  global nodes) -> FFN (Dense -> GELU -> Dropout -> Dense);
+* `DecoderBlock`: causal FAVOR+ -> causal WinGAT (offsets -w..0, no globals) -> FAVOR+
+  cross-attention to the memory (no RoPE) -> Cross-Graph GAT (encoder window of radius w_x around
+  c_i = round(rho * i) plus the encoder globals) -> FFN. Its wiring is written once for both
+  paths: `block(y, memory, ...) -> (y, aux)` over a teacher-forced sequence, and with
+  `cache=DecoderState` `block(y_t, DecoderMemory, cache=..., position=t) -> (y_t, DecoderState)`
+  for one decoding token (O(1) attention work per token).
+
+Blocks and the encoder return `(y, aux)`, their layers' aux merged (`merge_aux`: equal keys summed).
+The graph layers report the KL term of spec §5.7 as 'kl_sum' and 'kl_count'; the model forms the
+loss once from the sums over all layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
+from htgn_jax.graph_causal import WindowState
+from htgn_jax.layers import FavorAttention
+from zoo_core.linear_attention import LinearState
+
+Array = jax.Array
+
+LN_EPS = 1e-6                          # spec §5.6
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Hyper-parameters shared by every block of a model (flax wmt's `TransformerConfig` pattern).
+
+    Attributes:
+      d_model, num_heads, mlp_dim: width d, heads H (d_h = d / H), FFN width d_ff.
+      attention: 'favor' (HTGN) | 'softmax' (exact softmax attention, the vanilla baseline).
+      feature_map, num_features, redraw_every: FAVOR+ feature map, m random features, redraw
+        period (`FavorAttention`).
+      window, num_global: WinGAT radius w and the g leading global nodes of the encoder.
+      grid_width: None (1-D window), or W: encoder tokens are image patches in raster order with
+        rows of W and the WinGAT stencil is 2-D of radius w (spec §5.12).
+      cross_window, rho: Cross-Graph radius w_x and centre ratio (c_i = round(rho * i)).
+      use_graph_conv, use_hrpe, gat_version: ablation switches (spec §5.13).
+      kl_tau, kl_mode: the KL term's prior and mode (spec §5.7).
+      dropout_rate: dropout on residual branches and inside the FFN.
+      attention_dropout: dropout on the graph-attention probabilities.
+      norm: 'pre' | 'post'.
+      chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
+      dtype, param_dtype: compute and parameter dtypes.
+    """
+    d_model: int
+    num_heads: int
+    mlp_dim: int
+    attention: str = "favor"
+    feature_map: str = "softmax"
+    num_features: Optional[int] = 32
+    redraw_every: int = 0
+    window: int = 4
+    num_global: int = 0
+    grid_width: Optional[int] = None
+    cross_window: int = 4
+    rho: float = 1.0
+    use_graph_conv: bool = True
+    use_hrpe: bool = True
+    gat_version: str = "v2"
+    kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
+    dropout_rate: float = 0.0
+    attention_dropout: float = 0.0
+    norm: str = "pre"
+    chunk_size: int = 64
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @classmethod
+    def from_module(cls, m: Any, **overrides) -> "BlockConfig":
+        """The config from the same-named fields of a model (`overrides` win)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{**{n: getattr(m, n) for n in names if hasattr(m, n)}, **overrides})
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+class DecoderState(NamedTuple):
+    """Per-token decoding state of a `DecoderBlock` (every leaf has the batch leading).
+
+    Attributes:
+      self_attention: FAVOR+ `LinearState` (S `[B, H, M, d_h]`, z `[B, H, M]`).
+      graph: the causal WinGAT's `WindowState`, or None without graph layers.
+    """
+    self_attention: LinearState
+    graph: Optional[WindowState]
+
+
+class DecoderMemory(NamedTuple):
+    """The encoder memory prepared once per source for a `DecoderBlock`'s decoding steps.
+
+    Attributes:
+      cross_attention: FAVOR+ cross cache `LinearState` (Z_M `[B, H, M, d_h]`, t_M `[B, H, M]`).
+      cross_graph: the Cross-Graph `CrossGraphCache`, or None without that sub-layer.
+    """
+    cross_attention: LinearState
+    cross_graph: Optional[CrossGraphCache]
+
+
+def merge_aux(*auxes: dict) -> dict:
+    """One aux dict from several: the values of equal keys are summed."""
+    out: dict = {}
+    for aux in auxes:
+        for k, v in aux.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def drop_path_rate(p_max: float, layer: int, num_layers: int) -> float:
+    """p_l = p_max * l / (L - 1), l = 0..L-1 (spec §5.8); 0 for a one-layer stack."""
+    return 0.0 if num_layers < 2 else p_max * layer / (num_layers - 1)
+
+
+def with_globals(mask: Array, num_global: int) -> Array:
+    """The memory mask `[B, g + N]` of token mask `[B, N]` (globals are always real)."""
+    return jnp.concatenate([jnp.ones((mask.shape[0], num_global), bool), mask.astype(bool)], 1)
+
+
+class _Block(nn.Module):
+    """Residual wiring shared by the blocks (fields are declared by the subclasses)."""
+
+    def _setup_residual(self) -> None:
+        c = self.config
+        self.dropout = nn.Dropout(c.dropout_rate)
+        # Per-sample mask (broadcast over time and channels), scaled by 1 / (1 - p) (§5.8).
+        self.drop_path_layer = nn.Dropout(self.drop_path, broadcast_dims=(1, 2))
+        self.mlp_norm = self._norm("mlp_norm")
+        dense = dict(dtype=c.dtype, param_dtype=c.param_dtype)
+        self.mlp_in = nn.Dense(c.mlp_dim, name="mlp_in", **dense)
+        self.mlp_out = nn.Dense(c.d_model, name="mlp_out", **dense)
+
+    def _norm(self, name: str) -> nn.LayerNorm:
+        return nn.LayerNorm(epsilon=LN_EPS, dtype=self.config.dtype,
+                            param_dtype=self.config.param_dtype, name=name)
+
+    def _favor(self, name: str, *, causal: bool, rotary: bool, seed: int) -> FavorAttention:
+        c = self.config
+        exact = c.attention == "softmax"
+        fmap = "exact" if exact else c.feature_map
+        return FavorAttention(num_heads=c.num_heads, head_dim=c.head_dim, causal=causal,
+                              chunk_size=c.chunk_size if causal and not exact else None,
+                              feature_map=fmap,
+                              num_features=c.num_features if fmap == "softmax" else None,
+                              redraw_every=c.redraw_every, use_rotary=rotary,
+                              projection_seed=seed, dtype=c.dtype, param_dtype=c.param_dtype,
+                              name=name)
+
+    def _graph_kwargs(self) -> dict:
+        c = self.config
+        return dict(num_heads=c.num_heads, head_dim=c.head_dim, version=c.gat_version,
+                    use_relative_bias=c.use_hrpe, dropout_rate=c.attention_dropout,
+                    kl_tau=c.kl_tau, kl_mode=c.kl_mode, dtype=c.dtype, param_dtype=c.param_dtype)
+
+    def _residual(self, x: Array, norm: nn.Module, fn, deterministic: bool) -> Array:
+        """x + DP(Drop(fn(LN(x)))) (pre) or LN(x + DP(Drop(fn(x)))) (post); x `[B, L, d]` or one
+        decoding token `[B, d]` (then deterministic)."""
+        pre = self.config.norm == "pre"
+        y = fn(norm(x) if pre else x)
+        y = self.drop_path_layer(self.dropout(y, deterministic=deterministic),
+                                 deterministic=deterministic)
+        return x + y if pre else norm(x + y)
+
+    def _mlp(self, x: Array, deterministic: bool) -> Array:
+        h = nn.gelu(self.mlp_in(x), approximate=False)
+        return self.mlp_out(self.dropout(h, deterministic=deterministic))
+
+
+class EncoderBlock(_Block):
+    """Encoder hybrid block (spec §5.1): FAVOR+ self-attention -> WinGAT -> FFN.
+
+    Shapes: x `[B, L, d]` with L = g + N (`[globals ; tokens]`), mask `[B, L]`.
+
+    Attributes:
+      config: the shared `BlockConfig`.
+      drop_path: this block's DropPath rate p_l.
+      projection_seed: seed of this block's FAVOR+ projection.
+    """
+    config: BlockConfig
+    drop_path: float = 0.0
+    projection_seed: int = 0
+
+    def setup(self):
+        c = self.config
+        self._setup_residual()
+        self.self_attention_norm = self._norm("self_attention_norm")
+        self.self_attention = self._favor("self_attention", causal=False, rotary=c.use_hrpe,
+                                          seed=self.projection_seed)
+        if c.use_graph_conv:
+            self.graph_norm = self._norm("graph_norm")
+            self.graph = WindowGraphAttention(window=c.window, num_global=c.num_global,
+                                              grid_width=c.grid_width, name="graph",
+                                              **self._graph_kwargs())
+
+    def __call__(self, x: Array, *, mask: Array, positions: Optional[Array] = None,
+                 deterministic: bool = True,
+                 feature_step: Optional[Array] = None) -> tuple[Array, dict]:
+        """Returns (x `[B, L, d]`, aux: the graph layer's {'kl_sum', 'kl_count'} or {}).
+
+        `positions`: RoPE positions `[L]` (None without HRPE); `feature_step`: the training-step
+        index selecting the FAVOR+ random-feature draw.
+        """
+        auxes = []
+
+        def sub(layer_call):
+            def fn(h):
+                y, aux = layer_call(h)
+                auxes.append(aux)
+                return y
+            return fn
+
+        x = self._residual(x, self.self_attention_norm, sub(
+            lambda h: self.self_attention(h, mask=mask, positions=positions,
+                                          deterministic=deterministic, feature_step=feature_step)),
+            deterministic)
+        if self.config.use_graph_conv:
+            x = self._residual(x, self.graph_norm, sub(
+                lambda h: self.graph(h, mask=mask, deterministic=deterministic)), deterministic)
+        x = self._residual(x, self.mlp_norm, lambda h: self._mlp(h, deterministic), deterministic)
+        return x, merge_aux(*auxes)
+
+
+class DecoderBlock(_Block):
+    """Decoder hybrid + Cross-Graph block (spec §5.1): causal FAVOR+ -> causal WinGAT -> FAVOR+
+    cross-attention -> Cross-Graph GAT -> FFN, one wiring for the parallel and decoding paths.
+
+    Attributes:
+      config: the shared `BlockConfig`.
+      drop_path: this block's DropPath rate p_l.
+      projection_seed: seed of the self-attention projection (cross-attention: seed + 1).
+      use_cross_graph: whether this block has the Cross-Graph sub-layer (with graph layers on).
+    """
+    config: BlockConfig
+    drop_path: float = 0.0
+    projection_seed: int = 0
+    use_cross_graph: bool = True
+
+    @property
+    def _has_cross_graph(self) -> bool:
+        return self.config.use_graph_conv and self.use_cross_graph
+
+    def setup(self):
+        c = self.config
+        self._setup_residual()
+        self.self_attention_norm = self._norm("self_attention_norm")
+        self.self_attention = self._favor("self_attention", causal=True, rotary=c.use_hrpe,
+                                          seed=self.projection_seed)
+        if c.use_graph_conv:
+            self.graph_norm = self._norm("graph_norm")
+            self.graph = WindowGraphAttention(window=c.window, num_global=0, causal=True,
+                                              name="graph", **self._graph_kwargs())
+        self.cross_attention_norm = self._norm("cross_attention_norm")
+        self.cross_attention = self._favor("cross_attention", causal=False, rotary=False,
+                                           seed=self.projection_seed + 1)
+        if self._has_cross_graph:
+            self.cross_graph_norm = self._norm("cross_graph_norm")
+            kw = self._graph_kwargs()
+            if c.cross_window == 0 and c.num_global == 0:
+                # One neighbour per row: its KL is 0 in every mode, and the kernel refuses the
+                # alternatives there, which still apply to this block's self-graph.
+                kw.update(kl_tau=None, kl_mode="prior")
+            self.cross_graph = CrossGraphAttention(window=c.cross_window, num_global=c.num_global,
+                                                   rho=c.rho, name="cross_graph", **kw)
+
+    def __call__(self, y: Array, memory: Any, *, cache: Optional[DecoderState] = None,
+                 mask: Optional[Array] = None, memory_mask: Optional[Array] = None,
+                 position: Optional[Array] = None, deterministic: bool = True,
+                 feature_step: Optional[Array] = None) -> tuple[Array, Any]:
+        """The block over a teacher-forced sequence, or over one decoding token.
+
+        Args:
+          y: `[B, T, d]` decoder states, or `[B, d]` one token when `cache` is given.
+          memory: encoder output `[B, g + N, d]`, or the block's `DecoderMemory` (`init_cache`)
+            when decoding.
+          cache: None (parallel path), or the `DecoderState` of the previous tokens.
+          mask: `[B, T]` real decoder inputs (graph layers only: padding follows the real tokens,
+            so causal attention needs none); parallel path only.
+          memory_mask: `[B, g + N]`; parallel path only (the decoding memory carries its own).
+          position: decoder index of the token (int scalar); decoding only.
+          deterministic: no dropout (always, when decoding).
+          feature_step: training-step index selecting the FAVOR+ random-feature draw.
+
+        Returns:
+          (y `[B, T, d]`, aux {'kl_sum', 'kl_count'} or {}) on the parallel path;
+          (y_t `[B, d]`, new `DecoderState`) when decoding.
+        """
+        decoding = cache is not None
+        det = deterministic or decoding
+        fs = dict(feature_step=feature_step)
+        auxes, new = [], {}
+
+        def sub(parallel, decode, name=None):
+            """One sub-layer; `parallel(h) -> (out, aux)`, `decode(h) -> (out, state)`."""
+            def fn(h):
+                if not decoding:
+                    out, aux = parallel(h)
+                    auxes.append(aux)
+                    return out
+                out, new[name] = decode(h)
+                return out
+            return fn
+
+        y = self._residual(y, self.self_attention_norm, sub(
+            lambda h: self.self_attention(h, deterministic=det, **fs),
+            lambda h: self.self_attention.step(cache.self_attention, h, position=position, **fs),
+            "self_attention"), det)
+        if self.config.use_graph_conv:
+            y = self._residual(y, self.graph_norm, sub(
+                lambda h: self.graph(h, mask=mask, deterministic=det),
+                lambda h: self.graph.step(cache.graph, h, position=position), "graph"), det)
+        y = self._residual(y, self.cross_attention_norm, sub(
+            lambda h: (self.cross_attention.cross(h, memory, memory_mask=memory_mask,
+                                                  deterministic=det, **fs), {}),
+            lambda h: (self.cross_attention.cross_step(memory.cross_attention, h, **fs), None),
+            "cross_attention"), det)
+        if self._has_cross_graph:
+            y = self._residual(y, self.cross_graph_norm, sub(
+                lambda h: self.cross_graph(h, memory, mask=mask, memory_mask=memory_mask,
+                                           deterministic=det),
+                lambda h: self.cross_graph.step(memory.cross_graph, h, position=position),
+                "cross_graph"), det)
+        y = self._residual(y, self.mlp_norm, lambda h: self._mlp(h, det), det)
+        if decoding:
+            return y, DecoderState(new["self_attention"], new.get("graph"))
+        return y, merge_aux(*auxes)
+
+    def init_cache(self, memory: Array, memory_mask: Array, *,
+                   feature_step: Optional[Array] = None) -> tuple[DecoderMemory, DecoderState]:
+        """(memory cache, empty decoding state) for a batch of B sources.
+
+        The memory cache is computed once per source: the FAVOR+ cross cache Z_M = phi(K_M)^T
+        V_M, t_M = phi(K_M)^T 1 and the projected memory of the Cross-Graph layer.
+        """
+        b = memory.shape[0]
+        static = DecoderMemory(
+            self.cross_attention.cross_cache(memory, memory_mask=memory_mask,
+                                             feature_step=feature_step),
+            self.cross_graph.prepare_memory(memory, memory_mask=memory_mask)
+            if self._has_cross_graph else None)
+        state = DecoderState(self.self_attention.init_state(b),
+                             self.graph.init_state(b) if self.config.use_graph_conv else None)
+        return static, state
+
+
+class Encoder(nn.Module):
+    """Global tokens + a stack of `EncoderBlock`s + final LN (pre-LN only).
+
+    Shapes: tokens `[B, N, d]` (already embedded), mask `[B, N]` -> memory `[B, g + N, d]`
+    (`[globals ; tokens]`); its mask is `with_globals(mask, g)`.
+
+    Attributes:
+      config: the shared `BlockConfig`.
+      num_layers: depth.
+      drop_path: p_max of the DropPath schedule.
+      per_layer_features: a FAVOR+ projection seed per block (default: one shared).
+    """
+    config: BlockConfig
+    num_layers: int
+    drop_path: float = 0.0
+    per_layer_features: bool = False
+
+    def setup(self):
+        c = self.config
+        if c.num_global:
+            self.global_tokens = self.param("global_tokens", nn.initializers.normal(0.02),
+                                            (c.num_global, c.d_model), c.param_dtype)
+        self.blocks = [EncoderBlock(c, drop_path_rate(self.drop_path, i, self.num_layers),
+                                    2 * i if self.per_layer_features else 0, name=f"block_{i:02d}")
+                       for i in range(self.num_layers)]
+        if c.norm == "pre":
+            self.final_norm = nn.LayerNorm(epsilon=LN_EPS, dtype=c.dtype,
+                                           param_dtype=c.param_dtype, name="final_norm")
+
+    def __call__(self, tokens: Array, mask: Array, *, deterministic: bool = True,
+                 feature_step: Optional[Array] = None) -> tuple[Array, dict]:
+        """Returns (memory `[B, g + N, d]`, aux merged over the blocks)."""
+        c = self.config
+        b, n, _ = tokens.shape
+        if c.grid_width and n % c.grid_width:
+            raise ValueError(f"grid_width={c.grid_width} lays the tokens out in rows, but there "
+                             f"are {n} tokens, not a multiple of it")
+        g = c.num_global
+        x, positions = tokens, None
+        if g:
+            glb = jnp.broadcast_to(self.global_tokens.astype(tokens.dtype)[None], (b, g, c.d_model))
+            x = jnp.concatenate([glb, tokens], axis=1)
+        if c.use_hrpe:
+            # RoPE: globals at position 0, tokens at their index (spec §5.1 step 1).
+            positions = jnp.concatenate([jnp.zeros((g,), jnp.int32), jnp.arange(n, dtype=jnp.int32)])
+        mask = with_globals(mask, g)
+        auxes = []
+        for block in self.blocks:
+            x, aux = block(x, mask=mask, positions=positions, deterministic=deterministic,
+                           feature_step=feature_step)
+            auxes.append(aux)
+        if c.norm == "pre":
+            x = self.final_norm(x)
+        return x, merge_aux(*auxes)

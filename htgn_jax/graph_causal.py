@@ -1,0 +1,197 @@
+"""Causal window graph attention (the decoder's WinGAT, spec §3.4 "Causal version", §5.10) in its
+recurrent and chunked forms, as pure `jnp` functions: `causal_window_step` (one token, rolling
+`WindowState` of the last w tokens), `causal_window_scan` (its `lax.scan`) and
+`causal_window_chunked` (chunks of C tokens, the state carried across chunks). All equal the
+parallel form `graph_ops.window_graph_attention(..., causal=True)`; masking is NaN-safe as there.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from htgn_jax.graph_kl import attention_kl, check_kl, distance_prior_logits, neighbour_kl
+from htgn_jax.graph_ops import (_as_mask, _check_attn, _unfold, clean, neighbour_attention,
+                                window_distances)
+from zoo_core.checks import check_int, check_rank, check_shape
+
+Array = jax.Array
+
+
+class WindowState(NamedTuple):
+    """Rolling cache of the causal window graph attention: the last w tokens, oldest first.
+
+    Attributes:
+      value: `[B, w, H, D]` float32, W_s x of the last w tokens (for GATv2 and dot also the score
+        key); slot j holds offset j - w.
+      key: `[B, w, H, 1]` float32 score keys a_s . W x (GAT v1), or None (the key is `value`).
+      valid: `[B, w]` bool, True where the slot holds a real token (False before the first token
+        and for padding).
+    """
+
+    value: Array
+    key: Optional[Array]
+    valid: Array
+
+
+def init_window_state(batch_size: int, window: int, num_heads: int, head_dim: int, *,
+                      key_dim: int | None = None) -> WindowState:
+    """Empty `WindowState` (float32 zeros, no valid slot); `key_dim` C only for GAT v1."""
+    zeros = lambda d: jnp.zeros((batch_size, window, num_heads, d), jnp.float32)
+    return WindowState(zeros(head_dim), None if key_dim is None else zeros(key_dim),
+                       jnp.zeros((batch_size, window), bool))
+
+
+def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: WindowState,
+                       attn: Array | None, *, valid_t: Array | None = None,
+                       rel_bias: Array | None = None,
+                       negative_slope: float | None = None) -> tuple[Array, WindowState]:
+    """One token of the causal window GAT with a rolling cache: O(w H C) per token.
+
+    Args:
+      query_t: `[B, H, C]` score features of the new token.
+      key_t: `[B, H, C]` (ignored for GATv2 / dot, whose score key is `value_t`: state.key None).
+      value_t: `[B, H, D]`.
+      state: `WindowState` of the previous w tokens.
+      attn: `[H, C]`, or None for dot-product scoring.
+      valid_t: optional `[B]` bool, False for a padded token (output 0, enters as an invalid
+        slot); None means real.
+      rel_bias: `[H, w+1]` or None.
+      negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
+
+    Returns:
+      out_t `[B, H, D]` and the updated state (same shapes and dtypes).
+    """
+    check_rank("query_t", query_t, 3, "[B, H, C]")
+    b, heads, ch = query_t.shape
+    check_rank("value_t", value_t, 3, "[B, H, D]")
+    w = state.value.shape[1]
+    check_shape("state.value", state.value, (b, w) + value_t.shape[1:], "[B, w, H, D]")
+    shared = state.key is None
+    if not shared:
+        check_shape("key_t", key_t, (b, heads, ch), "[B, H, C]")
+        check_shape("state.key", state.key, (b, w, heads, ch), "[B, w, H, C]")
+    check_shape("state.valid", state.valid, (b, w), "[B, w]")
+    _check_attn(attn, heads, ch)
+    if rel_bias is not None:
+        check_shape("rel_bias", rel_bias, (heads, w + 1), "[H, w+1]")
+    valid_t = _as_mask("valid_t", valid_t, (b,), "[B]")
+    query_t, value_t = clean(query_t, valid_t), clean(value_t, valid_t)
+    vals = jnp.concatenate([state.value.astype(value_t.dtype), value_t[:, None]], axis=1)
+    keys = vals if shared else jnp.concatenate(
+        [state.key.astype(key_t.dtype), clean(key_t, valid_t)[:, None]], axis=1)
+    slots = jnp.concatenate([state.valid, valid_t[:, None]], axis=1)          # [B, w+1]
+    bias = None if rel_bias is None else rel_bias[None, None]
+    out, _ = neighbour_attention(query_t[:, None], keys[:, None], vals[:, None],
+                                 (slots & valid_t[:, None])[:, None], attn, bias=bias,
+                                 negative_slope=negative_slope)
+    new = WindowState(vals[:, 1:].astype(state.value.dtype),
+                      None if shared else keys[:, 1:].astype(state.key.dtype), slots[:, 1:])
+    return out[:, 0], new
+
+
+def causal_window_kl(probs: Array, log_probs: Array, valid: Array, *, window: int,
+                     kl_tau: float | None = None, kl_mode: str = "prior") -> tuple[Array, Array]:
+    """(kl_sum, kl_count) of the causal window graph from its token rows' statistics, as
+    `window_graph_attention(..., causal=True)` forms them."""
+    check_kl(kl_tau, kl_mode, window + 1)
+    if kl_mode == "neighbour":
+        return neighbour_kl(probs, log_probs, valid)
+    prior = distance_prior_logits(window_distances(window, True), 0, kl_tau)
+    return attention_kl(probs, log_probs, valid, prior)
+
+
+def causal_window_chunked(query: Array, key: Array, value: Array, attn: Array | None,
+                          state: WindowState, *, chunk_size: int, mask: Array | None = None,
+                          rel_bias: Array | None = None, negative_slope: float | None = None,
+                          dropout_rate: float = 0.0, dropout_rng: Array | None = None
+                          ) -> tuple[Array, dict[str, Array], WindowState]:
+    """The causal window GAT in chunks of C tokens: a `lax.scan` over chunks carrying the
+    `WindowState` of the last w tokens; inside a chunk the parallel (unfold) form.
+
+    Args:
+      query, key, value, attn, rel_bias, negative_slope, mask: as in `causal_window_scan`.
+      state: `WindowState` of the tokens before these.
+      chunk_size: C >= 1 (clipped to T; need not divide T).
+      dropout_rate, dropout_rng: attention dropout (one key per chunk).
+
+    Returns:
+      (out `[B, T, H, D]`, {'probs', 'log_probs' `[B, T, H, w+1]`, 'valid' `[B, T, w+1]`}, final
+      state); the statistics let the caller form the KL term exactly as the parallel form does.
+    """
+    check_int("chunk_size", chunk_size, 1)
+    check_rank("query", query, 4, "[B, T, H, C]")
+    b, t = query.shape[:2]
+    mask = _as_mask("mask", mask, (b, t), "[B, T]")
+    w = state.value.shape[1]
+    shared = state.key is None
+    query, value = clean(query, mask), clean(value, mask)
+    key = value if shared else clean(key, mask)
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    offsets = tuple(range(-w, 1))
+
+    def chunks(x):
+        x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, n, c) + x.shape[2:]), 1, 0)
+
+    def tail(x):
+        return x[:, x.shape[1] - w:]
+
+    def body(st, xs):
+        q, k, v, m, i = xs
+        vals = jnp.concatenate([st.value.astype(v.dtype), v], axis=1)           # [B, w+C, H, D]
+        keys = vals if shared else jnp.concatenate([st.key.astype(k.dtype), k], axis=1)
+        slots = jnp.concatenate([st.valid, m], axis=1)                          # [B, w+C]
+        kk = _unfold(keys, offsets)[:, w:]
+        vv = kk if shared else _unfold(vals, offsets)[:, w:]
+        valid = _unfold(slots, offsets, False)[:, w:] & m[:, :, None]
+        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
+        out, st_ = neighbour_attention(q, kk, vv, valid, attn, bias=rel_bias,
+                                       negative_slope=negative_slope,
+                                       dropout_rate=dropout_rate, dropout_rng=rng)
+        new = WindowState(tail(vals).astype(st.value.dtype),
+                          None if shared else tail(keys).astype(st.key.dtype), tail(slots))
+        return new, (out, st_["probs"], st_["log_probs"], valid)
+
+    xs = (chunks(query), chunks(key), chunks(value), chunks(mask), jnp.arange(n))
+    _, ys = jax.lax.scan(body, state, xs)
+    out, probs, log_probs, valid = (
+        jnp.moveaxis(y, 0, 1).reshape((b, n * c) + y.shape[3:])[:, :t] for y in ys)
+    final = WindowState(
+        tail(jnp.concatenate([state.value, value.astype(state.value.dtype)], 1)),
+        None if shared else tail(jnp.concatenate([state.key, key.astype(state.key.dtype)], 1)),
+        tail(jnp.concatenate([state.valid, mask], 1)))
+    return out, {"probs": probs, "log_probs": log_probs, "valid": valid}, final
+
+
+def causal_window_scan(query: Array, key: Array, value: Array, attn: Array | None,
+                       state: WindowState, *, mask: Array | None = None,
+                       rel_bias: Array | None = None,
+                       negative_slope: float | None = None) -> tuple[Array, WindowState]:
+    """The causal window GAT as a `lax.scan` of `causal_window_step` over the tokens.
+
+    Args:
+      query, key, value: `[B, T, H, C]`, `[B, T, H, C]`, `[B, T, H, D]` (key unused when
+        state.key is None).
+      attn, rel_bias, negative_slope: as in `causal_window_step`.
+      state: `WindowState` of the tokens before these (`init_window_state` for none).
+      mask: optional `[B, T]` bool, True = real token.
+
+    Returns:
+      out `[B, T, H, D]` (equal to `window_graph_attention(..., causal=True)` from an empty
+      state) and the final state.
+    """
+    check_rank("query", query, 4, "[B, T, H, C]")
+    mask = _as_mask("mask", mask, query.shape[:2], "[B, T]")
+
+    def body(st, xs):
+        q_t, k_t, v_t, m_t = xs
+        out, st = causal_window_step(q_t, k_t, v_t, st, attn, valid_t=m_t, rel_bias=rel_bias,
+                                     negative_slope=negative_slope)
+        return st, out
+
+    xs = tuple(jnp.swapaxes(a, 0, 1) for a in (query, key, value, mask))
+    final, out = jax.lax.scan(body, state, xs)
+    return jnp.swapaxes(out, 0, 1), final

@@ -1,0 +1,536 @@
+"""Flax (Linen) layers of HTGN's graph attention: window / causal window and Cross-Graph GAT.
+
+The maths is in `htgn_jax.graph_ops` (spec `htgn.md` §3.4, §5.3, §5.5, §5.7); the layers own the
+parameters only. Contract (README "Layer contract"):
+
+* `WindowGraphAttention.__call__(x, *, mask=None, deterministic=True) -> (y, aux)`; when causal
+  also `init_state(batch_size) -> WindowState`, `scan(x, state=None, *, mask=None,
+  deterministic=True) -> (y, state)` and `step(state, x_t, *, position=None) -> (y_t, state)`.
+* `CrossGraphAttention.__call__(x, memory, *, mask=None, memory_mask=None, deterministic=True)
+  -> (y, aux)`; decoding: `prepare_memory(memory, *, memory_mask=None) -> CrossGraphCache` once,
+  then `step(cache, x_t, *, position) -> (y_t, cache)`.
+
+aux = {'kl_sum', 'kl_count'}: the unweighted KL smoothness term of spec §5.7 as a sum and a count
+of (row, head) terms, so that a model can form the mean over all its layers (sums add up across
+layers; the loss is formed once, by the model). Padded positions of x and memory are replaced by
+0 with `jnp.where` before the projections (NaN-safe masking).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
+
+from htgn_jax import graph_causal
+from htgn_jax import graph_ops as ops
+from htgn_jax.graph_causal import WindowState
+from htgn_jax.layers import HeadsOutput, flat_init
+from zoo_core.checks import check_choice, check_int, check_rank, check_rate, check_shape, fail
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+
+ATTN_INIT = nn.initializers.glorot_uniform()      # GAT attention vectors a_h
+
+
+class CrossGraphCache(NamedTuple):
+    """The encoder memory projected once for Cross-Graph decoding.
+
+    Attributes:
+      value: `[B, L, H, D]` W_s M (for GATv2 and dot also the score key).
+      mask: `[B, L]` bool memory mask.
+      key: `[B, L, H, 1]` score keys a_s . W M (GAT v1), or None.
+    """
+
+    value: Array
+    mask: Array
+    key: Optional[Array] = None
+
+
+def _resolve_head_dim(width: int, num_heads: int, head_dim: int | None, arg: str) -> int:
+    if head_dim is not None:
+        return head_dim
+    if width % num_heads:
+        fail(f"width of `{arg}` ({width}) is not divisible by num_heads={num_heads}; "
+              f"set head_dim explicitly")
+    return width // num_heads
+
+
+class _HeadProjection(nn.Module):
+    """x `[..., d]` -> `[..., H, D]` without bias; D = head_dim, or d // H when head_dim is None.
+
+    Compact on purpose: the kernel shape may follow the input width, which setup() cannot see.
+    """
+    num_heads: int
+    head_dim: int | None
+    arg: str
+    dtype: Any
+    param_dtype: Any
+    kernel_init: Initializer
+
+    @nn.compact
+    def __call__(self, x: Array, head_dim: int | None = None) -> Array:
+        d = x.shape[-1]
+        hd = head_dim or _resolve_head_dim(d, self.num_heads, self.head_dim, self.arg)
+        kernel = self.param("kernel", flat_init(self.kernel_init, 1), (d, self.num_heads, hd),
+                            self.param_dtype)
+        x, kernel = promote_dtype(x, kernel, dtype=self.dtype)
+        return jnp.einsum("...d,dhk->...hk", x, kernel)
+
+
+class _HeadVector(nn.Module):
+    """A per-head vector `[H, D]` (GAT attention vector a_h); D is given at call time."""
+    num_heads: int
+    param_dtype: Any
+    init: Initializer
+
+    @nn.compact
+    def __call__(self, head_dim: int) -> Array:
+        return self.param("vector", self.init, (self.num_heads, head_dim), self.param_dtype)
+
+
+class _GraphAttentionBase(nn.Module):
+    """Shared setup/feature code of the two graph layers (fields are declared by subclasses)."""
+
+    def _check_common_fields(self) -> None:
+        check_int("num_heads", self.num_heads, 1)
+        check_int("window", self.window, 0)
+        check_choice("version", self.version, ops.VERSIONS)
+        check_rate("dropout_rate", self.dropout_rate)
+        if self.version == "dot" and self.attn_init is not None:
+            fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
+
+    def _setup_common(self, num_offsets: int, with_global_bias: bool) -> None:
+        h = self.num_heads
+        proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
+                    param_dtype=self.param_dtype, kernel_init=self.kernel_init)
+        if self.version in ("v2", "dot"):
+            self.target = _HeadProjection(arg="x", **proj)
+            self.source = _HeadProjection(arg=self._source_arg, **proj)
+            if self.version == "v2":
+                self.attn = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+        else:
+            # v1 (GAT): one projection W for both ends, two attention halves a = [a_t ; a_s].
+            self.source = _HeadProjection(arg=self._source_arg, **proj)
+            self.attn_target = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+            self.attn_source = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+        if self.use_relative_bias:
+            self.rel_bias = self.param("rel_bias", self.bias_init, (h, num_offsets),
+                                       self.param_dtype)
+            if with_global_bias:
+                self.global_bias = self.param("global_bias", self.bias_init, (h,),
+                                              self.param_dtype)
+        self.output = HeadsOutput(self.out_features, True, self.dtype, self.param_dtype,
+                                  self.kernel_init, self.bias_init)
+
+    def _self_features(self, x: Array) -> tuple[Array, Array, Array]:
+        """(query `[..., H, C]`, key `[..., H, C]`, message `[..., H, D]`) of nodes x."""
+        if self.version != "v1":
+            u = self.source(x)
+            return self.target(x), u, u
+        z = self.source(x)
+        q, k, _ = ops.gat_v1_features(z, self._head_vector("attn_target", z),
+                                  self._head_vector("attn_source", z))
+        return q, k, z
+
+    def _query_features(self, x: Array, head_dim: int) -> Array:
+        """Receiver-side score features `[..., H, C]` (v1: a_t . W x, the same W as the senders).
+
+        `head_dim` is the senders' D, so an unset head_dim follows the memory width.
+        """
+        if self.version != "v1":
+            return self.target(x, head_dim)
+        z = self.source(x)
+        return jnp.einsum("...hd,hd->...h", z, self._head_vector("attn_target", z))[..., None]
+
+    def _source_features(self, m: Array) -> tuple[Array, Array]:
+        """(score key `[..., H, C]`, message `[..., H, D]`) of sender nodes m."""
+        u = self.source(m)
+        if self.version != "v1":
+            return u, u
+        return jnp.einsum("...hd,hd->...h", u, self._head_vector("attn_source", u))[..., None], u
+
+    def _head_vector(self, name: str, z: Array) -> Array:
+        return getattr(self, name)(z.shape[-1]).astype(z.dtype)
+
+    def _attn_vector(self, value: Array) -> Array | None:
+        """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot'."""
+        if self.version == "v2":
+            return self._head_vector("attn", value)
+        if self.version == "dot":
+            return None
+        return jnp.ones((self.num_heads, 1), value.dtype)
+
+    def _biases(self) -> tuple[Array | None, Array | None]:
+        if not self.use_relative_bias:
+            return None, None
+        return self.rel_bias, (self.global_bias if self._has_global_bias else None)
+
+    def _dropout_rng(self, deterministic: bool) -> Array | None:
+        if deterministic or self.dropout_rate == 0.0:
+            return None
+        return self.make_rng("dropout")
+
+    def _head_dims(self) -> tuple[int, int]:
+        """(C, D) from head_dim, or from the initialised `source` kernel when head_dim is None."""
+        d = self.head_dim
+        if d is None:
+            params = self.variables.get("params", {})
+            if "source" not in params:
+                fail("`head_dim` is None and the layer has no parameters yet, so the state shape "
+                      "is unknown: set head_dim or call init_state with initialised params")
+            d = params["source"]["kernel"].shape[-1]
+        return (1 if self.version == "v1" else d), d
+
+
+def _kl_aux(st: dict[str, Array]) -> dict[str, Array]:
+    return {"kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
+
+
+class WindowGraphAttention(_GraphAttentionBase):
+    """Windowed GATv2 (or GAT, dot-product) graph attention with global nodes; causal variant.
+
+    Node layout of `x`: `[B, L, d]` = `[globals (num_global) ; tokens (N)]`; the model prepends the
+    g learned global vectors (spec §5.1). Parameters (stable names): `target/kernel` `[d, H, D]`
+    (W_t, v2 and dot), `source/kernel` `[d, H, D]` (W_s, also the message projection),
+    `attn/vector` `[H, D]` (v2) or `attn_target/vector`, `attn_source/vector` `[H, D]` (v1; dot
+    has no attention vector), `rel_bias`
+    `[H, K]` and `global_bias` `[H]` (if use_relative_bias; global_bias only with globals),
+    `output/kernel` `[H, D, F]`, `output/bias` `[F]`.
+
+    Attributes:
+      num_heads: H.
+      head_dim: D per head; None means d // H (d must then be divisible by H).
+      window: radius w >= 0; offsets -w..w, or -w..0 when causal.
+      num_global: g leading global nodes (0 when causal).
+      causal: decoder form (offsets -w..0) with `init_state`, `scan` and `step`.
+      chunk_size: form of the causal `__call__`: None = the parallel (unfold) form, an int C =
+        chunks of C tokens with the window state carried across them (`causal_window_chunked`);
+        must be None when not causal.
+      grid_width: None, or W for image patches in raster order: the window is then the 2-D
+        stencil of radius w (`window_offsets`); not with causal.
+      version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
+        product, UniMP style); the last two are ablations (spec §5.13).
+      use_relative_bias: learned per-head per-offset logit bias (HRPE (c), spec §5.2).
+      negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
+      dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
+      kl_tau: None (the KL term's uniform prior, spec §5.7) or tau > 0 of the distance prior
+        pi_i(j) proportional to exp(-dist / tau) (spec `kl_prior = "distance"`; dist = |j - i|,
+        or max(|dr|, |dc|) on a grid, 1 to a global node).
+      kl_mode: 'prior' (KL to the prior above) or 'neighbour' (KL(alpha_i || alpha_{i-1}),
+        `neighbour_kl`).
+      out_features: F; None means d.
+      dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32.
+      param_dtype: parameter dtype.
+      kernel_init, attn_init, bias_init: initialisers for projections, attention vectors (None:
+        glorot_uniform; GAT only), and
+        biases (output bias, rel_bias, global_bias).
+    """
+    num_heads: int
+    head_dim: int | None = None
+    window: int = 4
+    num_global: int = 0
+    causal: bool = False
+    chunk_size: int | None = None
+    grid_width: int | None = None
+    version: str = "v2"
+    use_relative_bias: bool = True
+    negative_slope: float | None = None
+    dropout_rate: float = 0.0
+    kl_tau: float | None = None
+    kl_mode: str = "prior"
+    out_features: int | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    attn_init: Initializer | None = None
+    bias_init: Initializer = nn.initializers.zeros_init()
+
+    _source_arg = "x"
+
+    def setup(self):
+        self._check_common_fields()
+        if self.causal and self.num_global:
+            fail(f"`num_global` must be 0 when causal=True (a global node would summarise the "
+                 f"future), got {self.num_global}")
+        if self.chunk_size is not None and not self.causal:
+            fail("`chunk_size` chooses the causal form; it must be None with causal=False")
+        self._has_global_bias = self.num_global > 0
+        num_slots = len(ops.window_offsets(self.window, self.causal, self.grid_width))
+        self._setup_common(num_slots, self._has_global_bias)
+
+    def __call__(self, x: Array, *, mask: Array | None = None,
+                 deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
+        """Graph attention over the whole sequence.
+
+        Args:
+          x: `[B, L, d]`, L = num_global + N.
+          mask: `[B, L]` (True = real node), or None.
+          deterministic: no attention dropout when True.
+
+        Returns:
+          y `[B, L, F]` (zero at padded nodes) and aux {'kl_sum', 'kl_count'}: the KL term (to the
+          prior over heads and valid nodes, or between consecutive rows, per kl_mode; spec §5.7;
+          unweighted) as a sum over its `kl_count` terms.
+        """
+        if self.causal and self.chunk_size is not None:
+            mask, out, st = self._chunked(x, mask, deterministic)
+        else:
+            mask, out, st = self._attend(x, mask, deterministic)
+        y = self.output(out, x.shape[-1])
+        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)
+
+    def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
+        check_rank("x", x, 3, "[B, T, d]")
+        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
+        q, k, v = self._self_features(ops.clean(x, mask))
+        out, st, _ = graph_causal.causal_window_chunked(
+            q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
+            mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
+            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic))
+        kl_sum, kl_count = graph_causal.causal_window_kl(
+            st["probs"], st["log_probs"], st["valid"], window=self.window, kl_tau=self.kl_tau,
+            kl_mode=self.kl_mode)
+        return mask, out, {"kl_sum": kl_sum, "kl_count": kl_count}
+
+    def attention_weights(self, x: Array, *, mask: Array | None = None) -> dict[str, Array]:
+        """The coefficients alpha that `__call__` uses (deterministic), for analysis.
+
+        Args:
+          x, mask: as in `__call__`.
+
+        Returns:
+          {'probs': `[B, N, H, K + g]` of the N token nodes over the K window offsets
+          (`graph_ops.window_offsets`) and then the g global nodes, 'global_probs': `[B, g, H, L]`
+          of each global node over all L = g + N nodes (absent when g = 0), 'mask': `[B, L]`}.
+        """
+        mask, _, st = self._attend(x, mask, True)
+        out = {"probs": st["probs"], "mask": mask}
+        if st.get("global_probs") is not None:
+            out["global_probs"] = st["global_probs"]
+        return out
+
+    def _attend(self, x: Array, mask: Array | None, deterministic: bool):
+        check_rank("x", x, 3, "[B, L, d]")
+        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, L]")
+        q, k, v = self._self_features(ops.clean(x, mask))
+        rel_bias, global_bias = self._biases()
+        out, st = ops.window_graph_attention(
+            q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
+            causal=self.causal, grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
+            global_bias=global_bias, negative_slope=self.negative_slope,
+            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode)
+        return mask, out, st
+
+    def init_state(self, batch_size: int) -> WindowState:
+        """Empty rolling cache (causal only): `WindowState` of the last w projected tokens, none
+        valid yet (float32; `key` only for GAT v1)."""
+        self._check_causal("init_state")
+        c, d = self._head_dims()
+        return graph_causal.init_window_state(batch_size, self.window, self.num_heads, d,
+                                     key_dim=c if self.version == "v1" else None)
+
+    def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
+             deterministic: bool = True) -> tuple[Array, WindowState]:
+        """Causal recurrent form: projections for the whole sequence, then a token `lax.scan`.
+
+        Args:
+          x: `[B, T, d]`.
+          state: `WindowState` of earlier tokens, or None (empty).
+          mask: optional `[B, T]`, True = real token.
+          deterministic: must be True (or dropout_rate 0): the recurrent form has no dropout.
+
+        Returns:
+          (y `[B, T, F]`, equal to `__call__` from an empty state, zero at padded tokens; final
+          state).
+        """
+        self._check_causal("scan")
+        check_rank("x", x, 3, "[B, T, d]")
+        if not deterministic and self.dropout_rate:
+            raise NotImplementedError("attention dropout is not implemented in the recurrent form")
+        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
+        q, k, v = self._self_features(ops.clean(x, mask))
+        state = self.init_state(x.shape[0]) if state is None else state
+        out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state, mask=mask,
+                                            rel_bias=self._biases()[0],
+                                            negative_slope=self.negative_slope)
+        y = self.output(out, x.shape[-1])
+        return jnp.where(mask[..., None], y, 0).astype(y.dtype), state
+
+    def step(self, state: WindowState, x_t: Array, *,
+             position: Array | int | None = None) -> tuple[Array, WindowState]:
+        """One decoding step (causal only), O(w H D) attention work per token.
+
+        Args:
+          state: `WindowState` from `init_state`, `scan` or the previous `step`.
+          x_t: `[B, d]` the new token's features.
+          position: the token's index; not needed (the state marks which slots hold tokens and
+            the relative bias depends on offsets only), accepted for the layer contract.
+
+        Returns:
+          (y_t `[B, F]`, new state). Equal to row t of `__call__` on the unpadded prefix.
+        """
+        self._check_causal("step")
+        check_rank("x_t", x_t, 2, "[B, d]")
+        q, k, v = self._self_features(x_t)
+        out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
+                                            rel_bias=self._biases()[0],
+                                            negative_slope=self.negative_slope)
+        return self.output(out, x_t.shape[-1]), state
+
+    def _check_causal(self, method: str) -> None:
+        if not self.causal:
+            fail(f"`{method}` needs causal=True (a non-causal window looks ahead)")
+
+
+class CrossGraphAttention(_GraphAttentionBase):
+    """Cross-Graph attention (spec §5.5): decoder node i -> encoder window at c_i + globals.
+
+    c_i = clip(round(rho * i), 0, N_b - 1), with N_b the valid encoder token count per example.
+    `memory` is the encoder output `[B, g + N, d_m]` = `[globals ; tokens]` (right-padded tokens).
+    Scoring is GATv2: e_ij = a_h^T LeakyReLU(W_t y_i + W_s M_j) + b_h[j - c_i] (or GAT, or the
+    dot product <W_t y_i, W_s M_j> / sqrt(D), per `version`); messages W_s M_j.
+    Parameter names as in `WindowGraphAttention` (`rel_bias` `[H, 2w+1]`, `global_bias` `[H]`).
+
+    Decoding: `prepare_memory` projects the memory once; `step` then costs O((2w+1+g) H D) per
+    token and uses no target length, so it equals the parallel form row by row.
+
+    Attributes:
+      num_heads, version, use_relative_bias, negative_slope, dropout_rate, kl_tau, kl_mode,
+      out_features, dtype, param_dtype, kernel_init, attn_init, bias_init: as in
+      `WindowGraphAttention` (the distance prior measures |j - c_i|).
+      window: w_x >= 0, the encoder window radius.
+      head_dim: D per head; None means d_m // H (memory width d_m divisible by H); the decoder
+        side uses the same D.
+      num_global: g, the encoder globals at the front of `memory`.
+      rho: centre ratio (mean source / mean target length, a hyperparameter; 1.0 by default).
+    """
+    num_heads: int
+    head_dim: int | None = None
+    window: int = 4
+    num_global: int = 0
+    rho: float = 1.0
+    version: str = "v2"
+    use_relative_bias: bool = True
+    negative_slope: float | None = None
+    dropout_rate: float = 0.0
+    kl_tau: float | None = None
+    kl_mode: str = "prior"
+    out_features: int | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    attn_init: Initializer | None = None
+    bias_init: Initializer = nn.initializers.zeros_init()
+
+    _source_arg = "memory"
+
+    def setup(self):
+        self._check_common_fields()
+        ops._check_rho(self.rho)
+        self._has_global_bias = self.num_global > 0
+        self._setup_common(2 * self.window + 1, self._has_global_bias)
+
+    def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
+                 memory_mask: Array | None = None,
+                 deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
+        """Cross-Graph attention for a whole (teacher-forced) target sequence.
+
+        Args:
+          x: decoder states `[B, T, d]`; row t has decoder index t.
+          memory: encoder output `[B, g + N, d_m]`.
+          mask: `[B, T]` decoder mask or None.
+          memory_mask: `[B, g + N]` encoder mask or None.
+          deterministic: no attention dropout when True.
+
+        Returns:
+          y `[B, T, F]` (zero at padded rows) and aux {'kl', 'kl_sum', 'kl_count'}.
+        """
+        cache = self._checked_cache(x, memory, memory_mask)
+        return self._attend(cache, x, None, mask, deterministic)
+
+    def attention_weights(self, x: Array, memory: Array, *, mask: Array | None = None,
+                          memory_mask: Array | None = None) -> dict[str, Array]:
+        """The coefficients alpha that `__call__` uses (deterministic), for analysis.
+
+        Args:
+          x, memory, mask, memory_mask: as in `__call__`.
+
+        Returns:
+          {'probs': `[B, T, H, 2 w_x + 1 + g]` (window slots around the centre, then the globals),
+          'centres': `[B, T]` c_i = round(rho i) clipped to the valid tokens, 'memory_mask':
+          `[B, g + N]` bool}.
+        """
+        cache = self._checked_cache(x, memory, memory_mask)
+        st = self._attend(cache, x, None, mask, True, stats_only=True)
+        return {"probs": st["probs"], "centres": st["centres"], "memory_mask": cache.mask}
+
+    def _checked_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> CrossGraphCache:
+        check_rank("x", x, 3, "[B, T, d]")
+        cache = self.prepare_memory(memory, memory_mask=memory_mask)
+        if self.version == "v1" and x.shape[-1] != memory.shape[-1]:
+            fail(f"version='v1' projects `x` and `memory` with one W, so their widths must match, "
+                 f"got {x.shape[-1]} and {memory.shape[-1]}")
+        if cache.mask.shape[0] != x.shape[0]:
+            fail(f"`memory` batch {cache.mask.shape[0]} != `x` batch {x.shape[0]}")
+        return cache
+
+    def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None
+                       ) -> CrossGraphCache:
+        """Projects the encoder memory once for decoding.
+
+        Args:
+          memory: `[B, g + N, d_m]`.
+          memory_mask: `[B, g + N]` or None.
+
+        Returns:
+          `CrossGraphCache(value [B, L, H, D] = W_s M, mask [B, L] bool, key)`, key `[B, L, H, 1]`
+          (a_s . W M) for v1 and None for v2 and dot (whose score key is `value`).
+        """
+        check_rank("memory", memory, 3, "[B, L, d_m]")
+        memory_mask = ops._as_mask("memory_mask", memory_mask, memory.shape[:2], "[B, L]")
+        k, v = self._source_features(ops.clean(memory, memory_mask))
+        return CrossGraphCache(v, memory_mask, k if self.version == "v1" else None)
+
+    def step(self, cache: CrossGraphCache, x_t: Array, *,
+             position: Array | int) -> tuple[Array, CrossGraphCache]:
+        """One decoding step from a `prepare_memory` cache.
+
+        Args:
+          cache: from `prepare_memory`.
+          x_t: `[B, d]` decoder state of the token at index `position`.
+          position: its index i, scalar or `[B]` int (it sets the window centre c_i).
+
+        Returns:
+          (y_t `[B, F]`, the cache unchanged).
+        """
+        check_rank("x_t", x_t, 2, "[B, d]")
+        b = x_t.shape[0]
+        if jnp.ndim(position) not in (0, 1) or jnp.shape(position) not in ((), (b,)):
+            fail(f"`position` must be a scalar or have shape [B] = ({b},), got "
+                 f"{jnp.shape(position)}")
+        pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))[:, None]
+        y, _ = self._attend(cache, x_t[:, None], pos, None, True)
+        return y[:, 0], cache
+
+    def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False):
+        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
+        x = ops.clean(x, mask)
+        v = cache.value
+        q = self._query_features(x, v.shape[-1])
+        rel_bias, global_bias = self._biases()
+        out, st = ops.cross_graph_attention(
+            q, v if cache.key is None else cache.key, v, self._attn_vector(v),
+            window=self.window, num_global=self.num_global, rho=self.rho, mask=mask,
+            memory_mask=cache.mask, positions=positions, rel_bias=rel_bias,
+            global_bias=global_bias, negative_slope=self.negative_slope,
+            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode)
+        if stats_only:
+            return st
+        y = self.output(out, x.shape[-1])
+        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)

@@ -1,0 +1,519 @@
+"""HTGN graph-attention kernels (pure `jnp`): windowed GATv2, GAT or dot product with globals;
+causal (parallel, `lax.scan` and step forms); Cross-Graph. The Flax layers are `graph_layers`.
+
+HTGN's graph convolution (spec `htgn.md` §3.4, §5.3, §5.5, §5.7) is attention on a *static
+stencil graph*: every token i is linked to the tokens i+o for the offsets o in {-w..w} (the window,
+self included) and to g global nodes; every global node is linked to every node. Neighbours are
+gathered by shifted static slices of a zero-padded copy (an "unfold" to `[B, N, K, ...]`), so
+no `[N, N]` buffer is ever built and time and memory are O(B N (2w+1+g) d) (spec §5.11). For
+image patches in raster order (`grid_width` W, spec §5.12) the stencil is 2-D instead: the
+(2w+1)^2 offsets dr W + dc, |dr|, |dc| <= w, with the slots that would cross a row end masked.
+
+Scoring (spec §3.1):
+  * GATv2 (Brody, Alon & Yahav, ICLR 2022, the "dynamic" scoring function):
+        e_ij = a_h^T LeakyReLU_0.2(W_t h_i + W_s h_j) + b_h[j - i]
+  * GAT v1 (Velickovic et al., ICLR 2018, eqs. (1)-(3)), the ablation `gat=v1` (spec §5.13):
+        e_ij = LeakyReLU_0.2(a_t,h^T W h_i + a_s,h^T W h_j) + b_h[j - i]
+    It is computed as GATv2 on one-channel score features (a_t^T W h_i, a_s^T W h_j) with a = 1,
+    so both versions share one kernel (`neighbour_attention`).
+  * Dot product (UniMP / "TransformerConv" scoring, spec §3.4 notes), the ablation `gat=dot`:
+        e_ij = <W_t h_i, W_s h_j> / sqrt(D) + b_h[j - i]
+    The kernels take it when the attention vector `attn` is None.
+  * alpha_i = softmax over the valid neighbours N(i); out_i = sum_j alpha_ij W_s h_j (GAT eq. (4)
+    without the nonlinearity: the FFN follows, spec §3.4 step 7).
+  * b_h[o] is the in-window learned relative bias of HRPE (spec §5.2 (c)): one scalar per head
+    and offset, plus one scalar per head for the token -> global edges.
+
+Global nodes (spec §5.1, §5.3): the encoder sequence is `[globals ; tokens]`, i.e. the model
+prepends g learned global vectors, and every function here treats positions `[:num_global]` of
+its node axis as the global nodes. A token attends to its window and to all globals; a global
+attends to every node (tokens and globals), with no relative bias. Causal (decoder) graphs have
+no globals (spec §3.4 "Causal version", §5.10): a global would summarise the future.
+
+Padding: `mask` is True for real nodes. A padded node neither sends nor receives: its row of
+alpha is all zeros, its output is zero, and its KL term is left out. The masked softmax never
+forms exp(-inf) on a row with no valid entries, so fully masked rows give 0, not NaN, and their
+gradients are finite.
+
+Cross-Graph (spec §5.5): decoder node i attends to the encoder tokens c_i-w_x .. c_i+w_x with
+    c_i = clip(round(rho * i), 0, N_b - 1)
+(rho a scalar hyperparameter, round half to even as Python's `round`, N_b the number of valid
+encoder tokens of that example, i.e. right-padded memory), plus the g encoder globals. The
+offset bias is b_h[j - c_i]. It never uses the target length, so it is the same at training
+and decoding time.
+
+KL smoothness term (spec §5.7): for every valid receiving node i and head h,
+    KL(alpha_i || uniform over N(i)) = sum_j alpha_ij log alpha_ij + log |N(i)|,
+summed and counted here (`kl_sum`, `kl_count`); `kl = kl_sum / kl_count` is the per-layer mean
+the model weights by lambda_KL (mean over layers, heads and valid nodes). The spec's alternative
+prior `kl_prior = "distance"` is `kl_tau`: pi_i(j) proportional to exp(-dist(i, j) / tau) over
+N(i), with dist = |j - i| in the window (max(|dr|, |dc|) on a grid, |j - c_i| in Cross-Graph) and
+1 for a global node, which is one hop from every token; the rows of the global nodes keep the
+uniform prior (a global has no position). The spec's other alternative, `kl_mode = "neighbour"`,
+is KL(alpha_i || alpha_{i-1}) between consecutive token rows with slots aligned by relative offset
+(`neighbour_kl`; on a grid, not across a row end).
+
+NaN-safe masking (the zoo's layer contract): queries, keys and values of padded nodes are replaced
+by 0 with `jnp.where` on entry, and logits and weights of non-edges with `where` too, so a padded
+node (or a future token of the causal form, which is in no earlier window) holding NaN or 1e30
+changes no other output and no KL term. The dense `[L, L]` test oracles live in
+`tests/htgn_jax/oracles.py`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from htgn_jax.graph_kl import (KL_MODES, attention_kl, check_kl, distance_prior_logits,  # noqa: F401
+                               neighbour_kl)
+from zoo_core.checks import check_int, check_rank, check_shape, fail
+
+Array = jax.Array
+
+VERSIONS = ("v1", "v2", "dot")
+# Defaults of the GAT-only options; their fields default to None so that version='dot', which has
+# neither, can refuse any value given explicitly.
+NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks (plain Python on static shapes, so they raise before anything is traced).
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_rho(rho: Any) -> None:
+    if jnp.ndim(rho) != 0 or not isinstance(rho, (int, float, np.floating, np.integer)) \
+            or not (np.isfinite(rho) and rho >= 0):
+        fail(f"`rho` must be a finite Python scalar >= 0, got {rho!r}")
+
+
+def _as_mask(name: str, mask: Any, shape: Sequence[int], shape_doc: str) -> Array:
+    """Returns a boolean mask of `shape` (all True when `mask` is None), checking its shape."""
+    if mask is None:
+        return jnp.ones(shape, bool)
+    check_shape(name, mask, shape, shape_doc)
+    mask = jnp.asarray(mask)
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def clean(x: Array, mask: Array) -> Array:
+    """x `[B, L, ...]` (or `[B, ...]`) with the nodes where `mask` `[B, L]` (or `[B]`) is False
+    replaced by 0 (`where`, never a product: 0 * NaN = NaN)."""
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x,
+                     jnp.zeros((), x.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure kernels (the causal window's recurrent and chunked forms are in `graph_causal`).
+# ----------------------------------------------------------------------------------------------
+
+
+def window_offsets(window: int, causal: bool = False,
+                   grid_width: int | None = None) -> tuple[int, ...]:
+    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (spec §3.4).
+
+    With `grid_width` W (tokens in row-major raster order, rows of W): the 2-D stencil of radius w
+    (spec §5.12 image-patch preset), one slot per (dr, dc) in [-w, w]^2, dr-major, at raster
+    offset dr * W + dc; `grid_column_ok` marks the slots that stay in the token's row band. For
+    W <= 2w two slots can share an offset; for any token at most one of them is valid.
+    """
+    check_int("window", window, 0)
+    if grid_width is None:
+        return tuple(range(-window, 1 if causal else window + 1))
+    check_int("grid_width", grid_width, 1)
+    if causal:
+        fail("a 2-D stencil (grid_width) has no causal form")
+    r = range(-window, window + 1)
+    return tuple(dr * grid_width + dc for dr in r for dc in r)
+
+
+def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
+    """bool `[N, K]`: slot (dr, dc) of token i lands in column col(i) + dc within 0..W-1.
+
+    Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
+    row(i) + dr is a row of the grid (`_unfold` drops the others).
+    """
+    window_offsets(window, grid_width=grid_width)        # checks window and grid_width
+    col = np.arange(num_tokens) % grid_width
+    dc = np.tile(np.arange(-window, window + 1), 2 * window + 1)
+    c = col[:, None] + dc[None, :]
+    return (c >= 0) & (c < grid_width)
+
+
+def window_distances(window: int, causal: bool = False,
+                     grid_width: int | None = None) -> np.ndarray:
+    """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
+    offsets = window_offsets(window, causal, grid_width)   # also checks the arguments
+    if grid_width is None:
+        return np.abs(np.asarray(offsets, np.float64))
+    r = np.arange(-window, window + 1)
+    return np.maximum(np.abs(r)[:, None], np.abs(r)[None, :]).reshape(-1).astype(np.float64)
+
+
+def _unfold(x: Array, offsets: Sequence[int], fill: Any = 0) -> Array:
+    """Neighbour stack by static shifted slices: out[:, i, k] = x[:, i + offsets[k]] (else fill).
+
+    Args:
+      x: `[B, N, ...]`.
+      offsets: static integer offsets, K of them.
+      fill: value for neighbours outside 0..N-1.
+
+    Returns:
+      `[B, N, K, ...]`. Memory O(B N K ...), never O(N^2).
+    """
+    lo, hi = max(0, -min(offsets)), max(0, max(offsets))
+    n = x.shape[1]
+    xp = jnp.pad(x, [(0, 0), (lo, hi)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.stack([xp[:, lo + o: lo + o + n] for o in offsets], axis=2)
+
+
+def _masked_softmax(logits: Array, valid: Array) -> tuple[Array, Array]:
+    """Softmax over the last axis restricted to `valid`; rows with no valid entry give zeros.
+
+    Args:
+      logits: `[..., K]` float32.
+      valid: boolean, broadcastable to `logits`.
+
+    Returns:
+      (probs, log_probs), both `[..., K]`, exactly 0 at invalid entries. The row max is taken
+      over valid entries only and exp() only ever sees finite arguments, so fully masked rows
+      stay finite in value and gradient (no -inf, no 0 * inf).
+    """
+    valid = jnp.broadcast_to(valid, logits.shape)
+    row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    z = jnp.where(valid, logits - row_max, 0.0)
+    e = jnp.where(valid, jnp.exp(z), 0.0)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    return e / denom, jnp.where(valid, z - jnp.log(denom), 0.0)
+
+
+def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
+                        attn: Array | None, *,
+                        bias: Array | None = None, negative_slope: float | None = None,
+                        dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+                        prior_logits: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GATv2 (or dot-product) attention of each receiver over an explicit neighbour list.
+
+    The shared kernel of every form here:
+      e_mk = sum_c attn[h, c] LeakyReLU(query[m] + keys[m, k])[h, c] + bias[h, k]    (GATv2, GAT)
+      e_mk = <query[m], keys[m, k]>_h / sqrt(C) + bias[h, k]                          (attn None)
+    alpha = masked softmax over k; out_m = sum_k alpha_mk values[m, k].
+
+    Args:
+      query: target-side score features `[B, M, H, C]` (W_t h_i).
+      keys: source-side score features of the neighbours `[B, M, K, H, C]` (W_s h_j).
+      values: messages `[B, M, K, H, D]` (W_s h_j).
+      valid: `[B, M, K]` boolean; an edge exists and both ends are real nodes.
+      attn: `[H, C]` attention vectors a_h, or None for scaled dot-product scoring.
+      bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
+      negative_slope: LeakyReLU slope of GAT/GATv2; None means 0.2. Dot-product scoring has none,
+        so it must stay None then.
+      dropout_rate: dropout on alpha (spec §5.6), used only when `dropout_rng` is given.
+      dropout_rng: PRNG key, or None for no dropout.
+      prior_logits: `[K]` KL prior logits (see `attention_kl`), or None for the uniform prior.
+
+    Returns:
+      out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
+      wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
+    """
+    if attn is None and negative_slope is not None:
+        fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
+              f"LeakyReLU, got negative_slope={negative_slope!r}")
+    slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
+    # Logits, softmax and KL in at least float32 (float64 stays float64).
+    acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
+    if attn is None:
+        logits = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
+        logits = logits * (query.shape[-1] ** -0.5)
+    else:
+        pre = jax.nn.leaky_relu(query[:, :, None] + keys, slope)             # [B, M, K, H, C]
+        logits = jnp.einsum("bmkhc,hc->bmhk", pre, attn.astype(pre.dtype),
+                            preferred_element_type=acc)
+    if bias is not None:
+        logits = logits + bias.astype(acc)
+    probs, log_probs = _masked_softmax(logits, valid[:, :, None, :])
+    kl_sum, kl_count = attention_kl(probs, log_probs, valid, prior_logits)
+    weights = probs
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        weights = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+    out = jnp.einsum("bmhk,bmkhd->bmhd", weights.astype(values.dtype), values)
+    return out, {"probs": probs, "log_probs": log_probs, "kl_sum": kl_sum, "kl_count": kl_count}
+
+
+def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
+                    ) -> tuple[Array, Array, Array]:
+    """GAT v1 as one-channel GATv2: LeakyReLU(a_t.z_i + a_s.z_j) = 1 * LeakyReLU(q_i + k_j).
+
+    Args:
+      source: z = W h, `[..., H, D]` (v1 uses one projection for both ends, GAT eq. (1)).
+      attn_target: a_t, `[H, D]`.
+      attn_source: a_s, `[H, D]`.
+
+    Returns:
+      (query `[..., H, 1]`, key `[..., H, 1]`, attn = ones `[H, 1]`) for the kernels here.
+    """
+    q = jnp.einsum("...hd,hd->...h", source, attn_target.astype(source.dtype))[..., None]
+    k = jnp.einsum("...hd,hd->...h", source, attn_source.astype(source.dtype))[..., None]
+    return q, k, jnp.ones((attn_target.shape[0], 1), source.dtype)
+
+
+def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num_window: int,
+              num_global: int) -> Array | None:
+    """[H, K+g] logit bias: rel_bias for the window columns, global_bias for the global ones."""
+    if rel_bias is None and global_bias is None:
+        return None
+    dtype = (rel_bias if rel_bias is not None else global_bias).dtype
+    rb = rel_bias if rel_bias is not None else jnp.zeros((heads, num_window), dtype)
+    if not num_global:
+        return rb
+    gb = global_bias if global_bias is not None else jnp.zeros((heads,), dtype)
+    return jnp.concatenate([rb, jnp.broadcast_to(gb[:, None], (heads, num_global))], axis=1)
+
+
+def _check_attn(attn: Array | None, heads: int, ch: int) -> None:
+    if attn is not None:
+        check_shape("attn", attn, (heads, ch), "[H, C]")
+
+
+def _check_kernel_args(query, key, value, attn, rel_bias, global_bias, num_window, num_global):
+    check_rank("query", query, 4, "[B, L, H, C]")
+    b, length, heads, ch = query.shape
+    # Windows are offsets within one sequence: keys and values have the queries' length L.
+    check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
+    check_rank("value", value, 4, "[B, L, H, D]")
+    check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
+    _check_attn(attn, heads, ch)
+    if rel_bias is not None:
+        check_shape("rel_bias", rel_bias, (heads, num_window), "[H, K]")
+    if global_bias is not None:
+        if not num_global:
+            fail("`global_bias` was given but `num_global` is 0")
+        check_shape("global_bias", global_bias, (heads,), "[H]")
+
+
+def window_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
+                           window: int,
+                           num_global: int = 0, causal: bool = False, mask: Array | None = None,
+                           rel_bias: Array | None = None, global_bias: Array | None = None,
+                           negative_slope: float | None = None, dropout_rate: float = 0.0,
+                           dropout_rng: Array | None = None, kl_tau: float | None = None,
+                           kl_mode: str = "prior",
+                           grid_width: int | None = None) -> tuple[Array, dict[str, Array]]:
+    """Windowed GATv2 (or GAT, dot product) with global nodes (spec §3.4), O(B L (K+g) H C).
+
+    Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
+    i+o, o in `window_offsets(window, causal, grid_width)`, and to all globals; each global attends
+    to all L nodes (no bias). Edges touching padded nodes are dropped. With `grid_width` the
+    tokens are image patches in raster order and the stencil is 2-D (spec §5.12).
+
+    Args:
+      query: target-side score features `[B, L, H, C]`.
+      key: source-side score features `[B, L, H, C]`.
+      value: messages `[B, L, H, D]` (GATv2, dot: the same array as `key`).
+      attn: `[H, C]`, or None for dot-product scoring.
+      window: radius w >= 0.
+      num_global: g >= 0 leading global nodes (must be 0 when causal).
+      causal: offsets -w..0 (decoder).
+      mask: `[B, L]`, True for real nodes; None means all real.
+      rel_bias: `[H, K]` learned bias per head and stencil slot (K = 2w+1, or w+1 causal, or
+        (2w+1)^2 on a grid), in `window_offsets` order; None for no bias.
+      global_bias: `[H]` bias on token -> global edges, or None.
+      negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
+      dropout_rate: attention dropout, applied only when `dropout_rng` is given.
+      dropout_rng: PRNG key or None.
+      kl_tau: None for the uniform KL prior, or tau of the distance prior on the token rows.
+      kl_mode: 'prior' (KL(alpha_i || pi_i) on every row) or 'neighbour' (`neighbour_kl` over
+        consecutive token rows; the global rows have no order and add nothing).
+      grid_width: None (1-D window), or W: tokens are a row-major grid with rows of W and the
+        stencil is the 2-D (2w+1)^2 neighbourhood (w = 1: the 8-neighbourhood and self).
+
+    Returns:
+      out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
+      rows; columns = window offsets then globals), `global_probs` `[B, g, H, L]` (g > 0 only),
+      and `kl_sum`, `kl_count` (spec §5.7): over all rows for kl_mode='prior', over pairs of
+      consecutive token rows for 'neighbour'.
+    """
+    check_int("window", window, 0)
+    check_int("num_global", num_global, 0)
+    if causal and num_global:
+        fail(f"`num_global` must be 0 when causal (a global node would see the future), "
+              f"got {num_global}")
+    offsets = window_offsets(window, causal, grid_width)
+    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
+    _check_kernel_args(query, key, value, attn, rel_bias, global_bias, len(offsets), num_global)
+    b, length = query.shape[:2]
+    if length <= num_global:
+        fail(f"`query` has {length} nodes but needs more than num_global={num_global}")
+    mask = _as_mask("mask", mask, (b, length), "[B, L]")
+    shared = value is key          # GATv2: one array is both score key and message
+    query, key = clean(query, mask), clean(key, mask)
+    value = key if shared else clean(value, mask)
+    g = num_global
+    heads = query.shape[2]
+    rng_tok = rng_glb = dropout_rng
+    if dropout_rng is not None and g:
+        rng_tok, rng_glb = jax.random.split(dropout_rng)
+
+    # Token rows: window neighbours by shifted slices, then the g globals broadcast.
+    q_tok, m_tok = query[:, g:], mask[:, g:]
+    keys = _unfold(key[:, g:], offsets)                                   # [B, N, K, H, C]
+    vals = keys if shared else _unfold(value[:, g:], offsets)             # [B, N, K, H, D]
+    valid = _unfold(m_tok, offsets, False) & m_tok[:, :, None]           # [B, N, K]
+    if grid_width is not None:
+        valid = valid & grid_column_ok(q_tok.shape[1], window, grid_width)[None]
+    if g:
+        n = q_tok.shape[1]
+        keys = jnp.concatenate(
+            [keys, jnp.broadcast_to(key[:, None, :g], (b, n) + key[:, :g].shape[1:])], axis=2)
+        vals = keys if shared else jnp.concatenate(
+            [vals, jnp.broadcast_to(value[:, None, :g], (b, n) + value[:, :g].shape[1:])], axis=2)
+        valid = jnp.concatenate([valid, mask[:, None, :g] & m_tok[:, :, None]], axis=2)
+    bias = _bias_row(rel_bias, global_bias, heads, len(offsets), g)
+    out_tok, st = neighbour_attention(q_tok, keys, vals, valid, attn, bias=bias,
+                                      negative_slope=negative_slope, dropout_rate=dropout_rate,
+                                      dropout_rng=rng_tok,
+                                      prior_logits=distance_prior_logits(
+                                          window_distances(window, causal, grid_width), g, kl_tau))
+    aux = {"probs": st["probs"], "kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
+    if kl_mode == "neighbour":
+        # On a grid, raster neighbours across a row end are not image neighbours.
+        pair_ok = None if grid_width is None else np.arange(1, q_tok.shape[1]) % grid_width != 0
+        aux["kl_sum"], aux["kl_count"] = neighbour_kl(st["probs"], st["log_probs"], valid, pair_ok)
+    if not g:
+        return out_tok, aux
+
+    # Global rows: dense over all L nodes, O(g L) (spec §3.4 step 6).
+    keys_g = jnp.broadcast_to(key[:, None], (b, g) + key.shape[1:])
+    vals_g = jnp.broadcast_to(value[:, None], (b, g) + value.shape[1:])
+    valid_g = mask[:, None, :] & mask[:, :g, None]
+    out_glb, st_g = neighbour_attention(query[:, :g], keys_g, vals_g, valid_g, attn,
+                                        negative_slope=negative_slope,
+                                        dropout_rate=dropout_rate, dropout_rng=rng_glb)
+    aux["global_probs"] = st_g["probs"]
+    if kl_mode == "prior":
+        aux["kl_sum"] = aux["kl_sum"] + st_g["kl_sum"]
+        aux["kl_count"] = aux["kl_count"] + st_g["kl_count"]
+    return jnp.concatenate([out_glb, out_tok], axis=1), aux
+
+
+def cross_graph_centres(positions: Array, rho: float, memory_lengths: Array) -> Array:
+    """Window centres c_i = clip(round(rho * i), 0, N_b - 1) (spec §5.5).
+
+    Args:
+      positions: decoder indices i, `[T]` or `[B, T]` int.
+      rho: scalar ratio (mean source length / mean target length, a hyperparameter).
+      memory_lengths: `[B]` number of valid encoder tokens N_b (right-padded memory).
+
+    Returns:
+      `[B, T]` int32. round() is half-to-even in float32, like Python's `round`.
+    """
+    positions = jnp.asarray(positions)
+    lengths = jnp.asarray(memory_lengths, jnp.int32)
+    if positions.ndim == 1:
+        positions = jnp.broadcast_to(positions[None], (lengths.shape[0], positions.shape[0]))
+    c = jnp.round(jnp.float32(rho) * positions.astype(jnp.float32)).astype(jnp.int32)
+    return jnp.clip(c, 0, jnp.maximum(lengths - 1, 0)[:, None])
+
+
+def _gather_rows(x: Array, idx: Array) -> Array:
+    """x `[B, N, ...]`, idx `[B, T, K]` in 0..N-1 -> `[B, T, K, ...]`, memory O(B T K ...)."""
+    return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
+
+
+def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
+                          window: int,
+                          num_global: int = 0, rho: float = 1.0, mask: Array | None = None,
+                          memory_mask: Array | None = None, positions: Array | None = None,
+                          rel_bias: Array | None = None, global_bias: Array | None = None,
+                          negative_slope: float | None = None, dropout_rate: float = 0.0,
+                          dropout_rng: Array | None = None, kl_tau: float | None = None,
+                          kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
+    """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
+
+    Cost O(B T (2w+1+g) H C): neighbours are gathered with `c_i + o` index arrays (clamped, and
+    masked when outside the example's valid tokens), never a `[T, N]` matrix (spec §5.5).
+
+    Args:
+      query: decoder score features `[B, T, H, C]`.
+      key: memory score features `[B, L, H, C]`, L = g + N (`[globals ; tokens]`).
+      value: memory messages `[B, L, H, D]`.
+      attn: `[H, C]`, or None for dot-product scoring.
+      window: w_x >= 0.
+      num_global: g encoder globals at the front of the memory.
+      rho: centre ratio (hyperparameter, spec §5.5), >= 0.
+      mask: `[B, T]` decoder mask (True = real); None means all real.
+      memory_mask: `[B, L]` memory mask; tokens must be right-padded (N_b = its token count).
+      positions: decoder indices i, `[T]` or `[B, T]`; None means 0..T-1. Decoding passes the
+        current step's index.
+      rel_bias: `[H, 2w+1]` bias b_h[j - c_i], indexed by `j - c_i + w`, or None.
+      global_bias: `[H]` bias on decoder -> encoder-global edges, or None.
+      negative_slope, dropout_rate, dropout_rng: as in `neighbour_attention`.
+      kl_tau: None for the uniform KL prior, or tau of the distance prior (dist = |j - c_i|).
+      kl_mode: 'prior' or 'neighbour' (`neighbour_kl` over consecutive decoder rows, slots
+        aligned by offset from the centre).
+
+    Returns:
+      out `[B, T, H, D]` (zero at padded decoder rows) and a dict with `probs`
+      `[B, T, H, 2w+1+g]`, `centres` `[B, T]`, `kl_sum`, `kl_count`.
+    """
+    check_int("window", window, 0)
+    check_int("num_global", num_global, 0)
+    _check_rho(rho)
+    offsets = window_offsets(window)
+    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
+    check_rank("query", query, 4, "[B, T, H, C]")
+    check_rank("key", key, 4, "[B, L, H, C]")
+    b, t, heads, ch = query.shape
+    length = key.shape[1]
+    check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
+    check_rank("value", value, 4, "[B, L, H, D]")
+    check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
+    _check_attn(attn, heads, ch)
+    if rel_bias is not None:
+        check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, 2w+1]")
+    if global_bias is not None:
+        if not num_global:
+            fail("`global_bias` was given but `num_global` is 0")
+        check_shape("global_bias", global_bias, (heads,), "[H]")
+    if length <= num_global:
+        fail(f"`memory` has {length} nodes but needs more than num_global={num_global}")
+    mask = _as_mask("mask", mask, (b, t), "[B, T]")
+    memory_mask = _as_mask("memory_mask", memory_mask, (b, length), "[B, L]")
+    shared = value is key
+    query, key = clean(query, mask), clean(key, memory_mask)
+    value = key if shared else clean(value, memory_mask)
+    if positions is None:
+        positions = jnp.arange(t)
+    elif jnp.shape(positions) not in ((t,), (b, t)):
+        fail(f"`positions` must have shape [T] or [B, T], got {jnp.shape(positions)}")
+    g = num_global
+    n = length - g
+    tok_mask = memory_mask[:, g:]
+    centres = cross_graph_centres(positions, rho, jnp.sum(tok_mask, axis=1))
+    idx = centres[:, :, None] + jnp.asarray(offsets)[None, None]          # [B, T, K]
+    in_range = (idx >= 0) & (idx < n)
+    idx = jnp.clip(idx, 0, n - 1)
+    keys = _gather_rows(key[:, g:], idx)                                  # [B, T, K, H, C]
+    vals = keys if shared else _gather_rows(value[:, g:], idx)            # [B, T, K, H, D]
+    valid = in_range & _gather_rows(tok_mask, idx) & mask[:, :, None]
+    if g:
+        keys = jnp.concatenate(
+            [keys, jnp.broadcast_to(key[:, None, :g], (b, t) + key[:, :g].shape[1:])], axis=2)
+        vals = keys if shared else jnp.concatenate(
+            [vals, jnp.broadcast_to(value[:, None, :g], (b, t) + value[:, :g].shape[1:])], axis=2)
+        valid = jnp.concatenate([valid, memory_mask[:, None, :g] & mask[:, :, None]], axis=2)
+    bias = _bias_row(rel_bias, global_bias, heads, len(offsets), g)
+    out, st = neighbour_attention(query, keys, vals, valid, attn, bias=bias,
+                                  negative_slope=negative_slope, dropout_rate=dropout_rate,
+                                  dropout_rng=dropout_rng,
+                                  prior_logits=distance_prior_logits(
+                                      window_distances(window), g, kl_tau))
+    kl_sum, kl_count = st["kl_sum"], st["kl_count"]
+    if kl_mode == "neighbour":
+        kl_sum, kl_count = neighbour_kl(st["probs"], st["log_probs"], valid)
+    return out, {"probs": st["probs"], "centres": centres, "kl_sum": kl_sum, "kl_count": kl_count}

@@ -1,0 +1,205 @@
+"""The checks of the HTGN model boundary: `Model(...)` kwargs, batches and the `step` argument.
+
+Validation happens once, here (called by `htgn_jax.model.Model` and the models' public methods);
+blocks and layers below keep structural checks only. Every error is the zoo's `ValueError` with one
+line naming the argument (`zoo_core.checks`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from htgn_jax import graph_ops, hrpe, ops
+from zoo_core.checks import (check_choice, check_divisible, check_int, check_optional_int,
+                             check_rate, fail)
+
+ATTENTIONS = ("favor", "softmax")
+FEATURE_MAPS = ops.FEATURE_MAPS
+GAT_VERSIONS = graph_ops.VERSIONS
+NORMS = ("pre", "post")
+POOLS = ("cls", "mean")
+CROSS_GRAPH_LAYERS = ("all", "last")
+PE_BASES = hrpe.BASES
+
+# Fields that only the graph layers / HRPE read: given explicitly while that part is switched off
+# they would be ignored, so the factory refuses them.
+GRAPH_ONLY_KWARGS = ("window", "cross_window", "rho", "cross_graph_layers", "gat_version",
+                     "kl_tau", "kl_mode")
+HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
+
+
+def _kl_options_set(a: dict) -> list[str]:
+    """The KL alternatives (spec §5.7) set away from the plain uniform prior."""
+    return [name for name, default in (("kl_tau", None), ("kl_mode", "prior"))
+            if a.get(name, default) != default]
+
+
+def check_common(a: dict) -> None:
+    """Checks of the fields every HTGN model has (`a`: the resolved constructor kwargs)."""
+    check_choice("attention", a["attention"], ATTENTIONS)
+    check_choice("feature_map", a["feature_map"], FEATURE_MAPS)
+    check_choice("gat_version", a["gat_version"], GAT_VERSIONS)
+    check_choice("norm", a["norm"], NORMS)
+    for name in ("d_model", "num_heads", "mlp_dim", "num_layers"):
+        check_int(name, a[name], 1)
+    check_int("window", a["window"], 0)
+    check_int("num_global", a["num_global"], 0)
+    check_divisible("d_model", a["d_model"], "num_heads", a["num_heads"])
+    if a["use_hrpe"] and (a["d_model"] // a["num_heads"]) % 2:
+        fail(f"use_hrpe=True rotates channel pairs, so d_model / num_heads must be even, got "
+             f"{a['d_model'] // a['num_heads']}")
+    if a["attention"] == "favor" and a["feature_map"] == "softmax":
+        check_int("num_features", a["num_features"], 1)
+    if a["attention"] == "softmax" and a["feature_map"] != "softmax":
+        fail(f"feature_map applies to attention='favor' only, got feature_map={a['feature_map']!r} "
+             f"with attention='softmax'")
+    for name in ("dropout_rate", "attention_dropout", "drop_path"):
+        check_rate(name, a[name])
+    graph_ops.check_kl(a["kl_tau"], a["kl_mode"])
+    if _kl_options_set(a) and not a["use_graph_conv"]:
+        fail(f"{_kl_options_set(a)[0]} shapes the KL term of the graph layers, but "
+             f"use_graph_conv=False")
+    if _kl_options_set(a) and not a["kl_weight"]:
+        fail(f"{_kl_options_set(a)[0]} shapes the KL term, but kl_weight={a['kl_weight']!r} turns "
+             f"it off")
+    if a["attention_dropout"] and not a["use_graph_conv"]:
+        fail("attention_dropout acts on the graph-attention probabilities (spec §5.6), but "
+             "use_graph_conv=False")
+    check_int("redraw_every", a["redraw_every"], 0)
+    if a["redraw_every"] and (a["attention"] != "favor" or a["feature_map"] != "softmax"):
+        fail(f"redraw_every redraws the FAVOR+ random features, so it needs attention='favor' and "
+             f"feature_map='softmax', got attention={a['attention']!r}, "
+             f"feature_map={a['feature_map']!r}")
+    if isinstance(a["kl_weight"], bool) or not isinstance(a["kl_weight"], (int, float)) \
+            or a["kl_weight"] < 0:
+        fail(f"`kl_weight` must be a number >= 0, got {a['kl_weight']!r}")
+    if a["use_hrpe"]:
+        check_int("num_pe", a["num_pe"], 1)
+
+
+def check_seq2seq(a: dict) -> None:
+    """Checks of `Seq2Seq`'s own fields."""
+    for name in ("source_vocab_size", "target_vocab_size", "max_source_len", "max_target_len",
+                 "chunk_size"):
+        check_int(name, a[name], 1)
+    check_optional_int("num_encoder_layers", a["num_encoder_layers"])
+    check_optional_int("num_decoder_layers", a["num_decoder_layers"])
+    check_int("cross_window", a["cross_window"], 0)
+    check_choice("cross_graph_layers", a["cross_graph_layers"], CROSS_GRAPH_LAYERS)
+    check_choice("pe_basis", a["pe_basis"], PE_BASES)
+    rho = a["rho"]
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) \
+            or rho < 0:
+        fail(f"`rho` must be a finite number >= 0, got {rho!r}")
+    if a["share_embeddings"] and a["source_vocab_size"] != a["target_vocab_size"]:
+        fail(f"share_embeddings=True needs equal vocab sizes, got source_vocab_size="
+             f"{a['source_vocab_size']} and target_vocab_size={a['target_vocab_size']}")
+    ids = {name: a[name] for name in ("pad_id", "bos_id", "eos_id")}
+    for name, value in ids.items():
+        check_int(name, value, 0)
+        if value >= a["target_vocab_size"]:
+            fail(f"{name}={value} is outside the target vocabulary ({a['target_vocab_size']})")
+    if len(set(ids.values())) != 3:
+        fail(f"pad_id, bos_id and eos_id must differ, got {ids}")
+
+
+def check_classifier(a: dict) -> None:
+    """Checks of `Classifier`'s own fields."""
+    for name in ("num_classes", "image_size", "patch_size", "channels"):
+        check_int(name, a[name], 1)
+    if a["image_size"] % a["patch_size"]:
+        fail(f"image_size ({a['image_size']}) must be divisible by patch_size ({a['patch_size']})")
+    check_choice("pool", a["pool"], POOLS)
+    if a["pool"] == "cls" and not a["num_global"]:
+        fail("pool='cls' reads global token 0, so num_global must be >= 1 (or use pool='mean')")
+    cells = (a["image_size"] // a["patch_size"]) ** 2
+    if a["use_hrpe"] and a["num_pe"] > cells - 1:
+        fail(f"num_pe must be <= (image_size / patch_size)^2 - 1 = {cells - 1}, got {a['num_pe']}")
+
+
+def check_switched_off(given: dict, a: dict) -> None:
+    """Refuses explicitly given kwargs of a part that is switched off (they would be ignored)."""
+    if not a.get("use_graph_conv", True):
+        unused = [k for k in GRAPH_ONLY_KWARGS if k in given]
+        unused += ["kl_weight"] if given.get("kl_weight") else []
+        if unused:
+            fail(f"{unused} apply to the graph layers, but use_graph_conv=False")
+    if not a.get("use_hrpe", True):
+        unused = [k for k in HRPE_ONLY_KWARGS if k in given]
+        if unused:
+            fail(f"{unused} apply to HRPE, but use_hrpe=False")
+    if a.get("attention", "favor") == "softmax" and "chunk_size" in given:
+        fail("chunk_size applies to attention='favor' (the chunked causal FAVOR+ form) only")
+    if given.get("num_features") is not None and (
+            a.get("attention", "favor") == "softmax" or a.get("feature_map", "softmax") != "softmax"):
+        fail("num_features applies to attention='favor' with feature_map='softmax' only")
+
+
+def check_step(m, step: Any) -> None:
+    """`step` is required with redraw_every > 0 (it selects the random features), else refused."""
+    if m.redraw_every and step is None:
+        fail(f"redraw_every={m.redraw_every} makes the random features depend on the training "
+             f"step: pass step= (the index of the last training update, "
+             f"trainer.eval_step_index(steps_done))")
+    if not m.redraw_every and step is not None:
+        fail("step selects the redrawn FAVOR+ features, but redraw_every=0 (one fixed draw): "
+             "do not pass step")
+
+
+def int_array(name: str, x: Any, rank: int, doc: str):
+    """`x` as an integer array of `rank` (named batch[name] in the error)."""
+    x = jnp.asarray(x)
+    if x.ndim != rank:
+        fail(f"batch[{name!r}] must have rank {rank} {doc}, got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        fail(f"batch[{name!r}] must hold integer ids, got dtype {x.dtype}")
+    return x
+
+
+def seq2seq_batch(m, batch: dict):
+    """(inputs [B, S], mask [B, S], targets [B, T]) of a checked seq2seq batch."""
+    if "inputs" not in batch or "targets" not in batch:
+        fail(f"batch must contain 'inputs' [B, S] and 'targets' [B, T] ids, got keys "
+             f"{sorted(batch)}")
+    inputs, mask = source(m, batch["inputs"], batch.get("inputs_mask"))
+    targets = int_array("targets", batch["targets"], 2, "[B, T]")
+    if targets.shape[0] != inputs.shape[0]:
+        fail(f"batch['targets'] has batch size {targets.shape[0]} but batch['inputs'] has "
+             f"{inputs.shape[0]}")
+    target_length(m, targets.shape[1], "batch['targets']")
+    return inputs, mask, targets
+
+
+def source(m, inputs: Any, inputs_mask: Any):
+    """(inputs, mask) of a checked source batch (mask default inputs != pad_id)."""
+    inputs = int_array("inputs", inputs, 2, "[B, S]")
+    if inputs.shape[1] > m.max_source_len:
+        fail(f"batch['inputs'] has length {inputs.shape[1]} > max_source_len={m.max_source_len}")
+    if inputs_mask is None:
+        return inputs, inputs != m.pad_id
+    inputs_mask = jnp.asarray(inputs_mask)
+    if inputs_mask.shape != inputs.shape:
+        fail(f"batch['inputs_mask'] must have the shape of batch['inputs'] [B, S] = "
+             f"{tuple(inputs.shape)}, got {tuple(inputs_mask.shape)}")
+    return inputs, inputs_mask.astype(bool)
+
+
+def target_length(m, length: int, what: str) -> None:
+    if length > m.max_target_len:
+        fail(f"{what} has length {length} > max_target_len={m.max_target_len} (the decoder "
+             f"position encodings cover max_target_len positions)")
+
+
+def image(m, batch: dict):
+    """The checked image `[B, H, W, C]` of a classifier batch ('image' or 'inputs')."""
+    key = "image" if "image" in batch else "inputs"
+    if key not in batch:
+        fail(f"batch must contain 'image' (or 'inputs') [B, H, W, C], got keys {sorted(batch)}")
+    x = jnp.asarray(batch[key])
+    want = (m.image_size, m.image_size, m.channels)
+    if x.ndim != 4 or tuple(x.shape[1:]) != want:
+        fail(f"batch[{key!r}] must have shape [B, {want[0]}, {want[1]}, {want[2]}] "
+             f"(image_size, image_size, channels), got {tuple(x.shape)}")
+    return x
