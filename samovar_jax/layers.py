@@ -23,7 +23,7 @@ and recurrent states are float32 (see `samovar_jax.attention`).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -33,6 +33,9 @@ Array = jax.Array
 
 FORECASTER_KINDS = ("samovar", "lintrans", "fixedvar")
 KINDS = FORECASTER_KINDS + ("dlinear",)
+# `Forecaster` fields that apply to some kinds only: another kind with a non-default value raises.
+KIND_ONLY_FIELDS = {"use_qv_norm": ("samovar",), "use_key_proj": ("samovar",), "structural": ("samovar", "fixedvar"),
+                    "shortcut_inside": ("samovar", "fixedvar"), "fixed_max_tokens": ("fixedvar",)}
 
 # Sizes of the SAMoVAR kinds (`Forecaster` fields; without a variant its defaults are 'paper').
 # `width=0` is the reference's automatic width 32 * floor(sqrt(C)) (C = input channels for
@@ -202,29 +205,21 @@ class Forecaster(nn.Module):
         checks.check_choice("position_overflow", self.position_overflow, ("error", "clamp"))
         checks.check_choice("structural", self.structural, (None, "lu", "lu_inverse", "none"))
         if not self.ar_loss_weight >= 0 or self.num_targets > self.num_channels:
-            checks.fail(f"`ar_loss_weight` must be >= 0 and `num_targets` <= num_channels, got "
-                        f"{self.ar_loss_weight}, {self.num_targets}")
-        only = [("use_qv_norm", self.use_qv_norm is not None, ("samovar",)),
-                ("use_key_proj", self.use_key_proj is not None, ("samovar",)),
-                ("structural", self.structural is not None, ("samovar", "fixedvar")),
-                ("shortcut_inside", self.shortcut_inside, ("samovar", "fixedvar")),
-                ("fixed_max_tokens", self.fixed_max_tokens != 128, ("fixedvar",))]
-        for name, given, kinds in only:
-            if given and self.kind not in kinds:
+            checks.fail(f"`ar_loss_weight` must be >= 0 and `num_targets` <= C, got {self.ar_loss_weight}, "
+                        f"{self.num_targets}")
+        for name, kinds in KIND_ONLY_FIELDS.items():
+            if self.kind not in kinds and getattr(self, name) != Forecaster.__dataclass_fields__[name].default:
                 checks.fail(f"`{name}` applies to kind in {kinds} only, got kind={self.kind!r}")
         if self.kind == "lintrans" and self.num_heads == 0:
             checks.fail("`num_heads`=0 (automatic) is not available for kind='lintrans'; give num_heads > 0")
         r = self.resolved
         checks.check_divisible("width", r.width, "num_heads", r.num_heads)
         if r.max_patches < r.num_patches or (self.kind == "fixedvar" and 2 * r.num_patches > self.fixed_max_tokens):
-            checks.fail(f"`max_patches` {r.max_patches} / `fixed_max_tokens` {self.fixed_max_tokens} do not "
-                        f"fit the {r.num_patches} input patches")
+            checks.fail(f"`max_patches` / `fixed_max_tokens` do not fit the {r.num_patches} input patches")
         if r.horizon_patches > 1 and r.num_targets != self.num_channels:
-            checks.fail(f"`horizon` {r.horizon} > patch_len needs num_targets == num_channels (rollout feeds "
-                        f"the predicted patches back); got num_targets={r.num_targets}")
+            checks.fail(f"`horizon` {r.horizon} > patch_len needs num_targets == num_channels, got {r.num_targets}")
         if self.ar_loss_weight > 0 and r.num_patches < 2:
-            checks.fail(f"`ar_loss_weight` > 0 needs at least 2 patches; input_len {self.input_len} with "
-                        f"patch_len {self.patch_len} gives {r.num_patches}")
+            checks.fail(f"`ar_loss_weight` > 0 needs at least 2 patches, got {r.num_patches} (input_len / patch_len)")
         self._check_positions(r, r.num_patches + r.horizon_patches - 1)
 
     @property

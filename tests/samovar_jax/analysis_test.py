@@ -55,7 +55,7 @@ def test_lag_matrices_reproduce_the_mixture(use_wk, structural, inside):
 
 
 def test_model_lag_matrices_reproduce_the_prediction():
-    model = Model(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
+    model = Model(kind="samovar", num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
     batch = {"inputs": jax.random.normal(jax.random.PRNGKey(1), (2, 10, 2))}
     params = model.init(jax.random.PRNGKey(2), batch)["params"]
     res = analysis.model_lag_matrices(model, params, batch)
@@ -125,7 +125,7 @@ def test_jacobian_estimator_recovers_a_linear_var():
 
 
 def test_jacobian_estimator_on_a_model():
-    model = Model(num_channels=2, input_len=10, patch_len=1, variant="tiny", width=8)
+    model = Model(kind="samovar", num_channels=2, input_len=10, patch_len=1, variant="tiny", width=8)
     x = jax.random.normal(jax.random.PRNGKey(5), (2, 10, 2))
     params = model.init(jax.random.PRNGKey(6), {"inputs": x})["params"]
     forecast = lambda xb: model.apply({"params": params}, {"inputs": xb})[0]["forecast"]  # noqa: E731

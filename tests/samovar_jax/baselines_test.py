@@ -112,7 +112,7 @@ def test_a_trained_dlinear_learns_a_linear_trend():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(kernel_size=4), "kernel_size must be odd"),
+    (dict(kernel_size=4), "`kernel_size` must be odd"),
     (dict(horizon=0), "`horizon` must be an integer >= 1"),
     (dict(num_targets=3), "num_targets"),
     (dict(dtype="nonsense"), "dtype"),

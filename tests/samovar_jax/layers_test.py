@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from samovar_jax import layers, ops
 from zoo_core.testing import F32_SIMPLE

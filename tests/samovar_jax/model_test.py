@@ -13,9 +13,13 @@ from zoo_core.testing import BF16, F32_MODEL, param_shapes
 # Models mostly run eagerly: after the first call warms JAX's per-primitive cache, an eager forward at
 # the shared shapes costs ~0.1 s, against ~0.4 s to compile every distinct configuration under jit.
 # C=2 channels, L_I=10, P=3 -> 2 zeros of left padding, N=4 patches, T=8 tokens; width 8, 2 heads, 2 layers.
-BASE = dict(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
+BASE = dict(kind="samovar", num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
 X = jax.random.normal(jax.random.PRNGKey(0), (2, 10, 2)) * 2.0 + 1.0
 BATCH = {"inputs": X}
+
+
+def _model(**kw):
+    return Model(**{**BASE, **kw})
 
 
 def _shapes(model):
@@ -51,7 +55,7 @@ SAMOVAR_SNAPSHOT = {
 
 
 def test_param_snapshot_all_kinds():
-    assert _shapes(Model(**BASE)) == SAMOVAR_SNAPSHOT
+    assert _shapes(_model()) == SAMOVAR_SNAPSHOT
     shared = {k: s for k, s in SAMOVAR_SNAPSHOT.items() if k.startswith(("tokenizer/", "head/", "final_norm",
                                                                            "pre_norm", "embedding/channel"))}
     shared.pop("embedding/channel_type")
@@ -59,12 +63,12 @@ def test_param_snapshot_all_kinds():
                 **{f"block_{i:02d}/{k}": s for i in range(2) for k, s in [
                     *[(f"attention/{n}/kernel", (8, 8)) for n in ("query", "key", "value", "out")],
                     *[(f"attention/{n}/bias", (8,)) for n in ("query", "key", "value", "out")],
-                    ("attention/norm/scale", (8,)), ("mlp/norm/scale", (8,)), ("mlp/fc_in/bias", (16,)),
+                    ("attention_norm/scale", (8,)), ("mlp/norm/scale", (8,)), ("mlp/fc_in/bias", (16,)),
                     ("mlp/fc_in/kernel", (8, 16)), ("mlp/fc_out/bias", (8,)), ("mlp/fc_out/kernel", (16, 8))]}}
-    assert _shapes(Model(**BASE, kind="lintrans")) == lintrans
+    assert _shapes(_model(kind="lintrans")) == lintrans
     fixed = {k: s for k, s in SAMOVAR_SNAPSHOT.items() if not k.startswith("var/")}
     fixed.update({f"var/layer_{i:02d}/{n}": (2, 128, 2, 4) for i in range(2) for n in ("query", "value")})
-    assert _shapes(Model(**BASE, kind="fixedvar")) == fixed
+    assert _shapes(_model(kind="fixedvar")) == fixed
 
 
 @pytest.mark.parametrize("kind, heads, input_len, patch_len, channels, want", [
@@ -95,7 +99,7 @@ def test_forward_contract_and_ar_loss(kind):
     assert "loss/ar" not in aux and set(aux_t) == {"loss/ar", "ar_mse", "next_patch"}
     # dropout is 0 in the tiny variant: train and eval agree.
     np.testing.assert_allclose(out_t["forecast"], out["forecast"], **F32_MODEL)
-    seg, mean, std = Model(**BASE, kind=kind).apply({"params": params}, X, method="normalise")
+    seg, mean, std = _model(kind=kind).apply({"params": params}, X, method="normalise")
     pred = aux["next_patch"]
     assert pred.shape == (2, 2, 4, 3)
     np.testing.assert_allclose(aux_t["loss/ar"], np.mean((pred[:, :, :-1] - seg[:, :, 1:]) ** 2), **F32_MODEL)
@@ -106,9 +110,9 @@ def test_forward_contract_and_ar_loss(kind):
 def test_attention_forms_agree_at_model_level():
     params = _params()
     want = _run(params)[0]["forecast"]
-    for form in ("chunked", "recurrent"):
-        got = _run(params, attention_form=form, chunk_size=3)[0]["forecast"]
-        np.testing.assert_allclose(got, want, **F32_MODEL, err_msg=form)
+    for chunk_size in (2, 3, 16):
+        got = _run(params, chunk_size=chunk_size)[0]["forecast"]
+        np.testing.assert_allclose(got, want, **F32_MODEL, err_msg=f"chunk_size={chunk_size}")
 
 
 def test_dropout_only_in_train_mode():
@@ -140,7 +144,7 @@ def test_ablation_switches():
     params = _params()
     base = _run(params)[0]["forecast"]
     # w/o D: no structural parameter; equal to the default when D = I, different otherwise.
-    assert "structural/theta" not in _shapes(Model(**BASE, structural="none"))
+    assert "structural/theta" not in _shapes(_model(structural="none"))
     no_d = {k: v for k, v in params.items() if k != "structural"}
     none_out = _run(no_d, structural="none")[0]["forecast"]
     np.testing.assert_allclose(_run(_with_identity_d(params))[0]["forecast"], none_out, **F32_MODEL)
@@ -150,7 +154,7 @@ def test_ablation_switches():
         np.testing.assert_allclose(_run(_with_identity_d(params), **kw)[0]["forecast"], none_out, **F32_MODEL)
         assert not np.allclose(_run(params, **kw)[0]["forecast"], base, rtol=1e-3, atol=1e-3), kw
     # w/o QV norm: the per-head norm gains disappear and the output changes.
-    shapes = _shapes(Model(**BASE, use_qv_norm=False))
+    shapes = _shapes(_model(use_qv_norm=False))
     assert not any("norm/scale" in k and k.startswith("var/") for k in shapes)
     no_norm = {**params, "var": {layer: {k: v for k, v in p.items() if "norm" not in k}
                                  for layer, p in params["var"].items()}}
@@ -166,7 +170,7 @@ def test_ablation_switches():
 def test_univariate_removes_cross_channel_dependence():
     x2 = X.at[:, :, 0].add(jax.random.normal(jax.random.PRNGKey(3), X[:, :, 0].shape))
     for univariate in (True, False):
-        model = Model(**BASE, univariate=univariate)
+        model = _model(univariate=univariate)
         params = _params(univariate=univariate)
         fn = lambda p, x: model.apply({"params": p}, {"inputs": x})[0]["forecast"]  # noqa: E731
         a, b = fn(params, X), fn(params, x2)
@@ -179,17 +183,17 @@ def test_univariate_removes_cross_channel_dependence():
 
 def test_instance_norm_mean_option():
     params = _params()
-    seg_w, mean_w, _ = Model(**BASE, norm_mean="window").apply({"params": params}, X, method="normalise")
+    seg_w, mean_w, _ = _model(norm_mean="window").apply({"params": params}, X, method="normalise")
     np.testing.assert_allclose(mean_w[:, 0], np.mean(np.asarray(X), 1), **F32_MODEL)
-    seg, mean, _ = Model(**BASE).apply({"params": params}, X, method="normalise")
+    seg, mean, _ = _model().apply({"params": params}, X, method="normalise")
     np.testing.assert_allclose(mean[:, 0], np.mean(np.asarray(X)[:, -3:], 1), **F32_MODEL)
     assert not np.allclose(_run(params, norm_mean="window")[0]["forecast"], _run(params)[0]["forecast"])
 
 
 def test_causality_over_patches():
     params = _params()
-    model = Model(**BASE)
-    seg = Model(**BASE).apply({"params": params}, X, method="normalise")[0]
+    model = _model()
+    seg = _model().apply({"params": params}, X, method="normalise")[0]
     seg2 = seg.at[:, :, 2:].add(1.0)                                    # change patches 2, 3
     fn = lambda s: model.apply({"params": params}, s, method="predict_segments")  # noqa: E731
     a, b = fn(seg), fn(seg2)
@@ -200,7 +204,7 @@ def test_causality_over_patches():
 @pytest.mark.parametrize("kind, extra", [
     ("samovar", dict(max_patches=6)),
     ("lintrans", dict(position_overflow="clamp")),
-    ("fixedvar", dict(max_patches=6, attention_form="chunked", chunk_size=3)),
+    ("fixedvar", dict(max_patches=6, chunk_size=3)),
 ])
 def test_rollout_equals_parallel_rerun(kind, extra):
     """Recurrent rollout (prefix state, then one patch per scan step) == re-running the parallel form
@@ -208,7 +212,7 @@ def test_rollout_equals_parallel_rerun(kind, extra):
     `__call__(horizon=8)` (a horizon that is not a multiple of P) for the baselines."""
     kw = dict(kind=kind, **extra)
     params = _params(kind=kind, **({"max_patches": 6} if "max_patches" in extra else {}))
-    model = Model(**BASE, **kw)
+    model = _model(**kw)
     # jit here: the re-runs have new sequence lengths, where one compile beats eager op-by-op warm-up.
     roll = jax.jit(lambda p, mode: model.apply({"params": p}, BATCH, 3, mode=mode, method="rollout"),
                    static_argnums=1)
@@ -217,54 +221,71 @@ def test_rollout_equals_parallel_rerun(kind, extra):
     if kind == "samovar":
         np.testing.assert_allclose(roll(params, "recurrent"), par, **F32_MODEL)
     else:
-        long = Model(**BASE, horizon=8, **kw)
+        long = _model(horizon=8, **kw)
         out = jax.jit(lambda p: long.apply({"params": p}, BATCH)[0]["forecast"])(params)
         np.testing.assert_allclose(out, par[:, :8], **F32_MODEL)
     # The first rolled-out patch is the one-patch forecast.
     np.testing.assert_allclose(par[:, :3], _run(params, **kw)[0]["forecast"], **F32_MODEL)
 
 
-def test_bad_arguments_raise_value_error():
-    bad_configs = [
-        (dict(kind="transformer"), "kind"),
-        (dict(variant="huge"), "variant"),
-        (dict(num_heads=3), "multiple of num_heads"),
-        (dict(kind="lintrans", num_heads=0), "num_heads=0"),
-        (dict(kind="lintrans", use_qv_norm=False), "use_qv_norm"),
-        (dict(kind="fixedvar", use_key_proj=True), "use_key_proj"),
-        (dict(kind="lintrans", structural="lu"), "structural"),
-        (dict(structural="qr"), "structural"),
-        (dict(norm_mean="median"), "norm_mean"),
-        (dict(attention_form="fast"), "attention_form"),
-        (dict(horizon=6, num_targets=1), "num_targets == num_channels"),
-        (dict(horizon=6), "max_patches"),
-        (dict(input_len=3), "at least 2 patches"),
-        (dict(num_targets=3), "num_targets"),
-        (dict(dropout=1.0), "dropout"),
-        (dict(chunk_size=0), "chunk_size"),
-        (dict(dtype="float33"), "dtype"),
-        (dict(mlp_ratio=2.5), "mlp_ratio must be an int"),
-        (dict(num_layers=True), "num_layers must be an int"),
-        (dict(fixed_max_tokens=64), "fixed_max_tokens applies to kind='fixedvar' only"),
-    ]
-    for kw, match in bad_configs:
-        with pytest.raises(ValueError, match=match):
-            Model(**{**BASE, **kw})
-    model = Model(**BASE)
-    params = _params()
-    for batch, match in [({"x": X}, "'inputs'"), ({"inputs": X[0]}, r"\[B, L_I, C\]"),
-                         ({"inputs": X[..., :1]}, "channels"), ({"inputs": X[:, 1:]}, "length"),
-                         ({"inputs": X.astype(jnp.int32)}, "floating")]:
-        with pytest.raises(ValueError, match=match):
-            model.apply({"params": params}, batch)
+BAD_MODEL_ARGUMENTS = [
+    (dict(kind="transformer"), "kind"),
+    (dict(variant="huge"), "variant"),
+    (dict(num_heads=3), "divisible by `num_heads`"),
+    (dict(kind="lintrans", num_heads=0), "num_heads`=0"),
+    (dict(kind="lintrans", use_qv_norm=False), "use_qv_norm"),
+    (dict(kind="fixedvar", use_key_proj=True), "use_key_proj"),
+    (dict(kind="lintrans", structural="lu"), "structural"),
+    (dict(structural="qr"), "structural"),
+    (dict(norm_mean="median"), "norm_mean"),
+    (dict(attention_form="chunked"), r"unknown Model kwargs .*attention_form"),   # replaced by chunk_size
+    (dict(horizon=6, num_targets=1), "num_targets == num_channels"),
+    (dict(horizon=6), "max_patches"),
+    (dict(input_len=3), "at least 2 patches"),
+    (dict(num_targets=3), "num_targets"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(dtype="float33"), "dtype"),
+    (dict(mlp_ratio=2.5), "`mlp_ratio` must be an integer"),
+    (dict(num_layers=True), "`num_layers` must be an integer"),
+    (dict(fixed_max_tokens=64), "`fixed_max_tokens` applies to kind in"),
+    (dict(kind="dlinear", variant="tiny"), "variant"),
+]
+
+
+@pytest.mark.parametrize("kw, match", BAD_MODEL_ARGUMENTS, ids=[m for _, m in BAD_MODEL_ARGUMENTS])
+def test_bad_arguments_raise_value_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Model(**{**BASE, **kw})
+
+
+@pytest.mark.parametrize("batch, match", [({"x": X}, "'inputs'"), ({"inputs": X[0]}, r"batch\['inputs'\]"),
+                                          ({"inputs": X[..., :1]}, "C=2"), ({"inputs": X[:, 1:]}, "L_I=10"),
+                                          ({"inputs": X.astype(jnp.int32)}, "floating")])
+def test_bad_batches_raise_value_error(batch, match):
+    with pytest.raises(ValueError, match=match):
+        _model().apply({"params": _params()}, batch)
+
+
+def test_rollout_mode_is_checked_and_variants_exist():
     with pytest.raises(ValueError, match="mode"):
-        model.apply({"params": params}, BATCH, 1, mode="beam", method="rollout")
+        _model().apply({"params": _params()}, BATCH, 1, mode="beam", method="rollout")
     assert set(VARIANTS) >= {"paper", "synthetic", "tiny"}
+
+
+def test_model_is_a_factory_over_kinds():
+    from samovar_jax import DLinear, Forecaster
+    assert isinstance(_model(), Forecaster) and isinstance(_model(kind="lintrans"), Forecaster)
+    dl = Model(kind="dlinear", num_channels=2, input_len=16, horizon=4)
+    assert isinstance(dl, DLinear)
+    # Without a variant the Forecaster's defaults are the 'paper' sizes.
+    paper = Model(kind="samovar", num_channels=2, input_len=10, patch_len=3)
+    assert all(getattr(paper, k) == v for k, v in VARIANTS["paper"].items())
 
 
 def test_crop_inputs():
     params = _params()
     longer = {"inputs": jnp.concatenate([jnp.zeros((2, 5, 2)), X], axis=1)}
-    model = Model(**BASE, crop_inputs=True)
+    model = _model(crop_inputs=True)
     np.testing.assert_allclose(model.apply({"params": params}, longer)[0]["forecast"],
                                _run(params)[0]["forecast"], **F32_MODEL)

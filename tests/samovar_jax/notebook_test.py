@@ -46,7 +46,7 @@ def test_var_attention_maps_reproduce_every_layer_output(kw):
     params = _init(model)
     # jitted: eager op-by-op dispatch of the whole model costs far more than compiling it once
     maps = jax.jit(lambda p: analysis.var_attention_maps(model, p, {"inputs": X}))(params)   # [L, B, C, H, T, T]
-    terms = jax.jit(lambda p: model.apply({"params": p}, {"inputs": X}, method=Model.var_terms))(params)
+    terms = jax.jit(lambda p: model.apply({"params": p}, {"inputs": X}, method="var_terms"))(params)
     fold = lambda a: a.reshape((-1,) + a.shape[-3:])  # noqa: E731
     q = jnp.stack([fold(a) for a in terms["q"]])
     v = jnp.stack([fold(a) for a in terms["v"]])
@@ -72,4 +72,4 @@ def test_lintrans_attention_maps_reproduce_the_attention_outputs():
         p = params[f"block_{i:02d}"]["attention"]["out"]
         np.testing.assert_allclose(o @ p["kernel"] + p["bias"], att["out"]["__call__"][0], **F32_SIMPLE)
     with pytest.raises(ValueError, match="kind='lintrans'"):
-        analysis.lintrans_attention_maps(Model(**BASE), params, {"inputs": X})
+        analysis.lintrans_attention_maps(Model(**BASE, kind="samovar"), params, {"inputs": X})

@@ -120,8 +120,10 @@ def test_causality():
         assert not np.allclose(a[:, :, cut:], b[:, :, cut:])
 
 
+@jax.jit
 def _chain_forms(x0, q, v, wk, drop, mask):
-    """{form: o [L, B, T, H, D]} of every form of the chain (step: token by token, no padding mask)."""
+    """{form: o [L, B, T, H, D]} of every form of the chain (step: token by token, no padding mask);
+    jitted, so the clean and the poisoned inputs run the same compiled program."""
     kw = dict(key_kernels=wk, dropout_mask=drop, mask=mask)
     out = {"parallel": ops.var_chain_parallel(x0, q, v, **kw),
            "recurrent": ops.var_chain_recurrent(x0, q, v, **kw)[0]}

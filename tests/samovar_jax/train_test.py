@@ -1,4 +1,5 @@
-"""End-to-end runs of `python -m samovar_jax.train` on the smoke configs, and the entry's model factory."""
+"""End-to-end runs of `python -m samovar_jax.train` on the smoke configs, the model factory over every
+kind, and the test-split evaluator."""
 import json
 import os
 import pathlib
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from samovar_jax import baselines, model, train
+from samovar_jax import baselines, evaluation, model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -53,13 +54,13 @@ def test_smoke_configs_train_checkpoint_and_evaluate(tmp_path):
     assert {"eval/test_mse", "eval/test_mae"} <= set(_metrics(tmp_path / "vic"))
 
 
-def test_build_model_dispatches_on_kind():
-    dl = train.build_model(kind="dlinear", num_channels=2, input_len=16, horizon=4)
+def test_model_factory_dispatches_on_kind():
+    dl = model.Model(kind="dlinear", num_channels=2, input_len=16, horizon=4)
     assert isinstance(dl, baselines.DLinear)
-    sv = train.build_model(kind="lintrans", num_channels=2, input_len=16, patch_len=4, variant="tiny")
-    assert isinstance(sv, model.Model) and sv.kind == "lintrans"
-    with pytest.raises(ValueError, match="kind must be one of"):
-        train.build_model(kind="transformer", num_channels=2, input_len=16, patch_len=4)
+    sv = model.Model(kind="lintrans", num_channels=2, input_len=16, patch_len=4, variant="tiny")
+    assert isinstance(sv, model.Forecaster) and sv.kind == "lintrans"
+    with pytest.raises(ValueError, match="`kind` must be one of"):
+        model.Model(kind="transformer", num_channels=2, input_len=16, patch_len=4)
 
 
 def test_dlinear_forecasting_smoke_in_process_reports_test_metrics(tmp_path):
@@ -71,8 +72,8 @@ def test_dlinear_forecasting_smoke_in_process_reports_test_metrics(tmp_path):
     config.unlock()
     config.data.data_dir = str(tmp_path / "data")
     config.lock()
-    result = trainer.train_and_evaluate(config, str(tmp_path / "work"), train.build_model,
-                                        evaluators=train.evaluators(config))
+    result = trainer.train_and_evaluate(config, str(tmp_path / "work"), model.Model,
+                                        evaluators=evaluation.evaluators_for(config))
     assert {"eval/mse", "eval/mae", "eval/test_mse", "eval/test_mae"} <= set(result)
     assert 0 < result["eval/test_mse"] < 10
 
@@ -86,7 +87,7 @@ def test_ett_without_its_csv_is_a_one_line_config_error(tmp_path):
     config.data.data_dir = str(tmp_path / "data")
     config.lock()
     with pytest.raises(trainer.ConfigError, match=r"ETTh1\.csv.*does not exist"):
-        trainer.train_and_evaluate(config, str(tmp_path / "work"), train.build_model)
+        trainer.train_and_evaluate(config, str(tmp_path / "work"), model.Model)
 
 
 @pytest.mark.parametrize("kind", ["samovar", "lintrans", "fixedvar"])
@@ -96,7 +97,7 @@ def test_synthetic_var_config_per_kind(kind):
     c = synthetic_var.get_config(f"kind={kind}")
     assert (c.total_steps, c.batch_size, c.optim.learning_rate, c.optim.b2) == (7900, 256, 6e-4, 0.95)
     assert (c.data.eval_split, c.checkpoint.best_metric, c.checkpoint.best_mode) == ("validation", "eval/mse", "min")
-    m = train.build_model(**c.model.to_dict())
+    m = model.Model(**c.model.to_dict())
     r = m.resolved
     assert (r.width, r.num_layers, r.num_patches) == (32, 3, 8 if kind == "lintrans" else 64)
     assert r.num_heads == (1 if kind == "fixedvar" else 2)
