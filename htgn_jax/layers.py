@@ -48,7 +48,7 @@ from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import hrpe, ops
 from zoo_core import linear_attention as la
-from zoo_core.checks import check_choice, check_int, check_optional_int, check_rank, check_shape, fail
+from zoo_core.checks import check_choice, check_optional_int, check_rank, check_shape, fail
 from zoo_core.linear_attention import LinearState
 
 Array = Any
@@ -144,19 +144,15 @@ class FavorAttention(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
 
     def setup(self):
-        check_int("num_heads", self.num_heads, 1)
-        check_int("head_dim", self.head_dim, 2 if self.use_rotary else 1)
         check_choice("feature_map", self.feature_map, ops.FEATURE_MAPS)
         if self.use_rotary and self.head_dim % 2:
             fail(f"`head_dim` must be even with use_rotary=True, got {self.head_dim}")
         if self.chunk_size is not None and not self.causal:
             fail("`chunk_size` chooses the causal form; it must be None with causal=False")
         check_optional_int("chunk_size", self.chunk_size)
-        if self.num_features is not None and self.feature_map != "softmax":
-            fail(f"`num_features` must be None for feature_map={self.feature_map!r} (only 'softmax' "
-                 f"uses random features)")
-        if self.redraw_every and self.feature_map != "softmax":
-            fail(f"`redraw_every` must be 0 for feature_map={self.feature_map!r} (no random features)")
+        if self.feature_map != "softmax" and (self.num_features is not None or self.redraw_every):
+            fail(f"`num_features` and `redraw_every` apply to feature_map='softmax' only (random "
+                 f"features), got {self.feature_map!r}")
         dense = functools.partial(nn.DenseGeneral, features=(self.num_heads, self.head_dim),
                                   axis=-1, use_bias=self.use_bias, dtype=self.dtype,
                                   param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -236,14 +232,15 @@ class FavorAttention(nn.Module):
             check_shape(f"{name}_mask" if name != "x" else "mask", mask, x.shape[:2], "[B, T]")
         return without_padding(x, mask)
 
-    def _require(self, method: str, *, causal: bool) -> None:
-        if causal and not self.causal:
-            fail(f"`{method}` needs causal=True (it is the causal recurrent form)")
-        if causal and self.feature_map == "exact":
-            fail(f"`{method}` is not defined for feature_map='exact' (no constant-size state)")
-        if not causal and (self.causal or self.use_rotary):
-            fail(f"`{method}` needs causal=False and use_rotary=False (cross-attention between two "
-                 f"sequences is neither causal nor relative, spec §5.1)")
+    def _require(self, method: str, *, causal: bool, state: bool = True) -> None:
+        """`method` exists: causal ones need causal=True, cross ones causal=False and no RoPE;
+        those with a constant-size state (`state`) need a kernel feature map."""
+        if causal != self.causal or (not causal and self.use_rotary) or (
+                state and self.feature_map == "exact"):
+            fail(f"`{method}` needs causal={causal}" + ("" if causal else ", use_rotary=False")
+                 + (", a kernel feature_map (exact softmax has no constant-size state)"
+                    if state else "") + f"; got causal={self.causal}, "
+                 f"use_rotary={self.use_rotary}, feature_map={self.feature_map!r}")
 
     def _read_out(self, num, den, guard, v, width: int) -> Array:
         return self.out(ops.normalize(num, den, guard).astype(v.dtype), width)
@@ -332,19 +329,12 @@ class FavorAttention(nn.Module):
           (y_t `[B, out_features]`, new state).
         """
         self._require("step", causal=True)
-        check_rank("x_t", x_t, 2, "[B, E]")
-        if mask is not None:
-            check_shape("mask", mask, x_t.shape[:1], "[B]")
-        if position is not None:
-            position = jnp.asarray(position)
-            if position.shape not in ((), x_t.shape[:1]):
-                fail(f"`position` must be a scalar or have shape [B] = {x_t.shape[:1]}, got "
-                     f"{tuple(position.shape)}")
-            position = position.reshape(-1, 1) if position.ndim else position.reshape(1)
-        elif self.use_rotary:
+        if self.use_rotary and position is None:
             fail("`position` is required with use_rotary=True")
-        x = self._inputs(x_t[:, None], None if mask is None else mask[:, None])
-        positions = position if self.use_rotary else None   # the index matters to RoPE only
+        x = self._inputs(x_t[:, None], None if mask is None else jnp.reshape(mask, (-1, 1)))
+        positions = None   # the index matters to RoPE only
+        if self.use_rotary:   # `[T]` = (1,) or `[B, T]` = (B, 1)
+            positions = self._positions(jnp.reshape(position, (-1, 1) if jnp.ndim(position) else 1), x)
         q, k, v = self._qkv(x, x, positions)
         phi_q, phi_k, guard = self._features(q, k, self._omega(feature_step, True), None,
                                              "constant")
@@ -371,11 +361,9 @@ class FavorAttention(nn.Module):
         Returns:
           `[B, T, out_features]`.
         """
-        self._require("cross", causal=False)
+        self._require("cross", causal=False, state=False)
         check_rank("x", x, 3, "[B, T, E]")
         memory = self._inputs(memory, memory_mask, "memory")
-        if memory.shape[0] != x.shape[0]:
-            fail(f"`memory` batch {memory.shape[0]} != `x` batch {x.shape[0]}")
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, memory, None)
         if self.feature_map == "exact":
@@ -398,8 +386,6 @@ class FavorAttention(nn.Module):
           `LinearState` (float32), computed once per source sequence.
         """
         self._require("cross_cache", causal=False)
-        if self.feature_map == "exact":
-            fail("`cross_cache` is not defined for feature_map='exact'")
         memory = self._inputs(memory, memory_mask, "memory")
         k, v = self.key(memory), self.value(memory)
         # Only the key features are needed; favor_features wants queries too, so pass the keys.
@@ -419,8 +405,6 @@ class FavorAttention(nn.Module):
           y_t `[B, out_features]`, equal to the corresponding row of `cross`.
         """
         self._require("cross_step", causal=False)
-        if self.feature_map == "exact":
-            fail("`cross_step` is not defined for feature_map='exact'")
         check_rank("x_t", x_t, 2, "[B, E]")
         q = self.query(x_t[:, None, :])
         phi_q, _, guard = self._features(q, q, self._omega(feature_step, True), None, "max")
