@@ -722,70 +722,84 @@ def test_param_snapshot():
         "target/kernel": (WIDTH, H, 6)}
 
 
-def _raises(match, fn):
-    with pytest.raises(ValueError, match=match):
-        fn()
+_X = jnp.ones((B, N + NG, WIDTH))
+_WIN = WindowGraphAttention(num_heads=H, window=W, num_global=NG)
+_CROSS = CrossGraphAttention(num_heads=H, window=1, num_global=NG)
+_Q = jnp.ones((B, 5, H, 4))
 
 
-def test_bad_inputs():
-    x = jnp.ones((B, N + NG, WIDTH))
-    win = WindowGraphAttention(num_heads=H, window=W, num_global=NG)
-    variables = _init(win, x)
-    _raises("`x` must have rank 3", lambda: win.apply(variables, x[0]))
-    _raises("`mask` must have shape", lambda: win.apply(variables, x, mask=jnp.ones((B, N))))
-    _raises("not divisible by num_heads",
-            lambda: _init(WindowGraphAttention(num_heads=3, window=W), x))
-    _raises("`window`", lambda: _init(WindowGraphAttention(num_heads=H, window=-1), x))
-    _raises("`version`",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="v3"), x))
-    _raises("`kl_tau`",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), x))
-    _raises("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=0, kl_mode="neighbour"), x))
-    _raises("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
-            lambda: window_attention(*_features("v2", 0, N), window=0, kl_tau=1.0))
-    _raises("has no LeakyReLU",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
-                                                 negative_slope=0.1), x))
-    _raises("version='dot' has none",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
-                                                 attn_init=nn.initializers.ones), x))
-    _raises("dot-product scoring .attn=None. has no LeakyReLU",
-            lambda: G.window_graph_attention(*_features("dot", 0, N), window=W, negative_slope=0.1))
-    _raises("a 2-D stencil .grid_width. has no causal form",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True,
-                                                 grid_width=3), x))
-    _raises("`grid_width` must be an integer >= 1",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, grid_width=0), x))
-    _raises("`kl_tau`", lambda: window_attention(*_features("v2", 0, N), window=W, kl_tau=0))
-    _raises("`kl_mode` must be one of", lambda: window_attention(*_features("v2", 0, N), window=W,
-                                                                  kl_mode="rows"))
-    _raises("`kl_tau` sets the prior of kl_mode='prior'",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=1.0,
-                                                 kl_mode="neighbour"), x))
-    _raises("`num_global` must be 0",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, num_global=1,
-                                                 causal=True), x))
-    _raises("`step` needs causal=True",
-            lambda: win.apply(variables, None, x[:, 0], method=win.step))
-    _raises("`chunk_size` chooses the causal form",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, chunk_size=2), x))
-    _raises("`dropout_rate`",
-            lambda: _init(WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), x))
-    q = jnp.ones((B, 5, H, 4))
-    _raises(r"`key` must have shape \[B, L, H, C\] = \(2, 5, 2, 4\)",   # windows: one sequence length
-            lambda: G.window_graph_attention(q, q[:, :4], q[:, :4], jnp.ones((H, 4)), window=1))
-    cross = CrossGraphAttention(num_heads=H, window=1, num_global=NG)
-    _raises("`memory` must have rank 3", lambda: _init(cross, x, x[0]))
-    _raises("`memory_mask` must have shape",
-            lambda: _init(cross, x, x, memory_mask=jnp.ones((B, 3))))
-    _raises("`rho`", lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), x, x))
-    _raises("`attn` must have shape",
-            lambda: window_attention(x[..., None], x[..., None], x[..., None],
-                                             jnp.ones((3, 1)), window=1))
+@functools.lru_cache(maxsize=None)
+def _win_vars():
+    return _init(_WIN, _X)
+
+
+# (match, call): every boundary error of the kernels and layers, raised while tracing.
+BAD_INPUTS = [
+    ("`x` must have rank 3",
+     lambda: _WIN.apply(_win_vars(), _X[0])),
+    ("`mask` must have shape",
+     lambda: _WIN.apply(_win_vars(), _X, mask=jnp.ones((B, N)))),
+    ("not divisible by num_heads",
+     lambda: _init(WindowGraphAttention(num_heads=3, window=W), _X)),
+    ("`window`",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=-1), _X)),
+    ("`version`",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="v3"), _X)),
+    ("`kl_tau`",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), _X)),
+    ("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=0, kl_mode="neighbour"), _X)),
+    ("`kl_tau` and kl_mode='neighbour' need at least two neighbour slots",
+     lambda: window_attention(*_features("v2", 0, N), window=0, kl_tau=1.0)),
+    ("has no LeakyReLU",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
+                                        negative_slope=0.1), _X)),
+    ("version='dot' has none",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
+                                        attn_init=nn.initializers.ones), _X)),
+    ("dot-product scoring .attn=None. has no LeakyReLU",
+     lambda: G.window_graph_attention(*_features("dot", 0, N), window=W, negative_slope=0.1)),
+    ("a 2-D stencil .grid_width. has no causal form",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True, grid_width=3), _X)),
+    ("`grid_width` must be an integer >= 1",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, grid_width=0), _X)),
+    ("`kl_tau`",
+     lambda: window_attention(*_features("v2", 0, N), window=W, kl_tau=0)),
+    ("`kl_mode` must be one of",
+     lambda: window_attention(*_features("v2", 0, N), window=W, kl_mode="rows")),
+    ("`kl_tau` sets the prior of kl_mode='prior'",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=1.0,
+                                        kl_mode="neighbour"), _X)),
+    ("`num_global` must be 0",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, num_global=1, causal=True), _X)),
+    ("`step` needs causal=True",
+     lambda: _WIN.apply(_win_vars(), None, _X[:, 0], method=_WIN.step)),
+    ("`chunk_size` chooses the causal form",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, chunk_size=2), _X)),
+    ("`dropout_rate`",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), _X)),
+    # Windows are offsets within one sequence: keys and values have the queries' length.
+    (r"`key` must have shape \[B, L, H, C\] = \(2, 5, 2, 4\)",
+     lambda: G.window_graph_attention(_Q, _Q[:, :4], _Q[:, :4], jnp.ones((H, 4)), window=1)),
+    ("`memory` must have rank 3",
+     lambda: _init(_CROSS, _X, _X[0])),
+    ("`memory_mask` must have shape",
+     lambda: _init(_CROSS, _X, _X, memory_mask=jnp.ones((B, 3)))),
+    ("`rho`",
+     lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), _X, _X)),
+    ("`attn` must have shape",
+     lambda: window_attention(_X[..., None], _X[..., None], _X[..., None], jnp.ones((3, 1)),
+                              window=1)),
     # Raised while tracing, i.e. before anything is compiled.
-    _raises("`mask` must have shape",
-            lambda: jax.jit(lambda x_: win.apply(variables, x_, mask=jnp.ones((1, 1)))).lower(x))
+    ("`mask` must have shape",
+     lambda: jax.jit(lambda x_: _WIN.apply(_win_vars(), x_, mask=jnp.ones((1, 1)))).lower(_X)),
+]
+
+
+@pytest.mark.parametrize("match,call", BAD_INPUTS, ids=[f"{i:02d}" for i in range(len(BAD_INPUTS))])
+def test_bad_inputs_raise(match, call):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_memory_linear_in_length():
