@@ -52,9 +52,9 @@ Random features: `gaussian_orthogonal_random_matrix` is the original Gaussian-or
 constructor (QR row blocks, rows rescaled by chi_D norms for `scaling=0`); with `fix_signs=False`
 a PRNG key gives the original's matrix. By default it adds the Haar sign correction of the QR
 factor (our fix of a bias of the original, see the function's docstring; it also makes the
-matrix independent of the backend's QR sign convention). `draw_projection(key, step,
+matrix independent of the backend's QR sign convention). `draw_projection(key, feature_step,
 redraw_every=k)` is the redraw design (spec §2.4): a pure function of a PRNG key and the
-training-step counter, Omega = G(fold_in(key, step // k)), so a layer redraws every k steps
+training-step counter, Omega = G(fold_in(key, feature_step // k)), so a layer redraws every k steps
 deterministically (same key and step -> same matrix, under jit or not) and evaluation is frozen
 by passing the last training step (or none). k = 0 means never redraw (draw index 0 forever).
 """
@@ -148,18 +148,19 @@ def gaussian_iid_random_matrix(key: Array, num_features: int, dim: int, *,
     return jax.random.normal(key, (num_features, dim), dtype)
 
 
-def draw_projection(key: Array, step: Array | int | None, *, num_features: int, dim: int,
+def draw_projection(key: Array, feature_step: Array | int | None, *, num_features: int, dim: int,
                     redraw_every: int = 0, orthogonal: bool = True, scaling: int = 0,
                     fix_signs: bool = True, dtype: Any = jnp.float32) -> Array:
-    """The projection in force at training step `step`: a pure, deterministic redraw schedule.
+    """The projection in force at training step `feature_step`: a pure, deterministic schedule.
 
-    Omega(step) = G(fold_in(key, step // redraw_every)), G the (orthogonal) Gaussian constructor.
+    Omega(s) = G(fold_in(key, s // redraw_every)), G the (orthogonal) Gaussian constructor.
     Within a window of `redraw_every` steps the matrix is constant; `redraw_every=0` (or
-    `step=None`) always gives draw 0. `step` may be traced (it is only folded into the key).
+    `feature_step=None`) always gives draw 0. `feature_step` may be traced (it is only folded
+    into the key).
 
     Args:
       key: base PRNG key of the layer (or of the model, to share Omega across layers).
-      step: training-step counter, int or int scalar array, or None.
+      feature_step: training-step counter, int or int scalar array, or None.
       num_features: M.
       dim: D.
       redraw_every: redraw period in steps; 0 = never.
@@ -173,10 +174,10 @@ def draw_projection(key: Array, step: Array | int | None, *, num_features: int, 
     """
     if not isinstance(redraw_every, int) or redraw_every < 0:
         raise ValueError(f"redraw_every must be an int >= 0, got {redraw_every!r}")
-    if step is None or redraw_every == 0:
+    if feature_step is None or redraw_every == 0:
         index = jnp.zeros((), jnp.uint32)
     else:
-        index = (jnp.asarray(step) // redraw_every).astype(jnp.uint32)
+        index = (jnp.asarray(feature_step) // redraw_every).astype(jnp.uint32)
     sub = jax.random.fold_in(key, index)
     if orthogonal:
         return gaussian_orthogonal_random_matrix(sub, num_features, dim, scaling=scaling,
