@@ -633,9 +633,10 @@ def run_scaling(cases: Iterable[str], lengths: Iterable[int],
       max_run_s: stop a case once its median time exceeds this (None: no limit).
       ref_n: size of the float32 reference matmul timed before each record (None: skip it).
       log: called with one line per record (e.g. `print`), or None.
-      deadline: a `time.monotonic()` value; once it has passed, every remaining (case, n) is recorded
-        as skipped ('time budget spent') without compiling (None: no limit). A record that started
-        before the deadline runs to its end.
+      deadline: a `time.monotonic()` value: the time left is shared equally among the cases not yet
+        run (what a case leaves unused goes to the later ones); once a case's share has passed, its
+        remaining lengths are recorded as skipped ('time budget spent') without compiling (None: no
+        limit). A record that started in time runs to its end.
 
     Returns:
       The records, in sweep order.
@@ -654,10 +655,15 @@ def run_scaling(cases: Iterable[str], lengths: Iterable[int],
     if mem_factor <= 0:
         raise ValueError(f"mem_factor must be positive, got {mem_factor}")
     records = []
-    for case in cases:
+    cases = list(cases)
+    for i, case in enumerate(cases):
         factor = mem_factor
+        case_deadline = None
+        if deadline is not None:
+            now = time.monotonic()
+            case_deadline = now + max(deadline - now, 0.0) / (len(cases) - i)
         for n in lengths:
-            if deadline is not None and time.monotonic() > deadline:
+            if case_deadline is not None and time.monotonic() > case_deadline:
                 res = Result(case=case, n=n, status=SKIPPED, reason="time budget spent")
                 records.append(res)
                 if log is not None:
