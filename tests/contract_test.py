@@ -1,0 +1,133 @@
+"""The zoo's layer contract (README "Layer contract"), checked on every attention layer alike.
+
+Shapes and aux keys, jit == eager, every form equal (parallel, chunked, scan, step loop), NaN and
+1e30 in padding and in the future change no valid or past output (nor the aux losses), and bf16
+compute within the BF16 tolerance of float32.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zoo_core import attention
+from zoo_core.testing import BF16, F32_SIMPLE, assert_forms_agree
+
+B, T, E, HEADS = 2, 7, 16, 2
+FUTURE = 4   # the position that holds garbage in the causality checks
+
+# (name, causal, options)
+CASES = [
+    ("agf", False, {}),
+    ("agf", True, {}),
+    ("softmax", False, {}),
+    ("softmax", True, {"max_length": T}),
+    ("favor", False, {"num_features": 8}),
+    ("favor", True, {"num_features": 8}),
+    ("window_graph", False, {"window": 2}),
+    ("window_graph", True, {"window": 2}),
+    ("linear", True, {}),
+]
+IDS = [f"{n}-{'causal' if c else 'full'}" for n, c, _ in CASES]
+
+
+def _layer(name, causal, options, **extra):
+    return attention.layer(name, num_heads=HEADS, qkv_features=E, causal=causal, **{**options, **extra})
+
+
+def _inputs():
+    x = jax.random.normal(jax.random.PRNGKey(3), (B, T, E))
+    mask = jnp.arange(T)[None, :] < jnp.array([[T], [T - 3]])
+    return x, mask
+
+
+def _init(lay, x):
+    return lay.init({"params": jax.random.PRNGKey(0)}, x)
+
+
+def _apply(lay, params, x, mask=None):
+    return lay.apply(params, x, mask=mask)
+
+
+@pytest.mark.parametrize("name,causal,options", CASES, ids=IDS)
+def test_shapes_aux_and_jit(name, causal, options):
+    lay = _layer(name, causal, options)
+    x, mask = _inputs()
+    params = _init(lay, x)
+    y, aux = _apply(lay, params, x, mask)
+    assert y.shape == (B, T, E) and y.dtype == jnp.float32
+    assert isinstance(aux, dict)
+    for key, value in aux.items():
+        if key.startswith("loss/"):
+            assert jnp.shape(value) == (), key
+    y_jit, aux_jit = jax.jit(lambda p, x, m: _apply(lay, p, x, m))(params, x, mask)
+    assert_forms_agree({"eager": (y, aux), "jit": (y_jit, aux_jit)}, **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("name,causal,options", CASES, ids=IDS)
+def test_padding_changes_nothing_valid(name, causal, options, bad):
+    lay = _layer(name, causal, options)
+    x, mask = _inputs()
+    params = _init(lay, x)
+    y, aux = _apply(lay, params, x, mask)
+    y_bad, aux_bad = _apply(lay, params, jnp.where(mask[..., None], x, bad), mask)
+    valid = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y)[valid])
+    for key in aux:
+        if key.startswith("loss/"):
+            np.testing.assert_array_equal(np.asarray(aux_bad[key]), np.asarray(aux[key]), err_msg=key)
+    if causal:
+        state = lay.apply(params, B, method="init_state")
+        y_scan, _ = lay.apply(params, x, state, mask=mask, method="scan")
+        y_scan_bad, _ = lay.apply(params, jnp.where(mask[..., None], x, bad), state, mask=mask,
+                                  method="scan")
+        np.testing.assert_array_equal(np.asarray(y_scan_bad)[valid], np.asarray(y_scan)[valid])
+
+
+CAUSAL = [c for c in CASES if c[1]]
+CAUSAL_IDS = [i for i, c in zip(IDS, CASES) if c[1]]
+
+
+def _all_forms(name, options, x, params):
+    out = {"parallel": _apply(_layer(name, True, options), params, x)[0]}
+    if name != "softmax":
+        out["chunked(3)"] = _apply(_layer(name, True, options, chunk_size=3), params, x)[0]
+    lay = _layer(name, True, options)
+    state = lay.apply(params, B, method="init_state")
+    out["scan"] = lay.apply(params, x, state, method="scan")[0]
+    ys = []
+    for t in range(T):
+        y_t, state = lay.apply(params, state, x[:, t], method="step")
+        ys.append(y_t)
+    out["step"] = jnp.stack(ys, axis=1)
+    return out
+
+
+@pytest.mark.parametrize("name,causal,options", CAUSAL, ids=CAUSAL_IDS)
+def test_causal_forms_agree(name, causal, options):
+    x, _ = _inputs()
+    params = _init(_layer(name, True, options), x)
+    assert_forms_agree(_all_forms(name, options, x, params), **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("name,causal,options", CAUSAL, ids=CAUSAL_IDS)
+def test_future_changes_nothing_past(name, causal, options, bad):
+    x, _ = _inputs()
+    params = _init(_layer(name, True, options), x)
+    clean = _all_forms(name, options, x, params)
+    dirty = _all_forms(name, options, x.at[:, FUTURE].set(bad), params)
+    for form in clean:
+        np.testing.assert_array_equal(np.asarray(dirty[form])[:, :FUTURE],
+                                      np.asarray(clean[form])[:, :FUTURE], err_msg=form)
+
+
+@pytest.mark.parametrize("name,causal,options", CASES, ids=IDS)
+def test_bf16_compute_close_to_float32(name, causal, options):
+    x, mask = _inputs()
+    params = _init(_layer(name, causal, options), x)
+    y32, _ = _apply(_layer(name, causal, options), params, x, mask)
+    y16, _ = _apply(_layer(name, causal, options, dtype=jnp.bfloat16), params, x, mask)
+    assert y16.dtype == jnp.bfloat16
+    valid = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(y16, np.float32)[valid], np.asarray(y32)[valid], **BF16)

@@ -1,0 +1,27 @@
+"""The README's Python snippets run exactly as printed."""
+import pathlib
+import re
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+SNIPPETS = re.findall(r"```python\n(.*?)```", _section("Use in your own model"), flags=re.S)
+
+
+def test_the_section_has_its_snippets():
+    assert len(SNIPPETS) == 2
+
+
+@pytest.mark.parametrize("index", range(len(SNIPPETS)))
+def test_snippet_runs(index, capsys):
+    exec(compile(SNIPPETS[index], f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
+    assert capsys.readouterr().out.strip()
