@@ -106,7 +106,8 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
             _fail("--eval_split and --checkpoint are only used with --eval_only (training evaluates "
                   "config.data.eval_split)")
-        trainer.check_setup(config, build_model)   # before the evaluators build anything
+        # Before the evaluators build anything; evaluators may add metric names (eval/bleu).
+        trainer.check_setup(config, build_model, has_evaluators=evaluators_fn is not None)
         trainer.check_workdir(workdir)
         evaluators = evaluators_fn(config) if evaluators_fn else ()
         trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,

@@ -281,28 +281,69 @@ def validate_config(config) -> None:
     optim.check_ranges(config)
 
 
-def check_setup(config, build_model: Callable[..., Any] | None = None) -> None:
-    """Every check that needs no data and no compile, in the order a user would fix them.
+def check_setup(config, build_model: Callable[..., Any] | None = None, *, has_evaluators: bool = False) -> None:
+    """Every check that needs no prepared data and no compile, in the order a user would fix them.
 
     The config's ranges (`validate_config`), the optimiser and schedule (built, which is cheap), the task,
-    the model's constructor (`build_model(**config.model)`, which validates its fields), and the data
+    the model's constructor (`build_model(**config.model)`, which validates its fields), the data
     options and paths (`data.check_options`: a file where a directory is expected and the reverse, an
-    unknown option). Nothing is written.
+    unknown option), and, when the dataset declares fixed feature shapes before it is prepared, the
+    model's initialisation and an eval step on them (shapes only) with checkpoint.best_metric among
+    its metrics (skipped with `has_evaluators`, which add metric names). Nothing is written.
 
     Raises:
       ConfigError: one line naming the field or file and what is expected.
     """
     try:
         validate_config(config)
-        optim.make_optimizer(config)
-        tasks.make_task(config)
-        if build_model is not None:
-            build_model(**config.model.to_dict())
-        data_lib.check_options(config.data.name, config.data.data_dir, config.data.options.to_dict())
+        tx, _ = optim.make_optimizer(config)
+        task = tasks.make_task(config)
+        model = build_model(**config.model.to_dict()) if build_model is not None else None
+        options = config.data.options.to_dict()
+        builder = data_lib.check_options(config.data.name, config.data.data_dir, options)
+        num_train = options.get("num_train")
+        if isinstance(num_train, int) and 0 < num_train < config.batch_size:
+            raise ValueError(f"batch_size {config.batch_size} exceeds the {num_train} training examples "
+                             f"(data.options.num_train) of {config.data.name}")
+        example = _example_from_features(builder)
+        if model is not None and example is not None:
+            key = (config.to_json_best_effort(), id(build_model), has_evaluators)
+            if key not in _SHAPES_CHECKED:
+                abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx),
+                                          jax.random.PRNGKey(0), example)
+                _check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
+                                    has_evaluators=has_evaluators)
+                _SHAPES_CHECKED.clear()
+                _SHAPES_CHECKED.add(key)
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
         raise _config_error(e) from e
+
+
+_SHAPES_CHECKED: set = set()   # the last config whose shapes check_setup traced (the CLI checks twice)
+
+
+def _example_from_features(builder) -> dict[str, np.ndarray] | None:
+    """A zero batch of one example with the shapes and dtypes the builder declares before it is
+    prepared, as the eval pipeline would give it; None when some shape is not fixed in advance (then
+    the records are not the stored features, e.g. forecasting windows)."""
+    try:
+        features = builder.info.features
+    except Exception:  # noqa: BLE001 - some builders know their shapes only once prepared
+        return None
+    example = {}
+    for name, feature in features.items():
+        shape, dtype = getattr(feature, "shape", None), getattr(feature, "np_dtype", None)
+        if shape is None or dtype is None:
+            return None
+        if np.dtype(dtype).kind not in "biuf":
+            continue   # text: host-only, dropped before the device (sharding.numeric)
+        if any(d is None for d in shape):
+            return None
+        example[name] = np.zeros((1, *shape), dtype)
+    example["example_mask"] = np.ones((1,), np.float32)
+    return example
 
 
 def check_workdir(workdir: str) -> None:
@@ -603,7 +644,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
       ConfigError: a configuration problem (or a refused resume), before anything is compiled or written.
       NonFiniteError: the loss or gradient became non-finite (the message names the step).
     """
-    check_setup(config, build_model)
+    check_setup(config, build_model, has_evaluators=bool(evaluators))
     check_workdir(workdir)
     config_dict = json.loads(config.to_json_best_effort())
     changes = check_resume(config_dict, workdir, allow_config_change=allow_config_change)

@@ -110,6 +110,9 @@ CASES = [
     ("--config.checkpoint.best_mode=median", "checkpoint.best_mode must be 'max' or 'min'"),
     ("--config.checkpoint.best_metric=accuracy", "must name an eval metric 'eval/<name>'"),
     ("--config.checkpoint.patience=-1", "checkpoint.patience must be an int >= 0"),
+    ("--config.checkpoint.best_metric=eval/acuracy", "best_metric 'eval/acuracy' is not an eval metric"),
+    ("--config.batch_size=1024", "batch_size 1024 exceeds the 512 training examples"),
+    ("--config.model.num_classes=0", "num_classes"),
     ("--config.seed=-1", "seed must be an int in [0, 2**32)"),
     ("--config.parallel.mode=spmd", "unknown parallel.mode 'spmd'"),
     ("--config.data.name=nope", "unknown dataset 'nope'"),
@@ -305,6 +308,7 @@ def _run(*args, timeout=120):
 @pytest.mark.parametrize("override,expected", [
     ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'"),
     ("--config.schedule.name=cosine", "unknown schedule.name 'cosine'"),
+    ("--config.checkpoint.best_metric=eval/acuracy", "best_metric 'eval/acuracy' is not an eval metric"),
 ])
 def test_full_listops_config_mistakes_are_reported_in_seconds(tmp_path, override, expected):
     data = tmp_path / "data"

@@ -53,13 +53,16 @@ def _path_kind(key: str) -> str | None:
     return None
 
 
-def check_options(name: str, data_dir: str, options: dict) -> None:
+def check_options(name: str, data_dir: str, options: dict):
     """Checks `config.data` without preparing anything or writing a file.
 
     The dataset name, the data directory (a file there is an error), every path option (a file where
     a directory is expected and the reverse, a missing file) and the options themselves (the dataset's
     `make_builder`, which also reads small sources such as UEA's .ts files). A dataset module with a
     `check_sources(builder)` function reads its unprepared sources here too (a forecasting CSV).
+
+    Returns:
+      The (unprepared) builder.
 
     Raises:
       ValueError: one line naming the field or file and what is expected.
@@ -90,3 +93,4 @@ def check_options(name: str, data_dir: str, options: dict) -> None:
     check_sources = getattr(importlib.import_module(DATASETS[name]), "check_sources", None)
     if check_sources is not None and not builder.is_prepared():
         check_sources(builder)
+    return builder
