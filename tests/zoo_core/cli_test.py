@@ -262,6 +262,23 @@ def test_resume_changes_classifies_the_keys(old, new, refused):
     assert not set(got) & set(allowed)
 
 
+def test_log_lines_go_through_tqdm_while_the_bar_is_shown(monkeypatch):
+    from tqdm.auto import tqdm
+    written = []
+    monkeypatch.setattr(tqdm, "write", lambda text, file=None, end="\n": written.append(text))
+    handler = py_logging.StreamHandler(sys.stderr)     # a console handler, as absl's is in a real run
+    root = py_logging.getLogger()
+    root.addHandler(handler)
+    try:
+        restore = trainer._log_through_tqdm()
+        root.warning("step 3 eval: eval/accuracy=0.5")
+        restore()
+    finally:
+        root.removeHandler(handler)
+    assert handler.stream is sys.stderr
+    assert any("step 3 eval" in w for w in written), written
+
+
 # ----------------------------------------------------------------------------------------------------
 # Prepared data keyed by content.
 

@@ -202,9 +202,13 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
 
     c.optim.name = "adam"
     c.optim.learning_rate = 1e-3
-    with pytest.raises(trainer.NonFiniteError, match="at step 5"):
+    with pytest.raises(trainer.NonFiniteError, match=r"at step 5 .* the last good checkpoint \(step 4\)"):
         trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: Poisoned())
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    # Without a checkpoint before the bad step, the message says so instead of promising one.
+    c.checkpoint_every_steps = 0
+    with pytest.raises(trainer.NonFiniteError, match="at step 5 .* no checkpoint had been saved"):
+        trainer.train_and_evaluate(c, str(tmp_path / "none"), lambda **kw: Poisoned())
 
 
 @pytest.mark.parametrize("field,value,message", [
