@@ -13,10 +13,8 @@ from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGr
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
 from htgn_jax.model import VARIANTS, Classifier, Model, Seq2Seq
-from zoo_core.linear_attention import LinearState
-
-FavorState = LinearState   # the FAVOR+ causal state and cross cache: LinearState(num = S, den = z)
+from zoo_core.linear_attention import LinearState   # FAVOR+'s causal state and cross cache (S, z)
 
 __all__ = ["BlockConfig", "Classifier", "CrossGraphAttention", "CrossGraphCache", "DecoderMemory",
-           "DecoderState", "FavorAttention", "FavorState", "LinearState", "Model", "Seq2Seq",
+           "DecoderState", "FavorAttention", "LinearState", "Model", "Seq2Seq",
            "VARIANTS", "WindowGraphAttention", "WindowState"]

@@ -74,8 +74,8 @@ from zoo_core.checks import check_int, check_rank, check_shape, fail
 Array = jax.Array
 
 VERSIONS = ("v1", "v2", "dot")
-# Defaults of the GAT-only options; their fields default to None so that version='dot', which has
-# neither, can refuse any value given explicitly.
+# Default of the GAT-only LeakyReLU slope; the option defaults to None so that dot-product scoring,
+# which has none, can refuse any value given explicitly.
 NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
 
 # ----------------------------------------------------------------------------------------------

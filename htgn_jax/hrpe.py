@@ -4,7 +4,7 @@ The HTGN card's HRPE builds a pairwise P_ij, an O(N^2 d) tensor that no kernel f
 factorise. The spec replaces it with (a) rotary position encodings applied to q and k *before*
 the FAVOR+ feature map, and (b) spectral node encodings of the token graph, concatenated with the
 embeddings and projected by the model. Part (c), the in-window relative bias, lives with the
-graph attention (`graph.py`); the optional ALiBi-as-decay (d) is not implemented here.
+graph attention (`graph_ops.py`); the optional ALiBi-as-decay (d) is not implemented here.
 
 (a) Rotary (RoFormer, Su et al. 2021, §3.2-3.4): the pairs (x_{2i}, x_{2i+1}) of each head are
 rotated by the angle p * theta_i, theta_i = base^(-2i/D). Rotations keep norms, so the

@@ -39,14 +39,16 @@ the model passes it to its layers as `feature_step=`):
 
 aux: 'loss/kl' = kl_weight * L_KL (a scalar the trainer adds to the task loss; 0 when disabled
 or without graph layers) and 'graph/kl' = L_KL unweighted, the mean over every graph-attention
-layer's terms (§5.7), formed once here from the layers' 'kl_sum' / 'kl_count' aux: KL(alpha_i || pi_i) per (head, valid node), pi uniform or the distance prior
-(`kl_tau`), or KL(alpha_i || alpha_{i-1}) per (head, consecutive pair) with kl_mode='neighbour'.
+layer's terms (§5.7), formed once here from the sums of the layers' 'kl_sum' / 'kl_count' aux:
+KL(alpha_i || pi_i) per (head, valid node), pi uniform or the distance prior (`kl_tau`), or
+KL(alpha_i || alpha_{i-1}) per (head, consecutive pair) with kl_mode='neighbour'.
 
 Random features: Omega is `FavorAttention`'s deterministic draw, one for all self-attention
-layers and one (seed + 1) for all cross-attention layers, unless `per_layer_features=True`. With `redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model
-`uses_step`: every public method takes `step=` (the training-step index, passed down to the
-layers as `feature_step=`) and the draw in force is
-Omega(step // k), a pure function of the seed and the step; the shared trainer passes the update's
+layers and one (seed + 1) for all cross-attention layers, unless `per_layer_features=True`. With
+`redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model `uses_step`: every public method
+takes `step=` (the training-step index, passed down to the layers as `feature_step=`) and the
+draw in force is Omega(step // k), a pure function of the seed and the step; the shared trainer
+passes the update's
 index while training and the last update's index at evaluation, so evaluation and decoding use the
 features the parameters were last trained with (frozen between redraws). With k = 0 it is draw 0
 throughout and `step` is not needed.
@@ -125,7 +127,7 @@ class Seq2Seq(nn.Module):
         `kl_prior = "distance"`, pi_i(j) proportional to exp(-dist / tau) with dist = |j - i|
         (max(|dr|, |dc|) on the classifier's grid, 1 to a global node; spec §5.7).
       kl_mode: 'prior' (KL(alpha_i || pi_i)) or 'neighbour' (KL(alpha_i || alpha_{i-1}) of
-        consecutive rows aligned by offset, `graph.neighbour_kl`; spec §5.7).
+        consecutive rows aligned by offset, `graph_kl.neighbour_kl`; spec §5.7).
       dropout_rate: embeddings, residual branches and FFN; attention_dropout: GAT probabilities.
       drop_path: p_max of the DropPath schedule (spec §5.8).
       norm: 'pre' | 'post'.
