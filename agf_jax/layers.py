@@ -37,6 +37,7 @@ from agf_jax import softmax as softmax_ops
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
 from zoo_core import checks
+from zoo_core.dropout import Dropout, keep_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -104,7 +105,7 @@ class _Attention(nn.Module):
         rng, keep = self.make_rng("dropout"), 1.0 - self.dropout_rate
 
         def drop(w, index):
-            m = jax.random.bernoulli(jax.random.fold_in(rng, index), keep, w.shape)
+            m = keep_mask(jax.random.fold_in(rng, index), keep, w.shape)
             return jnp.where(m, w / keep, 0.0)
         return drop
 
@@ -187,7 +188,7 @@ class AGFAttention(_Attention):
             self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
         if self.learn_c0:
             self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def coefficients(self) -> Array:
         """Effective filter coefficients c_0..c_K, `[K+1]` float32."""
@@ -326,7 +327,7 @@ class SoftmaxAttention(_Attention):
             checks.fail("`max_length` applies only to causal=True (it sizes the KV cache)")
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def _finish(self, o: Array, x: Array) -> Array:
         return self._out(o.astype(self._compute_dtype(x)), x.shape[-1])

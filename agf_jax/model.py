@@ -12,7 +12,8 @@ Each takes `attention='agf' | 'softmax'` so the vanilla Transformer baseline run
 `Model(**config.model)` builds one of them from a `kind`, a `VARIANTS` size preset and overrides.
 
 Interface (the zoo's model contract): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
-returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True`. Blocks and
+returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True` (it is
+`zoo_core.dropout.Dropout`: flax's semantics, cheap hashed bits, keep probability within 2^-33). Blocks and
 encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
 (`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
 
@@ -47,6 +48,7 @@ import numpy as np
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
 from zoo_core import checks
+from zoo_core.dropout import Dropout
 
 Array = jax.Array
 
@@ -150,7 +152,7 @@ class LRABlock(nn.Module):
         self.mlp_norm = _layer_norm(self, "mlp_norm")
         self.mlp_in = _dense(self.mlp_dim, self.d_model, self, "mlp_in")
         self.mlp_out = _dense(self.d_model, self.mlp_dim, self, "mlp_out")
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
@@ -200,7 +202,7 @@ class LRAEncoder(nn.Module):
                                 param_dtype=self.param_dtype, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
@@ -379,7 +381,7 @@ class UEABlock(nn.Module):
         self.ffn_in = _dense(self.mlp_dim, self.d_model, self, "ffn_in")
         self.ffn_out = _dense(self.d_model, self.mlp_dim, self, "ffn_out")
         self.ffn_norm = _layer_norm(self, "ffn_norm")
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
@@ -477,7 +479,7 @@ class UEAClassifier(nn.Module):
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
         self.output = _dense(self.num_classes, self.max_len * self.d_model, self, "output")
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, batch: dict, *, train: bool = False):
         x = jnp.asarray(_batch_entry(batch, "inputs", "float [B, T, C]"))

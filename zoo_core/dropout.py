@@ -1,0 +1,115 @@
+"""Cheap dropout: one threefry word per 4 elements, a 32-bit hash lane per element.
+
+`jax.random.bernoulli` (what `flax.linen.Dropout` uses) runs the threefry-2x32 block cipher once
+per element and then builds a float uniform from it; on a CPU that dominated the AGF ListOps
+training step (27% of it). Here the dropout key draws one threefry word `w` per 4 elements
+(`jax.random.bits`, so the key's own implementation and its splits/folds are unchanged) and every
+element gets its own 32-bit lane `h_i = fmix32(w + (i + 1) * 0x9E3779B9)`, i = 0..3, where fmix32 is
+MurmurHash3's finaliser, a bijection of uint32 with full avalanche. Each lane is therefore exactly
+uniform on [0, 2^32) and an element is kept iff `h_i < round(keep * 2^32)`.
+
+Keep probability: exactly `round(keep * 2^32) / 2^32`, i.e. `keep` to within 2^-33 (absolute);
+`jax.random.bernoulli` on float32 is quantised to 2^-23 (its uniforms have 23 random bits), so this
+is at least as exact as before. The four lanes of one word are deterministic functions of it
+(2^32 joint outcomes, not 2^128); their masks are empirically uncorrelated (tests/zoo_core/
+dropout_test.py checks the pair frequencies) but they are not independent in the strict sense.
+
+Kept elements are scaled exactly as flax's `Dropout`: `x / keep` (computed in x's dtype), dropped
+ones are 0 (`jnp.where`, so a dropped NaN becomes 0 as in flax). The masks differ from flax's for
+the same key (a different bit stream), so training runs are reproducible per key, but not equal to
+runs made with `nn.Dropout`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+LANES = 4
+_GOLDEN = 0x9E3779B9
+
+
+def _fmix32(h: Array) -> Array:
+    """MurmurHash3's 32-bit finaliser (a bijection of uint32)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def keep_threshold(keep: float) -> int:
+    """The uint32 threshold t with P(h < t) = t / 2^32 = keep to within 2^-33 (clamped to
+    [0, 2^32 - 1])."""
+    if not 0.0 <= keep <= 1.0:
+        raise ValueError(f"keep must be in [0, 1], got {keep}")
+    return min(int(round(keep * 2.0 ** 32)), 2 ** 32 - 1)
+
+
+def random_bits(rng: Array, shape: tuple[int, ...]) -> Array:
+    """uint32 `shape`, each element uniform on [0, 2^32): one `jax.random.bits` word per 4 elements
+    hashed into 4 lanes (see the module docstring)."""
+    shape = tuple(int(s) for s in shape)
+    size = 1
+    for s in shape:
+        size *= s
+    lanes = jnp.uint32(_GOLDEN) * jnp.arange(1, LANES + 1, dtype=jnp.uint32)
+    if shape and shape[-1] % LANES == 0:
+        # Lanes along the minor axis: the reshape back is free (no slice, no copy).
+        words = jax.random.bits(rng, shape[:-1] + (shape[-1] // LANES,), jnp.uint32)
+        return _fmix32(words[..., None] + lanes).reshape(shape)
+    words = jax.random.bits(rng, (-(-size // LANES),), jnp.uint32)
+    return _fmix32(words[:, None] + lanes).reshape(-1)[:size].reshape(shape)
+
+
+def keep_mask(rng: Array, keep: float, shape: tuple[int, ...]) -> Array:
+    """bool `shape`, True with probability `keep_threshold(keep) / 2^32` (`keep` within 2^-33)."""
+    return random_bits(rng, shape) < jnp.uint32(keep_threshold(keep))
+
+
+def dropout(x: Array, rate: float, rng: Optional[Array], *, deterministic: bool = False) -> Array:
+    """Inverted dropout of `x` at `rate` (kept elements `x / (1 - rate)`, dropped ones 0).
+
+    Args:
+        x: any shape and float dtype.
+        rate: drop probability in [0, 1]; 0 (or deterministic) returns x unchanged, 1 zeros.
+        rng: a PRNG key (typed or raw uint32[2]); unused when nothing is dropped.
+        deterministic: True returns x unchanged.
+    """
+    if deterministic or rate == 0.0:
+        return x
+    if rate == 1.0:
+        return jnp.zeros_like(x)
+    keep = 1.0 - rate
+    return jnp.where(keep_mask(rng, keep, jnp.shape(x)), x / jnp.asarray(keep, x.dtype), 0.0
+                     ).astype(x.dtype)
+
+
+class Dropout(nn.Module):
+    """Drop-in for `flax.linen.Dropout(rate)` (same call: `(inputs, deterministic=None, rng=None)`,
+    the 'dropout' rng collection, no parameters) with the cheap bits of `random_bits`.
+
+    Attributes:
+        rate: drop probability.
+        deterministic: default for the call's `deterministic`.
+        rng_collection: the rng stream (default 'dropout').
+    """
+    rate: float
+    deterministic: Optional[bool] = None
+    rng_collection: str = "dropout"
+
+    @nn.compact
+    def __call__(self, inputs: Array, deterministic: Optional[bool] = None,
+                 rng: Optional[Array] = None) -> Array:
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if deterministic or self.rate == 0.0:
+            return inputs
+        if self.rate == 1.0:
+            return jnp.zeros_like(inputs)
+        if rng is None:
+            rng = self.make_rng(self.rng_collection)
+        return dropout(inputs, self.rate, rng)
