@@ -323,7 +323,7 @@ class DecoderBlock(_Block):
         if self.config.use_graph_conv:
             y = self._residual(y, self.graph_norm, sub(
                 lambda h: self.graph(h, mask=mask, deterministic=det),
-                lambda h: self.graph.step(cache.graph, h, position=position), "graph"), det)
+                lambda h: self.graph.step(cache.graph, h), "graph"), det)
         y = self._residual(y, self.cross_attention_norm, sub(
             lambda h: (self.cross_attention.cross(h, memory, memory_mask=memory_mask,
                                                   deterministic=det, **fs), {}),

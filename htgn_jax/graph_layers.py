@@ -186,8 +186,13 @@ class _GraphAttentionBase(nn.Module):
         return (1 if self.version == "v1" else d), d
 
 
-def _kl_aux(st: dict[str, Array]) -> dict[str, Array]:
-    return {"kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
+def _kl_aux(st: dict[str, Array], kl_weight: float) -> dict[str, Array]:
+    """{'kl_sum', 'kl_count'} for the model (which forms one KL over all its layers), plus, for a
+    layer used on its own with kl_weight > 0, 'loss/kl' = kl_weight * the layer's mean KL."""
+    aux = {"kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
+    if kl_weight:
+        aux["loss/kl"] = kl_weight * st["kl_sum"] / jnp.maximum(st["kl_count"], 1.0)
+    return aux
 
 
 class WindowGraphAttention(_GraphAttentionBase):
@@ -222,6 +227,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         or max(|dr|, |dc|) on a grid, 1 to a global node).
       kl_mode: 'prior' (KL to the prior above) or 'neighbour' (KL(alpha_i || alpha_{i-1}),
         `neighbour_kl`).
+      kl_weight: lambda of a stand-alone layer: > 0 adds aux['loss/kl'] = lambda * the mean KL
+        (the models leave it 0 and weight the KL of all their layers at once).
       out_features: F; None means d.
       dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32.
       param_dtype: parameter dtype.
@@ -242,6 +249,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     dropout_rate: float = 0.0
     kl_tau: float | None = None
     kl_mode: str = "prior"
+    kl_weight: float = 0.0
     out_features: int | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -281,7 +289,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         else:
             mask, out, st = self._attend(x, mask, deterministic)
         y = self.output(out, x.shape[-1])
-        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)
+        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
 
     def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
         check_rank("x", x, 3, "[B, T, d]")
@@ -368,13 +376,15 @@ class WindowGraphAttention(_GraphAttentionBase):
         Args:
           state: `WindowState` from `init_state`, `scan` or the previous `step`.
           x_t: `[B, d]` the new token's features.
-          position: the token's index; not needed (the state marks which slots hold tokens and
-            the relative bias depends on offsets only), accepted for the layer contract.
+          position: must be None: the window needs no index (the state marks which slots hold
+            tokens and the relative bias depends on offsets only).
 
         Returns:
           (y_t `[B, F]`, new state). Equal to row t of `__call__` on the unpadded prefix.
         """
         self._check_causal("step")
+        if position is not None:
+            fail("WindowGraphAttention.step takes no `position` (the window needs no index)")
         check_rank("x_t", x_t, 2, "[B, d]")
         q, k, v = self._self_features(x_t)
         out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
@@ -420,6 +430,7 @@ class CrossGraphAttention(_GraphAttentionBase):
     dropout_rate: float = 0.0
     kl_tau: float | None = None
     kl_mode: str = "prior"
+    kl_weight: float = 0.0
     out_features: int | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -533,4 +544,4 @@ class CrossGraphAttention(_GraphAttentionBase):
         if stats_only:
             return st
         y = self.output(out, x.shape[-1])
-        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st)
+        return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)

@@ -9,7 +9,7 @@
 used as self-attention: `layer(inputs_q, *, mask=None, deterministic=True) -> y`, where `mask` is a
 bool `[B, T]` key-padding mask (True = valid; the mechanisms are linear in T and never build a
 `[T, T]` mask) and y has `out_features` (default: the input width E). Auxiliary losses of the
-mechanism (AGF's orthogonality term, the graph KL) are sown into the collection 'losses', so a
+mechanism (AGF's orthogonality term; the graph KL with `kl_weight` > 0) are sown into the collection 'losses', so a
 training loop written outside the zoo collects them with `mutable=['losses']` and adds
 `sum(jax.tree_util.tree_leaves(state['losses']))` to its loss.
 

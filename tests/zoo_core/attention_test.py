@@ -20,7 +20,8 @@ CASES = [
     ("softmax", True, {}),
     ("favor", False, {"num_features": 8}),
     ("favor", True, {"num_features": 8, "chunk_size": 3}),
-    ("window_graph", False, {"window": 2}),
+    ("window_graph", False, {"window": 2, "kl_weight": 1e-3}),
+    ("window_graph", True, {"window": 2}),
     ("linear", True, {}),
 ]
 
@@ -74,7 +75,7 @@ def test_foreign_block_jit_eager_dropout_and_optax(name, causal, options):
         jitted = jax.jit(fwd, static_argnums=1)(params, train, key)
         np.testing.assert_allclose(np.asarray(eager[0]), np.asarray(jitted[0]), rtol=1e-5, atol=1e-5)
         assert np.all(np.isfinite(np.asarray(eager[0])))
-    if name == "agf":   # AGF sows its orthogonality regulariser
+    if name == "agf" or options.get("kl_weight"):   # the orthogonality term, the graph KL
         assert float(fwd(params, False, key)[1]) != 0.0
 
     # padding holding NaN changes nothing valid
