@@ -26,16 +26,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from samovar_jax import attention, baselines, layers, ops
+from samovar_jax import attention, baselines, layers, ops, validation
+from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
 
 Array = jax.Array
 
-FORECASTER_KINDS = ("samovar", "lintrans", "fixedvar")
 KINDS = FORECASTER_KINDS + ("dlinear",)
-# `Forecaster` fields that apply to some kinds only: another kind with a non-default value raises.
-KIND_ONLY_FIELDS = {"use_qv_norm": ("samovar",), "use_key_proj": ("samovar",), "structural": ("samovar", "fixedvar"),
-                    "shortcut_inside": ("samovar", "fixedvar"), "fixed_max_tokens": ("fixedvar",)}
 
 # Sizes of the SAMoVAR kinds (`Forecaster` fields; without a variant its defaults are 'paper').
 # `width=0` is the reference's automatic width 32 * floor(sqrt(C)) (C = input channels for
@@ -52,13 +49,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _pick(value, default):
     return default if value is None else value
-
-
-def _check_dtype(name: str, value) -> None:
-    try:
-        value is None or jnp.dtype(value)
-    except TypeError:
-        checks.fail(f"`{name}` must be a dtype or its name (e.g. 'bfloat16'), got {value!r}")
 
 
 def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  # noqa: N802
@@ -191,36 +181,8 @@ class Forecaster(nn.Module):
     # ------------------------------------------------------------------ configuration
 
     def check_fields(self) -> None:
-        """Boundary checks of every field (called by `Model`); raises ValueError naming the field."""
-        for name in ("dtype", "param_dtype"):
-            _check_dtype(name, getattr(self, name))
-        for name, low in (("num_channels", 1), ("input_len", 2), ("patch_len", 1), ("num_layers", 1),
-                          ("mlp_ratio", 1), ("num_targets", 0), ("width", 0), ("num_heads", 0),
-                          ("max_patches", 0), ("horizon", 0), ("fixed_max_tokens", 2)):
-            checks.check_int(name, getattr(self, name), low)
-        checks.check_choice("kind", self.kind, FORECASTER_KINDS)
-        checks.check_optional_int("chunk_size", self.chunk_size, 1)
-        checks.check_rate("dropout", self.dropout)
-        checks.check_choice("norm_mean", self.norm_mean, ("last_patch", "window"))
-        checks.check_choice("position_overflow", self.position_overflow, ("error", "clamp"))
-        checks.check_choice("structural", self.structural, (None, "lu", "lu_inverse", "none"))
-        if not self.ar_loss_weight >= 0 or self.num_targets > self.num_channels:
-            checks.fail(f"`ar_loss_weight` must be >= 0 and `num_targets` <= C, got {self.ar_loss_weight}, "
-                        f"{self.num_targets}")
-        for name, kinds in KIND_ONLY_FIELDS.items():
-            if self.kind not in kinds and getattr(self, name) != Forecaster.__dataclass_fields__[name].default:
-                checks.fail(f"`{name}` applies to kind in {kinds} only, got kind={self.kind!r}")
-        if self.kind == "lintrans" and self.num_heads == 0:
-            checks.fail("`num_heads`=0 (automatic) is not available for kind='lintrans'; give num_heads > 0")
-        r = self.resolved
-        checks.check_divisible("width", r.width, "num_heads", r.num_heads)
-        if r.max_patches < r.num_patches or (self.kind == "fixedvar" and 2 * r.num_patches > self.fixed_max_tokens):
-            checks.fail(f"`max_patches` / `fixed_max_tokens` do not fit the {r.num_patches} input patches")
-        if r.horizon_patches > 1 and r.num_targets != self.num_channels:
-            checks.fail(f"`horizon` {r.horizon} > patch_len needs num_targets == num_channels, got {r.num_targets}")
-        if self.ar_loss_weight > 0 and r.num_patches < 2:
-            checks.fail(f"`ar_loss_weight` > 0 needs at least 2 patches, got {r.num_patches} (input_len / patch_len)")
-        self._check_positions(r, r.num_patches + r.horizon_patches - 1)
+        """Boundary checks of every field (called by `Model`; `validation.check_forecaster`)."""
+        validation.check_forecaster(self)
 
     @property
     def resolved(self) -> Resolved:
@@ -241,11 +203,7 @@ class Forecaster(nn.Module):
                         structural=_pick(self.structural, "lu" if var_kind else "none"))
 
     def _check_positions(self, res: Resolved, patches: int) -> None:
-        """Raises if `patches` patches do not fit the position tables (unless clamping)."""
-        if self.position_overflow != "clamp" and (
-                patches > res.max_patches or (self.kind == "fixedvar" and 2 * patches > self.fixed_max_tokens)):
-            checks.fail(f"{patches} patches (input + rollout) exceed `max_patches`={res.max_patches} or "
-                        f"`fixed_max_tokens`={self.fixed_max_tokens}; raise them or set position_overflow='clamp'")
+        validation.check_positions(self, res, patches)
 
     # ------------------------------------------------------------------ parameters
 
