@@ -3,6 +3,13 @@
 Every knob of the trainer is here with one comment (the schedule and lookahead fields take their
 defaults, and their comments, from zoo_core/optim.py); architecture configs override what they need.
 
+One composition style for every config file: `get_config(arg)` parses its `:args` with `parse_arg`,
+starts from `base_config()`, lets the shared helpers of its folder write their part into it
+(`set_*(c, ...)`; e.g. configs/agf/common.py, configs/htgn/common.py), applies `smoke(c)` for `:smoke`,
+and ends with `finish(c, VARIANTS)`, which writes the model's size preset into explicit fields
+(`decode_variant`) and locks the config. Every model and data option is then a field of the config,
+so `--config.model.<field>=...` and `--config.data.options.<option>=...` reach it.
+
 Resuming: a workdir with checkpoints resumes only under the config stored in its config.json. Fields
 marked "(safe on resume)" below may change between a run and its resumption (they decide what is
 logged, evaluated or kept, not what is trained), and so may total_steps when it grows under a constant
@@ -13,9 +20,11 @@ config.json. The list is zoo_core.trainer.SAFE_ON_RESUME.
 """
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import Any, Iterable, Mapping
 
 import ml_collections
+from ml_collections import config_dict
 
 from zoo_core import optim
 
@@ -100,7 +109,105 @@ def base_config() -> ml_collections.ConfigDict:
     c.task = ml_collections.ConfigDict()
     c.task.name = "classification"    # classification | forecast | seq2seq
 
-    c.model = ml_collections.ConfigDict()  # passed as Model(**config.model)
+    c.model = ml_collections.ConfigDict()  # passed as Model(**config.model); every field explicit (finish)
+
+    # Read by the architectures' host-side evaluators (the `evaluators_fn` of their train.py), which run
+    # with every eval; declared here so that every config has them and a typo fails as an unknown key.
+    c.test_split = ""                 # samovar_jax.evaluation: also report this split at every eval ('' = off) (safe on resume)
+    c.decode = ml_collections.ConfigDict()  # htgn_jax.decoding: seq2seq decoding for eval/bleu (safe on resume)
+    c.decode.beam_size = 1            # 1 = greedy
+    c.decode.length_penalty = 0.0     # GNMT length penalty alpha (0 = none)
+    c.decode.max_examples = 0         # 0 = eval_max_examples, else the whole eval split
+    c.decode.max_len = 0              # 0 = the targets' width
+    c.decode.use_cache = "auto"       # auto | cache | recompute
+    return c
+
+
+# The options class of each dataset (zoo_core.data.DATASETS), whose fields and defaults `data_options`
+# writes into a config.
+DATA_OPTIONS = {
+    "synthetic_linear": "zoo_core.data.synthetic:SyntheticLinearConfig",
+    "lra_listops": "zoo_core.data.listops:ListOpsConfig",
+    "lra_text": "zoo_core.data.lra_files:LraTextConfig",
+    "lra_retrieval": "zoo_core.data.lra_files:LraRetrievalConfig",
+    "lra_image": "zoo_core.data.lra_files:LraImageConfig",
+    "lra_pathfinder": "zoo_core.data.lra_files:LraPathfinderConfig",
+    "uea": "zoo_core.data.uea:UeaConfig",
+    "synthetic_var": "zoo_core.data.synthetic_var:SyntheticVarConfig",
+    "forecasting": "zoo_core.data.forecasting:ForecastingConfig",
+    "number_words": "zoo_core.data.number_words:NumberWordsConfig",
+    "digits": "zoo_core.data.digits:DigitsConfig",
+    "wmt14_en_de": "zoo_core.data.wmt:WmtConfig",
+}
+
+
+def data_option_defaults(name: str) -> dict[str, Any]:
+    """{option: default} of dataset `name` (the fields of its BuilderConfig beyond TFDS's own)."""
+    import dataclasses
+
+    import tensorflow_datasets as tfds
+    if name not in DATA_OPTIONS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(sorted(DATA_OPTIONS))}")
+    module, _, cls = DATA_OPTIONS[name].partition(":")
+    fields = dataclasses.fields(getattr(importlib.import_module(module), cls))
+    own = {f.name for f in dataclasses.fields(tfds.core.BuilderConfig)}
+    return {f.name: f.default for f in fields if f.name not in own}
+
+
+def data_options(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Writes every option of dataset c.data.name that c.data.options lacks, with its default.
+
+    The prepared-data key hashes every option value with the defaults filled in, so this names the
+    same prepared directory. A path option whose default is None is written as '' (the datasets read
+    '' as "not given"); any other None default is a typed placeholder (None until overridden).
+    """
+    for key, value in data_option_defaults(c.data.name).items():
+        if key in c.data.options:
+            continue
+        if value is None:
+            value = "" if key.endswith("_dir") or key == "source" else config_dict.placeholder(object)
+        c.data.options[key] = value
+    return c
+
+
+def decode_variant(model: ml_collections.ConfigDict, variants: Mapping[str, Mapping[str, Any]], *,
+                   allowed: Iterable[str] | None = None,
+                   derived: Iterable[str] = ()) -> ml_collections.ConfigDict:
+    """Replaces model.variant by the preset's fields, written explicitly (big_vision's decode_variant).
+
+    Fields already set win over the preset, as in `Model(variant=..., **fields)`, so the model built
+    is the same; afterwards `--config.model.num_layers=3` overrides a size like any other field.
+
+    Args:
+      model: the config's model part; its `variant` key is removed.
+      variants: the architecture's VARIANTS table.
+      allowed: the fields the model's kind takes (preset keys outside it are skipped, as the
+        factories do); None = all.
+      derived: preset fields the model derives from others unless given (AGF's UEA head_dim); they
+        become int placeholders (None until overridden) instead of the preset's value.
+    """
+    variant = model.get("variant")
+    if variant is None:
+        return model
+    if variant not in variants:
+        raise ValueError(f"unknown model variant {variant!r}; known: {', '.join(variants)}")
+    del model["variant"]
+    allowed = None if allowed is None else set(allowed)
+    for key, value in variants[variant].items():
+        if key in model or (allowed is not None and key not in allowed):
+            continue
+        model[key] = config_dict.placeholder(type(value)) if key in derived else value
+    return model
+
+
+def finish(c: ml_collections.ConfigDict, variants: Mapping[str, Mapping[str, Any]] | None = None,
+           **decode_kwargs) -> ml_collections.ConfigDict:
+    """The last step of every get_config: explicit model and data fields, then lock."""
+    if variants is not None:
+        decode_variant(c.model, variants, **decode_kwargs)
+    if c.data.name:
+        data_options(c)
+    c.lock()
     return c
 
 

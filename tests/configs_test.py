@@ -4,6 +4,7 @@ import pathlib
 
 import pytest
 
+from configs import common
 from zoo_core import data as data_lib
 from zoo_core import optim, tasks, trainer
 
@@ -14,7 +15,8 @@ BUILDERS = {
     "samovar": ("samovar_jax.model", "Model"),
     "htgn": ("htgn_jax.model", "Model"),
 }
-CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*/*.py") if p.name != "__init__.py"
+# configs/<folder>/common.py holds the pieces the folder's configs share; every other file is a config.
+CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*/*.py") if p.name not in ("__init__.py", "common.py")
                       and p.parent.name in BUILDERS)
 
 
@@ -43,14 +45,59 @@ def test_config_loads_and_builds(path):
     optim.make_optimizer(full)
     with pytest.raises(ValueError, match="unknown config argument"):
         module.get_config("no_such_option=1")
+    for config in (c, full):   # the size preset is written out: every model field is a config field
+        assert "variant" not in config.model, "common.finish writes the variant's fields explicitly"
+        assert set(config.data.options) >= set(common.data_option_defaults(config.data.name))
+        assert "decode" in config and "test_split" in config
+
+
+@pytest.mark.parametrize("arg", ["smoke", "smoke,attention=softmax", "attention=softmax", None])
+def test_every_size_is_a_config_field_the_model_reads(arg):
+    """`--config.model.num_layers=3` (the README's example) reaches the model of every AGF config."""
+    from agf_jax import model as agf_model
+    for path in CONFIG_FILES:
+        if path.parent.name != "agf":
+            continue
+        c = importlib.import_module(f"configs.agf.{path.stem}").get_config(arg)
+        with c.unlocked():
+            c.model.num_layers = 3
+            c.model.num_heads = 4
+        m = agf_model.Model(**c.model.to_dict())
+        assert (m.num_layers, m.num_heads) == (3, 4), path.stem
+
+
+def test_the_uea_head_width_follows_d_model_and_heads_unless_given():
+    from agf_jax import model as agf_model
+    from configs.agf import uea
+    c = uea.get_config("dataset=JapaneseVowels")
+    assert c.model.head_dim is None and c.model.d_model == 512 and c.model.num_heads == 8
+    with c.unlocked():
+        c.model.num_heads = 4
+    assert agf_model.Model(**c.model.to_dict()).num_heads == 4
+    with c.unlocked():
+        c.model.head_dim = 32
+    assert agf_model.Model(**c.model.to_dict()).head_dim == 32
+
+
+def test_the_uea_table_keeps_the_reference_settings():
+    from configs.agf import uea
+    c = uea.get_config("dataset=SpokenArabicDigits")
+    assert (c.optim.name, c.model.basis, c.model.order, c.model.ortho_weight) == ("adam", "jacobi", 4, 0.5)
+    c = uea.get_config("dataset=PEMS-SF")
+    assert c.total_steps == 400 * 17 and c.optim.name == "radam"
+    c = uea.get_config("dataset=Heartbeat,attention=softmax")
+    assert "basis" not in c.model and c.model.attention_dropout == 0.1
+    assert uea.get_config("dataset=Heartbeat,smoke").data.options.dataset == "JapaneseVowels"
+    with pytest.raises(ValueError, match="choose one of"):
+        uea.get_config("dataset=Nope")
 
 
 def test_uea_configs_evaluate_when_the_reference_harness_does():
     """mvts_transformer validates after the first epoch, every val_interval = 2 epochs and the last;
     the best of those is the reported metric, so evaluating more often would flatter it."""
-    from configs.agf import uea_basic_motions, uea_japanese_vowels
-    for module, epoch in ((uea_japanese_vowels, 17), (uea_basic_motions, 3)):
-        c = module.get_config()
+    from configs.agf import uea
+    for dataset, epoch in (("JapaneseVowels", 17), ("BasicMotions", 3)):
+        c = uea.get_config(f"dataset={dataset}")
         evals = [s // epoch for s in range(1, c.total_steps + 1) if trainer.is_eval_step(c, s)]
         assert evals == [1] + list(range(2, 101, 2))
 

@@ -17,8 +17,12 @@ checkpoint by validation accuracy under workdir/best, reported on test with the
 training command plus `--eval_only --eval_split=test`. Expected: AGF's own number is not available
 (agf.md §8.1); for context, Primalformer's table: Transformer 38.2.
 """
-from configs.tasks import agf
+from configs import common
+from configs.agf import common as agf
 
 
 def get_config(arg=None):
-    return agf.lra_config(arg, "image", order=6, alpha=1.5, beta=2.0, reg=0.1)
+    args = agf.lra_args(arg)
+    c = common.base_config()
+    agf.set_lra(c, "image", args, order=6, alpha=1.5, beta=2.0, reg=0.1)
+    return agf.finish(c)

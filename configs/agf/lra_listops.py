@@ -17,8 +17,12 @@ number is not available, agf.md §8.1). Measured here on the generated draw (REA
 checkpoint / last one on test: seed 0 0.358 / 0.3675, seed 1 0.356 / 0.3605, seed 0 on the draw
 --config.data.options.seed=1 0.3515 / 0.357 (validation 0.382); about 100 min on a 2-core CPU.
 """
-from configs.tasks import agf
+from configs import common
+from configs.agf import common as agf
 
 
 def get_config(arg=None):
-    return agf.lra_config(arg, "listops", order=5, alpha=2.0, beta=-1.0, reg=0.01)
+    args = agf.lra_args(arg)
+    c = common.base_config()
+    agf.set_lra(c, "listops", args, order=5, alpha=2.0, beta=-1.0, reg=0.01)
+    return agf.finish(c)

@@ -16,8 +16,12 @@ checkpoint by validation accuracy under workdir/best, reported on test with the
 training command plus `--eval_only --eval_split=test`. Expected: AGF's own number is not available
 (agf.md §8.1); for context, Primalformer's table: Transformer 79.4.
 """
-from configs.tasks import agf
+from configs import common
+from configs.agf import common as agf
 
 
 def get_config(arg=None):
-    return agf.lra_config(arg, "retrieval", order=5, alpha=2.0, beta=-1.5, reg=0.0001)
+    args = agf.lra_args(arg)
+    c = common.base_config()
+    agf.set_lra(c, "retrieval", args, order=5, alpha=2.0, beta=-1.5, reg=0.0001)
+    return agf.finish(c)

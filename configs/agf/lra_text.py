@@ -18,8 +18,12 @@ dev split: IMDB test serves as both), the best checkpoint by eval/accuracy under
 Expected: AGF's own number is not available (agf.md §8.1); for context, Primalformer's table (4K):
 Transformer 65.0.
 """
-from configs.tasks import agf
+from configs import common
+from configs.agf import common as agf
 
 
 def get_config(arg=None):
-    return agf.lra_config(arg, "text", order=5, alpha=2.0, beta=-2.0, reg=0.01)
+    args = agf.lra_args(arg)
+    c = common.base_config()
+    agf.set_lra(c, "text", args, order=5, alpha=2.0, beta=-2.0, reg=0.01)
+    return agf.finish(c)

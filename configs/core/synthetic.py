@@ -28,5 +28,4 @@ def get_config(arg=None):
     c.model.num_classes = 4
     if args.smoke:
         common.smoke(c)
-    c.lock()
-    return c
+    return common.finish(c)

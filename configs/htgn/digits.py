@@ -13,24 +13,14 @@ mean; optimizer = adamw | lamb | ranger; patch_size (1, 2 or 4); steps; smoke.
 Data: 1,797 images, stratified 80/20 train/test split (`digits`); the test accuracy after the last
 step is the reported number (no checkpoint is selected on test).
 Expected: eval/accuracy >= 0.95 after the default 2000 steps (measured 0.964 at step 2000,
-0.953-0.964 from step 500 on, with the 2-D stencil of commit 004921f; about 150 s on a shared
-2-core CPU).
+0.953-0.964 from step 500 on; about 150 s on a shared 2-core CPU).
 """
 from configs import common
-from configs.htgn import REDRAW_EVERY, SMOKE_REDRAW_EVERY, apply_recipe
+from configs.htgn import common as htgn
 
 
 def get_config(arg=None):
-    args = common.parse_arg(arg, smoke=False, attention="favor", ablation="none", pool="cls",
-                            optimizer="adamw", patch_size=2, steps=2000)
-    from htgn_jax import model as htgn_model
-
-    if args.ablation not in htgn_model.ABLATIONS:
-        raise ValueError(f"config argument ablation={args.ablation!r} must be one of "
-                         f"{tuple(htgn_model.ABLATIONS)}")
-    if args.attention not in htgn_model.ATTENTIONS:
-        raise ValueError(f"config argument attention={args.attention!r} must be one of "
-                         f"{htgn_model.ATTENTIONS}")
+    args = htgn.htgn_args(arg, pool="cls", patch_size=2, steps=2000)
     if args.patch_size not in (1, 2, 4):
         raise ValueError(f"config argument patch_size={args.patch_size} must be 1, 2 or 4")
     grid = 8 // args.patch_size
@@ -44,8 +34,8 @@ def get_config(arg=None):
     # No best-checkpoint selection: the only held-out split is test, and the reported number is the
     # last step's test accuracy (choosing a checkpoint on test would not be a held-out score).
     c.checkpoint.best_metric = ""
-    apply_recipe(c, optimizer=args.optimizer, learning_rate=2e-3,
-                 warmup_steps=max(1, args.steps // 10))
+    htgn.set_recipe(c, optimizer=args.optimizer, learning_rate=2e-3,
+                    warmup_steps=max(1, args.steps // 10))
 
     c.data.name = "digits"
     c.data.options.test_fraction = 0.2
@@ -67,18 +57,12 @@ def get_config(arg=None):
     c.model.pool = args.pool
     c.model.dropout_rate = 0.1
     c.model.attention = args.attention
-    if args.attention == "favor":
-        c.model.redraw_every = SMOKE_REDRAW_EVERY if args.smoke else REDRAW_EVERY
-        for key, value in htgn_model.ABLATIONS[args.ablation].items():
-            c.model[key] = value
-        if args.ablation == "no_global":
-            c.model.pool = "mean"
-    elif args.ablation != "none":
-        raise ValueError("config argument ablation applies to attention=favor only")
+    htgn.set_favor(c, args)
+    if args.ablation == "no_global":
+        c.model.pool = "mean"
 
     if args.smoke:
         common.smoke(c)
         c.schedule.warmup_steps = 1
         c.model.num_layers = 1
-    c.lock()
-    return c
+    return htgn.finish(c)

@@ -18,23 +18,14 @@ records no reference BLEU for HTGN (the model card has no results), so BLEU on n
 is reported against the softmax baseline trained with the same config (`attention=softmax`).
 """
 from configs import common
-from configs.htgn import REDRAW_EVERY, SMOKE_REDRAW_EVERY, apply_recipe
+from configs.htgn import common as htgn
 
 VOCAB_SIZE = 32000
 MAX_LENGTH = 256
 
 
 def get_config(arg=None):
-    args = common.parse_arg(arg, smoke=False, source_dir="", attention="favor", ablation="none",
-                            optimizer="adamw", beam_size=4, steps=100000)
-    from htgn_jax import model as htgn_model
-
-    if args.ablation not in htgn_model.ABLATIONS:
-        raise ValueError(f"config argument ablation={args.ablation!r} must be one of "
-                         f"{tuple(htgn_model.ABLATIONS)}")
-    if args.attention not in htgn_model.ATTENTIONS:
-        raise ValueError(f"config argument attention={args.attention!r} must be one of "
-                         f"{htgn_model.ATTENTIONS}")
+    args = htgn.htgn_args(arg, source_dir="", beam_size=4, steps=100000)
     c = common.base_config()
     c.total_steps = args.steps
     c.batch_size = 256
@@ -44,8 +35,8 @@ def get_config(arg=None):
     c.checkpoint_every_steps = 5000
     c.checkpoint.best_metric = "eval/bleu"
     # Vaswani: peak d^-0.5 * warmup^-0.5 with d = 512, warm-up 4000 steps (htgn.md §5.9).
-    apply_recipe(c, optimizer=args.optimizer, learning_rate=512 ** -0.5 * 4000 ** -0.5,
-                 warmup_steps=4000)
+    htgn.set_recipe(c, optimizer=args.optimizer, learning_rate=512 ** -0.5 * 4000 ** -0.5,
+                    warmup_steps=4000)
 
     c.data.name = "wmt14_en_de"
     c.data.eval_split = "validation"        # dev: the best checkpoint is chosen here, not on test
@@ -71,20 +62,12 @@ def get_config(arg=None):
             c.model.rho = 1.0
         c.model.kl_weight = 1e-3
         c.model.attention_dropout = 0.1
-        c.model.redraw_every = SMOKE_REDRAW_EVERY if args.smoke else REDRAW_EVERY
-        for key, value in htgn_model.ABLATIONS[args.ablation].items():
-            c.model[key] = value
+        htgn.set_favor(c, args)
         if not c.model.get("use_graph_conv", True):
             c.model.attention_dropout = 0.0
-    elif args.ablation != "none":
-        raise ValueError("config argument ablation applies to attention=favor only")
 
-    c.decode = common.ml_collections.ConfigDict()
     c.decode.beam_size = args.beam_size
     c.decode.length_penalty = 0.6
-    c.decode.max_examples = 0
-    c.decode.max_len = 0
-    c.decode.use_cache = "auto"
 
     if args.smoke:
         common.smoke(c)
@@ -97,5 +80,4 @@ def get_config(arg=None):
         c.data.options.max_vocab_sentences = 10000
         c.decode.beam_size = 2
         c.schedule.warmup_steps = 1
-    c.lock()
-    return c
+    return htgn.finish(c)

@@ -39,6 +39,8 @@ def get_config(arg=None):
     if args.dataset not in DATASETS:
         raise ValueError(f"config argument dataset must be one of {DATASETS}, got {args.dataset!r}")
     csv_dir = args.csv_dir or os.path.join(pipeline.resolve_data_dir(""), "ETT-small")
-    return forecasting.forecast_config(kind=args.kind, source=os.path.join(csv_dir, f"{args.dataset}.csv"),
-                                       channels=CHANNELS, horizon=args.horizon, input_length=args.input_length,
-                                       steps=args.steps, smoke=args.smoke)
+    c = common.base_config()
+    forecasting.set_forecast(c, kind=args.kind, source=os.path.join(csv_dir, f"{args.dataset}.csv"),
+                             channels=CHANNELS, horizon=args.horizon, input_length=args.input_length,
+                             steps=args.steps, smoke=args.smoke)
+    return forecasting.finish(c)

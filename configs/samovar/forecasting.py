@@ -15,7 +15,7 @@ input and target. The paper's settings where they apply (§9): (L_I, P) = (1024,
 floor(sqrt(C)), 8 heads, 3 layers, dropout 0.1), AdamW(lr 6e-4, b = (0.9, 0.95), wd 0.1), torch's
 OneCycleLR step for step (5% warm-up from lr/10, linear annealing, and torch's default beta1 cycling
 0.95 -> 0.85 -> 0.95, which overrides b1; `--config.schedule.anneal=cos
---config.schedule.cycle_momentum=False` gives optax's cosine one-cycle that earlier README numbers used),
+--config.schedule.cycle_momentum=False` gives optax's cosine one-cycle),
 gradient clipping at 1, batch 32. DLinear uses the baselines' lr 1e-4 and kernel 25. The budget is `steps`
 (default 3,000 steps of batch 32, about 2.7 epochs of vic_elec) instead of 100 epochs with patience 12.
 The reference's budget and early stopping on vic_elec (35,706 training windows, about 1,115 batches of 32 an
@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 
 from configs import common
+from samovar_jax import model as samovar_model
 
 KINDS = ("samovar", "lintrans", "dlinear")
 # horizon -> input length L_I (samovar.sh); other horizons use 1024.
@@ -54,11 +55,13 @@ def csv_channels(path: str) -> int:
     return len([h for h in header if h.strip().strip('"') != "date"])
 
 
-def forecast_config(*, kind: str, source: str, channels: int, horizon: int, input_length: int = 0,
-                    steps: int = DEFAULT_STEPS, smoke: bool = False):
-    """The config of one (model, data, horizon) run; shared by forecasting.py and ett.py.
+def set_forecast(c, *, kind: str, source: str, channels: int, horizon: int, input_length: int = 0,
+                 steps: int = DEFAULT_STEPS, smoke: bool = False):
+    """Writes one (model, data, horizon) run into `c` (from `common.base_config()`), smoke included;
+    shared by forecasting.py and ett.py.
 
     Args:
+      c: the config to fill.
       kind: 'samovar' | 'lintrans' | 'dlinear'.
       source: 'embedded:<name>' or a CSV path (the dataset's `source` option).
       channels: C (mode M: also the number of targets).
@@ -78,8 +81,7 @@ def forecast_config(*, kind: str, source: str, channels: int, horizon: int, inpu
                              f"input_length={input_length} from the config arguments")
         horizon, input_length = 8, 32
     input_length = input_length or INPUT_LENGTHS.get(horizon, 1024)
-    c = common.base_config()
-    c.test_split = "test"             # read by samovar_jax.train: eval/test_mse, eval/test_mae at every eval
+    c.test_split = "test"             # samovar_jax.evaluation: eval/test_mse, eval/test_mae at every eval
     c.total_steps = steps
     c.batch_size = 32
     c.eval_batch_size = 256
@@ -125,8 +127,12 @@ def forecast_config(*, kind: str, source: str, channels: int, horizon: int, inpu
     if smoke:
         common.smoke(c)
         c.schedule.pct_start = 1.0    # torch's phases need pct_start * steps > 1: both steps rise
-    c.lock()
     return c
+
+
+def finish(c):
+    """`common.finish` with SAMoVAR's size presets (DLinear has none)."""
+    return common.finish(c, samovar_model.VARIANTS)
 
 
 def get_config(arg=None):
@@ -136,5 +142,7 @@ def get_config(arg=None):
         csv_channels(args.source) if not args.source.startswith("embedded:") else 0)
     if not channels:
         raise ValueError(f"unknown embedded source {args.source!r}; known: {', '.join(EMBEDDED_CHANNELS)}")
-    return forecast_config(kind=args.kind, source=args.source, channels=channels, horizon=args.horizon,
-                           input_length=args.input_length, steps=args.steps, smoke=args.smoke)
+    c = common.base_config()
+    set_forecast(c, kind=args.kind, source=args.source, channels=channels, horizon=args.horizon,
+                 input_length=args.input_length, steps=args.steps, smoke=args.smoke)
+    return finish(c)

@@ -24,6 +24,7 @@ FixedVAR 0.00374, LinTrans 0.00489; `steps=1200` at batch 64: 0.00323 / 0.00515 
 takes ~86 min (SAMoVAR) on an idle 2-core CPU.
 """
 from configs import common
+from samovar_jax import model as samovar_model
 
 KINDS = ("samovar", "lintrans", "fixedvar")
 # Per-kind model fields of the notebook's run (samovar.md §1, §10).
@@ -90,5 +91,4 @@ def get_config(arg=None):
         c.data.options.num_validation = 16
         c.schedule.warmup_steps = 1
         c.model.variant = "tiny"
-    c.lock()
-    return c
+    return common.finish(c, samovar_model.VARIANTS)

@@ -1,8 +1,8 @@
-"""AGF's two reference harnesses as config builders, shared by the files in configs/agf/.
+"""AGF's two reference harnesses, written into a config by `set_lra` and `set_uea`.
 
-Every configs/agf/<task>.py only states the reference's best hyperparameters for its task (agf.md §3
-tables) and calls `lra_config` or `uea_config`. Both accept the config argument string of
-`--config file.py:args`:
+The LRA configs (configs/agf/lra_<task>.py) state the reference's best filter for their task
+(agf.md §3 tables) and configs/agf/uea.py holds the UEA table; each `get_config` follows the style of
+configs/common.py (parse_arg, base_config, set_lra / set_uea, finish). Their config arguments:
 
   smoke              a seconds-long run (2 steps, tiny model, tiny data; see `common.smoke`)
   attention=softmax  the vanilla Transformer baseline at the same size and budget (no filter, no
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from agf_jax import model as agf_model
 from configs import common
 from configs.tasks import lra, uea
 
@@ -50,15 +51,20 @@ def _check_attention(attention: str) -> None:
                          f"{', '.join(ATTENTIONS)}")
 
 
-def lra_config(arg, task: str, *, order: int, alpha: float, beta: float,
-               reg: float) -> ml_collections.ConfigDict:
-    """The AGF_LRA config of `task` with the Jacobi filter (order K, alpha, beta) and gamma = reg."""
-    if task not in LRA_HARNESS:
-        raise ValueError(f"unknown LRA task {task!r}; known: {', '.join(LRA_HARNESS)}")
+def lra_args(arg) -> ml_collections.ConfigDict:
+    """The `:args` of an LRA config."""
     args = common.parse_arg(arg, smoke=False, attention="agf")
     _check_attention(args.attention)
+    return args
+
+
+def set_lra(c: ml_collections.ConfigDict, task: str, args, *, order: int, alpha: float, beta: float,
+            reg: float) -> ml_collections.ConfigDict:
+    """Writes the AGF_LRA harness of `task` with the Jacobi filter (order K, alpha, beta) and
+    gamma = reg into `c` (from `common.base_config()`); `args` from `lra_args`."""
+    if task not in LRA_HARNESS:
+        raise ValueError(f"unknown LRA task {task!r}; known: {', '.join(LRA_HARNESS)}")
     h = LRA_HARNESS[task]
-    c = common.base_config()
     facts = lra.set_data(c, task, smoke=args.smoke)
     c.seed = 0
     c.total_steps = h["steps"]                 # the harness's num_train_steps
@@ -100,18 +106,33 @@ def lra_config(arg, task: str, *, order: int, alpha: float, beta: float,
         common.smoke(c)
         c.schedule.pct_start = 1.0             # both smoke steps rise (lr/25, then lr)
         m.variant = "tiny"                     # D=16, 2 heads x 8
-    c.lock()
     return c
 
 
-def uea_config(arg, dataset: str, *, basis: str, order: int, alpha: float | None = None,
-               beta: float | None = None, fix_i: bool, eta: float, epochs: int = 100,
-               optimizer: str = "radam") -> ml_collections.ConfigDict:
-    """The AGF_UEA config of `dataset` (a key of `configs.tasks.uea.DATASETS`).
+def finish(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`common.finish` with AGF's size presets. For the UEA classifier head_dim stays derived
+    (d_model // num_heads, as the reference) unless given, so that overriding d_model or num_heads
+    alone stays consistent."""
+    derived = ("head_dim",) if c.model.kind == "uea_classifier" else ()
+    return common.finish(c, agf_model.VARIANTS, derived=derived)
+
+
+def uea_args(arg, **defaults) -> ml_collections.ConfigDict:
+    """The `:args` of the UEA config (`defaults` adds the config's own, e.g. dataset)."""
+    args = common.parse_arg(arg, smoke=False, attention="agf", source_dir="", **defaults)
+    _check_attention(args.attention)
+    return args
+
+
+def set_uea(c: ml_collections.ConfigDict, dataset: str, args, *, basis: str, order: int,
+            alpha: float | None = None, beta: float | None = None, fix_i: bool, eta: float,
+            epochs: int = 100, optimizer: str = "radam") -> ml_collections.ConfigDict:
+    """Writes the AGF_UEA harness of `dataset` (a key of `configs.tasks.uea.DATASETS`) into `c`.
 
     Args:
-      arg: the config argument string.
+      c: a config from `common.base_config()`.
       dataset: UEA dataset name.
+      args: from `uea_args` (smoke, attention, source_dir).
       basis, order, alpha, beta: the filter (alpha/beta only for 'jacobi').
       fix_i: the reference's --fixI (c_0 frozen at 1); without it c_0 = tanh(theta_0) starts at 0.
       eta: gamma, the weight of the orthogonality regulariser.
@@ -121,9 +142,6 @@ def uea_config(arg, dataset: str, *, basis: str, order: int, alpha: float | None
     if (basis == "jacobi") != (alpha is not None and beta is not None):
         raise ValueError(f"alpha and beta are given exactly for basis='jacobi'; got basis={basis!r}, "
                          f"alpha={alpha!r}, beta={beta!r}")
-    args = common.parse_arg(arg, smoke=False, attention="agf", source_dir="")
-    _check_attention(args.attention)
-    c = common.base_config()
     data_name = uea.SMOKE_STANDIN if args.smoke and dataset not in uea.SHIPPED else dataset
     facts = uea.set_data(c, data_name, source_dir=args.source_dir)
     c.seed = UEA_SEED                        # the harness's global seed
@@ -165,5 +183,4 @@ def uea_config(arg, dataset: str, *, basis: str, order: int, alpha: float | None
     if args.smoke:
         common.smoke(c)
         m.variant = "tiny"                   # d_model 16, 2 heads x 8
-    c.lock()
     return c
