@@ -69,8 +69,18 @@ LN_EPS = 1e-5
 AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
 
 
+_SQRT_HALF = 0.7071067811865476
+
+
 def _gelu(x):
-    return nn.gelu(x, approximate=False)   # PyTorch nn.GELU / F.gelu: exact erf form
+    """PyTorch's exact nn.GELU / F.gelu, in PyTorch's own formula 0.5 x (1 + erf(x / sqrt 2)).
+
+    `nn.gelu(approximate=False)` computes 0.5 x erfc(-x / sqrt 2) instead; XLA's erfc is a
+    two-branch approximation with an exp and was 3x slower than erf (fwd+bwd). The two agree to
+    1e-6 absolute (float32 rounding of the 1 + erf sum; |y| < 1e-3 for x < -3.1 there).
+    """
+    x = jnp.asarray(x)
+    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(_SQRT_HALF, x.dtype)))
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": _gelu, "relu": nn.relu}
