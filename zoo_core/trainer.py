@@ -10,15 +10,19 @@ call (`step_kwargs`).
 `evaluate_checkpoint` is the evaluation-only entry: a saved checkpoint (the best one by default) on any
 split, e.g. the LRA protocol's "select on validation, report test".
 
-Steps, each a small function: validate the config, prepare the data, build the model and optimiser,
-make the abstract state (`jax.eval_shape`), restore or initialise it directly in its sharding, jit the
-steps once, loop. `train_step` and `eval_step` are pure module-level functions; the same `train_step`
-serves jit over a 'data' mesh (default) and pmap (`axis_name`). With `checkpoint.patience` > 0 the loop
-stops early after that many evaluations in a row without a new best `checkpoint.best_metric` (counted
-from the best checkpoint's step, so a resumed run keeps its count and a finished one stays finished).
+`train_and_evaluate` is three parts: setup and restore (`check_setup`, `check_resume`, `_setup`
+prepares the data and builds the model and optimiser, `_restore_or_init` restores the newest
+checkpoint or initialises the state directly in its sharding), the compiled steps (`_compile_steps`:
+`train_step` and `eval_step`, pure module-level functions; the same `train_step` serves jit over a
+'data' mesh (default) and pmap (`axis_name`)), and the loop (`_train_loop`) with the named hooks of
+`_Loop` after every step: log, eval (with the best checkpoint and early stopping), checkpoint, signal
+(SIGTERM). With `checkpoint.patience` > 0 the loop stops early after that many evaluations in a row
+without a new best `checkpoint.best_metric` (counted from the best checkpoint's step, so a resumed run
+keeps its count and a finished one stays finished).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -619,6 +623,231 @@ class _Terminate:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+@dataclasses.dataclass
+class _Setup:
+    """What a run is made of, built and checked before anything is written (`_setup`)."""
+    config: Any
+    config_dict: dict
+    model: Any
+    task: Any
+    tx: Any
+    schedule: Any
+    train_source: Any
+    eval_source: Any
+    rng: jax.Array
+    example: dict
+    abstract: TrainState
+
+
+def _setup(config, build_model: Callable[..., Any], *, has_evaluators: bool) -> _Setup:
+    """Prepares the data and builds the model, task and optimiser; every config error surfaces here,
+    before any compile and before the workdir is made or the config is logged (as one ConfigError)."""
+    pcount, pindex = jax.process_count(), jax.process_index()
+    rng = jax.random.PRNGKey(config.seed)
+    try:
+        train_source, eval_source = prepare_data(config)
+        if len(train_source) < config.batch_size:   # found here, not after the first compile
+            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training examples "
+                             f"of {config.data.name}")
+        model = build_model(**config.model.to_dict())
+        task = tasks.make_task(config)
+        tx, schedule = optim.make_optimizer(config)
+        example = sharding.numeric(next(pipeline.eval_batches(
+            eval_source, global_batch_size=config.eval_batch_size, process_index=pindex, process_count=pcount)))
+        example = jax.tree_util.tree_map(lambda x: x[:1], example)
+        abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
+        _check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
+                            has_evaluators=has_evaluators)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        raise _config_error(e) from e
+    return _Setup(config=config, config_dict=json.loads(config.to_json_best_effort()), model=model, task=task,
+                  tx=tx, schedule=schedule, train_source=train_source, eval_source=eval_source, rng=rng,
+                  example=example, abstract=abstract)
+
+
+def _log_run(s: _Setup, workdir: str, changes: list[str], *, allow_config_change: bool) -> None:
+    logging.info("config:\n%s", s.config)
+    logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
+                 jax.process_index(), jax.process_count(), jax.devices())
+    if changes:
+        logging.warning("resuming %s with a changed config (%s): %s", workdir,
+                        "allowed by allow_config_change" if allow_config_change else "fields safe to change",
+                        "; ".join(changes))
+    logging.info("parameters:\n%s", parameter_overview(s.abstract.params))
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(s.abstract.params))
+    logging.info("parameter count: %s", f"{num_params:,}")
+
+
+def _restore_or_init(s: _Setup, workdir: str, replicated) -> tuple[ckpt_lib.Checkpoints, TrainState, int]:
+    """(checkpoints, state, start step): the newest checkpoint of `workdir` restored, or a fresh state,
+    directly in the `replicated` sharding; writes config.json once the workdir is known to be this run's."""
+    ck = s.config.checkpoint
+    abstract_sharded = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), s.abstract)
+    checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
+                                       best_mode=ck.best_mode)
+    try:
+        restored = checkpoints.restore_latest(abstract_sharded, s.config_dict)
+    except ckpt_lib.CheckpointMismatch as e:   # the workdir holds another model's run: leave it as it was
+        checkpoints.close(discard_created=True)
+        raise ConfigError(str(e)) from e
+    if jax.process_index() == 0:   # only now: a mismatching workdir keeps its own config.json
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(s.config_dict, f, indent=2, sort_keys=True)
+    if restored is None:
+        init = functools.partial(init_state, model=s.model, tx=s.tx)
+        logging.info("no checkpoint in %s: starting from scratch", workdir)
+        return checkpoints, jax.jit(init, out_shardings=replicated)(s.rng, s.example), 0
+    start, state = restored
+    logging.info("resumed from the checkpoint at step %d", start)
+    return checkpoints, state, start
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The compiled steps and how batches and states move between host and devices."""
+    train: Callable[..., Any]      # (state, batch) -> (state, metrics); the state is donated
+    eval: Callable[..., Any]       # (params, batch, step index) -> metric sums
+    to_device: Callable[[Any], Any]
+    host_state: Callable[[Any], Any]   # the single (unreplicated) copy of a state
+    pmapped: bool
+
+
+def _compile_steps(s: _Setup, mesh, replicated) -> _Steps:
+    """`train_step` and `eval_step` jitted once: over the 'data' mesh (mode 'jit') or pmapped."""
+    step_kw = dict(model=s.model, tx=s.tx, task=s.task, schedule=s.schedule,
+                   accum_steps=int(s.config.optim.grad_accum_steps))
+    if s.config.parallel.mode == "jit":
+        return _Steps(
+            train=jax.jit(functools.partial(train_step, **step_kw), donate_argnums=(0,),
+                          out_shardings=(replicated, replicated)),
+            eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),
+            to_device=lambda b: sharding.global_batch(b, mesh), host_state=lambda st: st, pmapped=False)
+    return _Steps(
+        train=jax.pmap(functools.partial(train_step, axis_name="batch", **step_kw), axis_name="batch",
+                       donate_argnums=(0,)),
+        eval=jax.pmap(functools.partial(eval_step, model=s.model, task=s.task, axis_name="batch"),
+                      axis_name="batch", in_axes=(0, 0, None)),
+        to_device=sharding.pmap_batch, host_state=sharding.unreplicate, pmapped=True)
+
+
+class _Loop:
+    """The training loop's hooks, called after every step in this order: `log`, `eval` (with the best
+    checkpoint and early stopping), `checkpoint`, `signal`. `eval` and `signal` return True to stop."""
+
+    def __init__(self, s: _Setup, steps: _Steps, checkpoints: ckpt_lib.Checkpoints, writer, workdir: str,
+                 start: int, evaluators, progress=None):
+        self.s, self.steps, self.checkpoints, self.writer = s, steps, checkpoints, writer
+        self.config, self.workdir, self.start = s.config, workdir, start
+        self.evaluators, self.progress = evaluators, progress
+        self.history: list[dict[str, jax.Array]] = []
+        self.last_eval: dict[str, float] = {}
+        self.t0, self.steps_since = time.time(), 0
+
+    def patience_spent(self, step: int) -> bool:
+        """Early stopping: checkpoint.patience evaluations in a row without a new best."""
+        ck = self.config.checkpoint
+        best = self.checkpoints.best_step
+        if best is None or best > step:
+            # No usable best (none yet, its metric unreadable or changed, or left by a run whose
+            # checkpoints are gone): count from where this run started.
+            best = self.start
+        return bool(ck.patience) and evals_between(self.config, best, step) >= ck.patience
+
+    def check_finite(self, state) -> None:
+        bad = int(jax.device_get(self.steps.host_state(state).bad_step))
+        if bad >= 0:
+            last = self.checkpoints.last.latest_step()
+            kept = (f"the last good checkpoint (step {last}) in {self.workdir} is kept" if last is not None
+                    else f"no checkpoint had been saved in {self.workdir} yet")
+            raise NonFiniteError(f"non-finite loss or gradient at step {bad + 1} (also what a label outside "
+                                 f"the model's classes gives): stopping; {kept}")
+
+    def save(self, state, step: int, *, force: bool = False) -> None:
+        self.check_finite(state)
+        self.checkpoints.save(step, self.steps.host_state(state), self.s.config_dict, force=force)
+
+    def after_step(self, metrics) -> None:
+        self.history.append(metrics if not self.steps.pmapped else sharding.unreplicate(metrics))
+        self.steps_since += 1
+        if self.progress is not None:
+            self.progress.update(1)
+
+    def log(self, state, step: int) -> None:
+        """Train metrics averaged since the last log, every log_every_steps and at the end."""
+        if not (step % self.config.log_every_steps == 0 or step == self.config.total_steps):
+            return
+        self.check_finite(state)
+        summary = _mean_metrics(self.history)
+        summary["train/steps_per_second"] = self.steps_since / max(time.time() - self.t0, 1e-9)
+        self.history, self.t0, self.steps_since = [], time.time(), 0
+        self.writer.write(step, summary)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{summary['train/total_loss']:.4g}")
+
+    def eval(self, state, step: int) -> bool:
+        """Evaluation at `is_eval_step`, the best checkpoint, and early stopping (True: stop)."""
+        if not is_eval_step(self.config, step):
+            return False
+        self.check_finite(state)
+        host = self.steps.host_state(state)
+        result = evaluate_params(state.params, step, p_eval=self.steps.eval, eval_source=self.s.eval_source,
+                                 config=self.config, model=self.s.model, to_device=self.steps.to_device,
+                                 pmapped=self.steps.pmapped, evaluators=self.evaluators,
+                                 host_params=host.params)
+        self.writer.write(step, result)
+        logging.info("step %d eval: %s", step, ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items())))
+        self.last_eval = result
+        self.checkpoints.maybe_save_best(step, self.steps.host_state(state), self.s.config_dict, result)
+        if not self.patience_spent(step):
+            return False
+        self.save(state, step, force=True)
+        ck = self.config.checkpoint
+        logging.info("early stop at step %d: no new best %s in %d evaluations (best: step %s)", step,
+                     ck.best_metric, ck.patience, self.checkpoints.best_step)
+        return True
+
+    def checkpoint(self, state, step: int) -> None:
+        """A checkpoint every checkpoint_every_steps and at the end."""
+        every = self.config.checkpoint_every_steps
+        if (every and step % every == 0) or step == self.config.total_steps:
+            self.save(state, step)
+
+    def signal(self, state, step: int, term: "_Terminate") -> bool:
+        """SIGTERM (on any process): a checkpoint now, then stop (True)."""
+        if not term.any_requested():
+            return False
+        self.save(state, step, force=True)
+        logging.warning("saved the checkpoint at step %d after SIGTERM; exiting", step)
+        return True
+
+
+def _train_loop(loop: _Loop, state, train_iter) -> None:
+    """Steps start+1 .. total_steps, each followed by the hooks; at most one step in flight."""
+    steps = loop.steps
+    in_flight = None  # the metrics of the step still computing
+    with _Terminate() as term:
+        for step in range(loop.start + 1, loop.config.total_steps + 1):
+            batch = steps.to_device(next(train_iter))  # host work overlaps the step in flight
+            if in_flight is not None:
+                # Without this wait, async dispatch lets the loop queue steps up to the next blocking
+                # log or eval, so a SIGTERM would be answered only after all of them had run (minutes
+                # in a long-sequence run, past a preemption's grace period) and the progress bar would
+                # run ahead of the work.
+                jax.block_until_ready(in_flight)
+            state, metrics = steps.train(state, batch)
+            in_flight = metrics
+            loop.after_step(metrics)
+            loop.log(state, step)
+            if loop.eval(state, step):
+                break
+            loop.checkpoint(state, step)
+            if loop.signal(state, step, term):
+                break
+
+
 def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                        evaluators: Iterable[Callable[..., Mapping[str, float]]] = (),
                        allow_config_change: bool = False) -> dict[str, float]:
@@ -644,195 +873,50 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
       ConfigError: a configuration problem (or a refused resume), before anything is compiled or written.
       NonFiniteError: the loss or gradient became non-finite (the message names the step).
     """
+    evaluators = list(evaluators)
     check_setup(config, build_model, has_evaluators=bool(evaluators))
     check_workdir(workdir)
-    config_dict = json.loads(config.to_json_best_effort())
-    changes = check_resume(config_dict, workdir, allow_config_change=allow_config_change)
-    is_main = jax.process_index() == 0
-
-    # --- data, model, optimiser: every config error surfaces here, before any compile and before the
-    # workdir is made or the config is logged ---
-    pcount, pindex = jax.process_count(), jax.process_index()
-    rng = jax.random.PRNGKey(config.seed)
-    try:
-        train_source, eval_source = prepare_data(config)
-        if len(train_source) < config.batch_size:   # found here, not after the first compile
-            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training examples "
-                             f"of {config.data.name}")
-        model = build_model(**config.model.to_dict())
-        task = tasks.make_task(config)
-        tx, schedule = optim.make_optimizer(config)
-        example = sharding.numeric(next(pipeline.eval_batches(
-            eval_source, global_batch_size=config.eval_batch_size, process_index=pindex, process_count=pcount)))
-        example = jax.tree_util.tree_map(lambda x: x[:1], example)
-        init = functools.partial(init_state, model=model, tx=tx)
-        abstract = jax.eval_shape(init, rng, example)
-        _check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
-                            has_evaluators=bool(evaluators))
-    except ConfigError:
-        raise
-    except (ValueError, TypeError, KeyError, OSError) as e:
-        raise _config_error(e) from e
+    changes = check_resume(json.loads(config.to_json_best_effort()), workdir,
+                           allow_config_change=allow_config_change)
+    s = _setup(config, build_model, has_evaluators=bool(evaluators))
     os.makedirs(workdir, exist_ok=True)
-    logging.info("config:\n%s", config)
-    logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
-                 jax.process_index(), jax.process_count(), jax.devices())
-    if changes:
-        logging.warning("resuming %s with a changed config (%s): %s", workdir,
-                        "allowed by allow_config_change" if allow_config_change else "fields safe to change",
-                        "; ".join(changes))
-    mode = config.parallel.mode
+    _log_run(s, workdir, changes, allow_config_change=allow_config_change)
     mesh = sharding.make_mesh()
-    logging.info("parameters:\n%s", parameter_overview(abstract.params))
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(abstract.params))
-    logging.info("parameter count: %s", f"{num_params:,}")
-
-    # --- restore or initialise, directly in the target sharding ---
-    ck = config.checkpoint
     replicated = sharding.replicated(mesh)
-    abstract_sharded = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), abstract)
-    checkpoints = ckpt_lib.Checkpoints(workdir, keep=ck.keep, best_metric=ck.best_metric or None,
-                                       best_mode=ck.best_mode)
-    try:
-        restored = checkpoints.restore_latest(abstract_sharded, config_dict)
-    except ckpt_lib.CheckpointMismatch as e:   # the workdir holds another model's run: leave it as it was
-        checkpoints.close(discard_created=True)
-        raise ConfigError(str(e)) from e
-    if is_main:   # only now: a mismatching workdir keeps its own config.json
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_dict, f, indent=2, sort_keys=True)
-    if restored is None:
-        state = jax.jit(init, out_shardings=replicated)(rng, example)
-        start = 0
-        logging.info("no checkpoint in %s: starting from scratch", workdir)
-    else:
-        start, state = restored
-        logging.info("resumed from the checkpoint at step %d", start)
-
-    # --- compiled steps ---
-    accum = int(config.optim.grad_accum_steps)
-    step_kw = dict(model=model, tx=tx, task=task, schedule=schedule, accum_steps=accum)
-    if mode == "jit":
-        p_train = jax.jit(functools.partial(train_step, **step_kw), donate_argnums=(0,),
-                          out_shardings=(replicated, replicated))
-        p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
-        to_device = lambda b: sharding.global_batch(b, mesh)
-        host_state = lambda s: s
-    else:
-        p_train = jax.pmap(functools.partial(train_step, axis_name="batch", **step_kw), axis_name="batch",
-                           donate_argnums=(0,))
-        p_eval = jax.pmap(functools.partial(eval_step, model=model, task=task, axis_name="batch"),
-                          axis_name="batch", in_axes=(0, 0, None))
+    checkpoints, state, start = _restore_or_init(s, workdir, replicated)
+    steps = _compile_steps(s, mesh, replicated)
+    if steps.pmapped:
         state = sharding.replicate_for_pmap(jax.device_get(state))
-        to_device = sharding.pmap_batch
-        host_state = sharding.unreplicate
 
-    def patience_spent(step: int) -> bool:
-        """Early stopping: checkpoint.patience evaluations in a row without a new best."""
-        best = checkpoints.best_step
-        if best is None or best > step:
-            # No usable best (none yet, its metric unreadable or changed, or left by a run whose
-            # checkpoints are gone): count from where this run started.
-            best = start
-        return bool(ck.patience) and evals_between(config, best, step) >= ck.patience
-
-    if patience_spent(start):
+    is_main = jax.process_index() == 0
+    loop = _Loop(s, steps, checkpoints, None, workdir, start, evaluators)
+    if loop.patience_spent(start):
         logging.info("the run stopped early at step %d (no new best %s in %d evaluations): nothing to do",
-                     start, ck.best_metric, ck.patience)
+                     start, config.checkpoint.best_metric, config.checkpoint.patience)
         checkpoints.close()
         return {}
-
-    writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
+    loop.writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
     if start == 0:
-        writer.write_text("config", f"```\n{config}\n```")
-    extra_evaluators = list(evaluators)
-
-    def params_of(s):
-        return host_state(s).params
-
-    def run_eval(s, step) -> dict[str, float]:
-        result = evaluate_params(s.params, step, p_eval=p_eval, eval_source=eval_source, config=config,
-                                 model=model, to_device=to_device, pmapped=mode == "pmap",
-                                 evaluators=extra_evaluators, host_params=params_of(s))
-        writer.write(step, result)
-        logging.info("step %d eval: %s", step, ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items())))
-        return result
-
-    def check_finite(s) -> None:
-        bad = int(jax.device_get(host_state(s).bad_step))
-        if bad >= 0:
-            last = checkpoints.last.latest_step()
-            kept = (f"the last good checkpoint (step {last}) in {workdir} is kept" if last is not None
-                    else f"no checkpoint had been saved in {workdir} yet")
-            raise NonFiniteError(f"non-finite loss or gradient at step {bad + 1} (also what a label outside "
-                                 f"the model's classes gives): stopping; {kept}")
-
-    def save(s, step, *, force=False):
-        check_finite(s)
-        checkpoints.save(step, host_state(s), config_dict, force=force)
-
-    # --- the loop ---
-    train_iter = pipeline.train_batches(train_source, global_batch_size=config.batch_size, seed=config.seed,
-                                        process_index=pindex, process_count=pcount, start_step=start)
-    progress = None
+        loop.writer.write_text("config", f"```\n{config}\n```")
+    train_iter = pipeline.train_batches(s.train_source, global_batch_size=config.batch_size, seed=config.seed,
+                                        process_index=jax.process_index(), process_count=jax.process_count(),
+                                        start_step=start)
     restore_logging = lambda: None
     if is_main and config.progress_bar:
         from tqdm.auto import tqdm
-        progress = tqdm(total=config.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        loop.progress = tqdm(total=config.total_steps, initial=start, desc="train", unit="step",
+                             dynamic_ncols=True)
         restore_logging = _log_through_tqdm()
-    history: list[dict[str, jax.Array]] = []
-    last_eval: dict[str, float] = {}
-    t0, steps_since = time.time(), 0
-    in_flight = None  # the metrics of the step still computing
     try:
-        with _Terminate() as term:
-            for step in range(start + 1, config.total_steps + 1):
-                batch = to_device(next(train_iter))  # host work overlaps the step in flight
-                if in_flight is not None:
-                    # At most one step in flight. Without this wait, async dispatch lets the loop queue
-                    # steps up to the next blocking log or eval, so a SIGTERM was answered only after
-                    # all of them had run (35 steps, 3.4 min, in a softmax ListOps run), past a
-                    # preemption's grace period, and the progress bar ran ahead of the work.
-                    jax.block_until_ready(in_flight)
-                state, metrics = p_train(state, batch)
-                in_flight = metrics
-                history.append(metrics if mode == "jit" else sharding.unreplicate(metrics))
-                steps_since += 1
-                if progress is not None:
-                    progress.update(1)
-                if step % config.log_every_steps == 0 or step == config.total_steps:
-                    check_finite(state)
-                    summary = _mean_metrics(history)
-                    summary["train/steps_per_second"] = steps_since / max(time.time() - t0, 1e-9)
-                    history, t0, steps_since = [], time.time(), 0
-                    writer.write(step, summary)
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{summary['train/total_loss']:.4g}")
-                if is_eval_step(config, step):
-                    check_finite(state)
-                    last_eval = run_eval(state, step)
-                    checkpoints.maybe_save_best(step, host_state(state), config_dict, last_eval)
-                    if patience_spent(step):
-                        save(state, step, force=True)
-                        logging.info("early stop at step %d: no new best %s in %d evaluations (best: "
-                                     "step %s)", step, ck.best_metric, ck.patience, checkpoints.best_step)
-                        break
-                if (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0) \
-                        or step == config.total_steps:
-                    save(state, step)
-                if term.any_requested():
-                    save(state, step, force=True)
-                    logging.warning("saved the checkpoint at step %d after SIGTERM; exiting", step)
-                    break
+        _train_loop(loop, state, train_iter)
     finally:
-        if progress is not None:
+        if loop.progress is not None:
             restore_logging()
-            progress.close()
-        writer.flush()
-        writer.close()
+            loop.progress.close()
+        loop.writer.flush()
+        loop.writer.close()
         checkpoints.close()
-    return last_eval
+    return loop.last_eval
 
 
 def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, model, to_device,
