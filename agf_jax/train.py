@@ -1,6 +1,6 @@
 """Training entry point for AGF (Wi, Choi, Park, IJCAI 2025) on the shared zoo trainer.
 
-    python -m agf_jax.train --config configs/agf/uea_japanese_vowels.py --workdir runs/agf_jv
+    python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels --workdir runs/agf_jv
     python -m agf_jax.train --config configs/agf/lra_listops.py:smoke --workdir /tmp/agf_listops
 
 The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.main for

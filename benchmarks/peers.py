@@ -22,7 +22,7 @@ token ids / series where the shapes allow it (our batch is converted for the off
 
 End-to-end case `agf_uea_jv` (issue 17): the whole JapaneseVowels job, the official `run_agf_best.sh`
 line (`AGF_UEA/main.py ... --epochs N`) against `python -m agf_jax.train --config
-configs/agf/uea_japanese_vowels.py` (same epochs, batch 16, test every 2 epochs plus the first), each in
+configs/agf/uea.py:dataset=JapaneseVowels` (same epochs, batch 16, test every 2 epochs plus the first), each in
 a subprocess, alternating for `--uea_rounds` rounds: wall time, per-epoch training time and
 per-evaluation time of each. The official side runs under `--official_python` (a venv with torch,
 pandas < 3, matplotlib 3.8, scikit-learn, tensorboard, xlrd, xlwt, xlutils, tabulate, ipdb; see
@@ -376,13 +376,12 @@ def official_uea_command(src: pathlib.Path, data_dir: pathlib.Path, out_dir: pat
 
 
 def our_uea_command(workdir: pathlib.Path, epochs: int, seed: int | None, tiny: bool) -> list[str]:
-    arg = "smoke" if tiny else None
-    config = "configs/agf/uea_japanese_vowels.py" + (f":{arg}" if arg else "")
+    config = "configs/agf/uea.py:dataset=JapaneseVowels" + (",smoke" if tiny else "")
     cmd = [sys.executable, "-m", "agf_jax.train", "--config", config, "--workdir", str(workdir)]
     if not tiny:
-        from configs.agf import uea_japanese_vowels
+        from configs.agf import uea
 
-        c = uea_japanese_vowels.get_config()
+        c = uea.get_config("dataset=JapaneseVowels")
         epoch = c.log_every_steps
         cmd += [f"--config.total_steps={epochs * epoch}"]
     if seed is not None:
@@ -457,10 +456,10 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     if args.clear_xla_flags:
         env.pop("XLA_FLAGS", None)
-    from configs.agf import uea_japanese_vowels
+    from configs.agf import uea
     from zoo_core import trainer
 
-    c = uea_japanese_vowels.get_config("smoke" if args.tiny else None)
+    c = uea.get_config("dataset=JapaneseVowels" + (",smoke" if args.tiny else ""))
     steps_per_epoch = int(c.log_every_steps)
     total = steps_per_epoch * args.epochs if not args.tiny else int(c.total_steps)
     with c.unlocked():

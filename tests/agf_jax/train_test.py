@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
 
 CONFIGS = {
-    "uea_japanese_vowels": "configs/agf/uea_japanese_vowels.py:smoke",
+    "uea_japanese_vowels": "configs/agf/uea.py:dataset=JapaneseVowels,smoke",
     "lra_listops": "configs/agf/lra_listops.py:smoke",
 }
 
