@@ -1,4 +1,6 @@
-"""The SAMoVAR notebook runs end to end (smoke mode) and the attention-map helpers it uses are right."""
+"""The SAMoVAR notebook runs end to end (smoke mode, through notebooks/run_notebooks.py) and the attention-map
+helpers it uses are right."""
+import importlib.util
 import pathlib
 
 import jax
@@ -12,6 +14,9 @@ from zoo_core.testing import F32_SIMPLE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "samovar_var.ipynb"
+_spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "notebooks" / "run_notebooks.py")
+run_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_notebooks)
 X = jax.random.normal(jax.random.PRNGKey(0), (2, 10, 2)) * 2.0 + 1.0
 BASE = dict(num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
 
@@ -21,23 +26,15 @@ def _init(model):
     return jax.jit(lambda key: model.init(key, {"inputs": X}))(jax.random.PRNGKey(1))["params"]
 
 
-def test_notebook_executes_in_smoke_mode_and_draws(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook stripped"
-    monkeypatch.setenv("ZOO_NOTEBOOK_SMOKE", "1")
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()   # raises CellExecutionError on any error
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "display_data" and "image/png" in o.get("data", {})]
-    assert len(images) >= 3, "lag-weight, lag-matrix and attention-map figures"
+def test_notebook_executes_in_smoke_mode_and_draws(tmp_path):
+    """Smoke size, on a copy in tmp_path: every cell runs, the 3 figures are drawn, the key one is saved."""
+    pytest.importorskip("nbclient")
+    stored = NOTEBOOK.read_bytes()
+    nb = run_notebooks.execute("samovar_var", smoke=True, output_dir=tmp_path)   # raises on a failing cell
+    assert not run_notebooks.errors(nb)
+    assert len(run_notebooks.images(nb)) >= 3, "lag-weight, lag-matrix and attention-map figures"
+    assert (tmp_path / "samovar_var_coefficients.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "samovar_var.ipynb").exists() and NOTEBOOK.read_bytes() == stored
 
 
 @pytest.mark.parametrize("kw", [dict(kind="samovar"), dict(kind="fixedvar"), dict(kind="samovar", use_key_proj=True)])
