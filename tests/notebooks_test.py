@@ -22,6 +22,7 @@ nbformat = pytest.importorskip("nbformat")
 NOTEBOOKS = {
     "agf_filters": ("agf_jax", {"agf_filter"}),
     "samovar_var": ("samovar_jax", {"samovar_var_coefficients"}),
+    "htgn_graphs": ("htgn_jax", {"htgn_graph_attention"}),
 }
 PACKAGES = ("agf_jax", "samovar_jax", "htgn_jax", "zoo_core", "configs", "benchmarks")
 FILE_REF = re.compile(r"[\w./-]*\w\.(?:py|md|ipynb|json|png|sh|txt|csv|ts)\b")
