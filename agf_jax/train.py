@@ -6,8 +6,9 @@
 The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.main for
 the flags.
 """
-from zoo_core import main
+from zoo_core import allocator, main
 from agf_jax import model
 
 if __name__ == "__main__":
+    allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator
     main.run(model.Model)

@@ -524,6 +524,7 @@ def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"peers benchmark  {meta['time_utc']}  backend {meta['backend']}  torch threads {meta['threads']}"
              f"  tiny={meta['tiny']}",
              f"load average before: {meta['load_before']}   after: {meta['load_after']}",
+             f"GLIBC_TUNABLES (both sides): {meta.get('glibc_tunables')}",
              f"bounds (measured now): f32 matmul {_fmt(meta['bounds'].get('peak_gflops'), '.1f')} GFLOP/s, "
              f"stream {_fmt(meta['bounds'].get('peak_gbps'), '.1f')} GB/s",
              "",
@@ -588,7 +589,8 @@ def main(argv=None) -> dict[str, Any]:
 
     log = lambda s: print(s, flush=True)
     meta = dict(bench.machine_meta(), threads=args.threads, tiny=args.tiny, steps=args.steps, rounds=args.rounds,
-                warmup=args.warmup, load_before=loadavg(), agf_src=args.agf_src, samovar_src=args.samovar_src)
+                warmup=args.warmup, load_before=loadavg(), agf_src=args.agf_src, samovar_src=args.samovar_src,
+                glibc_tunables=os.environ.get("GLIBC_TUNABLES"))
     bounds: dict[str, Any] = {}
     if not args.no_bounds and any(c in STEP_CASES for c in args.cases):
         bounds = (bench.machine_bounds(matmul_n=256, bandwidth_bytes=16 * 2**20, repeats=2) if args.tiny
@@ -627,4 +629,8 @@ def main(argv=None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # Both sides (and the end-to-end subprocesses) run under the allocator the training commands use.
+    from zoo_core import allocator
+
+    allocator.restart_with_huge_pages()
     sys.exit(1 if any(r["status"] in ("error", "failed") for r in main()["records"]) else 0)

@@ -5,6 +5,9 @@ They must be set before jax is imported anywhere, which is why they live in the 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache in tests (nor in the commands they run): nothing is written to the
+# user's ~/.cache, and every test compiles what it checks.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=2").strip()

@@ -47,6 +47,21 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "is refused naming the fields. The differences are logged and config.json is replaced. Fields that only "
     "change logging, evaluation or checkpointing (and a longer total_steps under a constant or "
     "warmup_rsqrt schedule) may always change: zoo_core.trainer.SAFE_ON_RESUME")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache_dir",
+    os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zoo_jax", "xla")),
+    "JAX's persistent compilation cache: a rerun of the same config loads the compiled steps instead "
+    "of compiling them (UEA JapaneseVowels train step: 6.9 -> 1.6 s). Default: $JAX_COMPILATION_CACHE_DIR "
+    "if set, else ~/.cache/zoo_jax/xla. Empty: no cache")
+
+
+def configure_compilation_cache(path: str) -> None:
+    """Points JAX's persistent compilation cache at `path` ('' leaves it off)."""
+    if not path:
+        return
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
 def maybe_initialize_distributed() -> None:
@@ -90,6 +105,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
     if _ALLOW_CONFIG_CHANGE.value and _EVAL_ONLY.value:
         _fail("--allow_config_change applies to training runs, not to --eval_only")
+    configure_compilation_cache(_COMPILATION_CACHE.value)
     try:
         try:
             maybe_initialize_distributed()

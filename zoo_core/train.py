@@ -1,5 +1,6 @@
 """Self-test entry of the shared trainer: an MLP on the synthetic task (see configs/core/synthetic.py)."""
-from zoo_core import main, models
+from zoo_core import allocator, main, models
 
 if __name__ == "__main__":
+    allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator
     main.run(models.MLPClassifier)

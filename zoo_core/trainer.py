@@ -715,6 +715,20 @@ class _Steps:
     pmapped: bool
 
 
+def step_flops(steps: _Steps, state, batch) -> float | None:
+    """FLOPs of one train step over all devices, from XLA's cost analysis of the step's lowering
+    (the traced step is cached, so this costs no compile); None where the backend counts none."""
+    try:
+        cost = steps.train.lower(state, batch).cost_analysis()
+    except NotImplementedError:
+        return None
+    if isinstance(cost, (list, tuple)):   # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    flops = float((cost or {}).get("flops", 0.0))
+    # pmap lowers the per-device computation; a jitted step's lowering is the global one.
+    return flops * (jax.device_count() if steps.pmapped else 1) if flops > 0 else None
+
+
 def _compile_steps(s: _Setup, mesh, replicated) -> _Steps:
     """`train_step` and `eval_step` jitted once: over the 'data' mesh (mode 'jit') or pmapped."""
     step_kw = dict(model=s.model, tx=s.tx, task=s.task, schedule=s.schedule,
@@ -745,6 +759,7 @@ class _Loop:
         self.history: list[dict[str, jax.Array]] = []
         self.last_eval: dict[str, float] = {}
         self.t0, self.steps_since = time.time(), 0
+        self.flops: float | None = None   # of one train step, once the first one has run
 
     def patience_spent(self, step: int) -> bool:
         """Early stopping: checkpoint.patience evaluations in a row without a new best."""
@@ -782,6 +797,8 @@ class _Loop:
         self.check_finite(state)
         summary = _mean_metrics(self.history)
         summary["train/steps_per_second"] = self.steps_since / max(time.time() - self.t0, 1e-9)
+        if self.flops is not None:   # achieved, all devices (the step's FLOPs as XLA counts them)
+            summary["train/gflops_per_second"] = self.flops * summary["train/steps_per_second"] / 1e9
         self.history, self.t0, self.steps_since = [], time.time(), 0
         self.writer.write(step, summary)
         if self.progress is not None:
@@ -838,6 +855,8 @@ def _train_loop(loop: _Loop, state, train_iter) -> None:
                 # run ahead of the work.
                 jax.block_until_ready(in_flight)
             state, metrics = steps.train(state, batch)
+            if step == loop.start + 1:
+                loop.flops = step_flops(steps, state, batch)
             in_flight = metrics
             loop.after_step(metrics)
             loop.log(state, step)

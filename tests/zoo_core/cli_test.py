@@ -350,3 +350,15 @@ def test_the_real_entry_point_refuses_a_file_workdir_and_a_binary_csv_source(tmp
                    "--workdir", tmp_path / "w")
     _assert_refused(proc.returncode, proc.stdout, proc.stderr, "not UTF-8 text")
     assert sorted(os.listdir(tmp_path)) == ["bin.csv", "file"]
+
+
+@pytest.mark.entry
+def test_the_compiled_steps_go_to_the_persistent_cache(tmp_path):
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    proc = subprocess.run([sys.executable, "-m", "zoo_core.train", "--config", "configs/core/synthetic.py:smoke",
+                           "--workdir", str(tmp_path / "w"), f"--compilation_cache_dir={cache}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert cache.is_dir() and any(cache.iterdir()), "nothing was written to the compilation cache"

@@ -172,6 +172,10 @@ def test_train_and_evaluate_learns_and_writes_artifacts(data_dir, tmp_path):
     records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
     losses = [r["train/total_loss"] for r in records if "train/total_loss" in r]
     assert losses[-1] < 0.6 * losses[0]
+    # Achieved GFLOP/s = the step's FLOPs (XLA's count, the same every interval) x steps/s.
+    train = [r for r in records if "train/total_loss" in r]
+    per_step = {round(r["train/gflops_per_second"] / r["train/steps_per_second"], 9) for r in train}
+    assert len(train) == 3 and len(per_step) == 1 and per_step.pop() > 0
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["20", "40", "60"]
     assert os.listdir(tmp_path / "best")               # best by eval/accuracy
     assert json.load(open(tmp_path / "config.json"))["total_steps"] == 60
@@ -434,6 +438,7 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
             state, metrics = compiled(*a, **k)
             step_metrics.append(metrics)
             return state, metrics
+        call.lower = compiled.lower   # the trainer reads the step's FLOPs from its lowering
         return call
 
     def watched(*args, **kwargs):
