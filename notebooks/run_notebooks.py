@@ -131,6 +131,24 @@ def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = No
     return nb
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def smoke_check(name: str, output_dir: str | os.PathLike):
+    """The tests' check of one notebook: executed at smoke size on a copy in `output_dir`, it must run
+    every cell, draw its figures (`check`), write each key figure there as a PNG and leave the stored
+    notebook untouched. Returns the executed notebook."""
+    stored = notebook_path(name).read_bytes()
+    nb = execute(name, smoke=True, output_dir=output_dir)   # raises on a failing cell
+    out = pathlib.Path(output_dir)
+    figures = key_figures(nb)
+    if not figures or any((out / f"{fig}.png").read_bytes()[:8] != PNG_MAGIC for fig in figures):
+        raise RuntimeError(f"{name}: key figures {sorted(figures)} not all written as PNG to {out}")
+    if not (out / f"{name}.ipynb").exists() or notebook_path(name).read_bytes() != stored:
+        raise RuntimeError(f"{name}: the smoke run did not go to the copy in {out}")
+    return nb
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help=f"notebooks to run (default: all of {', '.join(NOTEBOOKS)})")
