@@ -487,6 +487,22 @@ def _check_eval_metrics(name: str, model, task, params, example, *, has_evaluato
                          f"(they are: {', '.join(known)})")
 
 
+def _check_classes(config, model, params, example, source) -> None:
+    """A classifier's output width must be the data's class count (`info.metadata['num_classes']`,
+    where the data set records it): a model with more outputs trains silently on classes that never
+    occur, one with fewer fails only at the first logged step. Shapes only, no compile."""
+    info = getattr(source, "dataset_info", None)
+    want = (info.metadata or {}).get("num_classes") if info is not None else None
+    if config.task.name != "classification" or want is None:
+        return
+    step = step_kwargs(model, jnp.zeros([], jnp.int32))
+    outputs, _ = jax.eval_shape(lambda p: model.apply({"params": p}, example, train=False, **step), params)
+    got = jax.tree_util.tree_leaves(outputs)[0].shape[-1]
+    if got != int(want):
+        raise ValueError(f"the model has {got} outputs but {config.data.name} has {want} classes: set "
+                         f"--config.model.num_classes={want}")
+
+
 def prepare_data(config) -> tuple[Any, Any]:
     """Builds the dataset on first use (process 0 first, the others wait), returns (train, eval) sources."""
     d = config.data
@@ -658,6 +674,7 @@ def _setup(config, build_model: Callable[..., Any], *, has_evaluators: bool) -> 
         abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
         _check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
                             has_evaluators=has_evaluators)
+        _check_classes(config, model, abstract.params, example, train_source)
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, OSError) as e:

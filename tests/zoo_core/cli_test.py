@@ -32,8 +32,9 @@ def _snapshot(path) -> list[str]:
     return sorted(out)
 
 
-def cli(argv, capfd):
-    """Runs `python -m zoo_core.train <argv>` in this process; returns (exit status, stdout, stderr)."""
+def cli(argv, capfd, build_model=models.MLPClassifier):
+    """Runs `python -m zoo_core.train <argv>` in this process (with another architecture's `Model`:
+    its train command); returns (exit status, stdout, stderr)."""
     for name in [n for n in flags.FLAGS if n.startswith("config.")]:
         delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
     flags.FLAGS.unparse_flags()
@@ -41,7 +42,7 @@ def cli(argv, capfd):
     sys.argv = ["zoo_core.train", *map(str, argv)]
     capfd.readouterr()
     try:
-        main.run(models.MLPClassifier)
+        main.run(build_model)
         status = 0
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -307,6 +308,16 @@ def test_an_edited_source_file_is_prepared_again_and_says_why(tmp_path, caplog):
         os.remove(folder / f"Toy_{split}.ts")
     gone, _ = trainer.prepare_data(c)
     assert float(gone[0]["inputs"][0, 0]) == 7.0
+
+
+def test_a_class_count_that_does_not_match_the_data_is_refused_before_compiling(tmp_path, capfd):
+    from agf_jax.model import Model
+    status, out, err = cli(["--config", "configs/agf/uea.py:dataset=BasicMotions,smoke", "--workdir", tmp_path / "w",
+                            f"--config.data.data_dir={tmp_path / 'data'}", "--config.model.num_classes=3"],
+                           capfd, build_model=Model)
+    _assert_refused(status, out, err, "the model has 3 outputs but uea has 4 classes: set "
+                                      "--config.model.num_classes=4")
+    assert not (tmp_path / "w").exists()
 
 
 # ----------------------------------------------------------------------------------------------------
