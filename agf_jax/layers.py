@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from agf_jax import ops
 from agf_jax import softmax as softmax_ops
+from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
 from zoo_core import checks
@@ -68,15 +69,21 @@ def torch_linear_bias_init(fan_in: int) -> Initializer:
 
 
 class _Attention(nn.Module):
-    """Fields, projections and helpers shared by the two layers (not a layer itself)."""
+    """Fields, projections and helpers shared by the two layers (not a layer itself).
 
-    def _check_fields(self) -> None:
-        checks.check_int("num_heads", self.num_heads, 1)
-        checks.check_int("head_dim", self.head_dim, 1)
-        checks.check_optional_int("chunk_size", self.chunk_size)
-        checks.check_rate("dropout_rate", self.dropout_rate)
-        if self.chunk_size is not None and not self.causal:
-            checks.fail("`chunk_size` applies only to causal=True (it chooses the causal form)")
+    The fields are documented in the layers' docstrings (`AGFAttention`, `SoftmaxAttention`).
+    """
+    num_heads: int
+    head_dim: int
+    out_features: Optional[int] = None
+    causal: bool = False
+    chunk_size: Optional[int] = None
+    dropout_rate: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = torch_linear_kernel_init()
+    bias_init: Initializer = nn.initializers.zeros_init()
+    out_bias_init: Optional[Initializer] = None
 
     def _projection(self, name: str) -> nn.Module:
         return nn.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
@@ -94,10 +101,6 @@ class _Attention(nn.Module):
     def _compute_dtype(self, x: Array):
         return self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
 
-    def _require_causal(self, what: str) -> None:
-        if not self.causal:
-            checks.fail(f"{type(self).__name__}.{what} exists only for causal=True")
-
     def _dropout_fn(self, deterministic: bool):
         """Pure `(w, index) -> w` dropout for the forms that run inside `lax.scan` / `lax.map`."""
         if deterministic or self.dropout_rate == 0.0:
@@ -108,17 +111,6 @@ class _Attention(nn.Module):
             m = keep_mask(jax.random.fold_in(rng, index), keep, w.shape)
             return jnp.where(m, w / keep, 0.0)
         return drop
-
-
-def _check_x(x: Array, mask: Optional[Array]) -> None:
-    checks.check_rank("x", x, 3, "[B, T, E]")
-    checks.check_mask(mask, jnp.shape(x)[:2])
-
-
-def _check_step(x_t: Array, position) -> None:
-    checks.check_rank("x_t", x_t, 2, "[B, E]")
-    if position is not None:
-        checks.fail("`position` must be None: this layer reads no positions")
 
 
 class AGFAttention(_Attention):
@@ -158,9 +150,8 @@ class AGFAttention(_Attention):
     each of the D features by its own prefix sum under a running maximum (an online softmax), which
     the linear kernels' unstabilised `q . sum_s k_s v_s^T` cannot express.
     """
-    num_heads: int
-    head_dim: int
-    out_features: Optional[int] = None
+    # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
+    # kernel_init, bias_init, out_bias_init: declared in `_Attention`.
     basis: str = "jacobi"
     order: int = 3
     alpha: Optional[float] = None
@@ -168,20 +159,10 @@ class AGFAttention(_Attention):
     learn_c0: bool = False
     ortho_scale: float = 1.0
     ortho_count_padding: bool = False
-    causal: bool = False
-    chunk_size: Optional[int] = None
-    dropout_rate: float = 0.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = torch_linear_kernel_init()
-    bias_init: Initializer = nn.initializers.zeros_init()
-    out_bias_init: Optional[Initializer] = None
     theta_init: Initializer = nn.initializers.zeros_init()
 
     def setup(self):
-        self._check_fields()
-        checks.check_int("order", self.order, 0)
-        ops.resolve_basis(self.basis, self.alpha, self.beta, self.order)
+        validation.check_agf_fields(self)
         self.query, self.key = self._projection("query"), self._projection("key")
         self.sigma, self.value = self._projection("sigma"), self._projection("value")
         if self.order > 0:
@@ -221,7 +202,7 @@ class AGFAttention(_Attention):
             'orthogonality/per_sample' `[B]` = ortho_scale * regulariser, and
             'filter/coefficients' `[K+1]` (all float32).
         """
-        _check_x(x, mask)
+        validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
         if self.chunk_size is not None:
@@ -247,7 +228,7 @@ class AGFAttention(_Attention):
             dict with 'zu', 'zv', 'zs' `[B, T, H, D]` logits, 'value' `[B, T, H, D]`, 'u', 'v', 's',
             'g' (`ops.AGFFactors`, V over the whole sequence) and 'coeffs' `[K+1]`.
         """
-        _check_x(x, mask)
+        validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
         f = ops.agf_factors(zu, zv, zs, c, mask=mask, **self._basis_kwargs())
@@ -255,7 +236,7 @@ class AGFAttention(_Attention):
 
     def init_state(self, batch_size: int) -> AGFState:
         """Empty causal state, float32: num `[B, H, D, D]`, den and max `[B, H, D]`."""
-        self._require_causal("init_state")
+        validation.require_causal(self, "init_state")
         return ops.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
 
     def scan(self, x: Array, state: Optional[AGFState] = None, *, mask: Optional[Array] = None,
@@ -271,8 +252,7 @@ class AGFAttention(_Attention):
         Returns:
             (y `[B, T, E']`, final state).
         """
-        self._require_causal("scan")
-        _check_x(x, mask)
+        validation.check_scan(self, x, mask)
         zu, zv, zs, val = self._project(x)
         o, state = ops.agf_recurrent(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
                                      **self._basis_kwargs())
@@ -284,8 +264,7 @@ class AGFAttention(_Attention):
 
         `position` must be None (AGF reads no positions; a value is refused, not ignored).
         """
-        self._require_causal("step")
-        _check_step(x_t, position)
+        validation.check_step(self, x_t, position)
         zu, zv, zs, val = self._project(x_t)
         state, o = ops.agf_step(state, zu, zv, zs, val, self.coefficients(), **self._basis_kwargs())
         return self._finish(o, x_t, True), state
@@ -307,24 +286,12 @@ class SoftmaxAttention(_Attention):
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
     """
-    num_heads: int
-    head_dim: int
-    out_features: Optional[int] = None
-    causal: bool = False
-    chunk_size: Optional[int] = None
+    # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
+    # kernel_init, bias_init, out_bias_init: declared in `_Attention`.
     max_length: Optional[int] = None
-    dropout_rate: float = 0.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = torch_linear_kernel_init()
-    bias_init: Initializer = nn.initializers.zeros_init()
-    out_bias_init: Optional[Initializer] = None
 
     def setup(self):
-        self._check_fields()
-        checks.check_optional_int("max_length", self.max_length)
-        if self.max_length is not None and not self.causal:
-            checks.fail("`max_length` applies only to causal=True (it sizes the KV cache)")
+        validation.check_softmax_fields(self)
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
         self.dropout = Dropout(self.dropout_rate)
@@ -335,7 +302,7 @@ class SoftmaxAttention(_Attention):
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
         """x `[B, T, E]`, mask `[B, T]` key-padding mask -> (y `[B, T, E']`, {})."""
-        _check_x(x, mask)
+        validation.check_inputs(x, mask)
         q, k, v = self.query(x), self.key(x), self.value(x)
         if self.chunk_size is not None:
             o = softmax_ops.softmax_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask,
@@ -348,20 +315,15 @@ class SoftmaxAttention(_Attention):
 
     def init_state(self, batch_size: int) -> KVCache:
         """Empty `KVCache` of `max_length` slots (float32 key/value, int32 length `[B]`)."""
-        self._require_causal("init_state")
-        if self.max_length is None:
-            checks.fail("SoftmaxAttention.init_state needs `max_length` (the KV-cache size)")
+        validation.check_cache_size(self)
         return softmax_ops.init_cache(batch_size, self.max_length, self.num_heads, self.head_dim)
 
     def scan(self, x: Array, state: Optional[KVCache] = None, *, mask: Optional[Array] = None,
              deterministic: bool = True) -> tuple[Array, KVCache]:
         """Token recurrence on the KV cache (padded tokens are not written): (y, final cache)."""
-        self._require_causal("scan")
-        _check_x(x, mask)
+        validation.check_softmax_scan(self, x, mask, state)
         if state is None:
             state = self.init_state(x.shape[0])
-            if x.shape[1] > self.max_length:
-                checks.fail(f"x has {x.shape[1]} tokens, more than max_length = {self.max_length}")
         q, k, v = self.query(x), self.key(x), self.value(x)
         o, state = softmax_ops.softmax_scan(q, k, v, cache=state, mask=mask,
                                             dropout=self._dropout_fn(deterministic))
@@ -373,8 +335,7 @@ class SoftmaxAttention(_Attention):
 
         `position` must be None (the layer reads no positions; a value is refused, not ignored).
         """
-        self._require_causal("step")
-        _check_step(x_t, position)
+        validation.check_step(self, x_t, position)
         q, k, v = self.query(x_t), self.key(x_t), self.value(x_t)
         state, o = softmax_ops.softmax_step(state, q, k, v)
         return self._finish(o, x_t), state

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agf_jax import validation
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
 from zoo_core import checks
@@ -132,13 +133,12 @@ def _aux(aux: dict, weight: float) -> dict:
             "filter/coefficients": aux["filter/coefficients"]}
 
 
-# ---------------------------------------------------------------------------------------------
-# LRA (pre-LN encoder, spec §3.1).
-# ---------------------------------------------------------------------------------------------
+class _BlockFields(nn.Module, kw_only=True):
+    """The fields every block, encoder and model below shares, declared once (keyword-only).
 
-
-class LRABlock(nn.Module):
-    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`."""
+    A parent builds its children with `_child`, which passes the fields of the same names on, so
+    a block sees exactly its model's settings. Attributes: see `_LRABase` / `UEAClassifier`.
+    """
     d_model: int
     mlp_dim: int
     num_heads: int
@@ -148,11 +148,27 @@ class LRABlock(nn.Module):
     order: int = 3
     alpha: Optional[float] = None
     beta: Optional[float] = None
-    ortho_weight: float = 0.0
     dropout_rate: float = 0.1
     attention_dropout: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
+
+
+def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
+    """`cls(...)` with every field that `parent` also has taken from `parent`, then `overrides`."""
+    shared = {f.name for f in dataclasses.fields(parent)} - {"parent", "name"}
+    kwargs = {f.name: getattr(parent, f.name) for f in dataclasses.fields(cls) if f.name in shared}
+    return cls(**{**kwargs, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------
+# LRA (pre-LN encoder, spec §3.1).
+# ---------------------------------------------------------------------------------------------
+
+
+class LRABlock(_BlockFields, kw_only=True):
+    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`."""
+    ortho_weight: float = 0.0
 
     def setup(self):
         self.attention_norm = _layer_norm(self, "attention_norm")
@@ -174,28 +190,15 @@ class LRABlock(nn.Module):
         return x, aux
 
 
-class LRAEncoder(nn.Module):
+class LRAEncoder(_BlockFields, kw_only=True):
     """Token + position embeddings, `num_layers` pre-LN blocks, final LN times the mask.
 
     Attributes: see `LRAClassifier`.
     """
     vocab_size: int
     max_len: int
-    d_model: int
-    mlp_dim: int
-    num_heads: int
-    head_dim: int
     num_layers: int
-    attention: str = "agf"
-    basis: str = "jacobi"
-    order: int = 3
-    alpha: Optional[float] = None
-    beta: Optional[float] = None
     ortho_weight: float = 0.0
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
 
     def setup(self):
         emb_init = nn.initializers.normal(stddev=0.02)
@@ -203,13 +206,7 @@ class LRAEncoder(nn.Module):
                                     dtype=self.dtype, param_dtype=self.param_dtype)
         self.pos_embed = nn.Embed(self.max_len, self.d_model, embedding_init=emb_init,
                                   dtype=self.dtype, param_dtype=self.param_dtype)
-        self.blocks = [LRABlock(d_model=self.d_model, mlp_dim=self.mlp_dim,
-                                num_heads=self.num_heads, head_dim=self.head_dim,
-                                attention=self.attention, basis=self.basis, order=self.order,
-                                alpha=self.alpha, beta=self.beta, ortho_weight=self.ortho_weight,
-                                dropout_rate=self.dropout_rate,
-                                attention_dropout=self.attention_dropout, dtype=self.dtype,
-                                param_dtype=self.param_dtype, name=f"block_{i:02d}")
+        self.blocks = [_child(self, LRABlock, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
         self.dropout = Dropout(self.dropout_rate)
@@ -231,7 +228,7 @@ class LRAEncoder(nn.Module):
         return x, merge_aux(auxes)
 
 
-class _LRABase(nn.Module):
+class _LRABase(_BlockFields, kw_only=True):
     """Fields shared by the LRA classifier and the retrieval model.
 
     Attributes:
@@ -256,40 +253,18 @@ class _LRABase(nn.Module):
     num_classes: int
     vocab_size: int
     max_len: int
-    d_model: int
-    mlp_dim: int
-    num_heads: int
-    head_dim: int
     num_layers: int
-    attention: str = "agf"
-    basis: str = "jacobi"
-    order: int = 3
-    alpha: Optional[float] = None
-    beta: Optional[float] = None
     ortho_weight: float = 0.0
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
     pooling: str = "mean"
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
 
     def _setup_encoder(self):
-        self.encoder = LRAEncoder(
-            vocab_size=self.vocab_size, max_len=self.max_len, d_model=self.d_model,
-            mlp_dim=self.mlp_dim, num_heads=self.num_heads, head_dim=self.head_dim,
-            num_layers=self.num_layers, attention=self.attention, basis=self.basis,
-            order=self.order, alpha=self.alpha, beta=self.beta, ortho_weight=self.ortho_weight,
-            dropout_rate=self.dropout_rate, attention_dropout=self.attention_dropout,
-            dtype=self.dtype, param_dtype=self.param_dtype)
+        self.encoder = _child(self, LRAEncoder)
         self.head_hidden = _dense(self.mlp_dim, self.head_inputs * self.d_model, self, "head_hidden")
         self.head_out = _dense(self.num_classes, self.mlp_dim, self, "head_out")
 
     def _ids(self, batch: dict, key: str) -> Array:
-        ids = jnp.asarray(_batch_entry(batch, key, "int [B, T], 0 = padding"))
-        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] > self.max_len:
-            checks.fail(f"`batch[{key!r}]` must be int [B, T <= max_len = {self.max_len}], got "
-                        f"{ids.dtype} {ids.shape}")
-        return ids
+        validation.check_lra_batch(batch, key, self.max_len)
+        return jnp.asarray(batch[key])
 
     def _encode(self, ids: Array, deterministic: bool):
         ids, mask = lra_encoder_tokens(ids, pooling=self.pooling, vocab_size=self.vocab_size)
@@ -299,12 +274,6 @@ class _LRABase(nn.Module):
 
     def _head(self, z: Array) -> Array:
         return self.head_out(nn.relu(self.head_hidden(z))).astype(jnp.float32)
-
-
-def _batch_entry(batch: dict, key: str, doc: str):
-    if key not in batch:
-        checks.fail(f"`batch` must contain {key!r} ({doc}), got keys {sorted(batch)}")
-    return batch[key]
 
 
 def lra_encoder_tokens(ids: Array, *, pooling: str, vocab_size: int) -> tuple[Array, Array]:
@@ -320,7 +289,7 @@ def lra_encoder_tokens(ids: Array, *, pooling: str, vocab_size: int) -> tuple[Ar
     return ids, mask
 
 
-class LRAClassifier(_LRABase):
+class LRAClassifier(_LRABase, kw_only=True):
     """AGF_LRA `ModelForSC`: encoder, pooling, Linear-ReLU-Linear head.
 
     Batch: 'inputs' int `[B, T]` (0 = padding; mask = inputs != 0). Other keys are ignored (labels
@@ -337,7 +306,7 @@ class LRAClassifier(_LRABase):
         return {"logits": self._head(pooled)}, _aux(aux, 1.0)
 
 
-class LRARetrieval(_LRABase):
+class LRARetrieval(_LRABase, kw_only=True):
     """AGF_LRA `ModelForSCDual`: a shared encoder on two documents, head on [x0, x1, x0*x1, x0-x1].
 
     Batch: 'inputs1', 'inputs2' int `[B, T]` (0 = padding). The per-layer regulariser is the mean of
@@ -362,26 +331,13 @@ class LRARetrieval(_LRABase):
 # ---------------------------------------------------------------------------------------------
 
 
-class UEABlock(nn.Module):
+class UEABlock(_BlockFields, kw_only=True):
     """Post-LN block: x = LN1(x + Drop(Attn(x))); x = LN2(x + Drop(W2 Drop(act(W1 x)))).
 
     The 1x1 Conv1d layers of the reference are position-wise Dense layers. x `[B, T, E]`.
     """
-    d_model: int
-    mlp_dim: int
-    num_heads: int
-    head_dim: int
-    attention: str = "agf"
-    basis: str = "jacobi"
-    order: int = 3
-    alpha: Optional[float] = None
-    beta: Optional[float] = None
     learn_c0: bool = False
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
     activation: str = "gelu"
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
 
     def setup(self):
         # UEA: the layer's regulariser is unweighted; eta is applied by the model (spec §6).
@@ -420,7 +376,7 @@ def _uniform(lo: float, hi: float):
     return init
 
 
-class UEAClassifier(nn.Module):
+class UEAClassifier(_BlockFields, kw_only=True):
     """AGF_UEA `AGFClassiregressor` (classification).
 
     Batch: 'inputs' float `[B, T, C]` with T == max_len (zero beyond each length), optional 'mask'
@@ -449,24 +405,12 @@ class UEAClassifier(nn.Module):
     num_classes: int
     feat_dim: int
     max_len: int
-    d_model: int
-    mlp_dim: int
-    num_heads: int
     num_layers: int
     head_dim: Optional[int] = None
-    attention: str = "agf"
-    basis: str = "jacobi"
-    order: int = 3
-    alpha: Optional[float] = None
-    beta: Optional[float] = None
     learn_c0: bool = False
     ortho_weight: float = 0.1
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
     activation: str = "gelu"
     pos_encoding: str = "learnable"
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
 
     def setup(self):
         if self.head_dim is None:
@@ -478,26 +422,17 @@ class UEAClassifier(nn.Module):
         if self.pos_encoding == "learnable":
             self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),
                                         (self.max_len, self.d_model), self.param_dtype)
-        self.blocks = [UEABlock(d_model=self.d_model, mlp_dim=self.mlp_dim,
-                                num_heads=self.num_heads, head_dim=head_dim,
-                                attention=self.attention, basis=self.basis, order=self.order,
-                                alpha=self.alpha, beta=self.beta, learn_c0=self.learn_c0,
-                                dropout_rate=self.dropout_rate,
-                                attention_dropout=self.attention_dropout,
-                                activation=self.activation, dtype=self.dtype,
-                                param_dtype=self.param_dtype, name=f"block_{i:02d}")
+        self.blocks = [_child(self, UEABlock, head_dim=head_dim, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
         self.output = _dense(self.num_classes, self.max_len * self.d_model, self, "output")
         self.dropout = Dropout(self.dropout_rate)
 
     def __call__(self, batch: dict, *, train: bool = False):
-        x = jnp.asarray(_batch_entry(batch, "inputs", "float [B, T, C]"))
-        checks.check_shape("batch['inputs']", x, (x.shape[0] if x.ndim else 0, self.max_len,
-                                                  self.feat_dim), "[B, max_len, feat_dim]")
+        validation.check_uea_batch(batch, self.max_len, self.feat_dim)
+        x = jnp.asarray(batch["inputs"])
         mask = batch.get("mask")
         mask = jnp.ones(x.shape[:2], bool) if mask is None else jnp.asarray(mask)
-        checks.check_mask(mask, x.shape[:2], "batch['mask']")
         det = not train
         h = self.input_proj(x) * math.sqrt(self.d_model)
         if self.pos_encoding == "learnable":

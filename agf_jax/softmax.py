@@ -30,7 +30,8 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.ops import MASK_OFFSET, _check_projections, _float
+from agf_jax import validation
+from agf_jax.ops import MASK_OFFSET, _float
 
 Array = jax.Array
 Dropout = Optional[Callable[[Array, Array], Array]]   # (weights, chunk or token index) -> weights
@@ -62,10 +63,8 @@ def init_cache(batch_size: int, max_length: int, num_heads: int, head_dim: int,
 def _prepare(q, k, v, mask, causal):
     """Float casts, padded values -> 0, and (causal) the non-finite-value guard `[B, T, H]`."""
     q, k, v = _float(q), _float(k), _float(v)
-    _check_projections(q, k, None, v)
+    validation.check_kernel_inputs(q, k, v, mask)
     valid = jnp.ones(q.shape[:2], bool) if mask is None else jnp.asarray(mask).astype(bool)
-    if mask is not None and valid.shape != q.shape[:2]:
-        raise ValueError(f"mask must have shape [B, T] = {q.shape[:2]}, got {valid.shape}")
     keep = jnp.broadcast_to(valid[:, :, None], q.shape[:3])
     poisoned = None
     if causal:
@@ -93,11 +92,9 @@ def _guard(o, poisoned):
 def softmax_attention_weights(q: Array, k: Array, *, mask: Optional[Array] = None,
                               causal: bool = False) -> Array:
     """Scaled dot-product softmax weights `[B, H, T, T]` (float32); q, k `[B, T, H, D]`."""
-    _check_projections(q, k)
+    validation.check_kernel_inputs(q, k, None, mask)
     q, k = _float(q), _float(k)
     valid = None if mask is None else jnp.asarray(mask).astype(bool)
-    if valid is not None and valid.shape != q.shape[:2]:
-        raise ValueError(f"mask must have shape [B, T] = {q.shape[:2]}, got {valid.shape}")
     return _weights(q, k, valid, mask is not None, causal)
 
 
@@ -171,11 +168,7 @@ def softmax_step(cache: KVCache, q_t: Array, k_t: Array, v_t: Array, *,
     Returns:
         (new cache, y_t `[B, H, M]` float32; NaN where the cache was already full).
     """
-    _check_projections(q_t, k_t, None, v_t, rank=3)
-    if cache.key.shape[0] != q_t.shape[0] or cache.key.shape[2:] != q_t.shape[1:] \
-            or cache.value.shape[-1] != v_t.shape[-1]:
-        raise ValueError(f"cache key {cache.key.shape} / value {cache.value.shape} do not match "
-                         f"q_t {q_t.shape}, v_t {v_t.shape}")
+    validation.check_cache(cache, q_t, k_t, v_t)
     dt = jnp.promote_types(cache.key.dtype, _float(q_t).dtype)
     q_t, k_t, v_t = (x.astype(dt) for x in (q_t, k_t, v_t))
     append = jnp.ones(q_t.shape[:1], bool) if append is None else jnp.asarray(append, bool)
@@ -206,7 +199,7 @@ def softmax_scan(q: Array, k: Array, v: Array, *, cache: KVCache, mask: Optional
     Returns:
         (y `[B, T, H, M]` float32, final cache).
     """
-    _check_projections(q, k, None, v)
+    validation.check_kernel_inputs(q, k, v, None)
     append = jnp.ones(q.shape[:2], bool) if mask is None else jnp.asarray(mask).astype(bool)
 
     def body(c, xs):
