@@ -325,8 +325,8 @@ class DecoderBlock(_Block):
                 lambda h: self.graph(h, mask=mask, deterministic=det),
                 lambda h: self.graph.step(cache.graph, h), "graph"), det)
         y = self._residual(y, self.cross_attention_norm, sub(
-            lambda h: (self.cross_attention.cross(h, memory, memory_mask=memory_mask,
-                                                  deterministic=det, **fs), {}),
+            lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
+                                                 deterministic=det, **fs),
             lambda h: (self.cross_attention.cross_step(memory.cross_attention, h, **fs), None),
             "cross_attention"), det)
         if self._has_cross_graph:

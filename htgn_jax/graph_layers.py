@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from htgn_jax import graph_causal
+from htgn_jax import graph_causal, validation
 from htgn_jax import graph_ops as ops
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import HeadsOutput, flat_init
-from zoo_core.checks import check_choice, check_int, check_rank, check_rate, check_shape, fail
+from zoo_core.checks import check_rank, fail
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -93,15 +93,29 @@ class _HeadVector(nn.Module):
 
 
 class _GraphAttentionBase(nn.Module):
-    """Shared setup/feature code of the two graph layers (fields are declared by subclasses)."""
+    """The fields and the setup/feature code shared by the two graph layers.
 
-    def _check_common_fields(self) -> None:
-        check_int("num_heads", self.num_heads, 1)
-        check_int("window", self.window, 0)
-        check_choice("version", self.version, ops.VERSIONS)
-        check_rate("dropout_rate", self.dropout_rate)
-        if self.version == "dot" and self.attn_init is not None:
-            fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
+    The fields are documented in `WindowGraphAttention` (`CrossGraphAttention` reads them the
+    same way, with `window` the encoder radius w_x and `num_global` the memory's globals); each
+    layer adds its own (`causal`, `chunk_size`, `grid_width`; `rho`).
+    """
+    num_heads: int
+    head_dim: int | None = None
+    window: int = 4
+    num_global: int = 0
+    version: str = "v2"
+    use_relative_bias: bool = True
+    negative_slope: float | None = None
+    dropout_rate: float = 0.0
+    kl_tau: float | None = None
+    kl_mode: str = "prior"
+    kl_weight: float = 0.0
+    out_features: int | None = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+    attn_init: Initializer | None = None
+    bias_init: Initializer = nn.initializers.zeros_init()
 
     def _setup_common(self, num_offsets: int, with_global_bias: bool) -> None:
         h = self.num_heads
@@ -236,36 +250,14 @@ class WindowGraphAttention(_GraphAttentionBase):
         glorot_uniform; GAT only), and
         biases (output bias, rel_bias, global_bias).
     """
-    num_heads: int
-    head_dim: int | None = None
-    window: int = 4
-    num_global: int = 0
     causal: bool = False
     chunk_size: int | None = None
     grid_width: int | None = None
-    version: str = "v2"
-    use_relative_bias: bool = True
-    negative_slope: float | None = None
-    dropout_rate: float = 0.0
-    kl_tau: float | None = None
-    kl_mode: str = "prior"
-    kl_weight: float = 0.0
-    out_features: int | None = None
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    attn_init: Initializer | None = None
-    bias_init: Initializer = nn.initializers.zeros_init()
 
     _source_arg = "x"
 
     def setup(self):
-        self._check_common_fields()
-        if self.causal and self.num_global:
-            fail(f"`num_global` must be 0 when causal=True (a global node would summarise the "
-                 f"future), got {self.num_global}")
-        if self.chunk_size is not None and not self.causal:
-            fail("`chunk_size` chooses the causal form; it must be None with causal=False")
+        validation.check_window_graph_fields(self)
         self._has_global_bias = self.num_global > 0
         num_slots = len(ops.window_offsets(self.window, self.causal, self.grid_width))
         self._setup_common(num_slots, self._has_global_bias)
@@ -337,7 +329,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     def init_state(self, batch_size: int) -> WindowState:
         """Empty rolling cache (causal only): `WindowState` of the last w projected tokens, none
         valid yet (float32; `key` only for GAT v1)."""
-        self._check_causal("init_state")
+        validation.check_window_graph_method(self, "init_state")
         c, d = self._head_dims()
         return graph_causal.init_window_state(batch_size, self.window, self.num_heads, d,
                                      key_dim=c if self.version == "v1" else None)
@@ -356,7 +348,7 @@ class WindowGraphAttention(_GraphAttentionBase):
           (y `[B, T, F]`, equal to `__call__` from an empty state, zero at padded tokens; final
           state).
         """
-        self._check_causal("scan")
+        validation.check_window_graph_method(self, "scan")
         check_rank("x", x, 3, "[B, T, d]")
         if not deterministic and self.dropout_rate:
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
@@ -382,7 +374,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         Returns:
           (y_t `[B, F]`, new state). Equal to row t of `__call__` on the unpadded prefix.
         """
-        self._check_causal("step")
+        validation.check_window_graph_method(self, "step")
         if position is not None:
             fail("WindowGraphAttention.step takes no `position` (the window needs no index)")
         check_rank("x_t", x_t, 2, "[B, d]")
@@ -391,10 +383,6 @@ class WindowGraphAttention(_GraphAttentionBase):
                                             rel_bias=self._biases()[0],
                                             negative_slope=self.negative_slope)
         return self.output(out, x_t.shape[-1]), state
-
-    def _check_causal(self, method: str) -> None:
-        if not self.causal:
-            fail(f"`{method}` needs causal=True (a non-causal window looks ahead)")
 
 
 class CrossGraphAttention(_GraphAttentionBase):
@@ -419,30 +407,12 @@ class CrossGraphAttention(_GraphAttentionBase):
       num_global: g, the encoder globals at the front of `memory`.
       rho: centre ratio (mean source / mean target length, a hyperparameter; 1.0 by default).
     """
-    num_heads: int
-    head_dim: int | None = None
-    window: int = 4
-    num_global: int = 0
     rho: float = 1.0
-    version: str = "v2"
-    use_relative_bias: bool = True
-    negative_slope: float | None = None
-    dropout_rate: float = 0.0
-    kl_tau: float | None = None
-    kl_mode: str = "prior"
-    kl_weight: float = 0.0
-    out_features: int | None = None
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = nn.initializers.lecun_normal()
-    attn_init: Initializer | None = None
-    bias_init: Initializer = nn.initializers.zeros_init()
 
     _source_arg = "memory"
 
     def setup(self):
-        self._check_common_fields()
-        ops._check_rho(self.rho)
+        validation.check_cross_graph_fields(self)
         self._has_global_bias = self.num_global > 0
         self._setup_common(2 * self.window + 1, self._has_global_bias)
 
@@ -461,7 +431,7 @@ class CrossGraphAttention(_GraphAttentionBase):
         Returns:
           y `[B, T, F]` (zero at padded rows) and aux {'kl', 'kl_sum', 'kl_count'}.
         """
-        cache = self._checked_cache(x, memory, memory_mask)
+        cache = self._memory_cache(x, memory, memory_mask)
         return self._attend(cache, x, None, mask, deterministic)
 
     def attention_weights(self, x: Array, memory: Array, *, mask: Array | None = None,
@@ -476,18 +446,15 @@ class CrossGraphAttention(_GraphAttentionBase):
           'centres': `[B, T]` c_i = round(rho i) clipped to the valid tokens, 'memory_mask':
           `[B, g + N]` bool}.
         """
-        cache = self._checked_cache(x, memory, memory_mask)
+        cache = self._memory_cache(x, memory, memory_mask)
         st = self._attend(cache, x, None, mask, True, stats_only=True)
         return {"probs": st["probs"], "centres": st["centres"], "memory_mask": cache.mask}
 
-    def _checked_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> CrossGraphCache:
+    def _memory_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> CrossGraphCache:
+        """`prepare_memory(memory)` for the queries x `[B, T, d]` (checked to fit the memory)."""
         check_rank("x", x, 3, "[B, T, d]")
         cache = self.prepare_memory(memory, memory_mask=memory_mask)
-        if self.version == "v1" and x.shape[-1] != memory.shape[-1]:
-            fail(f"version='v1' projects `x` and `memory` with one W, so their widths must match, "
-                 f"got {x.shape[-1]} and {memory.shape[-1]}")
-        if cache.mask.shape[0] != x.shape[0]:
-            fail(f"`memory` batch {cache.mask.shape[0]} != `x` batch {x.shape[0]}")
+        validation.check_cross_graph_inputs(self, x, memory, cache.mask)
         return cache
 
     def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None
@@ -521,9 +488,7 @@ class CrossGraphAttention(_GraphAttentionBase):
         """
         check_rank("x_t", x_t, 2, "[B, d]")
         b = x_t.shape[0]
-        if jnp.ndim(position) not in (0, 1) or jnp.shape(position) not in ((), (b,)):
-            fail(f"`position` must be a scalar or have shape [B] = ({b},), got "
-                 f"{jnp.shape(position)}")
+        validation.check_graph_position(position, b)
         pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))[:, None]
         y, _ = self._attend(cache, x_t[:, None], pos, None, True)
         return y[:, 0], cache

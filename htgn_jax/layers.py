@@ -46,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.dtypes import promote_dtype
 
-from htgn_jax import hrpe, ops
+from htgn_jax import hrpe, ops, validation
 from zoo_core import linear_attention as la
-from zoo_core.checks import check_choice, check_optional_int, check_rank, check_shape, fail
+from zoo_core.checks import check_rank, check_shape, fail
 from zoo_core.linear_attention import LinearState
 
 Array = Any
@@ -144,15 +144,7 @@ class FavorAttention(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
 
     def setup(self):
-        check_choice("feature_map", self.feature_map, ops.FEATURE_MAPS)
-        if self.use_rotary and self.head_dim % 2:
-            fail(f"`head_dim` must be even with use_rotary=True, got {self.head_dim}")
-        if self.chunk_size is not None and not self.causal:
-            fail("`chunk_size` chooses the causal form; it must be None with causal=False")
-        check_optional_int("chunk_size", self.chunk_size)
-        if self.feature_map != "softmax" and (self.num_features is not None or self.redraw_every):
-            fail(f"`num_features` and `redraw_every` apply to feature_map='softmax' only (random "
-                 f"features), got {self.feature_map!r}")
+        validation.check_favor_fields(self)
         dense = functools.partial(nn.DenseGeneral, features=(self.num_heads, self.head_dim),
                                   axis=-1, use_bias=self.use_bias, dtype=self.dtype,
                                   param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -232,16 +224,6 @@ class FavorAttention(nn.Module):
             check_shape(f"{name}_mask" if name != "x" else "mask", mask, x.shape[:2], "[B, T]")
         return without_padding(x, mask)
 
-    def _require(self, method: str, *, causal: bool, state: bool = True) -> None:
-        """`method` exists: causal ones need causal=True, cross ones causal=False and no RoPE;
-        those with a constant-size state (`state`) need a kernel feature map."""
-        if causal != self.causal or (not causal and self.use_rotary) or (
-                state and self.feature_map == "exact"):
-            fail(f"`{method}` needs causal={causal}" + ("" if causal else ", use_rotary=False")
-                 + (", a kernel feature_map (exact softmax has no constant-size state)"
-                    if state else "") + f"; got causal={self.causal}, "
-                 f"use_rotary={self.use_rotary}, feature_map={self.feature_map!r}")
-
     def _read_out(self, num, den, guard, v, width: int) -> Array:
         return self.out(ops.normalize(num, den, guard).astype(v.dtype), width)
 
@@ -284,7 +266,7 @@ class FavorAttention(nn.Module):
 
     def init_state(self, batch_size: int) -> LinearState:
         """Zero causal state `LinearState(num [B, H, M, D], den [B, H, M])`, float32."""
-        self._require("init_state", causal=True)
+        validation.check_favor_method(self, "init_state", causal=True)
         return la.init_state(batch_size, self.num_heads, self._m, self.head_dim, denominator=True)
 
     def scan(self, x: Array, state: LinearState | None = None, *, mask: Array | None = None,
@@ -303,7 +285,7 @@ class FavorAttention(nn.Module):
         Returns:
           (y `[B, T, out_features]`, final state).
         """
-        self._require("scan", causal=True)
+        validation.check_favor_method(self, "scan", causal=True)
         x = self._inputs(x, mask)
         positions = self._positions(positions, x, required=state is not None)
         omega = self._omega(feature_step, deterministic)
@@ -328,7 +310,7 @@ class FavorAttention(nn.Module):
         Returns:
           (y_t `[B, out_features]`, new state).
         """
-        self._require("step", causal=True)
+        validation.check_favor_method(self, "step", causal=True)
         if self.use_rotary and position is None:
             fail("`position` is required with use_rotary=True")
         x = self._inputs(x_t[:, None], None if mask is None else jnp.reshape(mask, (-1, 1)))
@@ -347,7 +329,8 @@ class FavorAttention(nn.Module):
     # --- cross-attention (decoder queries, encoder memory) ---------------------------------
 
     def cross(self, x: Array, memory: Array, *, memory_mask: Array | None = None,
-              deterministic: bool = True, feature_step: Array | int | None = None) -> Array:
+              deterministic: bool = True,
+              feature_step: Array | int | None = None) -> tuple[Array, dict]:
         """Non-causal FAVOR+ cross-attention: queries from x, keys and values from memory.
 
         Args:
@@ -359,19 +342,19 @@ class FavorAttention(nn.Module):
           feature_step: training-step index selecting the random-feature draw.
 
         Returns:
-          `[B, T, out_features]`.
+          (y `[B, T, out_features]`, aux = {}) as `__call__` (the layer contract).
         """
-        self._require("cross", causal=False, state=False)
+        validation.check_favor_method(self, "cross", causal=False, state=False)
         check_rank("x", x, 3, "[B, T, E]")
         memory = self._inputs(memory, memory_mask, "memory")
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, memory, None)
         if self.feature_map == "exact":
             y = ops.exact_softmax_attention(q, k, v, key_mask=memory_mask)
-            return self.out(y.astype(v.dtype), x.shape[-1])
+            return self.out(y.astype(v.dtype), x.shape[-1]), {}
         phi_q, phi_k, guard = self._features(q, k, omega, memory_mask, "max")
         num, den = ops.favor_parallel(phi_q, phi_k, without_padding(v, memory_mask))
-        return self._read_out(num, den, guard, v, x.shape[-1])
+        return self._read_out(num, den, guard, v, x.shape[-1]), {}
 
     def cross_cache(self, memory: Array, *, memory_mask: Array | None = None,
                     feature_step: Array | int | None = None) -> LinearState:
@@ -385,7 +368,7 @@ class FavorAttention(nn.Module):
         Returns:
           `LinearState` (float32), computed once per source sequence.
         """
-        self._require("cross_cache", causal=False)
+        validation.check_favor_method(self, "cross_cache", causal=False)
         memory = self._inputs(memory, memory_mask, "memory")
         k, v = self.key(memory), self.value(memory)
         # Only the key features are needed; favor_features wants queries too, so pass the keys.
@@ -404,7 +387,7 @@ class FavorAttention(nn.Module):
         Returns:
           y_t `[B, out_features]`, equal to the corresponding row of `cross`.
         """
-        self._require("cross_step", causal=False)
+        validation.check_favor_method(self, "cross_step", causal=False)
         check_rank("x_t", x_t, 2, "[B, E]")
         q = self.query(x_t[:, None, :])
         phi_q, _, guard = self._features(q, q, self._omega(feature_step, True), None, "max")

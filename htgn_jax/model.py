@@ -102,7 +102,44 @@ def _aux(m, aux: dict) -> dict[str, Array]:
     return {"loss/kl": jnp.asarray(m.kl_weight, jnp.float32) * kl, "graph/kl": kl}
 
 
-class Seq2Seq(nn.Module):
+class _HTGNModel(nn.Module, kw_only=True):
+    """The fields and properties shared by `Seq2Seq` and `Classifier` (documented in `Seq2Seq`).
+
+    Keyword-only, as are the two models: each declares its own fields after these, so a
+    positional order would follow this class rather than the model's docstring.
+    """
+    d_model: int
+    num_heads: int
+    mlp_dim: int
+    num_layers: int
+    attention: str = "favor"
+    feature_map: str = "softmax"
+    num_features: Optional[int] = 32
+    redraw_every: int = 0
+    window: int = 4
+    num_global: int = 2
+    num_pe: int = 8
+    use_graph_conv: bool = True
+    use_hrpe: bool = True
+    gat_version: str = "v2"
+    kl_tau: Optional[float] = None
+    kl_mode: str = "prior"
+    kl_weight: float = 1e-3
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    drop_path: float = 0.0
+    norm: str = "pre"
+    per_layer_features: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @property
+    def uses_step(self) -> bool:
+        """Whether the forward pass depends on the training step (the trainer then passes it)."""
+        return self.redraw_every > 0
+
+
+class Seq2Seq(_HTGNModel, kw_only=True):
     """HTGN encoder-decoder for translation (spec §5.1), or the vanilla Transformer baseline.
 
     batch: 'inputs' int [B, S], 'targets' int [B, T], optional 'inputs_mask' bool [B, S].
@@ -145,43 +182,19 @@ class Seq2Seq(nn.Module):
     """
     source_vocab_size: int
     target_vocab_size: int
-    d_model: int
-    num_heads: int
-    mlp_dim: int
-    num_layers: int
     num_encoder_layers: Optional[int] = None
     num_decoder_layers: Optional[int] = None
-    attention: str = "favor"
-    feature_map: str = "softmax"
-    num_features: Optional[int] = 32
-    redraw_every: int = 0
-    window: int = 4
-    num_global: int = 2
     cross_window: int = 4
     rho: float = 1.0
     cross_graph_layers: str = "all"
-    num_pe: int = 8
     pe_basis: str = "laplacian"
-    use_graph_conv: bool = True
-    use_hrpe: bool = True
-    gat_version: str = "v2"
-    kl_tau: Optional[float] = None
-    kl_mode: str = "prior"
-    kl_weight: float = 1e-3
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
-    drop_path: float = 0.0
-    norm: str = "pre"
     chunk_size: int = 64
-    per_layer_features: bool = False
     share_embeddings: bool = False
     max_source_len: int = 256
     max_target_len: int = 256
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
 
     # ------------------------------------------------------------------------------------------
 
@@ -192,11 +205,6 @@ class Seq2Seq(nn.Module):
     @property
     def decoder_layers(self) -> int:
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
-
-    @property
-    def uses_step(self) -> bool:
-        """Whether the forward pass depends on the training step (the trainer then passes it)."""
-        return self.redraw_every > 0
 
     @property
     def supports_cache(self) -> bool:
@@ -353,7 +361,7 @@ class Seq2Seq(nn.Module):
         return {"logits": logits}, _aux(self, merge_aux(enc_aux, dec_aux))
 
 
-class Classifier(nn.Module):
+class Classifier(_HTGNModel, kw_only=True):
     """HTGN encoder-only image classifier (spec §5.1 "Classification", §5.12 image-patch).
 
     The image `[B, H, W, C]` is cut into non-overlapping p x p patches in raster order (N =
@@ -374,39 +382,12 @@ class Classifier(nn.Module):
       Other fields as in `Seq2Seq`.
     """
     num_classes: int
-    d_model: int
-    num_heads: int
-    mlp_dim: int
-    num_layers: int
     image_size: int = 8
     patch_size: int = 2
     channels: int = 1
     pool: str = "cls"
-    attention: str = "favor"
-    feature_map: str = "softmax"
-    num_features: Optional[int] = 32
-    redraw_every: int = 0
-    window: int = 1
+    window: int = 1        # image defaults of two shared fields: a 3x3 stencil, one CLS global
     num_global: int = 1
-    num_pe: int = 8
-    use_graph_conv: bool = True
-    use_hrpe: bool = True
-    gat_version: str = "v2"
-    kl_tau: Optional[float] = None
-    kl_mode: str = "prior"
-    kl_weight: float = 1e-3
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
-    drop_path: float = 0.0
-    norm: str = "pre"
-    per_layer_features: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    @property
-    def uses_step(self) -> bool:
-        """Whether the forward pass depends on the training step (the trainer then passes it)."""
-        return self.redraw_every > 0
 
     @property
     def grid(self) -> int:

@@ -1,8 +1,11 @@
-"""The checks of the HTGN model boundary: `Model(...)` kwargs, batches and the `step` argument.
+"""The checks of HTGN: the `Model(...)` boundary (kwargs, batches, the `step` argument) and the
+layers' field consistency and method preconditions.
 
-Validation happens once, here (called by `htgn_jax.model.Model` and the models' public methods);
-blocks and layers below keep structural checks only. Every error is the zoo's `ValueError` with one
-line naming the argument (`zoo_core.checks`).
+Validation happens once, here: `htgn_jax.model.Model` and the models' public methods call the
+model checks; each layer calls its field check once from setup() (`check_favor_fields`,
+`check_window_graph_fields`, `check_cross_graph_fields`) and its method checks at the entry
+points, and keeps only structural one-liners (ranks, mask shapes) itself. Every error is the zoo's
+`ValueError` with one line naming the argument (`zoo_core.checks`).
 """
 from __future__ import annotations
 
@@ -203,3 +206,83 @@ def image(m, batch: dict):
         fail(f"batch[{key!r}] must have shape [B, {want[0]}, {want[1]}, {want[2]}] "
              f"(image_size, image_size, channels), got {tuple(x.shape)}")
     return x
+
+
+# --- layers (`htgn_jax.layers`, `htgn_jax.graph_layers`) ---------------------------------------
+
+def _check_causal_chunking(m) -> None:
+    """`chunk_size` (the chunked causal form) is None unless the layer is causal."""
+    if m.chunk_size is not None and not m.causal:
+        fail("`chunk_size` chooses the causal form; it must be None with causal=False")
+
+
+def check_favor_fields(m) -> None:
+    """Field consistency of a `FavorAttention` `m` (called once from its setup)."""
+    check_choice("feature_map", m.feature_map, ops.FEATURE_MAPS)
+    if m.use_rotary and m.head_dim % 2:
+        fail(f"`head_dim` must be even with use_rotary=True, got {m.head_dim}")
+    _check_causal_chunking(m)
+    check_optional_int("chunk_size", m.chunk_size)
+    if m.feature_map != "softmax" and (m.num_features is not None or m.redraw_every):
+        fail(f"`num_features` and `redraw_every` apply to feature_map='softmax' only (random "
+             f"features), got {m.feature_map!r}")
+
+
+def check_favor_method(m, method: str, *, causal: bool, state: bool = True) -> None:
+    """`method` of `FavorAttention` `m` exists: causal ones need causal=True, cross ones
+    causal=False and no RoPE; those with a constant-size state (`state`) need a kernel
+    feature map."""
+    if causal != m.causal or (not causal and m.use_rotary) or (
+            state and m.feature_map == "exact"):
+        fail(f"`{method}` needs causal={causal}" + ("" if causal else ", use_rotary=False")
+             + (", a kernel feature_map (exact softmax has no constant-size state)"
+                if state else "") + f"; got causal={m.causal}, "
+             f"use_rotary={m.use_rotary}, feature_map={m.feature_map!r}")
+
+
+def check_graph_fields(m) -> None:
+    """Fields common to `WindowGraphAttention` and `CrossGraphAttention` `m`."""
+    check_int("num_heads", m.num_heads, 1)
+    check_int("window", m.window, 0)
+    check_choice("version", m.version, graph_ops.VERSIONS)
+    check_rate("dropout_rate", m.dropout_rate)
+    if m.version == "dot" and m.attn_init is not None:
+        fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
+
+
+def check_window_graph_fields(m) -> None:
+    """Field consistency of a `WindowGraphAttention` `m` (called once from its setup)."""
+    check_graph_fields(m)
+    if m.causal and m.num_global:
+        fail(f"`num_global` must be 0 when causal=True (a global node would summarise the "
+             f"future), got {m.num_global}")
+    _check_causal_chunking(m)
+
+
+def check_window_graph_method(m, method: str) -> None:
+    """`method` (the recurrent forms) of `WindowGraphAttention` `m` exists: needs causal=True."""
+    if not m.causal:
+        fail(f"`{method}` needs causal=True (a non-causal window looks ahead)")
+
+
+def check_cross_graph_fields(m) -> None:
+    """Field consistency of a `CrossGraphAttention` `m` (called once from its setup)."""
+    check_graph_fields(m)
+    graph_ops._check_rho(m.rho)
+
+
+def check_cross_graph_inputs(m, x: Any, memory: Any, memory_mask: Any) -> None:
+    """x `[B, T, d]` fits memory `[B, L, d_m]` (checked mask `[B, L]`) of `CrossGraphAttention`
+    `m`: one batch, and one width for GAT v1 (whose single W projects both)."""
+    if m.version == "v1" and x.shape[-1] != memory.shape[-1]:
+        fail(f"version='v1' projects `x` and `memory` with one W, so their widths must match, "
+             f"got {x.shape[-1]} and {memory.shape[-1]}")
+    if memory_mask.shape[0] != x.shape[0]:
+        fail(f"`memory` batch {memory_mask.shape[0]} != `x` batch {x.shape[0]}")
+
+
+def check_graph_position(position: Any, batch: int) -> None:
+    """A decoding `position` is a scalar or `[B]` (B = `batch`)."""
+    if jnp.ndim(position) not in (0, 1) or jnp.shape(position) not in ((), (batch,)):
+        fail(f"`position` must be a scalar or have shape [B] = ({batch},), got "
+             f"{jnp.shape(position)}")

@@ -189,8 +189,8 @@ def test_garbage_in_padding_or_future_changes_nothing(causal, bad):
                                           np.asarray(run(x, None))[:, :4], err_msg=name)
     if not causal:   # cross-attention: garbage in padded memory
         cross, cv = _init(use_rotary=False)
-        y = _apply(cross, cv, x, x, memory_mask=mask, method="cross")
-        y_bad = _apply(cross, cv, x, dirty, memory_mask=mask, method="cross")
+        y, _ = _apply(cross, cv, x, x, memory_mask=mask, method="cross")
+        y_bad, _ = _apply(cross, cv, x, dirty, memory_mask=mask, method="cross")
         np.testing.assert_array_equal(np.asarray(y_bad), np.asarray(y))
 
 
@@ -223,14 +223,14 @@ def test_cross_attention_and_cache():
     layer, variables = _init(use_rotary=False)
     x, memory = _x(seed=7), _x(seed=8, length=16)
     memory_mask = jnp.arange(16)[None, :] < jnp.array([[16], [5]])
-    y = _apply(layer, variables, x, memory, memory_mask=memory_mask, method="cross")
-    assert y.shape == (B, T, E)
+    y, aux = _apply(layer, variables, x, memory, memory_mask=memory_mask, method="cross")
+    assert y.shape == (B, T, E) and aux == {}
     cache = _apply(layer, variables, memory, memory_mask=memory_mask, method="cross_cache")
     step = jax.jit(functools.partial(layer.apply, method="cross_step"))
     steps = jnp.stack([step(variables, cache, x[:, t]) for t in range(T)], 1)
     np.testing.assert_allclose(steps, y, **F32_SIMPLE)
     # Masked memory equals truncated memory.
-    short = _apply(layer, variables, x[1:], memory[1:, :5], method="cross")
+    short, _ = _apply(layer, variables, x[1:], memory[1:, :5], method="cross")
     np.testing.assert_allclose(y[1:], short, **F32_SIMPLE)
 
 
