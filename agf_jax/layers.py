@@ -24,7 +24,6 @@ Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Optional
 

@@ -48,7 +48,7 @@ import numpy as np
 from agf_jax import validation
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
-from zoo_core import checks
+from zoo_core import checks, layout
 from zoo_core.dropout import Dropout
 
 Array = jax.Array
@@ -214,8 +214,9 @@ class LRAEncoder(_BlockFields, kw_only=True):
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
-        x = self.token_embed(ids) + self.pos_embed.embedding[:t].astype(
-            self.dtype or self.param_dtype)[None]
+        # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/layout.py).
+        x = layout.add_to_each(self.token_embed(ids),
+                               self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
         auxes = []
