@@ -1,7 +1,10 @@
-"""Every command line printed in a config docstring works as printed.
+"""Every command line printed in a config docstring or in README.md works as printed.
 
-The commands are read from the docstrings of configs/<folder>/<file>.py, so a new one is covered
-without editing this file. Each runs in-process through `zoo_core.main` (a subprocess costs 5-10 s)
+The commands are read from the docstrings of configs/<folder>/<file>.py and from README.md (its
+```bash blocks and inline `python -m <package>.train ...` spans), so a new one is covered without
+editing this file. A README command's optional parts `[A | B]` are expanded into each variant (none,
+A, B); `kind=K` becomes each SAMoVAR kind the config takes; a command still holding a placeholder (`<...>`, `ARGS`) is
+the generic form and is left out. Each runs in-process through `zoo_core.main` (a subprocess costs 5-10 s)
 with its --workdir moved under a temporary folder:
 
   * as printed, up to the training call: flags, config arguments and overrides, `check_setup` and the
@@ -39,6 +42,54 @@ def _commands(path: pathlib.Path) -> list[str]:
 
 
 COMMANDS = [(f"{p.parent.name}/{p.stem}", cmd) for p in CONFIG_FILES for cmd in _commands(p)]
+
+
+def _variants(command: str) -> list[str]:
+    """A printed command with its first `[A | B]` group expanded (recursively): none, A, B."""
+    group = re.search(r"\[([^\[\]]*)\]", command)
+    if group is None:
+        return [command]
+    options = [""] + [o.strip() for o in group.group(1).split("|")]
+    return [v for o in options
+            for v in _variants(" ".join((command[:group.start()] + (" " if o.startswith("--") else "") + o
+                                         + command[group.end():]).split()))]
+
+
+KINDS = ("samovar", "lintrans", "fixedvar", "dlinear")
+
+
+def _config_accepts(command: str) -> bool:
+    """Whether the command's `--config FILE:ARG` argument is one its config file takes."""
+    spec = shlex.split(command)[shlex.split(command).index("--config") + 1]
+    path, _, arg = spec.partition(":")
+    module = importlib.import_module(path[:-len(".py")].replace("/", "."))
+    try:
+        module.get_config(arg or None)
+    except ValueError:
+        return False
+    return True
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    lines = [line.split(" #")[0].split("&&")[-1] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`(python -m [a-z_]+\.train [^`]*)`", text)
+    out = []
+    for line in (" ".join(line.split()) for line in lines):
+        if not (line.startswith("python -m ") and ".train " in line):
+            continue
+        for v in _variants(line):
+            for kind in (KINDS if "kind=K" in v else (None,)):
+                v_kind = v.replace("kind=K", f"kind={kind}") if kind else v
+                if kind and not _config_accepts(v_kind):
+                    continue   # K stands for the kinds of that config's table
+                if "<" not in v_kind and "ARGS" not in v_kind and v_kind not in out:
+                    out.append(v_kind)
+    return out
+
+
+README_COMMANDS = _readme_commands()
 
 
 def _entry(module: str):
@@ -117,6 +168,24 @@ def test_every_config_prints_commands():
 def test_a_printed_command_passes_every_check(command, tmp_path, capfd, monkeypatch):
     module, argv = _argv(command, tmp_path / "run")
     status, err = _run(module, argv, capfd, monkeypatch, train=False)
+    _assert_ran(status, err, command)
+
+
+def test_the_readme_prints_training_commands():
+    assert len(README_COMMANDS) >= 10, README_COMMANDS
+
+
+@pytest.mark.parametrize("command", README_COMMANDS, ids=[f"readme-{i}" for i in range(len(README_COMMANDS))])
+def test_a_readme_command_passes_every_check(command, tmp_path, capfd, monkeypatch):
+    """Up to the training call; an --eval_only command is run against an empty workdir, so it must
+    stop at the one-line error that there is no checkpoint yet (and nothing else)."""
+    module, argv = _argv(command, tmp_path / "run")
+    monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path / "data"))
+    status, err = _run(module, argv, capfd, monkeypatch, train=False)
+    if "--eval_only" in argv:
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert status == 2 and len(errors) == 1 and "no checkpoint under" in errors[0], (command, err[-2000:])
+        return
     _assert_ran(status, err, command)
 
 

@@ -58,6 +58,15 @@ def _first_difference(stored: dict, wanted: dict) -> str:
     return ""
 
 
+def require_checkpoints(workdir: str, which: str = "checkpoints") -> str:
+    """workdir/<which> as an absolute path; FileNotFoundError('no checkpoint under ...') if it is not a
+    directory (a cheap check, e.g. before building the data an evaluation needs)."""
+    path = os.path.join(os.path.abspath(workdir), which)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+    return path
+
+
 def restore_params(workdir: str, *, which: str = "checkpoints", target_sharding: Any = None) -> tuple[Any, int]:
     """The parameters of the newest checkpoint in workdir/<which> ('checkpoints' or 'best'), and its step.
 
@@ -70,10 +79,8 @@ def restore_params(workdir: str, *, which: str = "checkpoints", target_sharding:
       FileNotFoundError: no checkpoint there (nothing is created).
     """
     import jax
-    path = os.path.join(os.path.abspath(workdir), which)
+    path = require_checkpoints(workdir, which)   # checked first: a manager would create the directory
     missing = FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
-    if not os.path.isdir(path):   # checked first: a manager would create the directory
-        raise missing
     # The PyTree handler reads the Standard handler's checkpoints and can restore a subtree.
     mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False),
                                  item_handlers={"state": ocp.PyTreeCheckpointHandler(),

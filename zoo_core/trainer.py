@@ -1011,6 +1011,8 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
         raise ConfigError(f"which must be 'best' or 'latest', got {which!r}")
     if split is not None:
         config = with_eval_split(config, split)
+    # Before the data is built (minutes for some data sets): an empty or mistyped workdir fails at once.
+    ckpt_lib.require_checkpoints(workdir, "best" if which == "best" else "checkpoints")
     try:
         validate_config(config)
         _, eval_source = prepare_data(config)
