@@ -186,7 +186,8 @@ def cost_of(fn: Callable, *args: Any, compiled: Any = None) -> dict[str, float |
     Args:
       fn: a function of arrays (jitted or not), ignored when `compiled` is given.
       *args: arrays or `jax.ShapeDtypeStruct`s.
-      compiled: an already compiled executable (`jax.jit(f).lower(...).compile()`).
+      compiled: an already compiled executable (`jax.jit(f).lower(...).compile()`), or a lowering
+        (`jax.jit(f).lower(...)`: XLA's count before optimisation, no compile).
 
     Returns:
       dict(flops, bytes_accessed, transcendentals): per call, None where the backend does not count

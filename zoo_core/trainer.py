@@ -734,16 +734,12 @@ class _Steps:
 
 def step_flops(steps: _Steps, state, batch) -> float | None:
     """FLOPs of one train step over all devices, from XLA's cost analysis of the step's lowering
-    (the traced step is cached, so this costs no compile); None where the backend counts none."""
-    try:
-        cost = steps.train.lower(state, batch).cost_analysis()
-    except NotImplementedError:
-        return None
-    if isinstance(cost, (list, tuple)):   # older jax: one dict per computation
-        cost = cost[0] if cost else None
-    flops = float((cost or {}).get("flops", 0.0))
+    (`bench.cost_of`; the traced step is cached, so this costs no compile); None where the backend
+    counts none."""
+    from zoo_core import bench
+    flops = bench.cost_of(None, compiled=steps.train.lower(state, batch))["flops"]
     # pmap lowers the per-device computation; a jitted step's lowering is the global one.
-    return flops * (jax.device_count() if steps.pmapped else 1) if flops > 0 else None
+    return None if flops is None else flops * (jax.device_count() if steps.pmapped else 1)
 
 
 def _compile_steps(s: _Setup, mesh, replicated) -> _Steps:
@@ -1012,7 +1008,8 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
     if split is not None:
         config = with_eval_split(config, split)
     # Before the data is built (minutes for some data sets): an empty or mistyped workdir fails at once.
-    ckpt_lib.require_checkpoints(workdir, "best" if which == "best" else "checkpoints")
+    folder = "best" if which == "best" else "checkpoints"
+    ckpt_lib.require_checkpoints(workdir, folder)
     try:
         validate_config(config)
         _, eval_source = prepare_data(config)
@@ -1023,9 +1020,7 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)
     # Restored straight into the global replicated sharding: each process reads its own shards.
-    _, params, step = load_params(workdir, build_model, config,
-                                  which="best" if which == "best" else "checkpoints",
-                                  target_sharding=replicated)
+    _, params, step = load_params(workdir, build_model, config, which=folder, target_sharding=replicated)
     p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
     result = evaluate_params(params, step, p_eval=p_eval, eval_source=eval_source, config=config, model=model,
                              to_device=lambda b: sharding.global_batch(b, mesh), evaluators=evaluators)
