@@ -495,12 +495,17 @@ def check_golden(path) -> dict[str, tuple[float, float]]:
     return result
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (`--check FILE.npz ...`); exits with the usage line on a bad one."""
     parser = argparse.ArgumentParser(prog="python -m agf_jax.convert", description=__doc__.split(
         "\n")[0])
     parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True,
                         help="golden files to run through the converter and the port")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     ok = True
     for path in args.check:
         try:

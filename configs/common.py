@@ -6,9 +6,10 @@ defaults, and their comments, from zoo_core/optim.py); architecture configs over
 One composition style for every config file: `get_config(arg)` parses its `:args` with `parse_arg`,
 starts from `base_config()`, lets the shared helpers of its folder write their part into it
 (`set_*(c, ...)`; e.g. configs/agf/common.py, configs/htgn/common.py), applies `smoke(c)` for `:smoke`,
-and ends with `finish(c, VARIANTS)`, which writes the model's size preset into explicit fields
-(`decode_variant`) and locks the config. Every model and data option is then a field of the config,
-so `--config.model.<field>=...` and `--config.data.options.<option>=...` reach it.
+and ends with `finish(c, VARIANTS, build=Model)`, which writes the model's size preset into explicit
+fields (`decode_variant`), then every other constructor field of the model (`model_fields`), and
+locks the config. Every model and data option is then a field of the config, so
+`--config.model.<field>=...` and `--config.data.options.<option>=...` reach it.
 
 Resuming: a workdir with checkpoints resumes only under the config stored in its config.json. Fields
 marked "(safe on resume)" below may change between a run and its resumption (they decide what is
@@ -20,9 +21,12 @@ config.json. The list is zoo_core.trainer.SAFE_ON_RESUME.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, Iterable, Mapping
+import typing
+from typing import Any, Callable, Iterable, Mapping
 
+import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
@@ -143,8 +147,6 @@ DATA_OPTIONS = {
 
 def data_option_defaults(name: str) -> dict[str, Any]:
     """{option: default} of dataset `name` (the fields of its BuilderConfig beyond TFDS's own)."""
-    import dataclasses
-
     import tensorflow_datasets as tfds
     if name not in DATA_OPTIONS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(sorted(DATA_OPTIONS))}")
@@ -200,11 +202,60 @@ def decode_variant(model: ml_collections.ConfigDict, variants: Mapping[str, Mapp
     return model
 
 
-def finish(c: ml_collections.ConfigDict, variants: Mapping[str, Mapping[str, Any]] | None = None,
-           **decode_kwargs) -> ml_collections.ConfigDict:
-    """The last step of every get_config: explicit model and data fields, then lock."""
+def _placeholder_type(hint: Any) -> type:
+    """The type a placeholder of annotation `hint` holds (Optional[int] -> int; Any -> object)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    return hint if hint in (bool, int, float, str) else object
+
+
+def model_fields(model: ml_collections.ConfigDict, build: Callable[..., Any]) -> ml_collections.ConfigDict:
+    """Writes every constructor field of the model `build(**model)` makes that `model` lacks.
+
+    A field is written with the value the model takes anyway (its default, or the kind's, e.g. the
+    softmax baseline's use_graph_conv=False), so the model built afterwards is the same. A field
+    the factory would refuse when given (a part that is switched off, e.g. AGF's filter fields with
+    attention='softmax') and one the model derives (None by default) become typed placeholders:
+    None, read by the factories as unset, until `--config.model.<field>=...` sets them. Dtypes are
+    written by name ('float32').
+    """
+    given = model.to_dict()
+    module = build(**given)
+    hints = typing.get_type_hints(type(module))
+    for field in dataclasses.fields(module):
+        if field.name in ("parent", "name") or field.name in model:
+            continue
+        value = getattr(module, field.name)
+        if field.name in ("dtype", "param_dtype"):
+            value = None if value is None else jnp.dtype(value).name
+            hint = str
+        else:
+            hint = _placeholder_type(hints[field.name])
+        if value is not None:
+            try:
+                build(**given, **{field.name: value})
+            except ValueError:   # refused when given: it belongs to a part that is switched off
+                value = None
+        model[field.name] = value if value is not None else config_dict.placeholder(hint)
+    return model
+
+
+def finish(c: ml_collections.ConfigDict, variants: Mapping[str, Mapping[str, Any]] | None = None, *,
+           build: Callable[..., Any] | None = None, **decode_kwargs) -> ml_collections.ConfigDict:
+    """The last step of every get_config: explicit model and data fields, then lock.
+
+    Args:
+      c: the config.
+      variants: the architecture's VARIANTS table (c.model.variant is decoded with it).
+      build: the architecture's `Model` factory; every other field of the model it builds is then
+        written too (`model_fields`), so that each is a config field.
+      **decode_kwargs: for `decode_variant`.
+    """
     if variants is not None:
         decode_variant(c.model, variants, **decode_kwargs)
+    if build is not None:
+        model_fields(c.model, build)
     if c.data.name:
         data_options(c)
     c.lock()

@@ -149,7 +149,8 @@ def smoke_check(name: str, output_dir: str | os.PathLike):
     return nb
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of this script (exits with the usage line on a bad one)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help=f"notebooks to run (default: all of {', '.join(NOTEBOOKS)})")
     parser.add_argument("--smoke", action="store_true", help="smoke size (ZOO_NOTEBOOK_SMOKE=1); "
@@ -162,6 +163,11 @@ def main(argv=None) -> int:
     unknown = [n for n in args.names if n.removesuffix(".ipynb") not in NOTEBOOKS]
     if unknown:
         parser.error(f"unknown notebook(s) {unknown}; expected some of {list(NOTEBOOKS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     names = [n.removesuffix(".ipynb") for n in args.names] or list(NOTEBOOKS)
     output_dir = args.output_dir or (tempfile.mkdtemp(prefix="notebooks_smoke_") if args.smoke else None)
     for name in names:

@@ -312,11 +312,16 @@ def check_golden(path, *, jit: bool = True) -> list[CheckResult]:
     return results
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (`--check FILE.npz ...`); exits with the usage line on a bad one."""
     parser = argparse.ArgumentParser(prog="python -m samovar_jax.convert", description=__doc__.split("\n")[0])
     parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True,
                         help="golden files (tests/testdata/samovar/*.npz) to convert and compare")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     failed = False
     for path in args.check:
         try:

@@ -58,7 +58,8 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
       kind: 'samovar' | 'lintrans' | 'fixedvar' (`Forecaster`) or 'dlinear' (`baselines.DLinear`).
       variant: a key of `VARIANTS` (width, num_heads, num_layers, mlp_ratio, dropout) for the SAMoVAR
         kinds; explicit kwargs override it; None = `Forecaster`'s defaults (the 'paper' sizes).
-      **kwargs: fields of the selected class (see its docstring).
+      **kwargs: fields of the selected class (see its docstring); None leaves a field unset and
+        dtypes may be named (`zoo_core.checks.model_fields`).
 
     Returns:
       An unbound Linen module: `apply(variables, batch, train=...)` -> ({'forecast'}, aux).
@@ -66,6 +67,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
     Raises:
       ValueError: unknown kind, variant or kwarg, or an invalid value (named), before any tracing.
     """
+    kwargs = checks.model_fields(kwargs)
     checks.check_choice("kind", kind, KINDS)
     cls = baselines.DLinear if kind == "dlinear" else Forecaster
     if variant is not None:

@@ -20,6 +20,7 @@ import importlib
 import pathlib
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
@@ -97,7 +98,7 @@ def _entry(module: str):
     package = module.split(".")[0]
     if package == "zoo_core":
         from zoo_core import models
-        return models.MLPClassifier, None
+        return models.Model, None
     if package == "agf_jax":
         from agf_jax import model
         return model.Model, None
@@ -217,3 +218,81 @@ def test_the_smoke_command_of_each_config_trains(command, tmp_path, capfd, monke
     _assert_ran(status, err, command)
     if status == 0:
         assert (tmp_path / "run" / "checkpoints").is_dir(), err[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# README.md's other commands parse as printed, with their globs and braces expanded as a shell
+# would: the converters' golden checks (every golden they name is run by the packages'
+# reference_test.py, file by file), the benchmark and notebook scripts (they run for minutes to
+# hours, or need the official sources: benchmarks_test and notebooks_test run them at --tiny / smoke
+# size); a `pytest PATH ...` line must select tests. The bare `pytest -n 2` is CI's own command.
+# ---------------------------------------------------------------------------------------------
+
+def _braces(command: str) -> list[str]:
+    """Shell brace expansion of `{a,b,c}` groups (recursively)."""
+    group = re.search(r"\{([^{}]*,[^{}]*)\}", command)
+    if group is None:
+        return [command]
+    return [v for option in group.group(1).split(",")
+            for v in _braces(command[:group.start()] + option + command[group.end():])]
+
+
+def _readme_other_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    lines = [line.split(" #")[0].split("&&")[-1] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`((?:python|pytest) [^`]*)`", text)
+    out = []
+    for line in (" ".join(line.split()) for line in lines):
+        if not line.startswith(("python ", "pytest ")) or ".train" in line or "<" in line:
+            continue
+        if line.startswith("pytest") and not any(t.startswith("tests/") for t in line.split()):
+            continue   # the whole suite: CI's own command
+        out += [c for c in _braces(line) if c not in out]
+    return out
+
+
+README_OTHER_COMMANDS = _readme_other_commands()
+
+
+def _script_module(tokens: list[str]) -> tuple[str, list[str]]:
+    """(importable module name, argv) of `python -m M ...` or `python path/to/file.py ...`."""
+    if tokens[1] == "-m":
+        return tokens[2], tokens[3:]
+    assert tokens[1].endswith(".py") and (ROOT / tokens[1]).is_file(), tokens
+    return tokens[1][:-len(".py")].replace("/", "."), tokens[2:]
+
+
+def _globbed(argv: list[str]) -> list[str]:
+    out = []
+    for token in argv:
+        if "*" in token:
+            matches = sorted(str(p) for p in ROOT.glob(token))
+            assert matches, f"{token} matches no file"
+            out += matches
+        else:
+            out.append(token)
+    return out
+
+
+def test_the_readme_prints_other_commands():
+    programs = {c.split()[0] + " " + c.split()[1 + (c.split()[1] == "-m")] for c in README_OTHER_COMMANDS}
+    assert {"python agf_jax.convert", "python samovar_jax.convert", "python benchmarks.peers",
+            "python notebooks/run_notebooks.py", "python benchmarks/agf_scaling.py"} <= programs, programs
+
+
+@pytest.mark.parametrize("command", README_OTHER_COMMANDS, ids=[f"readme-other-{i}" for i in range(len(README_OTHER_COMMANDS))])
+def test_a_readme_command_works_as_printed(command, monkeypatch):
+    tokens = shlex.split(command)
+    monkeypatch.chdir(ROOT)
+    if tokens[0] == "pytest":
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               *tokens[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and re.search(r"\b[1-9]\d* (tests? )?(selected|collected)|^\d+/\d+ tests",
+                                                  proc.stdout, re.M), proc.stdout[-2000:] + proc.stderr[-2000:]
+        return
+    name, argv = _script_module(tokens)
+    args = importlib.import_module(name).parse_args(_globbed(argv))
+    if name.endswith(".convert"):
+        package = name.split("_")[0]
+        assert sorted(args.check) == sorted(map(str, (ROOT / "tests/testdata" / package).glob("*.npz"))), command

@@ -10,7 +10,7 @@ from zoo_core import optim, tasks, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILDERS = {
-    "core": ("zoo_core.models", "MLPClassifier"),
+    "core": ("zoo_core.models", "Model"),
     "agf": ("agf_jax.model", "Model"),
     "samovar": ("samovar_jax.model", "Model"),
     "htgn": ("htgn_jax.model", "Model"),
@@ -51,6 +51,68 @@ def test_config_loads_and_builds(path):
         assert "decode" in config and "test_split" in config
 
 
+# Config arguments that change which model fields apply, per config folder (each also without them).
+FIELD_ARGS = {
+    "core": [],
+    "agf": ["attention=softmax"],
+    "htgn": ["attention=softmax", "ablation=no_graph", "ablation=no_hrpe", "ablation=kl_distance"],
+    "samovar": ["kind=lintrans", "kind=fixedvar", "kind=dlinear"],
+}
+
+
+def _field_cases():
+    for path in CONFIG_FILES:
+        module = importlib.import_module(f"configs.{path.parent.name}.{path.stem}")
+        for arg in ["smoke", *FIELD_ARGS[path.parent.name]]:
+            try:
+                module.get_config(arg)
+            except ValueError:   # not an argument of this config (e.g. kind=dlinear on synthetic_var)
+                continue
+            yield pytest.param(module, arg, id=f"{path.parent.name}/{path.stem}:{arg}")
+
+
+@pytest.mark.parametrize("module, arg", list(_field_cases()))
+def test_every_model_field_is_written_and_builds_the_same_model(module, arg, monkeypatch):
+    """`finish` writes every constructor field (`--config.model.<any field>=...` reaches it), and the
+    model built from the written config is the one built before the fields were written out."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    c = module.get_config(arg)
+    build = getattr(importlib.import_module(BUILDERS[module.__name__.split(".")[1]][0]), "Model")
+    after = build(**c.model.to_dict())
+    fields = [f.name for f in dataclasses.fields(after) if f.name not in ("parent", "name")]
+    assert set(fields) <= set(c.model), sorted(set(fields) - set(c.model))
+    monkeypatch.setattr(common, "model_fields", lambda model, build: model)
+    before = build(**module.get_config(arg).model.to_dict())
+    norm = lambda name, v: jnp.dtype(v) if name.endswith("dtype") and v is not None else v   # noqa: E731
+    assert type(before) is type(after)
+    assert {n: norm(n, getattr(before, n)) for n in fields} == {n: norm(n, getattr(after, n)) for n in fields}
+
+
+def test_unset_model_fields_are_typed_placeholders_a_flag_can_set():
+    from agf_jax import model as agf_model
+    from configs.agf import uea
+    c = uea.get_config("dataset=JapaneseVowels,attention=softmax")
+    assert c.model.basis is None and c.model.param_dtype == "float32" and c.model.dtype is None
+    with c.unlocked():
+        c.model.dtype = "bfloat16"
+    assert agf_model.Model(**c.model.to_dict()).dtype == jnp_dtype("bfloat16")
+    with pytest.raises(ValueError, match="apply only to attention='agf'"):
+        with c.unlocked():
+            c.model.basis = "chebyshev"
+        agf_model.Model(**c.model.to_dict())
+    with pytest.raises(TypeError):   # a placeholder keeps its type: order is an int
+        c.model.order = "five"
+    with pytest.raises(ValueError, match="`dtype` must be one of"):
+        agf_model.Model(**{**uea.get_config("dataset=JapaneseVowels").model.to_dict(), "dtype": "float8"})
+
+
+def jnp_dtype(name):
+    import jax.numpy as jnp
+    return jnp.dtype(name)
+
+
 @pytest.mark.parametrize("arg", ["smoke", "smoke,attention=softmax", "attention=softmax", None])
 def test_every_size_is_a_config_field_the_model_reads(arg):
     """`--config.model.num_layers=3` (the README's example) reaches the model of every AGF config."""
@@ -86,7 +148,7 @@ def test_the_uea_table_keeps_the_reference_settings():
     c = uea.get_config("dataset=PEMS-SF")
     assert c.total_steps == 400 * 17 and c.optim.name == "radam"
     c = uea.get_config("dataset=Heartbeat,attention=softmax")
-    assert "basis" not in c.model and c.model.attention_dropout == 0.1
+    assert c.model.basis is None and c.model.attention_dropout == 0.1   # unset: the filter is off
     assert uea.get_config("dataset=Heartbeat,smoke").data.options.dataset == "JapaneseVowels"
     with pytest.raises(ValueError, match="choose one of"):
         uea.get_config("dataset=Nope")

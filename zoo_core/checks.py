@@ -16,6 +16,26 @@ def fail(msg: str) -> None:
     raise ValueError(msg)
 
 
+# Compute / parameter dtypes a config may name (`--config.model.dtype=bfloat16`).
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+def model_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`config.model` as constructor kwargs, for the `Model(**config.model)` factories.
+
+    A None value marks a field the config leaves unset (an ml_collections placeholder): it is dropped,
+    so the class default or the value the model derives applies exactly as if it were not passed.
+    `dtype` and `param_dtype` may be given by name ('bfloat16'); they become numpy dtypes.
+    """
+    out = {k: v for k, v in kwargs.items() if v is not None}
+    for key in ("dtype", "param_dtype"):
+        if isinstance(out.get(key), str):
+            check_choice(key, out[key], DTYPE_NAMES)
+            import jax.numpy as jnp   # only here: the rest of this module is numpy-only
+            out[key] = jnp.dtype(out[key])
+    return out
+
+
 def check_int(name: str, value: Any, minimum: int = 0) -> None:
     """`value` is an integer (not a bool) >= `minimum`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:

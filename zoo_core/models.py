@@ -1,10 +1,13 @@
 """A reference model for the trainer's own tests and self-test entry (`python -m zoo_core.train`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from zoo_core import checks
 
 
 class MLPClassifier(nn.Module):
@@ -40,3 +43,13 @@ class MLPClassifier(nn.Module):
         logits = self.dense_out(nn.gelu(self.dense_in(x)))
         penalty = self.l2 * jnp.sum(self.dense_out.variables["params"]["kernel"] ** 2)
         return {"logits": logits}, {"loss/l2": penalty}
+
+
+def Model(**kwargs) -> nn.Module:  # noqa: N802
+    """`MLPClassifier(**config.model)`; None leaves a field unset and dtypes may be named
+    (`checks.model_fields`). Raises ValueError naming an unknown field."""
+    fields = {f.name for f in dataclasses.fields(MLPClassifier)} - {"parent", "name"}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        checks.fail(f"unknown Model kwargs: {unknown}; allowed: {sorted(fields)}")
+    return MLPClassifier(**checks.model_fields(kwargs))

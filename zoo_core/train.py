@@ -3,4 +3,4 @@ from zoo_core import allocator, main, models
 
 if __name__ == "__main__":
     allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator
-    main.run(models.MLPClassifier)
+    main.run(models.Model)

@@ -114,7 +114,7 @@ def finish(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     (d_model // num_heads, as the reference) unless given, so that overriding d_model or num_heads
     alone stays consistent."""
     derived = ("head_dim",) if c.model.kind == "uea_classifier" else ()
-    return common.finish(c, agf_model.VARIANTS, derived=derived)
+    return common.finish(c, agf_model.VARIANTS, build=agf_model.Model, derived=derived)
 
 
 def uea_args(arg, **defaults) -> ml_collections.ConfigDict:

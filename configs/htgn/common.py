@@ -89,4 +89,4 @@ def finish(c):
     if m.get("feature_map", "softmax") != "softmax":
         off.add("num_features")
     allowed = [k for k in htgn_model.model_kwargs(m.kind) if k not in off]
-    return common.finish(c, htgn_model.VARIANTS, allowed=allowed)
+    return common.finish(c, htgn_model.VARIANTS, build=htgn_model.Model, allowed=allowed)

@@ -132,7 +132,7 @@ def set_forecast(c, *, kind: str, source: str, channels: int, horizon: int, inpu
 
 def finish(c):
     """`common.finish` with SAMoVAR's size presets (DLinear has none)."""
-    return common.finish(c, samovar_model.VARIANTS)
+    return common.finish(c, samovar_model.VARIANTS, build=samovar_model.Model)
 
 
 def get_config(arg=None):

@@ -91,4 +91,4 @@ def get_config(arg=None):
         c.data.options.num_validation = 16
         c.schedule.warmup_steps = 1
         c.model.variant = "tiny"
-    return common.finish(c, samovar_model.VARIANTS)
+    return common.finish(c, samovar_model.VARIANTS, build=samovar_model.Model)

@@ -32,7 +32,7 @@ def _snapshot(path) -> list[str]:
     return sorted(out)
 
 
-def cli(argv, capfd, build_model=models.MLPClassifier):
+def cli(argv, capfd, build_model=models.Model):
     """Runs `python -m zoo_core.train <argv>` in this process (with another architecture's `Model`:
     its train command); returns (exit status, stdout, stderr)."""
     for name in [n for n in flags.FLAGS if n.startswith("config.")]:

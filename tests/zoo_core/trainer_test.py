@@ -83,7 +83,7 @@ def test_seq2seq_task_weights_tokens_not_sentences():
 
 
 def _setup(c, batch):
-    model = models.MLPClassifier(**c.model)
+    model = models.Model(**c.model)
     tx, schedule = optim.make_optimizer(c)
     init = functools.partial(trainer.init_state, model=model, tx=tx)
     state = init(jax.random.PRNGKey(0), jax.tree_util.tree_map(lambda x: x[:1], batch))
@@ -167,7 +167,7 @@ def test_train_step_does_not_retrace(data_dir):
 def test_train_and_evaluate_learns_and_writes_artifacts(data_dir, tmp_path):
     c = _config(data_dir, total_steps=60, batch_size=16, eval_batch_size=16, eval_max_examples=0,
                 log_every_steps=20, eval_every_steps=30, checkpoint_every_steps=20, **{"optim.learning_rate": 1e-2})
-    result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    result = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert result["eval/accuracy"] > 0.8
     records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
     losses = [r["train/total_loss"] for r in records if "train/total_loss" in r]
@@ -181,13 +181,13 @@ def test_train_and_evaluate_learns_and_writes_artifacts(data_dir, tmp_path):
     assert json.load(open(tmp_path / "config.json"))["total_steps"] == 60
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
     # Running again finds the final checkpoint and trains no further.
-    again = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    again = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert again == {}
 
 
 def test_pmap_mode_trains(data_dir, tmp_path):
     c = _config(data_dir, **{"parallel.mode": "pmap"})
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert os.listdir(tmp_path / "checkpoints") == ["2"]
 
 
@@ -234,7 +234,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
     c = _config(data_dir, **{field: value})
     with pytest.raises(trainer.ConfigError, match=message):
-        trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+        trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert not os.path.exists(tmp_path / "checkpoints" / "2")
 
 
@@ -295,30 +295,30 @@ def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_pa
     c = _config(data_dir, total_steps=20, log_every_steps=2, eval_every_steps=2, checkpoint_every_steps=0,
                 **{"optim.learning_rate": 1e-30, "checkpoint.best_metric": "eval/loss",
                    "checkpoint.best_mode": "min", "checkpoint.patience": 2})
-    result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    result = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert result and sorted(os.listdir(tmp_path / "best")) == ["2"]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records if "eval/loss" in r] == [2, 4, 6]
-    assert trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier) == {}
+    assert trainer.train_and_evaluate(c, str(tmp_path), models.Model) == {}
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     c.checkpoint.patience = 3                      # more patience: the run goes on from step 6
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]
     # Checkpoints gone, best/ left: the old best's step (2) is no reason to stop before training.
     shutil.rmtree(tmp_path / "checkpoints")
     c.checkpoint.patience = 2
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     # Another best metric on resume: the stored best cannot be compared, so the run trains on; the
     # first eval after resuming (step 8) is the new best and two more without one stop it at 12.
     c.checkpoint.best_metric, c.checkpoint.best_mode = "eval/accuracy", "max"
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6"]
     assert sorted(os.listdir(tmp_path / "best")) == ["8"]
     c.checkpoint.best_metric = ""
     with pytest.raises(trainer.ConfigError, match="checkpoint.patience stops on evaluations without"):
-        trainer.train_and_evaluate(c, str(tmp_path / "other"), models.MLPClassifier)
+        trainer.train_and_evaluate(c, str(tmp_path / "other"), models.Model)
 
 
 _LOAD_ON_ONE_DEVICE = """
@@ -326,7 +326,7 @@ import sys, jax, numpy as np
 from configs.core import synthetic
 from zoo_core import models, trainer
 c = synthetic.get_config("smoke")
-_, params, step = trainer.load_params(sys.argv[1], models.MLPClassifier, c)
+_, params, step = trainer.load_params(sys.argv[1], models.Model, c)
 assert jax.device_count() == 1 and step == 2
 np.savez(sys.argv[2], **{"/".join(map(str, k)): np.asarray(v) for k, v in
                          jax.tree_util.tree_flatten_with_path(params)[0]})
@@ -336,8 +336,8 @@ np.savez(sys.argv[2], **{"/".join(map(str, k)): np.asarray(v) for k, v in
 def test_load_params_reads_a_checkpoint_of_another_topology(data_dir, tmp_path):
     """Saved replicated over 2 devices here, read back in a 1-device process (a notebook)."""
     c = _config(data_dir)
-    trainer.train_and_evaluate(c, str(tmp_path / "run"), models.MLPClassifier)
-    _, params, step = trainer.load_params(str(tmp_path / "run"), models.MLPClassifier, c)
+    trainer.train_and_evaluate(c, str(tmp_path / "run"), models.Model)
+    _, params, step = trainer.load_params(str(tmp_path / "run"), models.Model, c)
     root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root), XLA_FLAGS="")
     subprocess.run([sys.executable, "-c", _LOAD_ON_ONE_DEVICE, str(tmp_path / "run"),
@@ -358,23 +358,23 @@ def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
 def test_evaluate_checkpoint_scores_the_best_checkpoint_on_another_split(data_dir, tmp_path):
     c = _config(data_dir, total_steps=40, batch_size=16, eval_batch_size=16, eval_max_examples=0,
                 log_every_steps=20, eval_every_steps=20, checkpoint_every_steps=20, **{"optim.learning_rate": 1e-2})
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     evals = [r for r in metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/accuracy" in r]
     best = max(evals, key=lambda r: r["eval/accuracy"])
     # The same split again reproduces the logged eval of the best step exactly.
-    again = trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="best")
+    again = trainer.evaluate_checkpoint(c, str(tmp_path), models.Model, which="best")
     assert again["step"] == best["step"]
     np.testing.assert_allclose(again["eval/accuracy"], best["eval/accuracy"], rtol=1e-6)
     np.testing.assert_allclose(again["eval/loss"], best["eval/loss"], rtol=1e-5)
     assert json.load(open(tmp_path / f"eval_best_{c.data.eval_split}.json"))["step"] == best["step"]
     other = "train" if c.data.eval_split != "train" else "validation"
-    latest = trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="latest", split=other)
+    latest = trainer.evaluate_checkpoint(c, str(tmp_path), models.Model, which="latest", split=other)
     assert latest["step"] == 40 and 0.0 <= latest["eval/accuracy"] <= 1.0
     assert os.path.exists(tmp_path / f"eval_latest_{other}.json")
     with pytest.raises(trainer.ConfigError, match="which"):
-        trainer.evaluate_checkpoint(c, str(tmp_path), models.MLPClassifier, which="newest")
+        trainer.evaluate_checkpoint(c, str(tmp_path), models.Model, which="newest")
     with pytest.raises(FileNotFoundError):
-        trainer.evaluate_checkpoint(c, str(tmp_path / "empty"), models.MLPClassifier)
+        trainer.evaluate_checkpoint(c, str(tmp_path / "empty"), models.Model)
 
 
 def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_path):
@@ -383,10 +383,10 @@ def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_pat
                 **{"schedule.name": "one_cycle", "schedule.anneal": "linear", "schedule.pct_start": 0.25,
                    "schedule.cycle_momentum": True})
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    trainer.train_and_evaluate(c, str(full), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(full), models.Model)
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "40")
-    trainer.train_and_evaluate(c, str(resumed), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(resumed), models.Model)
     assert (resumed / "checkpoints" / "40").exists()    # trained steps 21..40 again after the restore
     logged = [r["step"] for r in metrics_lib.read_jsonl(str(resumed / "metrics.jsonl")) if "train/loss" in r]
     assert logged == sorted(set(logged)) and logged[-1] == 40   # steps 21..40 once, not twice
@@ -458,30 +458,30 @@ def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_pat
     """A config change that reshapes the state must not count as damage (which would move the run's
     checkpoints aside and restart it from step 0)."""
     c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     before = json.load(open(tmp_path / "config.json"))
     shutil.rmtree(tmp_path / "best")   # an empty best/ (no eval yet): a refused run must not make it again
     listing = sorted(os.listdir(tmp_path))
     wider = _config(data_dir, total_steps=4, eval_every_steps=0, checkpoint_every_steps=2,
                     **{"model.hidden": c.model.hidden * 2})
     with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64"):
-        trainer.train_and_evaluate(wider, str(tmp_path), models.MLPClassifier)
+        trainer.train_and_evaluate(wider, str(tmp_path), models.Model)
     # Allowed, the change still cannot restore the checkpoint: refused, and no empty best/ is left.
     with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
-        trainer.train_and_evaluate(wider, str(tmp_path), models.MLPClassifier, allow_config_change=True)
+        trainer.train_and_evaluate(wider, str(tmp_path), models.Model, allow_config_change=True)
     assert os.listdir(tmp_path / "checkpoints") == ["2"] and not (tmp_path / "damaged").exists()
     assert sorted(os.listdir(tmp_path)) == listing
     assert json.load(open(tmp_path / "config.json")) == before
     # The same config still resumes from it.
     c.total_steps = 4
-    trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
 
 
 def test_a_split_slice_is_a_valid_eval_split(data_dir, tmp_path):
     c = _config(data_dir, eval_max_examples=0)
     c.data.eval_split = f"{c.data.eval_split}[:50%]"
-    result = trainer.train_and_evaluate(c, str(tmp_path), models.MLPClassifier)
+    result = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     assert 0.0 <= result["eval/accuracy"] <= 1.0
 
 
