@@ -3,11 +3,25 @@
 They must be set before jax is imported anywhere, which is why they live in the root conftest.
 """
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent compilation cache in tests (nor in the commands they run): nothing is written to the
-# user's ~/.cache, and every test compiles what it checks.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+# One persistent compilation cache for the whole run, in a fresh temporary folder that the run
+# removes at its end (never the user's ~/.cache): the xdist workers and the commands the tests start
+# inherit it, so a program that several tests or parametrisations compile (the same HLO) is compiled
+# once. Compiling is most of the suite's time; a hit is the executable of exactly that program.
+# The controller creates it; its workers find it in the environment they inherit. Two workers may
+# write one entry at once; an entry read half-written fails its decompression, which jax reports as a
+# warning and answers by compiling.
+if not os.environ.get("ZOO_TEST_XLA_CACHE"):
+    os.environ["ZOO_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="zoo_test_xla_")
+    _OWN_CACHE = True
+else:
+    _OWN_CACHE = False
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["ZOO_TEST_XLA_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=2").strip()
@@ -27,3 +41,9 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", old)
+
+
+def pytest_unconfigure(config):
+    """The run's compilation cache goes with the run (the process that made it removes it)."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["ZOO_TEST_XLA_CACHE"], ignore_errors=True)
