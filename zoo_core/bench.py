@@ -506,6 +506,9 @@ class Result:
       ref_gflops: reference matmul GFLOP/s measured just before this record.
       frac_peak: gflops / ref_gflops (fraction of the machine's measured peak).
       time_over_ref: median_s / time of one reference matmul (machine-independent-ish time).
+      bound_s, frac_roofline: the roofline's time bound max(flops / ref_gflops, bytes / bandwidth)
+        and bound_s / median_s (1.0 = at the roofline); set by `run_and_report`, which measures the
+        streaming bandwidth once in the same process (`roofline`).
       rss_base_bytes: process RSS before the timed calls (inputs already allocated).
       peak_rss_bytes: process RSS high-water mark during the calls (per record where
         `peak_rss_per_record`, else since process start).
@@ -531,6 +534,8 @@ class Result:
     ref_gflops: float | None = None
     frac_peak: float | None = None
     time_over_ref: float | None = None
+    bound_s: float | None = None
+    frac_roofline: float | None = None
     rss_base_bytes: int | None = None
     peak_rss_bytes: int | None = None
     peak_rss_per_record: bool = False
@@ -784,19 +789,20 @@ def _json_default(obj: Any) -> Any:
 
 
 def format_table(records: Iterable[Result | dict], header: bool = True) -> str:
-    """Fixed-width table: case, n, status, median, GFLOP/s, fraction of peak, memory, reason."""
+    """Fixed-width table: case, n, status, median, GFLOP/s, fraction of peak, GB/s, fraction of the
+    roofline bound, memory, reason."""
     def num(v, width, spec):
         return ("-" if v is None else format(v, spec)).rjust(width)
 
     lines = []
     if header:
         lines.append(f"{'case':<20} {'n':>7} {'status':>7} {'median_s':>10} {'GFLOP/s':>8} "
-                     f"{'frac_pk':>7} {'GB/s':>7} {'est_mem':>11} {'peak_rss':>11}  reason")
+                     f"{'frac_pk':>7} {'GB/s':>7} {'f_roof':>6} {'est_mem':>11} {'peak_rss':>11}  reason")
     for r in _as_dicts(records):
         lines.append(f"{r['case']:<20} {r['n']:>7} {r['status']:>7} "
                      f"{num(r['median_s'], 10, '.4g')} {num(r['gflops'], 8, '.1f')} "
                      f"{num(r['frac_peak'], 7, '.2f')} {num(r.get('gbps'), 7, '.1f')} "
-                     f"{_fmt_bytes(r['est_bytes']):>11} "
+                     f"{num(r.get('frac_roofline'), 6, '.2f')} {_fmt_bytes(r['est_bytes']):>11} "
                      f"{_fmt_bytes(r['peak_rss_bytes']):>11}  {r['reason'] or ''}")
     return "\n".join(lines)
 
@@ -919,14 +925,26 @@ def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
 def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, meta: dict[str, Any],
                    title: str) -> list[Result]:
     """`run_scaling` with the parsed flags, then `<out_dir>/<name>.json` (meta + max_bytes), the plot
-    `<name>.png` and the table on stdout."""
+    `<name>.png` and the table on stdout.
+
+    The streaming bandwidth is measured once, before the sweep, in this process (`meta['peak_gbps']`);
+    with each record's reference matmul it gives the record's roofline bound (`bound_s`,
+    `frac_roofline`).
+    """
     budget = getattr(args, "budget_s", None)
     deadline = time.monotonic() + budget if budget else None
+    cpu = jax.default_backend() == "cpu"
+    peak_gbps = reference_bandwidth(256 * 2**20 if cpu else 2 * 2**30)
     records = run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
                           max_bytes=args.max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n, log=print,
                           deadline=deadline)
+    for r in records:
+        if r.status == OK:
+            line = roofline(dict(flops=r.flops, bytes_accessed=r.bytes_accessed), r.median_s,
+                            dict(peak_gflops=r.ref_gflops, peak_gbps=peak_gbps))
+            r.bound_s, r.frac_roofline = line["bound_s"], line["frac_bound"]
     out = pathlib.Path(args.out_dir)
-    write_json(out / f"{name}.json", records, dict(meta, max_bytes=args.max_bytes))
+    write_json(out / f"{name}.json", records, dict(meta, max_bytes=args.max_bytes, peak_gbps=peak_gbps))
     plot(records, out / f"{name}.png", max_bytes=args.max_bytes, title=title)
     print(format_table(records))
     print(f"wrote {out}/{name}.{{json,png}}")

@@ -121,7 +121,9 @@ def test_softmax_attention_script_runs(tmp_path):
     records = module.main(["--lengths", "16,32", "--heads", "2", "--head_dim", "4", "--repeats",
                            "1", "--ref_n", "64", "--out_dir", str(tmp_path)])
     assert [r.status for r in records] == ["ok", "ok"]
-    assert (tmp_path / "softmax_attention.json").exists()
+    for r in records:   # the roofline bound, from the bandwidth measured once in the same process
+        assert r.bound_s > 0 and r.frac_roofline == pytest.approx(r.bound_s / r.median_s)
+    assert json.loads((tmp_path / "softmax_attention.json").read_text())["meta"]["peak_gbps"] > 0
     assert (tmp_path / "softmax_attention.png").exists()
 
 
