@@ -24,7 +24,7 @@ Run from the repo root:
     python -m benchmarks.htgn_scaling
     python -m benchmarks.htgn_scaling --lengths 1024,2048 --cases favor,gat,softmax --repeats 1
 
-Writes benchmarks/results/htgn_scaling.{json,png} (or --out_dir) and prints a table.
+Writes benchmarks/results/htgn_scaling.{json,png} (or --out_dir, --name) and prints a table.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--globals", type=int, default=4, help="g global nodes of `gat` (base-mt: 4)")
     p.add_argument("--chunk", type=int, default=64, help="C of the chunked causal FAVOR+")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--name", default="htgn_scaling", help="output file stem")
     args = bench.parse_scaling_args(p, CASES, argv)
     for name in ("heads", "head_dim", "features", "chunk"):
         if getattr(args, name) < 1:
@@ -114,7 +115,7 @@ def main(argv=None) -> list[bench.Result]:
                 window=args.window, num_global=args.globals, chunk=args.chunk, dtype=args.dtype)
     title = (f"HTGN kernels vs softmax, fwd+bwd, B=1, H={args.heads}, D={args.head_dim}, "
              f"m={args.features}, w={args.window}, g={args.globals}, {args.dtype}")
-    return bench.run_and_report(args, make_fn, name="htgn_scaling", meta=meta, title=title)
+    return bench.run_and_report(args, make_fn, name=args.name, meta=meta, title=title)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ Run from the repo root:
     python -m benchmarks.samovar_scaling
     python -m benchmarks.samovar_scaling --lengths 1024,2048 --cases var_chunked,softmax --repeats 1
 
-Writes benchmarks/results/samovar_scaling.{json,png} (or --out_dir) and prints a table.
+Writes benchmarks/results/samovar_scaling.{json,png} (or --out_dir, --name) and prints a table.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head_dim", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64, help="chunk length of var_chunked")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--name", default="samovar_scaling", help="output file stem")
     args = bench.parse_scaling_args(p, CASES, argv)
     for name in ("layers", "heads", "head_dim", "chunk"):
         if getattr(args, name) < 1:
@@ -96,7 +97,7 @@ def main(argv=None) -> list[bench.Result]:
                 dtype=args.dtype)
     title = (f"VAR chain vs softmax, fwd+bwd, B=1, L={args.layers}, H={args.heads}, D={args.head_dim}, "
              f"{args.dtype}")
-    return bench.run_and_report(args, make_fn, name="samovar_scaling", meta=meta, title=title)
+    return bench.run_and_report(args, make_fn, name=args.name, meta=meta, title=title)
 
 
 if __name__ == "__main__":

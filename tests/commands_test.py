@@ -278,7 +278,8 @@ def _globbed(argv: list[str]) -> list[str]:
 def test_the_readme_prints_other_commands():
     programs = {c.split()[0] + " " + c.split()[1 + (c.split()[1] == "-m")] for c in README_OTHER_COMMANDS}
     assert {"python agf_jax.convert", "python samovar_jax.convert", "python benchmarks.peers",
-            "python notebooks/run_notebooks.py", "python benchmarks/agf_scaling.py"} <= programs, programs
+            "python notebooks/run_notebooks.py", "python benchmarks.agf_scaling", "python benchmarks.samovar_scaling",
+            "python benchmarks.htgn_scaling"} <= programs, programs
 
 
 @pytest.mark.parametrize("command", README_OTHER_COMMANDS, ids=[f"readme-other-{i}" for i in range(len(README_OTHER_COMMANDS))])

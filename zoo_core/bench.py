@@ -886,7 +886,8 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
 
     Flags: --lengths (comma-separated N), --cases (subset of `cases`, default all or `default_cases`),
     --budget_s (time budget of the sweep, see `run_scaling(deadline=...)`),
-    --repeats, --max_gib (memory guard), --max_run_s, --ref_n (reference matmul), --out_dir.
+    --repeats, --max_gib and --mem_factor (memory guard), --max_run_s, --ref_n (reference matmul),
+    --out_dir.
     Parse with `parse_scaling_args`.
     """
     p = argparse.ArgumentParser(description=description)
@@ -897,6 +898,9 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max_gib", type=float, default=None,
                    help="memory guard in GiB (default: 80%% of available RAM / device memory)")
+    p.add_argument("--mem_factor", type=float, default=None,
+                   help="initial guard factor on XLA's memory estimate (default 2.0 on CPU, 1.0 on "
+                        "accelerators; it rises to the peak-RSS ratio measured in each case)")
     p.add_argument("--max_run_s", type=float, default=max_run_s,
                    help="stop a case once its median time exceeds this")
     p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
@@ -918,6 +922,8 @@ def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
         parser.error(f"unknown --cases {sorted(unknown)}; choose from {list(cases)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.mem_factor is not None and args.mem_factor <= 0:
+        parser.error(f"--mem_factor must be > 0, got {args.mem_factor}")
     args.max_bytes = int(args.max_gib * 2**30) if args.max_gib else default_max_bytes()
     return args
 
@@ -936,8 +942,8 @@ def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, me
     cpu = jax.default_backend() == "cpu"
     peak_gbps = reference_bandwidth(256 * 2**20 if cpu else 2 * 2**30)
     records = run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                          max_bytes=args.max_bytes, max_run_s=args.max_run_s, ref_n=args.ref_n, log=print,
-                          deadline=deadline)
+                          max_bytes=args.max_bytes, mem_factor=getattr(args, "mem_factor", None),
+                          max_run_s=args.max_run_s, ref_n=args.ref_n, log=print, deadline=deadline)
     for r in records:
         if r.status == OK:
             line = roofline(dict(flops=r.flops, bytes_accessed=r.bytes_accessed), r.median_s,

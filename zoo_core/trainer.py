@@ -395,12 +395,13 @@ def resume_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[l
     """(refused, allowed): the dotted keys in which `new` differs from the `stored` config of a run.
 
     Both are JSON-like dicts (`config.to_json_best_effort()`). Allowed are the `SAFE_ON_RESUME` fields
-    and a larger total_steps under a schedule that does not depend on it.
+    and a larger total_steps under a schedule that does not depend on it. A null field (an unset
+    placeholder) equals an absent one: both leave the value to the model or dataset.
     """
     a, b = _flatten(dict(stored)), _flatten(dict(new))
     refused, allowed = [], []
     for key in sorted(set(a) | set(b)):
-        if key in a and key in b and a[key] == b[key]:
+        if a.get(key) == b.get(key):   # equal, or null on one side and absent on the other
             continue
         safe = any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
         if key == "total_steps":

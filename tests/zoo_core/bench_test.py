@@ -119,8 +119,11 @@ def test_softmax_attention_script_runs(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     records = module.main(["--lengths", "16,32", "--heads", "2", "--head_dim", "4", "--repeats",
-                           "1", "--ref_n", "64", "--out_dir", str(tmp_path)])
+                           "1", "--ref_n", "64", "--mem_factor", "1.5", "--out_dir", str(tmp_path)])
     assert [r.status for r in records] == ["ok", "ok"]
+    assert all(r.guard_factor >= 1.5 for r in records)   # the starting factor, raised only by measurement
+    with pytest.raises(SystemExit):
+        module.parse_args(["--mem_factor", "0"])
     for r in records:   # the roofline bound, from the bandwidth measured once in the same process
         assert r.bound_s > 0 and r.frac_roofline == pytest.approx(r.bound_s / r.median_s)
     assert json.loads((tmp_path / "softmax_attention.json").read_text())["meta"]["peak_gbps"] > 0

@@ -256,6 +256,8 @@ def _steps(total, schedule):
     ({"decode": {"beam_size": 4}, "checkpoint": {"best_metric": "eval/a"}},
      {"decode": {"beam_size": 1}, "checkpoint": {"best_metric": "eval/b"}}, []),
     ({"model": {"x": 1}}, {"model": {"x": 1, "y": 2}}, ["model.y"]),
+    ({"model": {"x": 1}}, {"model": {"x": 1, "y": None}}, []),      # an unset placeholder = absent
+    ({"model": {"x": None}}, {"model": {"x": 0}}, ["model.x"]),
 ])
 def test_resume_changes_classifies_the_keys(old, new, refused):
     got, allowed = trainer.resume_changes(old, new)
