@@ -71,13 +71,20 @@ def _config_accepts(command: str) -> bool:
     return True
 
 
-def _readme_commands() -> list[str]:
+def _readme_lines(inline: str) -> list[str]:
+    """README.md's command lines, whitespace-normalised: each line of its ```bash blocks (continuations
+    joined, a trailing `# comment` and anything before the last `&&` dropped), then the inline spans
+    that match the regex `inline`."""
     text = (ROOT / "README.md").read_text()
     lines = [line.split(" #")[0].split("&&")[-1] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
              for line in block.replace("\\\n", " ").splitlines()]
-    lines += re.findall(r"`(python -m [a-z_]+\.train [^`]*)`", text)
+    lines += re.findall(inline, text)
+    return [" ".join(line.split()) for line in lines]
+
+
+def _readme_commands() -> list[str]:
     out = []
-    for line in (" ".join(line.split()) for line in lines):
+    for line in _readme_lines(r"`(python -m [a-z_]+\.train [^`]*)`"):
         if not (line.startswith("python -m ") and ".train " in line):
             continue
         for v in _variants(line):
@@ -238,12 +245,8 @@ def _braces(command: str) -> list[str]:
 
 
 def _readme_other_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    lines = [line.split(" #")[0].split("&&")[-1] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
-             for line in block.replace("\\\n", " ").splitlines()]
-    lines += re.findall(r"`((?:python|pytest) [^`]*)`", text)
     out = []
-    for line in (" ".join(line.split()) for line in lines):
+    for line in _readme_lines(r"`((?:python|pytest) [^`]*)`"):
         if not line.startswith(("python ", "pytest ")) or ".train" in line or "<" in line:
             continue
         if line.startswith("pytest") and not any(t.startswith("tests/") for t in line.split()):
