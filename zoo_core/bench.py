@@ -205,6 +205,11 @@ def cost_of(fn: Callable, *args: Any, compiled: Any = None) -> dict[str, float |
                 transcendentals=get("transcendentals"))
 
 
+def default_bandwidth_bytes() -> int:
+    """The buffer `reference_bandwidth` streams by default here: 256 MiB on CPU, 2 GiB on accelerators."""
+    return 256 * 2**20 if jax.default_backend() == "cpu" else 2 * 2**30
+
+
 def machine_bounds(*, matmul_n: int | None = None, dtype: Any = jnp.float32,
                    bandwidth_bytes: int | None = None, repeats: int = 5) -> dict[str, float]:
     """The compute and memory peaks of this machine measured now, in this process.
@@ -214,9 +219,8 @@ def machine_bounds(*, matmul_n: int | None = None, dtype: Any = jnp.float32,
     CPU, 2 GiB on accelerators). Both are lower bounds of the true peaks, so the fractions that
     `roofline` computes from them are upper bounds.
     """
-    cpu = jax.default_backend() == "cpu"
-    matmul_n = matmul_n or (2048 if cpu else 8192)
-    bandwidth_bytes = bandwidth_bytes or (256 * 2**20 if cpu else 2 * 2**30)
+    matmul_n = matmul_n or (2048 if jax.default_backend() == "cpu" else 8192)
+    bandwidth_bytes = bandwidth_bytes or default_bandwidth_bytes()
     return dict(peak_gflops=reference_matmul(matmul_n, dtype, repeats=repeats),
                 peak_gbps=reference_bandwidth(bandwidth_bytes, repeats=repeats),
                 matmul_n=matmul_n, matmul_dtype=jnp.dtype(dtype).name,
@@ -939,8 +943,7 @@ def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, me
     """
     budget = getattr(args, "budget_s", None)
     deadline = time.monotonic() + budget if budget else None
-    cpu = jax.default_backend() == "cpu"
-    peak_gbps = reference_bandwidth(256 * 2**20 if cpu else 2 * 2**30)
+    peak_gbps = reference_bandwidth(default_bandwidth_bytes())
     records = run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
                           max_bytes=args.max_bytes, mem_factor=getattr(args, "mem_factor", None),
                           max_run_s=args.max_run_s, ref_n=args.ref_n, log=print, deadline=deadline)
