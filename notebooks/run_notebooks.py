@@ -35,13 +35,15 @@ def notebook_path(name: str) -> pathlib.Path:
     return NOTEBOOK_DIR / f"{name}.ipynb"
 
 
-def kernel_env(*, smoke: bool, platform: str = "cpu", tmpdir: str | None = None) -> dict[str, str]:
-    """The kernel's environment: this one, plus the interpreter, the repository, the device and the size."""
+def kernel_env(*, smoke: bool, platform: str = "cpu", tmpdir: str | None = None,
+               xla_flags: str = "") -> dict[str, str]:
+    """The kernel's environment: this one, plus the interpreter, the repository, the device and the size;
+    XLA_FLAGS is `xla_flags` (one device: the tests' conftest asks for two fake ones)."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])   # kernelspec runs `python`
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
-    env["XLA_FLAGS"] = ""                  # one device (the tests' conftest asks for two fake ones)
+    env["XLA_FLAGS"] = xla_flags
     if platform:
         env["JAX_PLATFORMS"] = platform
     else:
@@ -89,11 +91,13 @@ def check(name: str, nb) -> None:
 
 
 def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = None,
-            figures_dir: str | os.PathLike | None = None, platform: str = "cpu", timeout: int = 1800):
+            figures_dir: str | os.PathLike | None = None, platform: str = "cpu", timeout: int = 1800,
+            xla_flags: str = ""):
     """Executes notebooks/<name>.ipynb in a fresh kernel and writes it with its outputs, and its key figures.
 
     output_dir: where the executed notebook goes (None = in place) and the kernel's working directory;
-    figures_dir: where the key figures go (None = docs/figures/ in place, output_dir otherwise).
+    figures_dir: where the key figures go (None = docs/figures/ in place, output_dir otherwise);
+    xla_flags: the kernel's XLA_FLAGS.
     Returns the executed notebook (nbformat node).
     """
     import nbclient
@@ -111,7 +115,7 @@ def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = No
     tmp = tempfile.mkdtemp(prefix=f"nb_{name}_", dir=output_dir)   # the kernel's TMPDIR: workdirs, data
     rc = pathlib.Path(tmp) / "matplotlibrc"
     rc.write_text(f"figure.dpi: {DPI}\n")
-    env = kernel_env(smoke=smoke, platform=platform, tmpdir=tmp)
+    env = kernel_env(smoke=smoke, platform=platform, tmpdir=tmp, xla_flags=xla_flags)
     env["MATPLOTLIBRC"] = str(rc)
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                                      resources={"metadata": {"path": str(target.parent)}})
@@ -134,12 +138,12 @@ def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = No
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def smoke_check(name: str, output_dir: str | os.PathLike):
-    """The tests' check of one notebook: executed at smoke size on a copy in `output_dir`, it must run
-    every cell, draw its figures (`check`), write each key figure there as a PNG and leave the stored
-    notebook untouched. Returns the executed notebook."""
+def smoke_check(name: str, output_dir: str | os.PathLike, *, xla_flags: str = ""):
+    """The tests' check of one notebook: executed at smoke size on a copy in `output_dir` (the kernel's
+    XLA_FLAGS: `xla_flags`), it must run every cell, draw its figures (`check`), write each key figure
+    there as a PNG and leave the stored notebook untouched. Returns the executed notebook."""
     stored = notebook_path(name).read_bytes()
-    nb = execute(name, smoke=True, output_dir=output_dir)   # raises on a failing cell
+    nb = execute(name, smoke=True, output_dir=output_dir, xla_flags=xla_flags)   # raises on a failing cell
     out = pathlib.Path(output_dir)
     figures = key_figures(nb)
     if not figures or any((out / f"{fig}.png").read_bytes()[:8] != PNG_MAGIC for fig in figures):

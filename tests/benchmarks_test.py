@@ -3,19 +3,18 @@
 Timings printed here mean nothing (tiny shapes, a shared CI machine); only the structure is checked.
 """
 import json
-import os
 import pathlib
 import subprocess
 import sys
+
+from tests.environment import command_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _run(args, tmp_path, timeout=600):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # The test conftest forces two host devices; the scripts run as a user runs them.
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+    # One device, as a user runs the scripts; the tests' fast compiles (the timings are not checked).
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=command_env(), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

@@ -22,9 +22,14 @@ else:
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["ZOO_TEST_XLA_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# Fast compiles (tests/environment.py says why and what they cost), here and in the commands the tests start.
+from tests.environment import fast_compile_xla_flags  # noqa: E402
+
 _flags = os.environ.get("XLA_FLAGS", "")
+_flags += "".join(f" {f}" for f in fast_compile_xla_flags().split() if f not in _flags)
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=2").strip()
+    _flags += " --xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 

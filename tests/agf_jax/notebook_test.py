@@ -10,6 +10,7 @@ import pytest
 
 from agf_jax import analysis
 from agf_jax.model import Model
+from tests.environment import fast_compile_xla_flags
 from zoo_core.testing import F32_MODEL
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ B, T = 2, 7
 def test_notebook_runs_and_plots(tmp_path):
     """Smoke size, on a copy in tmp_path: every cell runs, the 4 figures are drawn, the key one is saved."""
     pytest.importorskip("nbclient")
-    run_notebooks.smoke_check("agf_filters", tmp_path)   # raises on a failing cell or a missing figure
+    run_notebooks.smoke_check("agf_filters", tmp_path, xla_flags=fast_compile_xla_flags())   # raises on a failing cell or a missing figure
     assert (tmp_path / "agf_filter.png").is_file()
 
 

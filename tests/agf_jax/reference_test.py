@@ -1,5 +1,4 @@
 """Parity with the goldens recorded from jeongwhanchoi/agf (tests/testdata/agf, README there)."""
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import pytest
 
 from agf_jax import convert
 from agf_jax.layers import AGFAttention
+from tests.environment import command_env
 from zoo_core.testing import TESTDATA, Golden
 
 GOLDENS = sorted((TESTDATA / "agf").glob("*.npz"))
@@ -34,7 +34,7 @@ def test_cli_check_subprocess():
     # One run of the CLI as a user would (cwd = repo root so `-m` finds agf_jax). One file keeps
     # it short; every golden runs through the same code in test_golden.
     files = [TESTDATA / "agf" / "agf_lra_model.npz"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    env = command_env()
     proc = subprocess.run([sys.executable, "-m", "agf_jax.convert", "--check", *map(str, files)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

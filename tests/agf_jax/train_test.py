@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.environment import command_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
 
@@ -19,13 +21,6 @@ CONFIGS = {
     "uea_japanese_vowels": "configs/agf/uea.py:dataset=JapaneseVowels,smoke",
     "lra_listops": "configs/agf/lra_listops.py:smoke",
 }
-
-
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = ""                           # one device, as a user's plain CPU run
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"  # fast compiles; numbers are not checked here
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +31,7 @@ def runs(tmp_path_factory):
         work = tmp_path_factory.mktemp(name)
         cmd = [sys.executable, "-m", "agf_jax.train", "--config", config, "--workdir", str(work),
                f"--config.data.data_dir={data / name}"]
-        procs[name] = (work, subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+        procs[name] = (work, subprocess.Popen(cmd, cwd=ROOT, env=command_env(), stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))
     results = {}
     for name, (work, proc) in procs.items():

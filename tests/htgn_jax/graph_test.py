@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from htgn_jax import CrossGraphCache, WindowState, graph_causal
+from htgn_jax import CrossGraphCache, WindowState
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
 from tests.htgn_jax import oracles as O

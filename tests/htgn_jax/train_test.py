@@ -7,21 +7,16 @@ import sys
 
 import pytest
 
+from tests.environment import command_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
-
-
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = ""                          # one device, as a user's plain CPU run
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"    # compile time dominates a 2-step run
-    return env
 
 
 def _start(config, workdir, data_dir):
     cmd = [sys.executable, "-m", "htgn_jax.train", "--config", f"configs/htgn/{config}.py:smoke",
            "--workdir", str(workdir), f"--config.data.data_dir={data_dir}"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=command_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

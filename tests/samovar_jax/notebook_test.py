@@ -10,6 +10,7 @@ import pytest
 
 from samovar_jax import analysis, ops
 from samovar_jax.model import Model
+from tests.environment import fast_compile_xla_flags
 from zoo_core.testing import F32_SIMPLE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def _init(model):
 def test_notebook_executes_in_smoke_mode_and_draws(tmp_path):
     """Smoke size, on a copy in tmp_path: every cell runs, the 3 figures are drawn, the key one is saved."""
     pytest.importorskip("nbclient")
-    run_notebooks.smoke_check("samovar_var", tmp_path)   # raises on a failing cell or a missing figure
+    run_notebooks.smoke_check("samovar_var", tmp_path, xla_flags=fast_compile_xla_flags())   # raises on a failing cell or a missing figure
     assert (tmp_path / "samovar_var_coefficients.png").is_file()
 
 

@@ -1,6 +1,5 @@
 """Parity with goldens recorded from the reference PyTorch code (tests/testdata/samovar/, README there):
 conversion of the official state_dicts, every output in eval and train mode, and the CLI."""
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 
 from samovar_jax import convert
+from tests.environment import command_env
 from zoo_core.testing import TESTDATA, Golden
 
 GOLDENS = sorted((TESTDATA / "samovar").glob("*.npz"))
@@ -31,8 +31,7 @@ def test_golden_parity(path):
 
 @pytest.mark.reference
 def test_cli_checks_all_goldens():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = command_env()
     proc = subprocess.run([sys.executable, "-m", "samovar_jax.convert", "--check", *map(str, GOLDENS)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,7 +1,6 @@
 """End-to-end runs of `python -m samovar_jax.train` on the smoke configs, the model factory over every
 kind, and the test-split evaluator."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,15 +8,9 @@ import sys
 import pytest
 
 from samovar_jax import baselines, evaluation, model
+from tests.environment import command_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = ""          # one device, as a user's plain CPU run
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"   # fast compiles, as tests/conftest.py does in-process
-    return env
 
 
 def _metrics(workdir):
@@ -38,7 +31,7 @@ def test_smoke_configs_train_checkpoint_and_evaluate(tmp_path):
     for name, config in runs.items():   # both at once: the two cores each take one
         cmd = [sys.executable, "-m", "samovar_jax.train", "--config", config, "--workdir", str(tmp_path / name),
                f"--config.data.data_dir={tmp_path / ('data_' + name)}"]
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=300)

@@ -17,6 +17,7 @@ import time
 import pytest
 from absl import flags
 
+from tests.environment import command_env
 from zoo_core import main, models, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -327,7 +328,7 @@ def test_a_class_count_that_does_not_match_the_data_is_refused_before_compiling(
 
 
 def _run(*args, timeout=120):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = command_env()
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -368,8 +369,7 @@ def test_the_real_entry_point_refuses_a_file_workdir_and_a_binary_csv_source(tmp
 @pytest.mark.entry
 def test_the_compiled_steps_go_to_the_persistent_cache(tmp_path):
     cache = tmp_path / "cache"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = command_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     proc = subprocess.run([sys.executable, "-m", "zoo_core.train", "--config", "configs/core/synthetic.py:smoke",
                            "--workdir", str(tmp_path / "w"), f"--compilation_cache_dir={cache}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

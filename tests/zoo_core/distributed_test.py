@@ -14,6 +14,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.environment import command_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
 STEPS = ("--config.total_steps=20", "--config.checkpoint_every_steps=20", "--config.log_every_steps=10",
@@ -44,7 +46,7 @@ def _final_state(workdir, like=None):
 
 
 def test_two_processes_match_one(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = command_env()
     data = tmp_path / "data"
     subprocess.run(_cmd(tmp_path / "single", data), cwd=ROOT, env=env, check=True, capture_output=True)
     port = _free_port()
@@ -83,7 +85,7 @@ def test_two_processes_match_one(tmp_path):
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     """A preemption notice may reach one host only: every process must save the same step and exit."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = command_env()
     port = _free_port()
     work = tmp_path / "multi"
     cmd = lambda i: [sys.executable, "-m", "zoo_core.train", "--config", "configs/core/synthetic.py",
@@ -125,7 +127,7 @@ def _stop_one_and_check_both(procs, logs, work, tmp_path):
 
 def test_a_data_error_on_process_0_ends_every_process(tmp_path):
     """Process 0 prepares the data while the others wait: its failure must reach them, not hang them."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    env = command_env()
     src = tmp_path / "text"
     src.mkdir()
     (src / "train.tsv").write_text("1\tfine\n7\tbad label\n")   # line 2 fails while preparing

@@ -12,14 +12,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.environment import command_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
-
-
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = ""          # one device, as a user's plain CPU run
-    return env
 
 
 def _cmd(workdir, data_dir, *overrides):
@@ -52,21 +48,21 @@ def _wait_for(path, proc, timeout=120):
 def uninterrupted(tmp_path_factory):
     work = tmp_path_factory.mktemp("full")
     data = tmp_path_factory.mktemp("data")
-    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), check=True, capture_output=True, text=True)
     return work, data
 
 
 def test_sigkill_then_resume_gives_exactly_the_uninterrupted_parameters(uninterrupted, tmp_path):
     full, data = uninterrupted
     work = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _wait_for(work / "checkpoints" / "100", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = sorted(int(s) for s in os.listdir(work / "checkpoints") if s.isdigit())
     assert 300 not in done, "the run finished before it could be killed"
-    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), check=True, capture_output=True, text=True)
+    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), check=True, capture_output=True, text=True)
     p_full, o_full = _params(str(full), 300)
     p_res, o_res = _params(str(work), 300)
     for a, b in zip(jax.tree_util.tree_leaves((p_full, o_full)), jax.tree_util.tree_leaves((p_res, o_res))):
@@ -76,7 +72,7 @@ def test_sigkill_then_resume_gives_exactly_the_uninterrupted_parameters(uninterr
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
     _, data = uninterrupted
     work = tmp_path / "term"
-    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _wait_for(work / "checkpoints" / "50", proc)
     proc.send_signal(signal.SIGTERM)
@@ -96,7 +92,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
 ])
 def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override, expected):
     _, data = uninterrupted
-    proc = subprocess.run(_cmd(tmp_path / "w", data, "--config.total_steps=2", override), cwd=ROOT, env=_env(),
+    proc = subprocess.run(_cmd(tmp_path / "w", data, "--config.total_steps=2", override), cwd=ROOT, env=command_env(),
                           capture_output=True, text=True)
     assert proc.returncode == 2
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
@@ -110,7 +106,7 @@ def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override,
 ])
 def test_a_config_file_that_does_not_load_exits_2_with_one_line(tmp_path, config, expected):
     cmd = [sys.executable, "-m", "zoo_core.train", "--config", config, "--workdir", str(tmp_path / "w")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: bad flag:")
@@ -119,14 +115,14 @@ def test_a_config_file_that_does_not_load_exits_2_with_one_line(tmp_path, config
 def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_path):
     full, data = uninterrupted
     cmd = _cmd(full, data, *LONG, "--eval_only", "--eval_split=test", "--checkpoint=latest")
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["step"] == 300 and 0.0 <= result["eval/accuracy"] <= 1.0
     assert json.load(open(os.path.join(full, "eval_latest_test.json"))) == result
     # Nothing was trained: the newest checkpoint is still step 300.
     assert sorted(int(n) for n in os.listdir(os.path.join(full, "checkpoints")))[-1] == 300
-    missing = subprocess.run(_cmd(tmp_path / "none", data, "--eval_only"), cwd=ROOT, env=_env(),
+    missing = subprocess.run(_cmd(tmp_path / "none", data, "--eval_only"), cwd=ROOT, env=command_env(),
                              capture_output=True, text=True)
     errors = [l for l in missing.stderr.splitlines() if l.startswith("error: ")]
     assert missing.returncode == 2 and len(errors) == 1 and "no checkpoint" in errors[0], missing.stderr[-1500:]

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from configs.core import synthetic
+from tests.environment import command_env
 from zoo_core import metrics as metrics_lib
 from zoo_core import models, optim, sharding, tasks, trainer
 from zoo_core.testing import assert_trees_close
@@ -339,7 +340,7 @@ def test_load_params_reads_a_checkpoint_of_another_topology(data_dir, tmp_path):
     trainer.train_and_evaluate(c, str(tmp_path / "run"), models.Model)
     _, params, step = trainer.load_params(str(tmp_path / "run"), models.Model, c)
     root = pathlib.Path(__file__).resolve().parents[2]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root), XLA_FLAGS="")
+    env = command_env()
     subprocess.run([sys.executable, "-c", _LOAD_ON_ONE_DEVICE, str(tmp_path / "run"),
                     str(tmp_path / "one.npz")], cwd=root, env=env, check=True, capture_output=True)
     one = np.load(tmp_path / "one.npz")

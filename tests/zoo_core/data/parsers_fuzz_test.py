@@ -5,7 +5,6 @@ separators, '?' or binary bytes; truncation; header lines changed or dropped; em
 files) and feeds each to the parser. Anything but a successful parse or a ValueError (the type every
 data module raises and the CLI prints as one `error:` line) fails the test, naming the case.
 """
-import os
 import random
 
 import numpy as np
