@@ -1,4 +1,5 @@
 """Runs the real CLI in subprocesses: SIGKILL + resume is exact, SIGTERM saves, config errors are one line."""
+import fcntl
 import json
 import os
 import pathlib
@@ -46,9 +47,17 @@ def _wait_for(path, proc, timeout=120):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    work = tmp_path_factory.mktemp("full")
-    data = tmp_path_factory.mktemp("data")
-    subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), check=True, capture_output=True, text=True)
+    """(workdir, data_dir) of one uninterrupted LONG run, trained once per test session: xdist workers
+    share it through their common temporary root, the first to take the lock trains it."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    work, data, done = root / "uninterrupted_run", root / "uninterrupted_data", root / "uninterrupted.done"
+    with open(root / "uninterrupted.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            subprocess.run(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), check=True, capture_output=True,
+                           text=True)
+            done.touch()
     return work, data
 
 
@@ -69,10 +78,9 @@ def test_sigkill_then_resume_gives_exactly_the_uninterrupted_parameters(uninterr
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
-    _, data = uninterrupted
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     work = tmp_path / "term"
-    proc = subprocess.Popen(_cmd(work, data, *LONG), cwd=ROOT, env=command_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(work, tmp_path / "data", *LONG), cwd=ROOT, env=command_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     _wait_for(work / "checkpoints" / "50", proc)
     proc.send_signal(signal.SIGTERM)
@@ -90,11 +98,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(uninterrupted, tmp_path):
     ("--config.model.hidden=-4", "hidden must be >= 1"),
     ("--eval_split=test", "only used with --eval_only"),
 ])
-def test_config_mistakes_exit_2_with_one_line(uninterrupted, tmp_path, override, expected):
-    _, data = uninterrupted
-    proc = subprocess.run(_cmd(tmp_path / "w", data, "--config.total_steps=2", override), cwd=ROOT, env=command_env(),
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
+def test_config_mistakes_exit_2_with_one_line(tmp_path, override, expected):
+    proc = subprocess.run(_cmd(tmp_path / "w", tmp_path / "data", "--config.total_steps=2", override), cwd=ROOT,
+                          env=command_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and not (tmp_path / "data").exists() and not (tmp_path / "w").exists()
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr
