@@ -91,9 +91,14 @@ def test_every_optimizer_decreases_a_quadratic(name):
     params = {"w": jnp.array([3.0, -2.0])}
     state = tx.init(params)
     loss = lambda p: jnp.sum(p["w"] ** 2)
-    for _ in range(100):
+
+    @jax.jit   # one compile instead of 100 eager dispatches of every op of the update (radam: 6.6 s)
+    def step(params, state):
         updates, state = tx.update(jax.grad(loss)(params), state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(100):
+        params, state = step(params, state)
     assert loss(params) < 13.0 * 0.5
 
 
