@@ -1,7 +1,8 @@
 """The JAX environment of the tests and of the commands they start, in one place so that both compile alike.
 
 Compiling is most of the suite's time, and a test's programs are tiny, so the tests trade XLA's CPU code
-quality for compile speed (the numbers a test checks do not depend on it):
+quality for compile speed. Results stay within every tolerance; what may change is how two different
+programs round, so a bit-for-bit comparison compares programs that must be one:
 
 - `JAX_DISABLE_MOST_OPTIMIZATIONS`: XLA's optimisation passes off;
 - `--xla_cpu_use_fusion_emitters=false`: the CPU backend's elemental emitters instead of its MLIR fusion
