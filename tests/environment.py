@@ -38,14 +38,11 @@ def fast_compile_xla_flags() -> str:
     return os.environ[_ENV_KEY]
 
 
-def command_env(*, devices: int = 1, **extra: str) -> dict[str, str]:
+def command_env(**extra: str) -> dict[str, str]:
     """The environment of a command a test starts: this process's (so also the run's compilation cache),
-    on CPU with `devices` host devices (1: as a user's plain CPU run), the repository importable, fast
+    on one CPU device as a user's plain CPU run (not the conftest's two), the repository importable, fast
     compiles; `extra` last."""
-    flags = fast_compile_xla_flags()
-    if devices > 1:
-        flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=fast_compile_xla_flags(), JAX_DISABLE_MOST_OPTIMIZATIONS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     # Started under the allocator setting the training commands would restart into (zoo_core.allocator),
     # so that they do not: a restart imports jax twice, 2.5 s per command.

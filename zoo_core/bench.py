@@ -945,7 +945,7 @@ def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, me
     deadline = time.monotonic() + budget if budget else None
     peak_gbps = reference_bandwidth(default_bandwidth_bytes())
     records = run_scaling(args.cases, args.lengths, make_fn, repeats=args.repeats,
-                          max_bytes=args.max_bytes, mem_factor=getattr(args, "mem_factor", None),
+                          max_bytes=args.max_bytes, mem_factor=args.mem_factor,
                           max_run_s=args.max_run_s, ref_n=args.ref_n, log=print, deadline=deadline)
     for r in records:
         if r.status == OK:
