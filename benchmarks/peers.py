@@ -19,6 +19,9 @@ f32 matmul peak and the streaming bandwidth measured in this process), and the l
 after. Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the
 LRA code's CUDA autocast and GradScaler do nothing there, so they are off). Both sides train on the same
 token ids / series where the shapes allow it (our batch is converted for the official model).
+Our steps run on the CPU devices that their configs' `parallel.cpu_devices` gives the training command
+(one per core for these four, `zoo_core.sharding.cpu_device_count`); `--cpu_devices N` overrides it, e.g.
+`--cpu_devices 1` for the single-device step. The count is per process, so the selected cases must agree.
 
 End-to-end case `agf_uea_jv` (issue 17): the whole JapaneseVowels job, the official `run_agf_best.sh`
 line (`AGF_UEA/main.py ... --epochs N`) against `python -m agf_jax.train --config
@@ -521,7 +524,8 @@ def _fmt(v, spec=".4g"):
 def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     from zoo_core import bench
 
-    lines = [f"peers benchmark  {meta['time_utc']}  backend {meta['backend']}  torch threads {meta['threads']}"
+    lines = [f"peers benchmark  {meta['time_utc']}  backend {meta['backend']} x {meta.get('device_count', 1)} "
+             f"devices  torch threads {meta['threads']}"
              f"  tiny={meta['tiny']}",
              f"load average before: {meta['load_before']}   after: {meta['load_after']}",
              f"GLIBC_TUNABLES (both sides): {meta.get('glibc_tunables')}",
@@ -568,6 +572,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="step cases: official init / data seed")
     p.add_argument("--uea_seed", type=int, default=None,
                    help="agf_uea_jv: --seed of both jobs (default: each side's own default)")
+    p.add_argument("--cpu_devices", type=int, default=None,
+                   help="step cases: run our steps on this many CPU devices instead of their configs' "
+                        "parallel.cpu_devices (0: one per core), e.g. 1 to time the single-device step")
     p.add_argument("--no_bounds", action="store_true", help="skip measuring the matmul/bandwidth bounds")
     p.add_argument("--out", default=None, help="write the records and meta as JSON here")
     args = p.parse_args(argv)
@@ -580,12 +587,28 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.cpu_devices is not None and args.cpu_devices < 0:
+        p.error("--cpu_devices must be >= 0")
     return args
 
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    from zoo_core import bench
+    from zoo_core import bench, sharding
+
+    # Our steps run on the CPU devices their configs start the training command with (one per core
+    # for these cases); the count is per process, so every selected case must agree on it.
+    counts = {case: sharding.cpu_device_count(
+        c.parallel.cpu_devices if args.cpu_devices is None else args.cpu_devices,
+        batch_size=c.batch_size, eval_batch_size=c.eval_batch_size,
+        accum_steps=c.optim.grad_accum_steps) for case in args.cases if case in STEP_CASES
+        for c in [our_config(case, args.tiny)]}
+    if len(set(counts.values())) > 1:
+        raise SystemExit(f"error: these cases run on different CPU device counts {counts}; run them separately")
+    if counts:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", next(iter(counts.values())))
 
     log = lambda s: print(s, flush=True)
     meta = dict(bench.machine_meta(), threads=args.threads, tiny=args.tiny, steps=args.steps, rounds=args.rounds,

@@ -327,7 +327,8 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
 
     Returns:
       dict(step: the jitted step, compiled: it compiled for (state, batch), state, batch, model,
-      config: the copy used, compile_s, num_params, cost: `cost_of` the step).
+      config: the copy used, compile_s, num_params, cost: `cost_of` the step (on CPU summed over
+      its devices), devices: the mesh's size).
     """
     import copy
 
@@ -365,8 +366,13 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
+    cost = cost_of(None, compiled=compiled)
+    if jax.default_backend() == "cpu":
+        # XLA counts a partitioned step per device; CPU devices share the machine's cores, whose
+        # bounds `machine_bounds` measures, so the step's cost is the sum over devices.
+        cost = {k: None if v is None else v * mesh.size for k, v in cost.items()}
     return dict(step=step, compiled=compiled, state=state, batch=batch, model=model, config=config,
-                compile_s=compile_s, num_params=num_params, cost=cost_of(None, compiled=compiled))
+                compile_s=compile_s, num_params=num_params, cost=cost, devices=int(mesh.size))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,11 @@ report test"; the result is printed as one JSON line and written to workdir/eval
 Resuming: a --workdir holding checkpoints is resumed only with the config it was trained with (its
 config.json); a difference in what is trained (model, optimiser, schedule, data, seed, batch) is refused
 naming the fields, unless `--allow_config_change` is given. Logging, evaluation and checkpoint cadence,
-the progress bar and a longer total_steps (under a constant or warmup_rsqrt schedule) may always change.
+the progress bar, the CPU device count and a longer total_steps (under a constant or warmup_rsqrt
+schedule) may always change.
+
+CPU devices: JAX's CPU backend starts with `config.parallel.cpu_devices` devices (0: one per core;
+`zoo_core.sharding.cpu_device_count`), before anything else touches JAX.
 """
 from __future__ import annotations
 
@@ -98,7 +102,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
-    from zoo_core import trainer
+    from zoo_core import sharding, trainer
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
@@ -108,6 +112,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     configure_compilation_cache(_COMPILATION_CACHE.value)
     try:
         try:
+            sharding.configure_cpu_devices(config)
             maybe_initialize_distributed()
         except ValueError as e:
             _fail(str(e))

@@ -255,6 +255,9 @@ def validate_config(config) -> None:
                          f"got {config.eval_also_at_step}")
     devices = jax.device_count()
     accum = int(config.optim.grad_accum_steps)
+    # Applied by the training command before JAX starts (zoo_core.main); checked here for every caller.
+    sharding.cpu_device_count(config.parallel.cpu_devices, batch_size=int(config.batch_size),
+                              eval_batch_size=int(config.eval_batch_size), accum_steps=max(accum, 1), cores=1)
     if accum < 1:
         raise ValueError(f"optim.grad_accum_steps must be >= 1, got {accum}")
     if config.batch_size % (devices * accum):
@@ -377,7 +380,7 @@ def check_workdir(workdir: str) -> None:
 SAFE_ON_RESUME = ("log_every_steps", "eval_every_steps", "eval_also_at_step", "eval_max_examples",
                   "eval_batch_size", "checkpoint_every_steps", "progress_bar", "checkpoint.keep",
                   "checkpoint.best_metric", "checkpoint.best_mode", "checkpoint.patience", "data.data_dir",
-                  "data.eval_split", "test_split", "decode.")
+                  "data.eval_split", "test_split", "decode.", "parallel.cpu_devices")
 # Schedules whose learning rate at a step does not depend on total_steps.
 _STEP_FREE_SCHEDULES = ("constant", "warmup_rsqrt")
 

@@ -70,6 +70,7 @@ def set_lra(c: ml_collections.ConfigDict, task: str, args, *, order: int, alpha:
     c.total_steps = h["steps"]                 # the harness's num_train_steps
     c.batch_size = h["batch_size"]
     c.eval_batch_size = h["batch_size"]
+    c.parallel.cpu_devices = 0                 # one per core: this step is mostly elementwise work
     c.log_every_steps = 50
     c.eval_every_steps = h["eval_every"]       # the harness's eval_frequency
     c.checkpoint_every_steps = 1000

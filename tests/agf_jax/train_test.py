@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
+from configs.agf import lra_listops, uea
 from tests.environment import command_env
+from zoo_core import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
@@ -52,3 +54,9 @@ def test_smoke_run_trains_checkpoints_and_evaluates(runs, name):
     assert evals and evals[-1]["step"] == 2
     assert 0.0 <= evals[-1]["eval/accuracy"] <= 1.0
     assert any("train/loss/orthogonality" in r for r in records), "the AGF regulariser reaches the loss"
+    # The LRA configs run one CPU device per core (parallel.cpu_devices = 0), the UEA ones one device.
+    c = uea.get_config("dataset=JapaneseVowels,smoke") if name.startswith("uea") else lra_listops.get_config("smoke")
+    devices = sharding.cpu_device_count(c.parallel.cpu_devices, batch_size=c.batch_size,
+                                        eval_batch_size=c.eval_batch_size)
+    assert (name == "lra_listops") == (c.parallel.cpu_devices == 0)
+    assert f"devices: {devices} total" in out, out[-3000:]

@@ -117,6 +117,7 @@ CASES = [
     ("--config.model.num_classes=0", "num_classes"),
     ("--config.seed=-1", "seed must be an int in [0, 2**32)"),
     ("--config.parallel.mode=spmd", "unknown parallel.mode 'spmd'"),
+    ("--config.parallel.cpu_devices=-1", "parallel.cpu_devices must be an int >= 0"),
     ("--config.data.name=nope", "unknown dataset 'nope'"),
     ("--config.data.train_split=", "data.train_split must be a split name"),
     ("--config.data.options.num_train=0", "num_train must be an integer >= 1"),
