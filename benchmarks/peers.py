@@ -598,11 +598,8 @@ def main(argv=None) -> dict[str, Any]:
 
     # Our steps run on the CPU devices their configs start the training command with (one per core
     # for these cases); the count is per process, so every selected case must agree on it.
-    counts = {case: sharding.cpu_device_count(
-        c.parallel.cpu_devices if args.cpu_devices is None else args.cpu_devices,
-        batch_size=c.batch_size, eval_batch_size=c.eval_batch_size,
-        accum_steps=c.optim.grad_accum_steps) for case in args.cases if case in STEP_CASES
-        for c in [our_config(case, args.tiny)]}
+    counts = {case: sharding.config_cpu_devices(our_config(case, args.tiny), requested=args.cpu_devices)
+              for case in args.cases if case in STEP_CASES}
     if len(set(counts.values())) > 1:
         raise SystemExit(f"error: these cases run on different CPU device counts {counts}; run them separately")
     if counts:

@@ -41,8 +41,7 @@ def cpu_device_count(requested: int, *, batch_size: int, eval_batch_size: int, a
     Raises:
       ValueError: `requested` is not an int >= 0.
     """
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-        raise ValueError(f"parallel.cpu_devices must be an int >= 0 (0: one per core), got {requested!r}")
+    check_cpu_devices(requested)
     if requested:
         return requested
     if cores is None:
@@ -53,15 +52,27 @@ def cpu_device_count(requested: int, *, batch_size: int, eval_batch_size: int, a
     return 1
 
 
+def check_cpu_devices(value: Any) -> None:
+    """Raises ValueError unless `value` is a valid `parallel.cpu_devices`: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"parallel.cpu_devices must be an int >= 0 (0: one per core), got {value!r}")
+
+
+def config_cpu_devices(config, *, requested: int | None = None, cores: int | None = None) -> int:
+    """`cpu_device_count` for a config: its `parallel.cpu_devices` (or `requested` instead), batch
+    sizes and micro-batches."""
+    return cpu_device_count(config.parallel.cpu_devices if requested is None else requested,
+                            batch_size=int(config.batch_size), eval_batch_size=int(config.eval_batch_size),
+                            accum_steps=max(int(config.optim.grad_accum_steps), 1), cores=cores)
+
+
 def configure_cpu_devices(config) -> int:
     """Starts JAX's CPU backend with `config.parallel.cpu_devices` devices (`cpu_device_count`),
     overriding XLA_FLAGS' host device count, and returns the count. It takes effect before anything
     initialises a JAX backend (the training commands call it first); in a process where JAX has
     already started (a notebook, a test calling the command's main), the devices stay as they are,
     with a warning when the count differs."""
-    n = cpu_device_count(config.parallel.cpu_devices, batch_size=int(config.batch_size),
-                         eval_batch_size=int(config.eval_batch_size),
-                         accum_steps=max(int(config.optim.grad_accum_steps), 1))
+    n = config_cpu_devices(config)
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:   # JAX has started: its CPU device count is fixed for this process

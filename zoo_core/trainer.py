@@ -256,8 +256,7 @@ def validate_config(config) -> None:
     devices = jax.device_count()
     accum = int(config.optim.grad_accum_steps)
     # Applied by the training command before JAX starts (zoo_core.main); checked here for every caller.
-    sharding.cpu_device_count(config.parallel.cpu_devices, batch_size=int(config.batch_size),
-                              eval_batch_size=int(config.eval_batch_size), accum_steps=max(accum, 1), cores=1)
+    sharding.check_cpu_devices(config.parallel.cpu_devices)
     if accum < 1:
         raise ValueError(f"optim.grad_accum_steps must be >= 1, got {accum}")
     if config.batch_size % (devices * accum):

@@ -56,7 +56,6 @@ def test_smoke_run_trains_checkpoints_and_evaluates(runs, name):
     assert any("train/loss/orthogonality" in r for r in records), "the AGF regulariser reaches the loss"
     # The LRA configs run one CPU device per core (parallel.cpu_devices = 0), the UEA ones one device.
     c = uea.get_config("dataset=JapaneseVowels,smoke") if name.startswith("uea") else lra_listops.get_config("smoke")
-    devices = sharding.cpu_device_count(c.parallel.cpu_devices, batch_size=c.batch_size,
-                                        eval_batch_size=c.eval_batch_size)
+    devices = sharding.config_cpu_devices(c)
     assert (name == "lra_listops") == (c.parallel.cpu_devices == 0)
     assert f"devices: {devices} total" in out, out[-3000:]
