@@ -58,6 +58,14 @@ def _first_difference(stored: dict, wanted: dict) -> str:
     return ""
 
 
+def _per_parameter_optimiser_state(stored: dict, wanted: dict) -> bool:
+    """Whether `stored` is `wanted`'s model with the optimiser state of one array per parameter: the
+    same parameters, and optimiser arrays of rank >= 2 (the vector layout holds `[n]` and scalars)."""
+    params = lambda shapes: {k: v for k, v in shapes.items() if k.startswith("params/")}
+    return params(stored) == params(wanted) and any(
+        k.startswith("opt_state/") and len(v) >= 2 for k, v in stored.items())
+
+
 def require_checkpoints(workdir: str, which: str = "checkpoints") -> str:
     """workdir/<which> as an absolute path; FileNotFoundError('no checkpoint under ...') if it is not a
     directory (a cheap check, e.g. before building the data an evaluation needs)."""
@@ -197,10 +205,18 @@ class Checkpoints:
                 stored = leaf_shapes(stored_tree(self.last, step))
             except Exception:  # noqa: BLE001 - unreadable metadata: the restore below reports the damage
                 stored = None
-            if stored is not None and stored != wanted and self._made_by_another_config(step, config):
-                raise CheckpointMismatch(
-                    f"the checkpoint at step {step} in {self.workdir} was made by another model or config "
-                    f"({_first_difference(stored, wanted)}); use a new --workdir or the run's own config")
+            if stored is not None and stored != wanted:
+                if _per_parameter_optimiser_state(stored, wanted):
+                    # Written by a zoo_core whose optimiser kept one state array per parameter (the state
+                    # is one vector now, zoo_core.optim). Not damage: nothing is moved.
+                    raise CheckpointMismatch(
+                        f"the checkpoint at step {step} in {self.workdir} keeps its optimiser state in another "
+                        "layout (one array per parameter): it was written by an older zoo_core; resume it with "
+                        "that version, or load its parameters (trainer.load_params)")
+                if self._made_by_another_config(step, config):
+                    raise CheckpointMismatch(
+                        f"the checkpoint at step {step} in {self.workdir} was made by another model or config "
+                        f"({_first_difference(stored, wanted)}); use a new --workdir or the run's own config")
             try:
                 restored = self.last.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state)))

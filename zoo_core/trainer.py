@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 from zoo_core import checkpoint as ckpt_lib
 from zoo_core import data as data_lib
@@ -70,7 +71,7 @@ class TrainState:
     Attributes:
       step: int32 [], optimiser steps taken.
       params: the model's parameter tree.
-      opt_state: the optax state.
+      opt_state: the optimiser's state (over the raveled parameter vector, `zoo_core.optim`).
       rng: uint32 [2], the run's dropout key; step `s` uses fold_in(rng, s), so a resumed run draws the
         same masks as an uninterrupted one.
       bad_step: int32 [], the first step whose loss or gradient was non-finite, or -1. A non-finite step
@@ -187,14 +188,16 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     if axis_name is not None:
         grads, loss, aux_losses = jax.lax.pmean((grads, loss, aux_losses), axis_name)
         sums = jax.lax.psum(sums, axis_name)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
+    # The update runs on one vector of all parameters (zoo_core.optim says why).
+    params, unravel = ravel_pytree(state.params)
+    grads = ravel_pytree(grads)[0]
+    updates, opt_state = tx.update_vector(grads, state.opt_state, params, tx.layout(state.params))
+    grad_norm = _norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = state.replace(
         step=state.step + 1,
-        params=keep(params, state.params),
+        params=unravel(jnp.where(finite, optax.apply_updates(params, updates), params)),
         opt_state=keep(opt_state, state.opt_state),
         bad_step=jnp.where(finite | (state.bad_step >= 0), state.bad_step, state.step))
     metrics = {f"train/{k}": s / jnp.maximum(n, 1e-12) for k, (s, n) in sums.items()}
@@ -204,11 +207,15 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     metrics.update({
         "train/total_loss": loss,
         "train/l2_grads": grad_norm,
-        "train/l2_params": optax.tree.norm(state.params),
-        "train/l2_updates": optax.tree.norm(updates),
+        "train/l2_params": _norm(params),
+        "train/l2_updates": _norm(updates),
         "train/learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
     })
     return new_state, metrics
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
 def eval_step(params, batch: Mapping[str, jax.Array], step=None, *, model, task,

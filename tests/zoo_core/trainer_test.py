@@ -455,6 +455,29 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
     assert max(pending) <= 1, pending
 
 
+def test_a_checkpoint_with_per_parameter_optimiser_state_is_refused_and_kept(data_dir, tmp_path):
+    """A checkpoint written when the optimiser kept one state array per parameter (the same model and
+    config) is neither restored into the vector layout nor moved aside as damage."""
+    import optax
+    from zoo_core import checkpoint as ckpt_lib
+    c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    ckpts = ckpt_lib.Checkpoints(str(tmp_path), keep=3)
+    saved = ckpts.last.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                          config=ocp.args.JsonRestore()))
+    state = dict(saved.state, opt_state=optax.adamw(1e-3).init(saved.state["params"]))   # the per-leaf layout
+    shutil.rmtree(tmp_path / "checkpoints" / "2")
+    ckpts.last.reload()
+    ckpts.save(2, state, saved.config)
+    ckpts.close()
+    c.total_steps = 4
+    with pytest.raises(trainer.ConfigError, match=r"step 2 .* optimiser state in another layout"):
+        trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    assert os.listdir(tmp_path / "checkpoints") == ["2"] and not (tmp_path / "damaged").exists()
+    _, params, step = trainer.load_params(str(tmp_path), models.Model, c)
+    assert step == 2 and jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(saved.state["params"])
+
+
 def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_path):
     """A config change that reshapes the state must not count as damage (which would move the run's
     checkpoints aside and restart it from step 0)."""
