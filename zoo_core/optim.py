@@ -330,7 +330,7 @@ def make_optimizer(config: Any) -> tuple[VectorOptimizer, optax.Schedule]:
 
     def build_core(learning_rate, b1):
         # optax's adamw / adam / lamb chains, with the per-leaf steps as their vector forms.
-        decay = [masked_weight_decay(o.weight_decay)] if o.weight_decay and name != "adam" else []
+        decay = [masked_weight_decay(o.weight_decay)] if o.weight_decay else []   # adam: refused above
         if name in ("adamw", "adam", "lamb"):
             moments = optax.scale_by_adam(b1=b1, b2=o.b2, eps=o.eps)
         else:  # radam, ranger: RAdam with decoupled weight decay

@@ -192,7 +192,7 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     params, unravel = ravel_pytree(state.params)
     grads = ravel_pytree(grads)[0]
     updates, opt_state = tx.update_vector(grads, state.opt_state, params, tx.layout(state.params))
-    grad_norm = _norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = state.replace(
@@ -207,15 +207,11 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     metrics.update({
         "train/total_loss": loss,
         "train/l2_grads": grad_norm,
-        "train/l2_params": _norm(params),
-        "train/l2_updates": _norm(updates),
+        "train/l2_params": optax.tree.norm(params),
+        "train/l2_updates": optax.tree.norm(updates),
         "train/learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
     })
     return new_state, metrics
-
-
-def _norm(x: jax.Array) -> jax.Array:
-    return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
 def eval_step(params, batch: Mapping[str, jax.Array], step=None, *, model, task,
