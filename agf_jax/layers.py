@@ -36,7 +36,7 @@ from agf_jax import softmax as softmax_ops
 from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
-from zoo_core import checks
+from zoo_core import checks, layout
 from zoo_core.dropout import Dropout, keep_mask
 
 Array = jax.Array
@@ -85,7 +85,7 @@ class _Attention(nn.Module):
     out_bias_init: Optional[Initializer] = None
 
     def _projection(self, name: str) -> nn.Module:
-        return nn.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
+        return layout.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
                                param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                                bias_init=self.bias_init, name=name)
 
@@ -93,7 +93,7 @@ class _Attention(nn.Module):
     def _out(self, o: Array, width: int) -> Array:
         # A DenseGeneral over (H, D) -> E', declared in this one compact method (called from every
         # form) because E' defaults to the input width, unknown in setup().
-        return nn.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
+        return layout.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
                                param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                                bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 

@@ -112,9 +112,9 @@ def merge_aux(auxes: Sequence[dict]) -> dict:
 
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
-    return nn.Dense(features, dtype=m.dtype, param_dtype=m.param_dtype,
-                    kernel_init=torch_linear_kernel_init(),
-                    bias_init=torch_linear_bias_init(fan_in), name=name)
+    return layout.Dense(features, dtype=m.dtype, param_dtype=m.param_dtype,
+                        kernel_init=torch_linear_kernel_init(),
+                        bias_init=torch_linear_bias_init(fan_in), name=name)
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:

@@ -42,3 +42,44 @@ def test_add_to_each_gradients_in_float64(x64):
 def test_add_to_each_refuses_a_table_of_another_shape():
     with pytest.raises(ValueError, match=r"table shape \(4, 4\) must be x's shape without the batch axis"):
         layout.add_to_each(jnp.zeros((2, 5, 4)), jnp.zeros((4, 4)))
+
+
+_DENSE_CASES = [
+    # (layout class, flax class, fields, input shape)
+    (layout.Dense, "Dense", dict(features=5), (2, 3, 4)),
+    (layout.Dense, "Dense", dict(features=5, use_bias=False), (3, 4)),
+    (layout.DenseGeneral, "DenseGeneral", dict(features=(2, 3)), (2, 3, 4)),
+    (layout.DenseGeneral, "DenseGeneral", dict(features=5, axis=(-2, -1)), (2, 3, 2, 4)),
+    (layout.DenseGeneral, "DenseGeneral", dict(features=(2, 3), axis=-1, use_bias=False), (4,)),
+]
+
+
+@pytest.mark.parametrize("cls, flax_name, fields, shape", _DENSE_CASES)
+def test_dense_layers_are_flax_layers_with_two_dimensional_dots(cls, flax_name, fields, shape):
+    import flax.linen as nn
+
+    init = dict(kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+                bias_init=nn.initializers.uniform(0.5)) if fields.get("use_bias", True) else {}
+    ours, theirs = cls(**fields, **init), getattr(nn, flax_name)(**fields, **init)
+    x = jax.random.normal(jax.random.key(0), shape)
+    params = theirs.init(jax.random.key(1), x)
+    # The same tree and initial values (the initialisers see the same flattened shapes) ...
+    jax.tree_util.tree_map(np.testing.assert_array_equal, ours.init(jax.random.key(1), x), params)
+    # ... the same outputs and gradients ...
+    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-6, atol=1e-6)
+    loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply(p, x)))  # noqa: E731
+    got, want = jax.grad(loss(ours), (0, 1))(params, x), jax.grad(loss(theirs), (0, 1))(params, x)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           got, want)
+    # ... and every dot of the gradient contracts one axis of two matrices (no transposing copies).
+    jaxpr = jax.make_jaxpr(jax.grad(loss(ours)))(params, x)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(e.invars[0].aval.ndim == e.invars[1].aval.ndim == 2 and
+                        len(e.params["dimension_numbers"][0][0]) == 1 for e in dots), dots
+
+
+def test_dense_general_refuses_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="contracts trailing axes only"):
+        layout.DenseGeneral(3, axis=0).init(jax.random.key(0), jnp.ones((2, 4)))
+    with pytest.raises(ValueError, match="contracts trailing axes only"):
+        layout.DenseGeneral(3, batch_dims=0).init(jax.random.key(0), jnp.ones((2, 4)))
