@@ -1,18 +1,22 @@
-"""Cheap dropout: one threefry word per 4 elements, a 32-bit hash lane per element.
+"""Cheap dropout: one threefry word per 16 elements, a 32-bit hash lane per element.
 
 `jax.random.bernoulli` (what `flax.linen.Dropout` uses) runs the threefry-2x32 block cipher once
 per element and then builds a float uniform from it; on a CPU that dominated the AGF ListOps
-training step (27% of it). Here the dropout key draws one threefry word `w` per 4 elements
+training step (27% of it). Here the dropout key draws one threefry word `w` per 16 elements
 (`jax.random.bits`, so the key's own implementation and its splits/folds are unchanged) and every
-element gets its own 32-bit lane `h_i = fmix32(w + (i + 1) * 0x9E3779B9)`, i = 0..3, where fmix32 is
+element gets its own 32-bit lane `h_i = fmix32(w + (i + 1) * 0x9E3779B9)`, i = 0..15, where fmix32 is
 MurmurHash3's finaliser, a bijection of uint32 with full avalanche. Each lane is therefore exactly
 uniform on [0, 2^32) and an element is kept iff `h_i < round(keep * 2^32)`.
 
 Keep probability: exactly `round(keep * 2^32) / 2^32`, i.e. `keep` to within 2^-33 (absolute);
 `jax.random.bernoulli` on float32 is quantised to 2^-23 (its uniforms have 23 random bits), so this
-is at least as exact as before. The four lanes of one word are deterministic functions of it
-(2^32 joint outcomes, not 2^128); their masks are empirically uncorrelated (tests/zoo_core/
+is at least as exact as before. The sixteen lanes of one word are deterministic functions of it
+(2^32 joint outcomes, not 2^512); their masks are empirically uncorrelated (tests/zoo_core/
 dropout_test.py checks the pair frequencies) but they are not independent in the strict sense.
+
+Why 16 lanes: threefry is most of the cost. Dropout forward and backward of a float32
+`[32, 2000, 64]` on one core of the project's machine: 15.5 ms with 4 lanes, 6.8 ms with 8,
+5.4 ms with 16, against 2.6 ms for the same pass without dropout.
 
 Kept elements are scaled exactly as flax's `Dropout`: `x / keep` (computed in x's dtype), dropped
 ones are 0 (`jnp.where`, so a dropped NaN becomes 0 as in flax). The masks differ from flax's for
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-LANES = 4
+LANES = 16
 _GOLDEN = 0x9E3779B9
 
 
@@ -51,8 +55,8 @@ def keep_threshold(keep: float) -> int:
 
 
 def random_bits(rng: Array, shape: tuple[int, ...]) -> Array:
-    """uint32 `shape`, each element uniform on [0, 2^32): one `jax.random.bits` word per 4 elements
-    hashed into 4 lanes (see the module docstring)."""
+    """uint32 `shape`, each element uniform on [0, 2^32): one `jax.random.bits` word per `LANES`
+    elements hashed into `LANES` lanes (see the module docstring)."""
     shape = tuple(int(s) for s in shape)
     size = 1
     for s in shape:

@@ -23,17 +23,18 @@ def test_bits_are_uniform_and_shape_general():
 @pytest.mark.parametrize("keep", [0.9, 0.5, 0.1])
 def test_keep_fraction_and_lane_pairs(keep):
     n_words = 1 << 18
-    m = np.asarray(zd.keep_mask(jax.random.key(2), keep, (n_words, 4)))
+    lanes = zd.LANES
+    m = np.asarray(zd.keep_mask(jax.random.key(2), keep, (n_words, lanes)))
     sd = np.sqrt(keep * (1 - keep) / m.size)
     assert abs(m.mean() - keep) < 5 * sd
-    # The 4 lanes of one threefry word: every pair's joint keep frequency is keep^2.
-    for i in range(4):
-        for j in range(i + 1, 4):
+    # The lanes of one threefry word: every pair's joint keep frequency is keep^2.
+    for i in range(lanes):
+        for j in range(i + 1, lanes):
             both = np.mean(m[:, i] & m[:, j])
             sd2 = np.sqrt(keep ** 2 * (1 - keep ** 2) / n_words)
             assert abs(both - keep ** 2) < 5 * sd2, (i, j, both)
     # Neighbouring words (adjacent counters) are not correlated either.
-    both = np.mean(m[:-1, 3] & m[1:, 0])
+    both = np.mean(m[:-1, lanes - 1] & m[1:, 0])
     assert abs(both - keep ** 2) < 5 * np.sqrt(keep ** 2 * (1 - keep ** 2) / n_words)
 
 
