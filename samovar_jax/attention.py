@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 from samovar_jax import ops
 from samovar_jax.layers import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
-from zoo_core import checks
+from zoo_core import checks, layout
 from zoo_core import linear_attention as la
+from zoo_core.dropout import Dropout, keep_mask
 from zoo_core.linear_attention import LinearState
 
 Array = jax.Array
@@ -47,11 +48,12 @@ class VARChainState(NamedTuple):
 
 
 def _dropout_mask(module: nn.Module, rate: float, shape, deterministic: bool) -> Optional[Array]:
-    """Inverted-dropout multiplier (1/(1-rate) or 0) drawn from the 'dropout' rng, or None."""
+    """Inverted-dropout multiplier (1/(1-rate) or 0) drawn from the 'dropout' rng, or None
+    (`zoo_core.dropout`'s cheap bits)."""
     if deterministic or rate == 0.0:
         return None
     keep = 1.0 - rate
-    return jax.random.bernoulli(module.make_rng("dropout"), keep, shape).astype(jnp.float32) / keep
+    return jnp.where(keep_mask(module.make_rng("dropout"), keep, shape), jnp.float32(1.0 / keep), 0.0)
 
 
 def _split_heads(y: Array, num_heads: int) -> Array:
@@ -75,7 +77,9 @@ class _OutProjection(nn.Module):
         kernel = self.param("kernel", self.kernel_init, (y.shape[-1], features), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
         y, kernel, bias = nn.dtypes.promote_dtype(y, kernel, bias, dtype=self.dtype)
-        return jnp.dot(y, kernel) + bias
+        # A 2-D matmul, as zoo_core.layout.Dense (its gradient needs no transposed copy of y).
+        out = jnp.dot(y.reshape(-1, y.shape[-1]), kernel) + bias
+        return out.reshape(y.shape[:-1] + (features,))
 
 
 class LinearAttention(nn.Module):
@@ -107,12 +111,12 @@ class LinearAttention(nn.Module):
     out_kernel_init: Initializer = normal002
 
     def setup(self):
-        proj = lambda name: nn.Dense(  # noqa: E731
+        proj = lambda name: layout.Dense(  # noqa: E731
             self.num_heads * self.head_dim, kernel_init=self.kernel_init, bias_init=nn.initializers.zeros,
             dtype=self.dtype, param_dtype=self.param_dtype, name=name)
         self.query, self.key, self.value = proj("query"), proj("key"), proj("value")
         self.out = _OutProjection(self.out_kernel_init, self.dtype, self.param_dtype, name="out")
-        self.key_dropout = nn.Dropout(self.dropout_rate)
+        self.key_dropout = Dropout(self.dropout_rate)
 
     def _qkv(self, x: Array, deterministic: bool):
         k = self.key(self.key_dropout(x, deterministic=deterministic))
@@ -188,7 +192,7 @@ class LinTransBlock(nn.Module):
             self.num_heads, self.width // self.num_heads, chunk_size=self.chunk_size,
             dropout_rate=self.dropout_rate, out_kernel_init=nn.initializers.normal(self.out_init_std), **kw,
             name="attention")
-        self.attention_dropout = nn.Dropout(self.dropout_rate)
+        self.attention_dropout = Dropout(self.dropout_rate)
         self.mlp = MLPBlock(self.width, self.hidden, self.dropout_rate, self.out_init_std, **kw, name="mlp")
 
     def _finish(self, x: Array, y: Array, deterministic: bool) -> Array:

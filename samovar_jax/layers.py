@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from samovar_jax import ops
-from zoo_core import checks
+from zoo_core import checks, layout
+from zoo_core.dropout import Dropout
 
 Array = jax.Array
 
@@ -40,8 +41,9 @@ normal002 = nn.initializers.normal(0.02)
 
 
 def dense(features: int, *, name: str, dtype, param_dtype, use_bias: bool = True, std: float = 0.02):
-    """nn.Dense with the reference init: kernel N(0, std^2), bias 0 (spec §5)."""
-    return nn.Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std),
+    """`zoo_core.layout.Dense` (flax's Dense as a 2-D matmul) with the reference init: kernel
+    N(0, std^2), bias 0 (spec §5)."""
+    return layout.Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std),
                     bias_init=nn.initializers.zeros, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
@@ -120,11 +122,11 @@ class MLPBlock(nn.Module):
         self.norm = RMSNorm(self.width, **kw, name="norm")
         self.fc_in = dense(self.hidden, name="fc_in", **kw)
         self.fc_out = dense(self.width, name="fc_out", std=self.out_init_std, **kw)
-        self.drop = nn.Dropout(self.dropout_rate)
+        self.drop = Dropout(self.dropout_rate)
 
     def __call__(self, h: Array, *, deterministic: bool = True) -> Array:
         """[..., E] -> [..., E]; position-wise, so it also serves the recurrent paths."""
-        y = self.fc_out(nn.gelu(self.fc_in(self.norm(h)), approximate=False))
+        y = self.fc_out(layout.gelu(self.fc_in(self.norm(h))))
         return h + self.drop(y, deterministic=deterministic)
 
 

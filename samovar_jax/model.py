@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from samovar_jax import attention, baselines, layers, ops, validation
 from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
+from zoo_core.dropout import Dropout
 
 Array = jax.Array
 
@@ -220,7 +221,7 @@ class Forecaster(nn.Module):
         self.embedding = layers.ARXEmbedding(r.num_targets, 2 * r.max_patches, d,
                                              with_types=self.kind != "lintrans", **kw, name="embedding")
         self.pre_norm = layers.RMSNorm(d, **kw, name="pre_norm")
-        self.token_dropout = nn.Dropout(r.dropout)
+        self.token_dropout = Dropout(r.dropout)
         if self.kind == "lintrans":
             self.blocks = [
                 attention.LinTransBlock(d, r.num_heads, r.mlp_ratio * d, r.dropout, out_std, self.chunk_size,

@@ -105,13 +105,33 @@ def test_gradients_float64():
             return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
         grads = {
             "parallel": jax.grad(f(lambda *a: la.causal_parallel(*a, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v),
+            # chunk 2 carries the state with the scan, chunk 3 with the prefix sum
             "chunked": jax.grad(f(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0]),
                                 argnums=(0, 1, 2))(q, k, v),
+            "chunked(3)": jax.grad(f(lambda *a: la.causal_chunked(*a, chunk_size=3, mask=mask)[0]),
+                                   argnums=(0, 1, 2))(q, k, v),
             "scan": jax.grad(f(lambda *a: la.causal_scan(*a, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v),
         }
         assert_forms_agree(grads, **F64)
-        check_grads(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0], (q, k, v),
-                                  order=1, modes=("rev",))
+        for c in (2, 3):
+            check_grads(lambda *a: la.causal_chunked(*a, chunk_size=c, mask=mask)[0], (q, k, v),
+                        order=1, modes=("rev",))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+@pytest.mark.parametrize("denominator", [False, True])
+def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator):
+    # causal_chunked picks one of the two by the size of the states; here both run on every size.
+    t, (q, k, v) = 13, _inputs(13, seed=4)
+    kq, kd = jax.random.split(jax.random.PRNGKey(5))
+    state = la.LinearState(jax.random.normal(kq, (B, H, D, M)),
+                           jax.random.normal(kd, (B, H, D)) if denominator else None)
+    n = -(-t // chunk)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0))).reshape(  # noqa: E731
+        (B, n, chunk) + x.shape[2:])
+    outs = {form.__name__: form(pad(q), pad(k), pad(v), state)
+            for form in (la._chunks_by_scan, la._chunks_by_prefix_sum)}
+    assert_forms_agree(outs, **F32_SIMPLE)
 
 
 def test_bad_arguments_raise():
