@@ -60,6 +60,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from zoo_core import layout
+
 Array = jax.Array
 
 BASES = ("jacobi", "chebyshev", "legendre", "monomial")
@@ -344,7 +346,7 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
     valid = None if mask is None or count_padding else _valid(mask)[..., 0]     # [B, T, 1]
     eye = jnp.eye(zu.shape[-1], dtype=jnp.promote_types(zu.dtype, jnp.float32))
     total = 0.0
-    for zu_h, zv_h in zip(_heads(_float(zu)), _heads(masked_logits(zv, mask))):
+    for zu_h, zv_h in zip(layout.heads(_float(zu)), layout.heads(masked_logits(zv, mask))):
         u = jax.nn.softmax(zu_h, axis=-1)
         if valid is not None:
             u = jnp.where(valid, u, 0.0)
@@ -352,20 +354,6 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
         total = total + jnp.sum(jnp.abs(jnp.einsum("btd,bte->bde", u, u) - eye), axis=(1, 2))
         total = total + jnp.sum(jnp.abs(jnp.einsum("btd,bte->bde", v, v) - eye), axis=(1, 2))
     return total / (zu.shape[2] * zu.shape[3] ** 2)
-
-
-def _heads(x: Array) -> list[Array]:
-    """`[B, T, H, D]` -> H arrays `[B, T, D]`.
-
-    The per-head products (V^T Val, (U * g) (V^T Val), the Gram matrices) are one dot per head on
-    these: a single einsum batched over (B, H) makes XLA's CPU backend transpose each operand to
-    `[B, H, D, T]` first (a copy of every factor: 0.33 of the 2.4 s AGF ListOps step on one core),
-    while a dot batched over B alone contracts T in place. The heads are split from the
-    projections, before any elementwise work, so that each per-head factor is produced contiguous
-    by its own fusion; `jnp.split`'s gradient is one concatenation (H slices' gradients would be H
-    zero-padded full-size arrays summed).
-    """
-    return [p[:, :, 0] for p in jnp.split(x, x.shape[2], axis=2)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,9 +418,12 @@ def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     """
     _check_projections(zu, zv, zs, val)
     if not causal:
+        # One dot per head (`zoo_core.layout.heads`: batched over (B, H), XLA's CPU backend would
+        # copy every factor into a [B, H, D, T] layout first; 0.33 s of the 2.4 s AGF ListOps step
+        # on one core).
         out = []
-        for zu_h, zv_h, zs_h, val_h in zip(*map(_heads, (zu, masked_logits(zv, mask), zs,
-                                                         masked_values(val, mask)))):
+        for zu_h, zv_h, zs_h, val_h in zip(*map(layout.heads, (zu, masked_logits(zv, mask), zs,
+                                                               masked_values(val, mask)))):
             a = left_factor(zu_h, zs_h, coeffs, basis=basis, alpha=alpha, beta=beta)
             v = jax.nn.softmax(zv_h, axis=1)
             kv = jnp.einsum("btd,btm->bdm", v, val_h.astype(a.dtype))      # V^T Val: [B, D, M]

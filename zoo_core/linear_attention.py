@@ -42,6 +42,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from zoo_core import layout
+
 Array = jax.Array
 
 
@@ -198,12 +200,27 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
         x = jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2))
         return x.reshape((b, n, c) + x.shape[2:])
 
-    small = n * d * m <= t * (d + m) and c <= d + m
-    form = _chunks_by_prefix_sum if small else _chunks_by_scan
-    num, den, final = form(chunks(q), chunks(k), chunks(v), state)
+    if _prefix_sum_fits(t, c, d, m):
+        # One head at a time: einsums batched over (B, n) alone run without relayout copies
+        # (`zoo_core.layout.heads`).
+        dens = [None] * h if state.den is None else layout.heads(state.den, axis=1)
+        out = [_chunks_by_prefix_sum(chunks(qh), chunks(kh), chunks(vh), LinearState(num_h, den_h))
+               for qh, kh, vh, num_h, den_h in zip(layout.heads(q), layout.heads(k), layout.heads(v),
+                                                   layout.heads(state.num, axis=1), dens)]
+        num = jnp.stack([o[0] for o in out], axis=3)
+        den = jnp.stack([o[1] for o in out], axis=3) if denominator else None
+        final = LinearState(jnp.stack([o[2].num for o in out], axis=1),
+                            jnp.stack([o[2].den for o in out], axis=1) if denominator else None)
+    else:
+        num, den, final = _chunks_by_scan(chunks(q), chunks(k), chunks(v), state)
     num = num.reshape(b, n * c, h, m)[:, :t]
     den = den.reshape(b, n * c, h)[:, :t] if denominator else None
     return _guard(poisoned, num, den, final)
+
+
+def _prefix_sum_fits(t: int, c: int, d: int, m: int) -> bool:
+    """Whether the n = ceil(T / C) chunk states and score blocks are no larger than the inputs."""
+    return -(-t // c) * d * m <= t * (d + m) and c <= d + m
 
 
 def _exclusive_cumsum(x: Array, initial: Array) -> Array:
@@ -213,21 +230,19 @@ def _exclusive_cumsum(x: Array, initial: Array) -> Array:
 
 
 def _chunks_by_prefix_sum(qc: Array, kc: Array, vc: Array, state: LinearState):
-    """`causal_chunked` on chunks `[B, n, C, H, .]` with every chunk's entering state at once."""
+    """`causal_chunked` for one head, on chunks `[B, n, C, .]`, every chunk's entering state at once
+    (`state`: num `[B, D, M]`, den `[B, D]` or None)."""
     c = qc.shape[2]
-    scores = jnp.where(jnp.tril(jnp.ones((c, c), bool)),
-                       jnp.einsum("bnihd,bnjhd->bnhij", qc, kc), 0.0)
-    kv = jnp.einsum("bnjhd,bnjhm->bnhdm", kc, vc)                             # [B, n, H, D, M]
+    scores = jnp.where(jnp.tril(jnp.ones((c, c), bool)), jnp.einsum("bnid,bnjd->bnij", qc, kc), 0.0)
+    kv = jnp.einsum("bnjd,bnjm->bndm", kc, vc)                                 # [B, n, D, M]
     entering = _exclusive_cumsum(kv, state.num)
-    num = (jnp.einsum("bnhij,bnjhm->bnihm", scores, vc)
-           + jnp.einsum("bnihd,bnhdm->bnihm", qc, entering))
+    num = jnp.einsum("bnij,bnjm->bnim", scores, vc) + jnp.einsum("bnid,bndm->bnim", qc, entering)
     final_num = entering[:, -1] + kv[:, -1]
     if state.den is None:
         return num, None, LinearState(final_num, None)
-    ksum = jnp.sum(kc, axis=2)                                                   # [B, n, H, D]
+    ksum = jnp.sum(kc, axis=2)                                                   # [B, n, D]
     entering_den = _exclusive_cumsum(ksum, state.den)
-    den = (jnp.sum(scores, axis=-1).swapaxes(2, 3)
-           + jnp.einsum("bnihd,bnhd->bnih", qc, entering_den))
+    den = jnp.sum(scores, axis=-1) + jnp.einsum("bnid,bnd->bni", qc, entering_den)
     return num, den, LinearState(final_num, entering_den[:, -1] + ksum[:, -1])
 
 

@@ -120,17 +120,18 @@ def test_gradients_float64():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
 @pytest.mark.parametrize("denominator", [False, True])
-def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator):
-    # causal_chunked picks one of the two by the size of the states; here both run on every size.
-    t, (q, k, v) = 13, _inputs(13, seed=4)
+def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator, monkeypatch):
+    # causal_chunked picks the prefix sum or the scan by the size of the states; run both here.
+    q, k, v = _inputs(13, seed=4)
     kq, kd = jax.random.split(jax.random.PRNGKey(5))
     state = la.LinearState(jax.random.normal(kq, (B, H, D, M)),
                            jax.random.normal(kd, (B, H, D)) if denominator else None)
-    n = -(-t // chunk)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0))).reshape(  # noqa: E731
-        (B, n, chunk) + x.shape[2:])
-    outs = {form.__name__: form(pad(q), pad(k), pad(v), state)
-            for form in (la._chunks_by_scan, la._chunks_by_prefix_sum)}
+    mask = jnp.arange(13)[None, :] < jnp.array([[13], [9]])
+    outs = {}
+    for prefix in (False, True):
+        monkeypatch.setattr(la, "_prefix_sum_fits", lambda *_, p=prefix: p)
+        outs[f"prefix={prefix}"] = la.causal_chunked(q, k, v, chunk_size=chunk, state=state, mask=mask,
+                                                     denominator=denominator)
     assert_forms_agree(outs, **F32_SIMPLE)
 
 
