@@ -207,14 +207,21 @@ class AGFAttention(_Attention):
         validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
-        if self.chunk_size is not None:
-            o, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size, mask=mask,
-                                   **self._basis_kwargs())
+        if not self.causal:
+            # The output and the regulariser in one pass (a hand-written backward pass).
+            o, ortho = ops.agf_with_orthogonality(zu, zv, zs, val, c, mask=mask,
+                                                  count_padding=self.ortho_count_padding,
+                                                  **self._basis_kwargs())
         else:
-            o = ops.agf_parallel(zu, zv, zs, val, c, mask=mask, causal=self.causal,
-                                 **self._basis_kwargs())
-        ortho = self.ortho_scale * ops.orthogonality_loss(
-            zu, zv, mask=mask, count_padding=self.ortho_count_padding)
+            if self.chunk_size is not None:
+                o, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size, mask=mask,
+                                       **self._basis_kwargs())
+            else:
+                o = ops.agf_parallel(zu, zv, zs, val, c, mask=mask, causal=True,
+                                     **self._basis_kwargs())
+            ortho = ops.orthogonality_loss(zu, zv, mask=mask,
+                                           count_padding=self.ortho_count_padding)
+        ortho = self.ortho_scale * ortho
         aux = {"loss/orthogonality": jnp.mean(ortho), "orthogonality/per_sample": ortho,
                "filter/coefficients": c}
         return self._finish(o, x, deterministic), aux

@@ -299,6 +299,54 @@ def test_check_grads_float64(x64):
     check_grads(jax.jit(all_forms), (zu, zv, zs, val, theta), order=1, modes=("rev",), **F64)
 
 
+_FUSED_CASES = [dict(basis="jacobi", alpha=2.0, beta=-1.0), dict(basis="legendre"),
+                dict(basis="chebyshev"), dict(basis="monomial")]
+
+
+@pytest.mark.parametrize("count_padding", [True, False])
+@pytest.mark.parametrize("basis", _FUSED_CASES, ids=lambda b: b["basis"])
+def test_fused_form_equals_the_plain_maths_and_its_gradients(x64, basis, count_padding):
+    # agf_with_orthogonality (a hand-written backward pass) against autodiff of the plain maths:
+    # the explicit T x T attention matrix times the masked values, and orthogonality_loss.
+    zu, zv, zs, val = (a.astype(jnp.float64) for a in _inputs(7, seed=15))
+    zv = zv / 3.0
+    mask = _mask(7)
+    weights = jax.random.normal(jax.random.key(16), (B, 7, H, M), jnp.float64)
+
+    def fused(zu, zv, zs, val, theta, theta_0):
+        c = ops.filter_coefficients(theta, theta_0)
+        y, reg = ops.agf_with_orthogonality(zu, zv, zs, val, c, mask=mask,
+                                            count_padding=count_padding, **basis)
+        return jnp.sum(jnp.sin(y) * weights) + jnp.sum(reg * jnp.array([0.7, -1.3]))
+
+    def plain(zu, zv, zs, val, theta, theta_0):
+        c = ops.filter_coefficients(theta, theta_0)
+        hmat = ops.agf_attention_matrix(zu, zv, zs, c, mask=mask, **basis)
+        y = jnp.einsum("bhtj,bjhm->bthm", hmat, ops.masked_values(val, mask))
+        reg = ops.orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
+        return jnp.sum(jnp.sin(y) * weights) + jnp.sum(reg * jnp.array([0.7, -1.3]))
+
+    args = (zu, zv, zs, val, jnp.array([0.7, -0.4, 0.3], jnp.float64), jnp.float64(0.2))
+    np.testing.assert_allclose(jax.jit(fused)(*args), jax.jit(plain)(*args), **F64)
+    got = jax.jit(jax.grad(fused, argnums=tuple(range(6))))(*args)
+    want = jax.jit(jax.grad(plain, argnums=tuple(range(6))))(*args)
+    assert_trees_close(got, want, **F64)
+    check_grads(jax.jit(fused), args, order=1, modes=("rev",), **F64)
+
+
+def test_fused_form_returns_the_reference_pair():
+    zu, zv, zs, val = _inputs(7, seed=17)
+    mask = _mask(7)
+    y, reg = ops.agf_with_orthogonality(zu, zv, zs, val, COEFFS, mask=mask, **BASIS)
+    y_np, _, ortho_np = _numpy_reference(zu, zv, zs, val, COEFFS, mask, 2.0, -1.0)
+    np.testing.assert_allclose(y, y_np, **F32_SIMPLE)
+    np.testing.assert_allclose(reg, ortho_np, **F32_SIMPLE)
+    _, reg_valid = ops.agf_with_orthogonality(zu, zv, zs, val, COEFFS, mask=mask,
+                                              count_padding=False, **BASIS)
+    np.testing.assert_allclose(reg_valid, ops.orthogonality_loss(zu, zv, mask=mask,
+                                                                 count_padding=False), **F32_SIMPLE)
+
+
 def test_where_masking_is_bit_identical_to_the_reference_offset():
     # Finite inputs: jnp.where(valid, Z_V, -1e9) gives the reference's Z_V - 1e9 (1 - mask) weights
     # bit for bit (padded weights are exactly 0 either way), and V^T Val is unchanged.
