@@ -49,6 +49,7 @@ from agf_jax import validation
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
 from zoo_core import checks, layout
+from zoo_core.remat import call_block
 from zoo_core.dropout import Dropout
 
 Array = jax.Array
@@ -138,6 +139,7 @@ class _BlockFields(nn.Module, kw_only=True):
     attention_dropout: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    remat: bool = False
 
 
 def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
@@ -207,7 +209,7 @@ class LRAEncoder(_BlockFields, kw_only=True):
         self.sow("intermediates", "hidden_states", x)
         auxes = []
         for block in self.blocks:
-            x, aux = block(x, mask=mask, deterministic=deterministic)
+            x, aux = call_block(block, x, mask=mask, deterministic=deterministic, remat=self.remat)
             self.sow("intermediates", "hidden_states", x)
             auxes.append(aux)
         x = self.final_norm(x) * mask[:, :, None].astype(x.dtype)
@@ -236,6 +238,7 @@ class _LRABase(_BlockFields, kw_only=True):
         pooling: 'mean' (the reference's MEAN: over all T positions) or 'cls' (the reference's CLS:
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
+        remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
     """
     num_classes: int
     vocab_size: int
@@ -388,6 +391,7 @@ class UEAClassifier(_BlockFields, kw_only=True):
         activation: 'gelu' | 'relu' (blocks and the output activation).
         pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
         dtype, param_dtype: compute and parameter dtypes.
+        remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
     """
     num_classes: int
     feat_dim: int
@@ -430,7 +434,7 @@ class UEAClassifier(_BlockFields, kw_only=True):
         self.sow("intermediates", "hidden_states", h)
         auxes = []
         for block in self.blocks:
-            h, aux = block(h, deterministic=det)
+            h, aux = call_block(block, h, deterministic=det, remat=self.remat)
             self.sow("intermediates", "hidden_states", h)
             auxes.append(aux)
         h = self.final_norm(h)

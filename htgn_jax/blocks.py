@@ -30,6 +30,7 @@ from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGr
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
 from zoo_core.linear_attention import LinearState
+from zoo_core.remat import call_block
 
 Array = jax.Array
 
@@ -56,6 +57,7 @@ class BlockConfig:
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
       dtype, param_dtype: compute and parameter dtypes.
+      remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
     """
     d_model: int
     num_heads: int
@@ -80,6 +82,7 @@ class BlockConfig:
     chunk_size: int = 64
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    remat: bool = False
 
     @classmethod
     def from_module(cls, m: Any, **overrides) -> "BlockConfig":
@@ -406,8 +409,8 @@ class Encoder(nn.Module):
         mask = with_globals(mask, g)
         auxes = []
         for block in self.blocks:
-            x, aux = block(x, mask=mask, positions=positions, deterministic=deterministic,
-                           feature_step=feature_step)
+            x, aux = call_block(block, x, mask=mask, positions=positions, deterministic=deterministic,
+                                feature_step=feature_step, remat=c.remat)
             auxes.append(aux)
         if c.norm == "pre":
             x = self.final_norm(x)

@@ -72,6 +72,7 @@ from htgn_jax.blocks import (BlockConfig, DecoderBlock, Encoder, drop_path_rate,
                              with_globals)
 from htgn_jax.validation import ATTENTIONS  # noqa: F401  (the configs read it from here)
 from zoo_core.checks import fail, model_fields
+from zoo_core.remat import call_block
 
 Array = jax.Array
 
@@ -132,6 +133,7 @@ class _HTGNModel(nn.Module, kw_only=True):
     per_layer_features: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    remat: bool = False
 
     @property
     def uses_step(self) -> bool:
@@ -179,6 +181,8 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         table; targets and decoded sequences must not be longer.
       pad_id, bos_id, eos_id: special ids (number_words / wmt convention 0, 1, 2).
       dtype, param_dtype: compute and parameter dtypes.
+      remat: recompute each encoder and decoder block's forward pass in the backward pass
+        (`zoo_core.remat`; decoding is not rematerialised).
     """
     source_vocab_size: int
     target_vocab_size: int
@@ -303,8 +307,8 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         mask = decoder_inputs != self.pad_id
         auxes = []
         for block in self.decoder_blocks:
-            y, aux = block(y, memory, mask=mask, memory_mask=memory_mask,
-                           deterministic=deterministic, feature_step=step)
+            y, aux = call_block(block, y, memory, mask=mask, memory_mask=memory_mask,
+                                deterministic=deterministic, feature_step=step, remat=self.remat)
             auxes.append(aux)
         return self._logits(y), merge_aux(*auxes)
 

@@ -30,6 +30,7 @@ from samovar_jax import attention, baselines, layers, ops, validation
 from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
 from zoo_core.dropout import Dropout
+from zoo_core.remat import call_block
 
 Array = jax.Array
 
@@ -154,6 +155,8 @@ class Forecaster(nn.Module):
       dtype: compute dtype or its name, e.g. 'bfloat16' (None: the parameter dtype). Instance-norm
         statistics, the attention sums/states and the returned forecast stay float32.
       param_dtype: parameter dtype or its name.
+      remat: recompute the forward pass of each MLP block, LinTrans block and of the VAR chain in
+        the backward pass (`zoo_core.remat`; the stateful scan paths are not rematerialised).
     """
     num_channels: int
     input_len: int
@@ -180,6 +183,7 @@ class Forecaster(nn.Module):
     crop_inputs: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    remat: bool = False
 
     # ------------------------------------------------------------------ configuration
 
@@ -336,17 +340,19 @@ class Forecaster(nn.Module):
                     h, s = block.scan(h, None if state is None else state[i], deterministic=not train)
                     states.append(s)
                 else:
-                    h, _ = block(h, deterministic=not train)
+                    h, _ = call_block(block, h, deterministic=not train, remat=self.remat)
             z = h[:, 1::2]
             return z, (tuple(states) if stateful else None)
         for mlp in self.mlps:
-            h = mlp(h, deterministic=not train)
+            h = call_block(mlp, h, deterministic=not train, remat=self.remat)
         x0 = self.var_norm(h)
         if stateful:
             o, new_state = self.var.scan(x0, state, positions=self._table_positions(positions),
                                          deterministic=not train)
         else:
-            o, new_state = self.var(x0, positions=self._table_positions(positions), deterministic=not train)[0], None
+            o = call_block(self.var, x0, positions=self._table_positions(positions), deterministic=not train,
+                           remat=self.remat)[0]
+            new_state = None
         return self._mixture(x0[:, 1::2], o[:, :, 1::2]), new_state
 
     def _head(self, z: Array, batch: int) -> Array:

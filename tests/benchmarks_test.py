@@ -83,3 +83,16 @@ def test_peers_reports_a_missing_official_source_as_skipped(tmp_path):
           "--no_bounds", "--out", str(out)], tmp_path, timeout=120)
     (rec,) = json.loads(out.read_text())["records"]
     assert rec["status"] == "skipped" and "has no models/AutoregressiveAlignment.py" in rec["reason"]
+
+
+def test_memory_options_tiny_records_memory_and_time_per_variant(tmp_path):
+    out = tmp_path / "memory.json"
+    stdout = _run(["benchmarks/memory_options.py", "--tiny", "--configs", "samovar_fig4", "--variants",
+                   "f32,bf16+remat", "--out", str(out)], tmp_path)
+    data = json.loads(out.read_text())
+    assert [(r["config"], r["variant"]) for r in data["records"]] == [("samovar_fig4", "f32"),
+                                                                       ("samovar_fig4", "bf16+remat")]
+    for r in data["records"]:
+        assert r["temp_bytes"] > 0 and r["total_bytes"] >= r["temp_bytes"]
+        assert r["median_s"] > 0 and r["time_over_ref"] > 0
+    assert "| samovar_fig4 | bf16+remat |" in stdout and "load average" in stdout

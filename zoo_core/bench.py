@@ -383,7 +383,8 @@ _MEMORY_FIELDS = dict(argument_bytes="argument_size_in_bytes", output_bytes="out
                       generated_code_bytes="generated_code_size_in_bytes")
 
 
-def _memory_of(compiled: Any) -> dict[str, int | None]:
+def memory_of(compiled: Any) -> dict[str, int | None]:
+    """`compiled_memory`'s dict for an already compiled executable (`jit(f).lower(...).compile()`)."""
     try:
         stats = compiled.memory_analysis()
     except (NotImplementedError, RuntimeError):  # some backends do not implement it
@@ -417,7 +418,7 @@ def compiled_memory(fn: Callable, *args: Any) -> dict[str, int | None]:
       generated code - alias, the estimate of the executable's peak footprint.
     """
     compiled, _ = _compile(fn, args)
-    return _memory_of(compiled)
+    return memory_of(compiled)
 
 
 def reset_peak_rss() -> bool:
@@ -597,7 +598,7 @@ def _measure(case: str, n: int, make_fn: Callable, *, warmup: int, repeats: int,
     fn, args = made[0], tuple(made[1])
     info = dict(made[2]) if len(made) == 3 else {}
     compiled, compile_s = _compile(fn, args)
-    memory = _memory_of(compiled)
+    memory = memory_of(compiled)
     est = memory["total_bytes"]
     res = Result(case=case, n=n, status=SKIPPED, compile_s=compile_s, est_bytes=est,
                  guard_factor=factor, memory=memory,

@@ -58,7 +58,13 @@ def test_dropout_values_match_flax_scaling():
     assert zd.dropout(x, 0.5, None, deterministic=True) is x
     np.testing.assert_array_equal(zd.dropout(x, 1.0, jax.random.key(0)), jnp.zeros_like(x))
     xb = x.astype(jnp.bfloat16)
-    assert zd.dropout(xb, 0.1, jax.random.key(5)).dtype == jnp.bfloat16
+    yb = zd.dropout(xb, 0.1, jax.random.key(5))
+    assert yb.dtype == jnp.bfloat16
+    # 16-bit inputs are scaled by the exact 1/keep (0.9 is 0.8984375 in bfloat16): each kept value
+    # is the float32 quotient rounded once.
+    kept = np.asarray(yb != 0)
+    want = (np.asarray(xb, np.float32) / np.float32(0.9)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(yb)[kept], want[kept])
 
 
 def test_module_is_a_drop_in_for_flax_dropout():
