@@ -282,4 +282,4 @@ class StructuralMatrix(nn.Module):
         """Row-vector product per head, `einsum('...hd,hde->...he')`: x [..., H, D] -> [..., H, D]."""
         m = self.matrix()
         dtype = self.dtype if self.dtype is not None else jnp.promote_types(x.dtype, self.param_dtype)
-        return jnp.einsum("...hd,hde->...he", x.astype(dtype), m.astype(dtype))
+        return ops.per_head_product(x.astype(dtype), m.astype(dtype))

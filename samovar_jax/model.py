@@ -19,6 +19,7 @@ patch) and equals re-running the parallel form on the extended patch sequence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -316,7 +317,9 @@ class Forecaster(nn.Module):
           z [B', n, E] = x0 + (sum_m o^(m)) D (or (x0 + sum_m o^(m)) D with shortcut_inside).
         """
         r = self.resolved
-        m = jnp.sum(o_endo, axis=0)
+        # Layer by layer, not jnp.sum(axis=0): XLA's CPU backend runs a reduction over the leading
+        # axis of the stacked outputs as a slow strided reduce; the adds fuse with the slicing.
+        m = functools.reduce(jnp.add, [o_endo[i] for i in range(o_endo.shape[0])])
         x0h = x0_endo.reshape(m.shape).astype(m.dtype)
         if self.shortcut_inside:
             m = m + x0h

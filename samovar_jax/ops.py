@@ -283,6 +283,30 @@ def structural_matrix(theta: Array) -> Array:
     return lower @ upper
 
 
+def per_head_product(x: Array, matrices: Array) -> Array:
+    """Row-vector product per head, `einsum('...hd,hde->...he')`, as one 2-D matmul.
+
+    `x [..., H, D]` is read as `[rows, H*D]` (a free reshape) and multiplied by the block-diagonal
+    `[H*D, H*D]` matrix of the heads' matrices: no relayout of x into a heads-first batch (what XLA's
+    CPU backend did for the einsum, two transposing copies of x per call). The off-diagonal blocks
+    are exact zeros, so every output adds the same nonzero products; only a non-finite entry of x
+    reaches the other heads of its own row.
+
+    Args:
+      x: [..., H, D].
+      matrices: [H, D, D].
+
+    Returns:
+      [..., H, D] in the promoted dtype of (x, matrices).
+    """
+    h, d, _ = matrices.shape
+    if x.shape[-2:] != (h, d):
+        raise ValueError(f"`x` must be [..., {h}, {d}] to match matrices {matrices.shape}, got {x.shape}")
+    block = jnp.einsum("hde,hg->hdge", matrices, jnp.eye(h, dtype=matrices.dtype)).reshape(h * d, h * d)
+    out = jnp.reshape(x, (-1, h * d)) @ block
+    return out.reshape(x.shape[:-2] + (h, d))
+
+
 def structural_matrix_inverse(theta: Array) -> Array:
     """D^-1 = U^-1 L^-1 per head via two triangular solves, [H, D, D] (the paper's reading)."""
     lower, upper = lu_factors(theta)

@@ -223,3 +223,16 @@ def test_chain_rejects_bad_shapes():
         ops.var_chain_recurrent(x0, q, v, dropout_mask=mask[:, :1])
     with pytest.raises(ValueError, match="chunk_size"):
         ops.var_chain_chunked(x0, q, v, 0)
+
+
+def test_per_head_product_is_the_per_head_einsum():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(2, 5, 3, 4)).astype(np.float32)
+    m = rng.normal(size=(3, 4, 4)).astype(np.float32)
+    np.testing.assert_allclose(ops.per_head_product(x, m), np.einsum("...hd,hde->...he", x, m), **F32_SIMPLE)
+    # a non-finite entry stays in its own row
+    x[0, 1, 2, 3] = np.nan
+    out = np.asarray(ops.per_head_product(x, m))
+    assert np.isnan(out[0, 1]).all() and np.isfinite(np.delete(out.reshape(10, 3, 4), 1, axis=0)).all()
+    with pytest.raises(ValueError, match=r"`x` must be \[\.\.\., 3, 4\]"):
+        ops.per_head_product(x[..., :3], m)
