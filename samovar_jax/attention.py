@@ -365,16 +365,20 @@ class VARChain(nn.Module):
             checks.fail(f"`x0` must be [B, T, {self.width}], got shape {x0.shape}")
         if self.qv_source == "fixed" and x0.shape[0] % self.num_channels:
             checks.fail(f"FixedVAR rows must be batch x {self.num_channels} channels, got {x0.shape[0]}")
+        xh, q, v, kernels = self._project_layers(x0, positions, start)
+        return xh, jnp.stack(q), jnp.stack(v), kernels
+
+    def _project_layers(self, x0: Array, positions: Optional[Array], start):
+        """`project` with q and v as tuples of L arrays [B, T, H, D] (not stacked)."""
         positions = self._positions(positions, start, x0.shape[1])
         dtype = self.dtype if self.dtype is not None else jnp.promote_types(x0.dtype, self.param_dtype)
         x0 = x0.astype(dtype)
         qv = [layer(x0, positions) for layer in self.layers]
-        q = jnp.stack([a.astype(dtype) for a, _ in qv])
-        v = jnp.stack([b.astype(dtype) for _, b in qv])
         kernels = None
         if self.use_key_proj:
             kernels = jnp.stack([layer.key_kernel() for layer in self.layers]).astype(dtype)
-        return _split_heads(x0, self.num_heads), q, v, kernels
+        return (_split_heads(x0, self.num_heads), tuple(a.astype(dtype) for a, _ in qv),
+                tuple(b.astype(dtype) for _, b in qv), kernels)
 
     def init_state(self, batch_size: int) -> VARChainState:
         """Zero per-layer states num [L, B, H, D, D] (float32), position 0."""
@@ -390,6 +394,16 @@ class VARChain(nn.Module):
         if self.chunk_size is None:
             return ops.var_chain_parallel(xh, q, v, **kw), {}
         return ops.var_chain_chunked(xh, q, v, self.chunk_size, **kw)[0], {}
+
+    def layer_outputs(self, x0: Array, *, positions: Optional[Array] = None, mask: Optional[Array] = None,
+                      deterministic: bool = True) -> tuple[Array, ...]:
+        """`__call__`'s outputs as a tuple of L arrays [B, T, H, D] (`ops.var_chain_layers`): the
+        same values, without stacking the layers' operands and outputs along L (for a caller that
+        only sums them)."""
+        xh, q, v, kernels = self._project_layers(x0, positions, 0)
+        drop = _dropout_mask(self, self.dropout_rate, (len(q),) + q[0].shape, deterministic)
+        return ops.var_chain_layers(xh, q, v, chunk_size=self.chunk_size, key_kernels=kernels,
+                                    dropout_mask=drop, mask=mask)
 
     def scan(self, x0: Array, state: Optional[VARChainState] = None, *, positions: Optional[Array] = None,
              mask: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, VARChainState]:

@@ -307,19 +307,21 @@ class Forecaster(nn.Module):
         b, c, t, d = h.shape
         return h.reshape(b * c, t, d), positions
 
-    def _mixture(self, x0_endo: Array, o_endo: Array) -> Array:
-        """Key shortcut and structural matrix (spec §2.7): x0, o at endogenous tokens -> z.
+    def _mixture(self, x0_endo: Array, outputs) -> Array:
+        """Key shortcut and structural matrix (spec §2.7): x0 and the layers' outputs -> z.
 
         Args:
-          x0_endo: [B', n, E]; o_endo: [L, B', n, H, D] per-layer outputs.
+          x0_endo: [B', n, E] at the endogenous tokens.
+          outputs: the L layers' outputs, each [B', 2n, H, D] at every token (a tuple, or an
+            [L, ...] array).
 
         Returns:
           z [B', n, E] = x0 + (sum_m o^(m)) D (or (x0 + sum_m o^(m)) D with shortcut_inside).
         """
         r = self.resolved
-        # Layer by layer, not jnp.sum(axis=0): XLA's CPU backend runs a reduction over the leading
-        # axis of the stacked outputs as a slow strided reduce; the adds fuse with the slicing.
-        m = functools.reduce(jnp.add, [o_endo[i] for i in range(o_endo.shape[0])])
+        # Adds of the layers' endogenous tokens, not jnp.sum over a stacked axis: XLA's CPU backend
+        # runs that reduction as a slow strided reduce, and the adds fuse with the slicing.
+        m = functools.reduce(jnp.add, [o[:, 1::2] for o in outputs])
         x0h = x0_endo.reshape(m.shape).astype(m.dtype)
         if self.shortcut_inside:
             m = m + x0h
@@ -354,9 +356,9 @@ class Forecaster(nn.Module):
                                          deterministic=not train)
         else:
             o = call_block(self.var, x0, positions=self._table_positions(positions), deterministic=not train,
-                           remat=self.remat)[0]
+                           remat=self.remat, method="layer_outputs")
             new_state = None
-        return self._mixture(x0[:, 1::2], o[:, :, 1::2]), new_state
+        return self._mixture(x0[:, 1::2], o), new_state
 
     def _head(self, z: Array, batch: int) -> Array:
         """z [B * C_t, n, E] -> next-patch predictions [B, C_t, n, P]."""

@@ -28,7 +28,7 @@ one in that dtype; the returned outputs are in x0's dtype; states are float32 (f
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,8 +143,11 @@ def var_chain_init_state(layers: int, batch: int, heads: int, head_dim: int, dty
     return jnp.zeros((layers, batch, heads, head_dim, head_dim), dtype)
 
 
-def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state):
+def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state, stack=True):
     """Runs `layer_fn(m, q_m, key_m, v_m, state_m) -> (num, state)` for m = 1..L, chaining keys.
+
+    q, v (and dropout_mask) are [L, ...] arrays or sequences of L arrays; with `stack=False` the
+    outputs come back as a tuple of L arrays (and no state).
 
     Every layer output is multiplied by its dropout mask (position-wise, so a non-finite output stays
     at its own position) and becomes the next key in the kernels' accumulation dtype (at least
@@ -154,7 +157,7 @@ def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state):
     """
     k = x0
     outs, states = [], []
-    for m in range(q.shape[0]):
+    for m in range(len(q)):
         key = _key_map(k, None if key_kernels is None else key_kernels[m])
         o, s = layer_fn(q[m], key, v[m], None if state is None else la.LinearState(state[m], None))
         if dropout_mask is not None:
@@ -162,6 +165,8 @@ def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state):
         outs.append(o.astype(x0.dtype))
         states.append(None if s is None else s.num)
         k = o
+    if not stack:
+        return tuple(outs)
     return jnp.stack(outs), (None if states[0] is None else jnp.stack(states))
 
 
@@ -209,6 +214,41 @@ def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: 
         num, _, s = la.causal_chunked(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
         return num, s
     return _chain(fn, x0, q, v, key_kernels, dropout_mask, state)
+
+
+def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk_size: Optional[int] = None,
+                     key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
+                     mask: Optional[Array] = None) -> tuple[Array, ...]:
+    """The VAR chain on per-layer operands, returning per-layer outputs: no `[L, ...]` stacks.
+
+    The same maths as `var_chain_parallel` (`chunk_size=None`) and `var_chain_chunked`; what a
+    caller that only sums the layers' outputs wants (the model's training path): stacking q, v and
+    the outputs along L costs a copy of each forwards and a padded cotangent per layer backwards.
+
+    Args:
+      x0: [B, T, H, D].
+      q, v: sequences of L arrays [B, T, H, D].
+      chunk_size: None for the masked form, else the chunked form's C.
+      key_kernels: optional [L, E, E]; dropout_mask: optional [L, B, T, H, D]; mask: optional [B, T].
+
+    Returns:
+      a tuple of L arrays [B, T, H, D], layer m's output in x0's dtype.
+    """
+    if len(q) != len(v) or not q:
+        raise ValueError(f"q and v must be non-empty sequences of equal length, got {len(q)} and {len(v)}")
+    for name, seq in (("q", q), ("v", v)):
+        if any(a.shape != x0.shape for a in seq):
+            raise ValueError(f"each {name} must have x0's shape {x0.shape}, got {[a.shape for a in seq]}")
+    layers = len(q)
+    _check_chain(x0, jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype),
+                 jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype), key_kernels, dropout_mask)
+    if chunk_size is None:
+        def fn(qm, km, vm, _):
+            return la.causal_parallel(qm, km, vm, mask=mask)[0], None
+    else:
+        def fn(qm, km, vm, _):
+            return la.causal_chunked(qm, km, vm, chunk_size=chunk_size, mask=mask)[0], None
+    return _chain(fn, x0, q, v, key_kernels, dropout_mask, None, stack=False)
 
 
 def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,

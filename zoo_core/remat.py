@@ -17,24 +17,25 @@ from typing import Any
 import flax.linen as nn
 
 
-def _run(block: nn.Module, deterministic: bool, args: tuple, kwargs: dict) -> Any:
-    return block(*args, deterministic=deterministic, **kwargs)
+def _run(block: nn.Module, deterministic: bool, method: str, args: tuple, kwargs: dict) -> Any:
+    return getattr(block, method)(*args, deterministic=deterministic, **kwargs)
 
 
-_remat_run = nn.remat(_run, static_argnums=(1,))
+_remat_run = nn.remat(_run, static_argnums=(1, 2))
 
 
 def call_block(block: nn.Module, *args: Any, deterministic: bool, remat: bool,
-               **kwargs: Any) -> Any:
-    """`block(*args, deterministic=deterministic, **kwargs)`, rematerialised when `remat` is True.
+               method: str = "__call__", **kwargs: Any) -> Any:
+    """`block.method(*args, deterministic=deterministic, **kwargs)`, rematerialised when `remat`.
 
     Args:
-      block: a bound Linen submodule whose `__call__` takes `deterministic=`.
-      *args, **kwargs: its other arguments (arrays, None or static Python values in kwargs are
-        passed through as pytrees).
+      block: a bound Linen submodule whose `method` takes `deterministic=`.
+      *args, **kwargs: its other arguments (arrays or None; with remat they are traced, so no
+        Python values that steer control flow).
       deterministic: dropout off (static).
       remat: recompute the block's forward pass in the backward pass.
+      method: the name of the block's method to call (static).
     """
     if not remat:
-        return block(*args, deterministic=deterministic, **kwargs)
-    return _remat_run(block, deterministic, args, kwargs)
+        return getattr(block, method)(*args, deterministic=deterministic, **kwargs)
+    return _remat_run(block, deterministic, method, args, kwargs)

@@ -236,3 +236,28 @@ def test_per_head_product_is_the_per_head_einsum():
     assert np.isnan(out[0, 1]).all() and np.isfinite(np.delete(out.reshape(10, 3, 4), 1, axis=0)).all()
     with pytest.raises(ValueError, match=r"`x` must be \[\.\.\., 3, 4\]"):
         ops.per_head_product(x[..., :3], m)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_chain_layers_are_the_stacked_forms_unstacked(chunk):
+    # The same values and gradients as var_chain_parallel / var_chain_chunked, per layer.
+    x0, q, v, wk, mask = _chain_inputs(7)
+    kw = dict(key_kernels=wk, dropout_mask=mask)
+
+    def stacked(x0, q, v):
+        if chunk is None:
+            return ops.var_chain_parallel(x0, q, v, **kw)
+        return ops.var_chain_chunked(x0, q, v, chunk, **kw)[0]
+
+    def layers(x0, q, v):
+        return jnp.stack(ops.var_chain_layers(x0, list(q), list(v), chunk_size=chunk, **kw))
+
+    # (different programs, so compared at the float32 tolerance, not bit for bit)
+    np.testing.assert_allclose(layers(x0, q, v), stacked(x0, q, v), **F32_SIMPLE)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, **F32_SIMPLE),
+                           jax.grad(loss(layers), (0, 1, 2))(x0, q, v), jax.grad(loss(stacked), (0, 1, 2))(x0, q, v))
+    with pytest.raises(ValueError, match="equal length"):
+        ops.var_chain_layers(x0, list(q), list(v)[:2])
+    with pytest.raises(ValueError, match="x0's shape"):
+        ops.var_chain_layers(x0, [a[:, :3] for a in q], list(v))
