@@ -5,8 +5,8 @@ O(N d^2) time and O(N d + d^2) memory; softmax attention materialises the [B, H,
 script times `jax.grad` of a scalar loss with respect to every input of the attention core (the
 projections are identical in both and left out) at batch 1 for N = 1K, 2K, ..., 64K:
 
-  agf             non-causal AGF, `agf_jax.ops.agf_parallel`, plus the orthogonality regulariser
-                  (`ops.orthogonality_loss`), as in training; Jacobi filter K=5, alpha=2, beta=-1
+  agf             non-causal AGF with its orthogonality regulariser in one pass, as the layer trains
+                  (`agf_jax.ops.agf_with_orthogonality`); Jacobi filter K=5, alpha=2, beta=-1
                   (the reference's ListOps setting); inputs Z_U, Z_V, Z_S, Val [1, N, H, d] and theta [K]
   agf_causal      the causal extension, chunked form (`ops.agf_chunked`, --chunk_size, default 16: the
                   intra-chunk work is C * D exponentials per token and head, and at 8 x 64 heads and
@@ -76,8 +76,10 @@ def make_case(case: str, n: int, heads: int, head_dim: int, chunk_size: int):
         c = ops.filter_coefficients(theta)
         kw = dict(basis="jacobi", alpha=ALPHA, beta=BETA)
         if case == "agf":
-            out = ops.agf_parallel(zu, zv, zs, val, c, **kw)
-        elif case == "agf_causal":
+            # What the non-causal layer trains with: output and regulariser in one pass.
+            out, ortho = ops.agf_with_orthogonality(zu, zv, zs, val, c, **kw)
+            return jnp.sum(out) + jnp.sum(ortho)
+        if case == "agf_causal":
             out, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=chunk_size, **kw)
         else:
             out = ops.agf_parallel(zu, zv, zs, val, c, causal=True, **kw)
