@@ -124,20 +124,27 @@ def _jacobi_abc(k: int, a: float, b: float) -> tuple[float, float, float]:
     return big_a, big_b, big_c
 
 
-def _basis_iter(x: Array, order: int, basis: str, alpha, beta):
-    """Yields P_0(x), ..., P_order(x) through the three-term recurrence (two terms kept alive)."""
+def _recurrence(order: int, basis: str, alpha, beta):
+    """Yields (A, B, C) of P_k = (A x + B) P_{k-1} - C P_{k-2} for k = 1..order (P_0 = 1, and
+    C = 0 at k = 1, where P_{-1} does not exist)."""
     a, b = resolve_basis(basis, alpha, beta, order)
-    p_prev = None
-    p = jnp.ones_like(x)
-    yield p
     for k in range(1, order + 1):
         if basis == "monomial":
-            p_new = x * p
+            yield 1.0, 0.0, 0.0
         elif k == 1:
-            p_new = 0.5 * (a - b) + 0.5 * (a + b + 2) * x
+            yield 0.5 * (a + b + 2), 0.5 * (a - b), 0.0
         else:
-            big_a, big_b, big_c = _jacobi_abc(k, a, b)
-            p_new = (big_a * x + big_b) * p - big_c * p_prev
+            yield _jacobi_abc(k, a, b)
+
+
+def _basis_iter(x: Array, order: int, basis: str, alpha, beta):
+    """Yields P_0(x), ..., P_order(x) through the three-term recurrence (two terms kept alive)."""
+    p_prev, p = None, jnp.ones_like(x)
+    yield p
+    for big_a, big_b, big_c in _recurrence(order, basis, alpha, beta):
+        p_new = (big_a * x + big_b) * p
+        if big_c:
+            p_new = p_new - big_c * p_prev
         p_prev, p = p, p_new
         yield p
 
@@ -145,20 +152,14 @@ def _basis_iter(x: Array, order: int, basis: str, alpha, beta):
 def _basis_and_derivative_iter(x: Array, order: int, basis: str, alpha, beta):
     """Yields (P_k(x), P_k'(x)) for k = 0..order: the recurrence and its derivative,
     P_k' = (A x + B) P_{k-1}' + A P_{k-1} - C P_{k-2}' (two terms of each kept alive)."""
-    a, b = resolve_basis(basis, alpha, beta, order)
     p_prev = dp_prev = None
     p, dp = jnp.ones_like(x), jnp.zeros_like(x)
     yield p, dp
-    for k in range(1, order + 1):
-        if basis == "monomial":
-            p_new, dp_new = x * p, p + x * dp
-        elif k == 1:
-            p_new = 0.5 * (a - b) + 0.5 * (a + b + 2) * x
-            dp_new = jnp.full_like(x, 0.5 * (a + b + 2))
-        else:
-            big_a, big_b, big_c = _jacobi_abc(k, a, b)
-            p_new = (big_a * x + big_b) * p - big_c * p_prev
-            dp_new = big_a * p + (big_a * x + big_b) * dp - big_c * dp_prev
+    for big_a, big_b, big_c in _recurrence(order, basis, alpha, beta):
+        factor = big_a * x + big_b
+        p_new, dp_new = factor * p, big_a * p + factor * dp
+        if big_c:
+            p_new, dp_new = p_new - big_c * p_prev, dp_new - big_c * dp_prev
         p_prev, p, dp_prev, dp = p, p_new, dp, dp_new
         yield p, dp
 
