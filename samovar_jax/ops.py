@@ -191,8 +191,20 @@ def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[A
       [L, B, T, H, D] every layer's output in x0's dtype (the model sums them over L).
     """
     _check_chain(x0, q, v, key_kernels, dropout_mask)
-    fn = lambda qm, km, vm, _: (la.causal_parallel(qm, km, vm, mask=mask)[0], None)  # noqa: E731
-    return _chain(fn, x0, q, v, key_kernels, dropout_mask, None)[0]
+    return _chain(_masked_layer(mask), x0, q, v, key_kernels, dropout_mask, None)[0]
+
+
+def _masked_layer(mask):
+    """`_chain`'s layer function of the masked form (no state)."""
+    return lambda qm, km, vm, _: (la.causal_parallel(qm, km, vm, mask=mask)[0], None)
+
+
+def _chunked_layer(chunk_size, mask):
+    """`_chain`'s layer function of the chunked form (carries each layer's state)."""
+    def fn(qm, km, vm, s):
+        num, _, s = la.causal_chunked(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
+        return num, s
+    return fn
 
 
 def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: Optional[Array] = None,
@@ -209,11 +221,7 @@ def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: 
       (o [L, B, T, H, D], final state [L, B, H, D, D] float32).
     """
     _check_chain(x0, q, v, key_kernels, dropout_mask)
-
-    def fn(qm, km, vm, s):
-        num, _, s = la.causal_chunked(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
-        return num, s
-    return _chain(fn, x0, q, v, key_kernels, dropout_mask, state)
+    return _chain(_chunked_layer(chunk_size, mask), x0, q, v, key_kernels, dropout_mask, state)
 
 
 def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk_size: Optional[int] = None,
@@ -242,12 +250,7 @@ def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk
     layers = len(q)
     _check_chain(x0, jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype),
                  jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype), key_kernels, dropout_mask)
-    if chunk_size is None:
-        def fn(qm, km, vm, _):
-            return la.causal_parallel(qm, km, vm, mask=mask)[0], None
-    else:
-        def fn(qm, km, vm, _):
-            return la.causal_chunked(qm, km, vm, chunk_size=chunk_size, mask=mask)[0], None
+    fn = _masked_layer(mask) if chunk_size is None else _chunked_layer(chunk_size, mask)
     return _chain(fn, x0, q, v, key_kernels, dropout_mask, None, stack=False)
 
 

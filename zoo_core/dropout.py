@@ -20,9 +20,10 @@ Why 16 lanes: threefry is most of the cost. Dropout forward and backward of a fl
 
 Kept elements are scaled as flax's `Dropout`: `x / keep`, computed in x's dtype from float32 up
 (the same values as flax) and in float32 then rounded once for 16-bit x (flax divides by `keep`
-rounded to 16 bits, a bias of up to 0.4%: 0.9 is 0.8984375 in bfloat16); dropped ones are 0 (`jnp.where`, so a dropped NaN becomes 0 as in flax). The masks differ from flax's for
-the same key (a different bit stream), so training runs are reproducible per key, but not equal to
-runs made with `nn.Dropout`.
+rounded to 16 bits, a bias of up to 0.4%: 0.9 is 0.8984375 in bfloat16); dropped ones are 0
+(`jnp.where`, so a dropped NaN becomes 0 as in flax). The masks differ from flax's for the same
+key (a different bit stream), so training runs are reproducible per key, but not equal to runs
+made with `nn.Dropout`.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ the last bit there). So the backward here is that dot; the forward stays the pla
 
 `Dense` and `DenseGeneral` are flax's layers of the same names (same fields, parameters and
 values) computed as two-dimensional matmuls, whose gradients XLA's CPU backend runs without
-transposing copies of the activations; `heads` splits the head axis for per-head dots. `gelu` is PyTorch's exact GELU in PyTorch's own formula,
-which XLA computes faster than flax's.
+transposing copies of the activations; `heads` splits the head axis for per-head dots. `gelu` is
+PyTorch's exact GELU in PyTorch's own formula, which XLA computes faster than flax's.
 """
 from __future__ import annotations
 
