@@ -190,11 +190,15 @@ def test_instance_norm_mean_option():
     assert not np.allclose(_run(params, norm_mean="window")[0]["forecast"], _run(params)[0]["forecast"])
 
 
-def test_causality_over_patches():
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("bad", ["shift", "nan"])
+def test_causality_over_patches(bad, chunk_size):
+    # The training path (the VAR chain's per-layer form), masked and chunked: changing patches 2, 3,
+    # even to NaN, leaves the predictions from patches 0, 1 bit for bit.
     params = _params()
-    model = _model()
+    model = _model(chunk_size=chunk_size)
     seg = _model().apply({"params": params}, X, method="normalise")[0]
-    seg2 = seg.at[:, :, 2:].add(1.0)                                    # change patches 2, 3
+    seg2 = seg.at[:, :, 2:].add(1.0) if bad == "shift" else seg.at[:, :, 2:].set(jnp.nan)
     fn = lambda s: model.apply({"params": params}, s, method="predict_segments")  # noqa: E731
     a, b = fn(seg), fn(seg2)
     np.testing.assert_array_equal(np.asarray(a[:, :, :2]), np.asarray(b[:, :, :2]))
