@@ -14,9 +14,9 @@ Step cases (one training step on a fixed batch, both sides in this process, inte
 
 Each side is built once, runs `--warmup` untimed steps, then `--rounds` rounds of `--steps` timed steps
 (A = official, then B = ours, in every round). Reported: each side's median s/step over all timed steps,
-the ratio official/ours (> 1: ours is faster), our step's roofline columns (XLA cost analysis against the
-f32 matmul peak and the streaming bandwidth measured in this process), and the load average before and
-after. Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the
+the ratio official/ours (> 1: ours is faster) and its range over the rounds (from each round's two
+medians), our step's roofline columns (XLA cost analysis against the f32 matmul peak and the streaming
+bandwidth measured in this process), and the load average before and after. Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the
 LRA code's CUDA autocast and GradScaler do nothing there, so they are off). Both sides train on the same
 token ids / series where the shapes allow it (our batch is converted for the official model).
 Our steps run on the CPU devices that their configs' `parallel.cpu_devices` gives the training command
@@ -351,7 +351,15 @@ def run_step_case(case: str, args, bounds: dict[str, float] | None, log) -> dict
     rec["ours"]["roofline"] = bench.roofline(ours.setup["cost"], timing["ours"]["median_s"], bounds)
     if "official" in timing:
         rec["ratio_official_over_ours"] = timing["official"]["median_s"] / timing["ours"]["median_s"]
+        rec["ratio_per_round"] = round_ratios(timing)
     return rec
+
+
+def round_ratios(timing: dict[str, dict[str, Any]]) -> list[float]:
+    """official / ours per round, from the two sides' medians in the same round: on a shared host
+    both sides drift by more than many changes are worth, and a round's two medians see the same
+    drift, so the spread of these ratios says how far the overall ratio can be trusted."""
+    return [o / u for o, u in zip(timing["official"]["round_medians"], timing["ours"]["round_medians"])]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,6 +549,9 @@ def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             note = (f"wall s; epoch train official {_fmt(off.get('epoch_train_s'))} / ours "
                     f"{_fmt(ours.get('epoch_train_s'))} s, eval {_fmt(off.get('eval_s'))} / "
                     f"{_fmt(ours.get('eval_s'))} s; {note}").rstrip("; ")
+        if r.get("ratio_per_round"):
+            note = (f"off/ours per round {min(r['ratio_per_round']):.2f}-{max(r['ratio_per_round']):.2f}; "
+                    f"{note}").rstrip("; ")
         lines.append(f"{r['case']:<14} {r['status']:>7} {_fmt(off.get('median_s')):>10} "
                      f"{_fmt(ours.get('median_s')):>10} {_fmt(r.get('ratio_official_over_ours'), '.2f'):>8}  "
                      + bench.format_roofline(ours.get("roofline")) + f"  {note}")

@@ -57,6 +57,12 @@ def test_peers_tiny_times_our_side_only_without_sources(tmp_path):
         assert text in stdout
 
 
+def test_peers_ratio_per_round_pairs_each_rounds_medians():
+    from benchmarks import peers
+    timing = {"official": {"round_medians": [2.0, 3.0, 1.5]}, "ours": {"round_medians": [1.0, 1.0, 0.5]}}
+    assert peers.round_ratios(timing) == [2.0, 3.0, 3.0]
+
+
 def test_peers_uea_timing_parsers(tmp_path):
     sys.path.insert(0, str(REPO))
     try:
