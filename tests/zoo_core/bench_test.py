@@ -144,6 +144,15 @@ def test_reference_bandwidth_and_machine_bounds():
     assert bounds["matmul_n"] == 64 and bounds["matmul_dtype"] == "float32"
 
 
+def test_best_bounds_takes_each_peak_at_its_best():
+    a = dict(peak_gflops=300.0, peak_gbps=40.0, matmul_n=2048)
+    b = dict(peak_gflops=280.0, peak_gbps=85.0, matmul_n=2048)
+    best = bench.best_bounds([a, b])
+    assert best == dict(peak_gflops=300.0, peak_gbps=85.0, matmul_n=2048, samples=2)
+    with pytest.raises(ValueError, match="at least one"):
+        bench.best_bounds([])
+
+
 def test_roofline_fractions_and_bound():
     cost = dict(flops=2e9, bytes_accessed=4e9)
     r = bench.roofline(cost, 1.0, dict(peak_gflops=10.0, peak_gbps=8.0))
