@@ -17,8 +17,9 @@ Each side is built once, runs `--warmup` untimed steps, then `--rounds` rounds o
 the ratio official/ours (> 1: ours is faster) and its range over the rounds (from each round's two
 medians), our step's roofline columns (XLA cost analysis against the f32 matmul peak and the streaming
 bandwidth, each the best of the measurements this process makes before the first case and after every
-step case: on a shared host they move by 2x within minutes), and the load average before and after. Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the
-LRA code's CUDA autocast and GradScaler do nothing there, so they are off). Both sides train on the same
+step case: on a shared host they move by 2x within minutes), and the load average before and after.
+Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the LRA
+code's CUDA autocast and GradScaler do nothing there, so they are off). Both sides train on the same
 token ids / series where the shapes allow it (our batch is converted for the official model).
 Our steps run on the CPU devices that their configs' `parallel.cpu_devices` gives the training command
 (one per core for these four, `zoo_core.sharding.cpu_device_count`); `--cpu_devices N` overrides it, e.g.
@@ -563,7 +564,8 @@ def _bounds_line(meta: dict[str, Any]) -> str:
         return "bounds: not measured"
     flops, gbps = ([b[k] for b in seen] for k in ("peak_gflops", "peak_gbps"))
     return (f"bounds (best of {len(seen)} measurements in this run): f32 matmul {max(flops):.1f} GFLOP/s "
-            f"(seen {min(flops):.1f}-{max(flops):.1f}), stream {max(gbps):.1f} GB/s (seen {min(gbps):.1f}-{max(gbps):.1f})")
+            f"(seen {min(flops):.1f}-{max(flops):.1f}), stream {max(gbps):.1f} GB/s "
+            f"(seen {min(gbps):.1f}-{max(gbps):.1f})")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
