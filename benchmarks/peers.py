@@ -559,13 +559,13 @@ def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def _bounds_line(meta: dict[str, Any]) -> str:
-    seen = meta.get("bounds_measured") or []
-    if not seen:
+    best, seen = meta.get("bounds") or {}, meta.get("bounds_measured") or []
+    if not best:
         return "bounds: not measured"
-    flops, gbps = ([b[k] for b in seen] for k in ("peak_gflops", "peak_gbps"))
-    return (f"bounds (best of {len(seen)} measurements in this run): f32 matmul {max(flops):.1f} GFLOP/s "
-            f"(seen {min(flops):.1f}-{max(flops):.1f}), stream {max(gbps):.1f} GB/s "
-            f"(seen {min(gbps):.1f}-{max(gbps):.1f})")
+    low = {k: min(b[k] for b in seen) for k in ("peak_gflops", "peak_gbps")}
+    return (f"bounds (best of {best['samples']} measurements in this run): f32 matmul "
+            f"{best['peak_gflops']:.1f} GFLOP/s (seen {low['peak_gflops']:.1f}-{best['peak_gflops']:.1f}), "
+            f"stream {best['peak_gbps']:.1f} GB/s (seen {low['peak_gbps']:.1f}-{best['peak_gbps']:.1f})")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
