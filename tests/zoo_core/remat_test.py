@@ -4,6 +4,8 @@ One small model of each package, in training mode (dropout on, the same rng): th
 outputs and gradients with and without remat, and the gradient program holds the rematerialised
 blocks. The bfloat16 runs against float32 are in `test_bfloat16_model_tracks_float32`.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,9 +46,11 @@ def _loss(model, batch):
 def test_remat_changes_no_parameter_value_or_gradient(name):
     factory, kw, batch = CASES[name]
     plain, remat = factory(**kw), factory(**kw, remat=True)
-    params = plain.init(jax.random.key(0), batch)["params"]
-    jax.tree_util.tree_map(np.testing.assert_array_equal, remat.init(jax.random.key(0), batch)["params"],
-                           params)
+    # Initialised as one compiled program each: eagerly, every initialiser and every jitted helper of
+    # the forward pass compiles on its own, which made these tests several times slower.
+    params = jax.jit(plain.init)(jax.random.key(0), batch)["params"]
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           jax.jit(remat.init)(jax.random.key(0), batch)["params"], params)
     want = jax.jit(jax.value_and_grad(_loss(plain, batch)))(params)
     got = jax.jit(jax.value_and_grad(_loss(remat, batch)))(params)
     assert_trees_close(got, want, **F32_MODEL)
@@ -55,6 +59,7 @@ def test_remat_changes_no_parameter_value_or_gradient(name):
     assert "remat" not in str(jax.make_jaxpr(jax.grad(_loss(plain, batch)))(params))
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _main_output(model, params, batch):
     out, _ = model.apply({"params": params}, batch)
     return (out["logits"] if "logits" in out else out["forecast"]).astype(jnp.float32)
@@ -71,7 +76,7 @@ def test_bfloat16_model_tracks_float32(name):
     # is the same.
     factory, kw, batch = CASES[name]
     f32, bf16 = factory(**kw), factory(**kw, dtype="bfloat16")
-    params = f32.init(jax.random.key(0), batch)["params"]
+    params = jax.jit(f32.init)(jax.random.key(0), batch)["params"]
     out32, out16 = _main_output(f32, params, batch), _main_output(bf16, params, batch)
     assert float(jnp.linalg.norm(out16 - out32) / jnp.linalg.norm(out32)) < BF16["rtol"]
 
