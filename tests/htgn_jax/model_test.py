@@ -459,12 +459,13 @@ def test_decoder_block_parallel_equals_step_decoding(options):
     def run(variables):
         out, aux = block.apply(variables, y, memory, memory_mask=memory_mask)
         static, state = block.apply(variables, memory, memory_mask, method="init_cache")
-        steps = []
-        for i in range(t):
-            y_t, state = block.apply(variables, y[:, i], static, cache=state,
-                                     position=jnp.int32(i))
-            steps.append(y_t)
-        return out, aux, jnp.stack(steps, 1)
+
+        def step(state, inputs):   # the block's step as a pure function: one traced step, not t
+            y_t, i = inputs
+            y_t, state = block.apply(variables, y_t, static, cache=state, position=i)
+            return state, y_t
+        _, steps = jax.lax.scan(step, state, (jnp.swapaxes(y, 0, 1), jnp.arange(t, dtype=jnp.int32)))
+        return out, aux, jnp.swapaxes(steps, 0, 1)
 
     out, aux, steps = run(variables)
     assert_forms_agree({"parallel": out, "step": steps}, **F32_MODEL)
