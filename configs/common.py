@@ -124,7 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.test_split = ""                 # samovar_jax.evaluation: also report this split at every eval ('' = off) (safe on resume)
     c.decode = ml_collections.ConfigDict()  # htgn_jax.decoding: seq2seq decoding for eval/bleu (safe on resume)
     c.decode.beam_size = 1            # 1 = greedy
-    c.decode.length_penalty = 0.0     # GNMT length penalty alpha (0 = none)
+    c.decode.length_penalty = 0.0     # GNMT length penalty alpha >= 0, beam search only (0 = none)
     c.decode.max_examples = 0         # 0 = eval_max_examples, else the whole eval split
     c.decode.max_len = 0              # 0 = the targets' width
     c.decode.use_cache = "auto"       # auto | cache | recompute

@@ -264,8 +264,19 @@ DECODE_DEFAULTS = {"beam_size": 1, "length_penalty": 0.0, "max_examples": 0, "ma
 CACHE_MODES = {"auto": None, "cache": True, "recompute": False}
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def decode_options(config) -> dict[str, Any]:
-    """`config.decode` merged with `DECODE_DEFAULTS` (unknown keys raise)."""
+    """`config.decode` merged with `DECODE_DEFAULTS`, every value checked (a ValueError naming the key).
+
+    Checked before any training, so that a bad decoding option does not surface only at the first
+    evaluation: the value ranges, and against the seq2seq model's fields when `config.model` has them
+    (beam_size <= target_vocab_size - 2, max_len <= max_target_len, use_cache='cache' only for a model
+    that has a decoding cache). A length penalty with greedy decoding (beam_size 1) would be ignored,
+    so it is refused.
+    """
     given = dict(config.get("decode", {}) or {})
     unknown = sorted(set(given) - set(DECODE_DEFAULTS))
     if unknown:
@@ -275,6 +286,31 @@ def decode_options(config) -> dict[str, Any]:
     if out["use_cache"] not in CACHE_MODES:
         raise ValueError(f"config.decode.use_cache must be one of {tuple(CACHE_MODES)}, got "
                          f"{out['use_cache']!r}")
+    beam, penalty = out["beam_size"], out["length_penalty"]
+    if not _is_int(beam) or beam < 1:
+        raise ValueError(f"config.decode.beam_size must be an int >= 1 (1 = greedy), got {beam!r}")
+    if (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.integer, np.floating))
+            or not np.isfinite(penalty) or penalty < 0):
+        raise ValueError(f"config.decode.length_penalty must be a finite number >= 0, got {penalty!r}")
+    if penalty and beam == 1:
+        raise ValueError(f"config.decode.length_penalty={penalty} ranks beam hypotheses, and greedy "
+                         "decoding (beam_size=1) has none: set beam_size > 1 or length_penalty=0")
+    for key, meaning in (("max_examples", "0 = eval_max_examples"), ("max_len", "0 = the targets' width")):
+        if not _is_int(out[key]) or out[key] < 0:
+            raise ValueError(f"config.decode.{key} must be an int >= 0 ({meaning}), got {out[key]!r}")
+    model = config.get("model", None) or {}
+    vocab, max_target = model.get("target_vocab_size", None), model.get("max_target_len", None)
+    if vocab is not None and beam > vocab - 2:
+        raise ValueError(f"config.decode.beam_size={beam} exceeds model.target_vocab_size - 2 = {vocab - 2} "
+                         "(PAD and BOS are never generated)")
+    if max_target is not None and out["max_len"] > max_target:
+        raise ValueError(f"config.decode.max_len={out['max_len']} exceeds model.max_target_len={max_target}")
+    if out["use_cache"] == "cache" and model.get("kind", None) == "seq2seq":
+        from htgn_jax.model import Model  # pylint: disable=import-outside-toplevel
+
+        if not Model(**dict(model)).supports_cache:
+            raise ValueError("config.decode.use_cache='cache' needs model.attention='favor' with a kernel "
+                             "feature_map; the exact-softmax model decodes with 'recompute' (or 'auto')")
     return out
 
 

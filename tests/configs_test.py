@@ -51,6 +51,19 @@ def test_config_loads_and_builds(path):
         assert "decode" in config and "test_split" in config
 
 
+@pytest.mark.parametrize("arg", [None, "smoke", "beam_size=1", "beam_size=1,smoke", "beam_size=3,smoke",
+                                 "attention=softmax,smoke"])
+@pytest.mark.parametrize("name", ["number_words", "wmt14_en_de"])
+def test_seq2seq_configs_give_decoding_options_the_trainer_accepts(name, arg):
+    # The evaluator's checks (htgn_jax.decoding.decode_options) would refuse the run before training.
+    from htgn_jax import decoding
+
+    c = importlib.import_module(f"configs.htgn.{name}").get_config(arg)
+    options = decoding.decode_options(c)
+    if arg and "beam_size=1" in arg:
+        assert options["beam_size"] == 1 and options["length_penalty"] == 0.0
+
+
 # Config arguments that change which model fields apply, per config folder (each also without them).
 FIELD_ARGS = {
     "core": [],

@@ -29,7 +29,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -119,7 +119,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         if _EVAL_ONLY.value:
             if _EVAL_SPLIT.value is not None:
                 config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
-            evaluators = evaluators_fn(config) if evaluators_fn else ()
+            evaluators = _evaluators(evaluators_fn, config)
             result = trainer.evaluate_checkpoint(config, workdir, build_model, which=_CHECKPOINT.value or "best",
                                                  evaluators=evaluators)
             print(json.dumps(result, sort_keys=True))
@@ -130,7 +130,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         # Before the evaluators build anything; evaluators may add metric names (eval/bleu).
         trainer.check_setup(config, build_model, has_evaluators=evaluators_fn is not None)
         trainer.check_workdir(workdir)
-        evaluators = evaluators_fn(config) if evaluators_fn else ()
+        evaluators = _evaluators(evaluators_fn, config)
         trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
                                    allow_config_change=_ALLOW_CONFIG_CHANGE.value)
     except trainer.ConfigError as e:
@@ -141,6 +141,18 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         _fail(str(e).splitlines()[0])
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
+
+
+def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence[Any]:
+    """The architecture's extra evaluators. Building one only reads and checks its config options
+    (the data and programs come at the first evaluation), so its ValueError is a config mistake."""
+    from zoo_core import trainer
+    if evaluators_fn is None:
+        return ()
+    try:
+        return evaluators_fn(config)
+    except ValueError as e:
+        raise trainer.ConfigError(str(e).splitlines()[0]) from None
 
 
 def default_workdir(config_arg: str) -> str:

@@ -8,7 +8,8 @@ newstest2013) and test.{en,de} (newstest2014), one aligned sentence per line (se
 `zoo_core.data.wmt`); without it the run stops with the dataset's one-line error (exit 2). A joint
 32k SentencePiece vocabulary is trained while preparing; source, target and output embeddings
 are shared. Arguments: source_dir; attention = favor | softmax; ablation (as number_words);
-optimizer = adamw | lamb | ranger; beam_size (default 4, GNMT length penalty 0.6); steps; smoke.
+optimizer = adamw | lamb | ranger; beam_size (default 4; GNMT length penalty 0.6 when > 1; smoke: at
+most 2); steps; smoke.
 
 Evaluation: BLEU on dev (newstest2013) every 5,000 steps selects the best checkpoint; newstest2014
 is then scored once with the training command plus `--eval_only --eval_split=test`.
@@ -67,7 +68,6 @@ def get_config(arg=None):
             c.model.attention_dropout = 0.0
 
     c.decode.beam_size = args.beam_size
-    c.decode.length_penalty = 0.6
 
     if args.smoke:
         common.smoke(c)
@@ -78,6 +78,8 @@ def get_config(arg=None):
         c.model.source_vocab_size = c.model.target_vocab_size = 256
         c.model.max_source_len = c.model.max_target_len = 64
         c.data.options.max_vocab_sentences = 10000
-        c.decode.beam_size = 2
+        c.decode.beam_size = min(args.beam_size, 2)
         c.schedule.warmup_steps = 1
+    # GNMT's length penalty ranks beam hypotheses; greedy decoding (beam_size=1) has none to rank.
+    c.decode.length_penalty = 0.6 if c.decode.beam_size > 1 else 0.0
     return htgn.finish(c)

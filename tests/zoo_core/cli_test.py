@@ -33,9 +33,9 @@ def _snapshot(path) -> list[str]:
     return sorted(out)
 
 
-def cli(argv, capfd, build_model=models.Model):
-    """Runs `python -m zoo_core.train <argv>` in this process (with another architecture's `Model`:
-    its train command); returns (exit status, stdout, stderr)."""
+def cli(argv, capfd, build_model=models.Model, evaluators_fn=None):
+    """Runs `python -m zoo_core.train <argv>` in this process (with another architecture's `Model` and
+    evaluators: its train command); returns (exit status, stdout, stderr)."""
     for name in [n for n in flags.FLAGS if n.startswith("config.")]:
         delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
     flags.FLAGS.unparse_flags()
@@ -43,7 +43,7 @@ def cli(argv, capfd, build_model=models.Model):
     sys.argv = ["zoo_core.train", *map(str, argv)]
     capfd.readouterr()
     try:
-        main.run(build_model)
+        main.run(build_model, evaluators_fn=evaluators_fn)
         status = 0
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -185,6 +185,38 @@ def test_a_bad_input_exits_2_with_one_error_line_and_creates_nothing(env, tmp_pa
     assert not workdir.exists(), _snapshot(workdir)
     assert _snapshot(env) == before
     assert _snapshot(tmp_path) == []
+
+
+# The seq2seq decoding options (`python -m htgn_jax.train`): checked with the config, before any data is
+# built or anything trained, rather than at the first evaluation.
+NW = "CONFIG=configs/htgn/number_words.py:smoke"
+DECODE_CASES = [
+    (f"{NW} --config.decode.beam_size=0", "config.decode.beam_size must be an int >= 1"),
+    (f"{NW} --config.decode.beam_size=36", "beam_size=36 exceeds model.target_vocab_size - 2 = 35"),
+    (f"{NW} --config.decode.length_penalty=-1", "config.decode.length_penalty must be a finite number >= 0"),
+    (f"{NW} --config.decode.length_penalty=0.6", "greedy decoding (beam_size=1) has none"),
+    (f"{NW} --config.decode.max_len=-3", "config.decode.max_len must be an int >= 0"),
+    (f"{NW} --config.decode.max_len=13", "max_len=13 exceeds model.max_target_len=12"),
+    (f"{NW} --config.decode.max_examples=-1", "config.decode.max_examples must be an int >= 0"),
+    (f"{NW} --config.decode.use_cache=always", "config.decode.use_cache must be one of"),
+    ("CONFIG=configs/htgn/number_words.py:attention=softmax,smoke --config.decode.use_cache=cache",
+     "needs model.attention='favor'"),
+    (f"{NW} --eval_only --config.decode.beam_size=0", "config.decode.beam_size must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("case,expected", DECODE_CASES, ids=[c[len(NW) + 1:] if c.startswith(NW) else c
+                                                             for c, _ in DECODE_CASES])
+def test_a_bad_decoding_option_is_refused_before_anything_is_built(env, tmp_path, capfd, case, expected):
+    from htgn_jax import decoding
+    from htgn_jax.model import Model
+
+    workdir = tmp_path / "run"
+    status, out, err = cli(_argv(case, env, workdir), capfd, build_model=Model,
+                           evaluators_fn=decoding.evaluators_for)
+    _assert_refused(status, out, err, expected)
+    assert _snapshot(tmp_path) == []
+    assert not (env / "data" / "number_words").exists(), "no data set was prepared"
 
 
 # ----------------------------------------------------------------------------------------------------
