@@ -467,8 +467,9 @@ def _check_options(kind: str, args: dict) -> None:
     """Validates the model options once, at the factory (the classes trust their fields)."""
     field = {f.name: f.default for f in dataclasses.fields(KINDS[kind])}
     get = lambda k: args.get(k, field[k])   # noqa: E731
-    for name in ("d_model", "mlp_dim", "num_heads", "num_layers", "num_classes"):
+    for name in ("d_model", "mlp_dim", "num_heads", "num_layers", "num_classes", "max_len"):
         checks.check_int(name, get(name), 1)
+    checks.check_nonnegative("ortho_weight", get("ortho_weight"))
     checks.check_optional_int("head_dim", get("head_dim"))
     checks.check_choice("attention", get("attention"), ATTENTIONS)
     checks.check_rate("dropout_rate", get("dropout_rate"))

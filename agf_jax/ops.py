@@ -56,6 +56,7 @@ cast back.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -108,6 +109,8 @@ def resolve_basis(basis: str, alpha: Optional[float] = None, beta: Optional[floa
         return -0.5, -0.5
     a = JACOBI_DEFAULT_ALPHA if alpha is None else float(alpha)
     b = JACOBI_DEFAULT_BETA if beta is None else float(beta)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise ValueError(f"Jacobi alpha and beta must be finite numbers, got alpha={a}, beta={b}")
     if order is not None:
         for k in range(2, int(order) + 1):
             if k + a + b == 0 or 2 * k + a + b - 2 == 0:

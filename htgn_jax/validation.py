@@ -9,14 +9,13 @@ points, and keeps only structural one-liners (ranks, mask shapes) itself. Every 
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax.numpy as jnp
 
 from htgn_jax import graph_ops, hrpe, ops
-from zoo_core.checks import (check_choice, check_divisible, check_int, check_optional_int,
-                             check_rate, fail)
+from zoo_core.checks import (check_choice, check_divisible, check_int, check_nonnegative,
+                             check_optional_int, check_rate, fail)
 
 ATTENTIONS = ("favor", "softmax")
 FEATURE_MAPS = ops.FEATURE_MAPS
@@ -75,9 +74,7 @@ def check_common(a: dict) -> None:
         fail(f"redraw_every redraws the FAVOR+ random features, so it needs attention='favor' and "
              f"feature_map='softmax', got attention={a['attention']!r}, "
              f"feature_map={a['feature_map']!r}")
-    if isinstance(a["kl_weight"], bool) or not isinstance(a["kl_weight"], (int, float)) \
-            or a["kl_weight"] < 0:
-        fail(f"`kl_weight` must be a number >= 0, got {a['kl_weight']!r}")
+    check_nonnegative("kl_weight", a["kl_weight"])
     if a["use_hrpe"]:
         check_int("num_pe", a["num_pe"], 1)
 
@@ -92,10 +89,7 @@ def check_seq2seq(a: dict) -> None:
     check_int("cross_window", a["cross_window"], 0)
     check_choice("cross_graph_layers", a["cross_graph_layers"], CROSS_GRAPH_LAYERS)
     check_choice("pe_basis", a["pe_basis"], PE_BASES)
-    rho = a["rho"]
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) \
-            or rho < 0:
-        fail(f"`rho` must be a finite number >= 0, got {rho!r}")
+    check_nonnegative("rho", a["rho"])
     if a["share_embeddings"] and a["source_vocab_size"] != a["target_vocab_size"]:
         fail(f"share_embeddings=True needs equal vocab sizes, got source_vocab_size="
              f"{a['source_vocab_size']} and target_vocab_size={a['target_vocab_size']}")

@@ -62,6 +62,13 @@ def check_positive(name: str, value: Any) -> None:
         fail(f"`{name}` must be a finite number > 0, got {value!r}")
 
 
+def check_nonnegative(name: str, value: Any) -> None:
+    """`value` is a finite real number >= 0 (a loss weight, a norm bound, a ratio)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not (np.isfinite(value) and value >= 0):
+        fail(f"`{name}` must be a finite number >= 0, got {value!r}")
+
+
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     """`value` is one of `choices`."""
     choices = tuple(choices)

@@ -20,7 +20,6 @@ as the extra arguments `decay_mask` and `segments`.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -294,9 +293,7 @@ def check_ranges(config: Any) -> None:
     checks.check_rate("optim.b1", o.b1)
     checks.check_rate("optim.b2", o.b2)
     for name in ("weight_decay", "grad_clip_norm", "eps"):
-        value = o[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            checks.fail(f"`optim.{name}` must be a finite number >= 0, got {value!r}")
+        checks.check_nonnegative(f"optim.{name}", o[name])
     checks.check_int("optim.grad_accum_steps", o.grad_accum_steps, 1)
     checks.check_int("optim.lookahead_steps", o.get("lookahead_steps", 6), 1)
     alpha = o.get("lookahead_alpha", 0.5)

@@ -375,6 +375,9 @@ def test_softmax_baseline_has_the_same_attention_and_no_graph():
     (dict(redraw_every=-1), "`redraw_every` must be an integer >= 0"),
     (dict(attention="softmax", redraw_every=10), "redraw_every redraws the FAVOR"),
     (dict(feature_map="relu", redraw_every=10), "redraw_every redraws the FAVOR"),
+    (dict(kl_weight=-1.0), "`kl_weight` must be a finite number >= 0"),
+    (dict(kl_weight=float("inf")), "`kl_weight` must be a finite number >= 0"),
+    (dict(rho=float("nan")), "`rho` must be a finite number >= 0"),
 ])
 def test_bad_model_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
