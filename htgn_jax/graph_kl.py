@@ -7,6 +7,7 @@ that the means over layers, heads and nodes can be formed once, by the model.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -64,8 +65,8 @@ def check_kl(kl_tau: Any, kl_mode: Any, num_slots: int | None = None) -> None:
               "window=0 with no global nodes leaves one (the KL term is then 0 whatever they are)")
     if kl_tau is None:
         return
-    if isinstance(kl_tau, bool) or not isinstance(kl_tau, (int, float)) or not kl_tau > 0:
-        fail(f"`kl_tau` must be None (uniform KL prior) or a number > 0, got {kl_tau!r}")
+    if isinstance(kl_tau, bool) or not isinstance(kl_tau, (int, float)) or not 0 < kl_tau < math.inf:
+        fail(f"`kl_tau` must be None (uniform KL prior) or a finite number > 0, got {kl_tau!r}")
     if kl_mode != "prior":
         fail(f"`kl_tau` sets the prior of kl_mode='prior', but kl_mode={kl_mode!r}")
 

@@ -123,6 +123,7 @@ CASES = [
     ("--config.data.options.num_train=0", "num_train must be an integer >= 1"),
     ("--config.data.options.num_classes=1", "num_classes must be an integer >= 2"),
     ("--config.data.options.bogus=1", "invalid config override: bogus"),
+    ("--config.data.options.seed=-1", "seed must be an int in [0, 2**32), got -1"),
     ("--config.data.data_dir={file}", "is a file; expected a directory"),
     ("--config.data.data_dir={file}/sub", "is under the file"),
     ("--config.task.name=regression", "unknown task.name 'regression'"),

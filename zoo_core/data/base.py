@@ -61,7 +61,9 @@ def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset
     so an edited or replaced source file is prepared again (`explain_rebuild` says why).
 
     Raises:
-      ValueError: an option that the dataset does not have (named, with the valid ones).
+      ValueError: an option that the dataset does not have (named, with the valid ones), or a seed
+        (an option named `seed` or `*_seed_offset`) that is not an int in [0, 2**32): NumPy refuses
+        others, and Python's `random` would seed -s like s (two draws, one data set).
     """
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     own = [name for name in fields if name not in {f.name for f in dataclasses.fields(tfds.core.BuilderConfig)}]
@@ -69,6 +71,10 @@ def config_from_options(config_cls: type[C], options: dict[str, Any], *, dataset
     if unknown:
         raise ValueError(f"dataset {dataset!r} has no option(s) {', '.join(unknown)}; valid: {', '.join(own)}")
     values = {name: options.get(name, fields[name].default) for name in own}
+    for name, value in values.items():
+        if (name == "seed" or name.endswith("_seed_offset")) and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32):
+            raise ValueError(f"{dataset}: {name} must be an int in [0, 2**32), got {value!r}")
     key = json.dumps(values, sort_keys=True, default=str)
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
     sources = [os.fspath(p) for p in sources]

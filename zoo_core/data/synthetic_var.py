@@ -31,6 +31,7 @@ Features: 'inputs' float32 [L_I, C], 'target' float32 [L_P, C], 'coefficients' f
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -210,7 +211,12 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     if config.input_length + config.pred_length <= max_order(config.protocol):
         raise ValueError(f"synthetic_var: input_length + pred_length must exceed the largest order "
                          f"{max_order(config.protocol)}")
-    if config.noise_std < 0 or config.clip_value <= 0:
-        raise ValueError("synthetic_var: noise_std must be >= 0 and clip_value > 0, got "
-                         f"{config.noise_std!r}, {config.clip_value!r}")
+    if not (math.isfinite(config.noise_std) and config.noise_std >= 0
+            and math.isfinite(config.clip_value) and config.clip_value > 0):
+        raise ValueError("synthetic_var: noise_std must be a finite number >= 0 and clip_value a finite "
+                         f"number > 0, got {config.noise_std!r}, {config.clip_value!r}")
+    last_seed = config.validation_seed_offset + config.num_validation - 1   # validation sample i's seed
+    if last_seed >= 2**32:
+        raise ValueError(f"synthetic_var: validation_seed_offset + num_validation - 1 must stay below 2**32 "
+                         f"(NumPy's seed range), got {last_seed}")
     return SyntheticVar(data_dir=data_dir, config=config, file_format="array_record")

@@ -135,3 +135,11 @@ def test_bad_options_raise(tmp_path):
         data.make_builder("synthetic_var", str(tmp_path), protocol="both")
     with pytest.raises(ValueError, match="num_train"):
         data.make_builder("synthetic_var", str(tmp_path), num_train=0)
+    with pytest.raises(ValueError, match="noise_std must be a finite number >= 0"):
+        data.make_builder("synthetic_var", str(tmp_path), noise_std=float("nan"))
+    with pytest.raises(ValueError, match="clip_value a finite number > 0"):
+        data.make_builder("synthetic_var", str(tmp_path), clip_value=float("inf"))
+    with pytest.raises(ValueError, match=r"validation_seed_offset must be an int in \[0, 2\*\*32\)"):
+        data.make_builder("synthetic_var", str(tmp_path), validation_seed_offset=-1)
+    with pytest.raises(ValueError, match=r"validation_seed_offset \+ num_validation - 1 must stay below"):
+        data.make_builder("synthetic_var", str(tmp_path), validation_seed_offset=2**32 - 1)
