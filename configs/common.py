@@ -121,7 +121,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Read by the architectures' host-side evaluators (the `evaluators_fn` of their train.py), which run
     # with every eval; declared here so that every config has them and a typo fails as an unknown key.
-    c.test_split = ""                 # samovar_jax.evaluation: also report this split at every eval ('' = off) (safe on resume)
+    c.test_split = ""                 # SAMoVAR: scored at every eval ('' = off; refused elsewhere) (safe on resume)
     c.decode = ml_collections.ConfigDict()  # htgn_jax.decoding: seq2seq decoding for eval/bleu (safe on resume)
     c.decode.beam_size = 1            # 1 = greedy
     c.decode.length_penalty = 0.0     # GNMT length penalty alpha >= 0, beam search only (0 = none)

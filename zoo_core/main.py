@@ -85,12 +85,15 @@ def maybe_initialize_distributed() -> None:
 
 class _QuietLibraries:
     """Drops INFO records from orbax and the grain/tfds internals (dozens of lines per checkpoint), and
-    TFDS's warning that every dataset here uses a custom configuration (they all do, by design)."""
+    two TFDS warnings that every run here would print: that the dataset uses a custom configuration
+    (they all do, by design), and that a data folder not yet prepared has no dataset_info.json (it is
+    about to be prepared, or the options are refused first)."""
 
     _NOISY = ("/orbax/", "/grain/", "/tensorflow_datasets/", "/etils/", "/jax/_src/xla_bridge.py")
+    _TFDS_NOTES = ("Using custom data conf", "Variant folder ")
 
     def filter(self, record) -> bool:
-        if "/tensorflow_datasets/" in record.pathname and str(record.msg).startswith("Using custom data conf"):
+        if "/tensorflow_datasets/" in record.pathname and str(record.msg).startswith(self._TFDS_NOTES):
             return False
         return record.levelno >= 30 or not any(n in record.pathname for n in self._NOISY)
 
@@ -127,10 +130,12 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
             _fail("--eval_split and --checkpoint are only used with --eval_only (training evaluates "
                   "config.data.eval_split)")
-        # Before the evaluators build anything; evaluators may add metric names (eval/bleu).
+        # The evaluators only check their options here (they build their data and programs at the
+        # first evaluation), so their mistakes come before the data is built; they may add metric
+        # names (eval/bleu), which check_setup allows.
+        evaluators = _evaluators(evaluators_fn, config)
         trainer.check_setup(config, build_model, has_evaluators=evaluators_fn is not None)
         trainer.check_workdir(workdir)
-        evaluators = _evaluators(evaluators_fn, config)
         trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
                                    allow_config_change=_ALLOW_CONFIG_CHANGE.value)
     except trainer.ConfigError as e:
@@ -147,12 +152,18 @@ def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence
     """The architecture's extra evaluators. Building one only reads and checks its config options
     (the data and programs come at the first evaluation), so its ValueError is a config mistake."""
     from zoo_core import trainer
-    if evaluators_fn is None:
-        return ()
     try:
-        return evaluators_fn(config)
+        evaluators = evaluators_fn(config) if evaluators_fn is not None else ()
     except ValueError as e:
         raise trainer.ConfigError(str(e).splitlines()[0]) from None
+    # `test_split` is read by an evaluator that reports a split (its `split` attribute), never by the
+    # trainer itself: where no evaluator reads it, it would be silently ignored.
+    split = config.get("test_split", "")
+    if split and not any(getattr(e, "split", None) == split for e in evaluators):
+        raise trainer.ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
+                                  f"(SAMoVAR's are); score the split after training with --eval_only "
+                                  f"--eval_split={split}")
+    return evaluators
 
 
 def default_workdir(config_arg: str) -> str:

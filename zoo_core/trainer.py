@@ -542,9 +542,12 @@ def prepare_data(config) -> tuple[Any, Any]:
         builder.download_and_prepare()   # a no-op read of what process 0 wrote
     elif failure is not None:
         raise failure
-    for role, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
+    roles = [("data.train_split", d.train_split), ("data.eval_split", d.eval_split)]
+    if config.get("test_split", ""):
+        roles.append(("test_split", config.test_split))
+    for role, split in roles:
         if split.split("[")[0] not in builder.info.splits:   # 'train[:90%]' slices a split
-            raise ValueError(f"data.{role} {split!r} is not a split of {d.name} "
+            raise ValueError(f"{role} {split!r} is not a split of {d.name} "
                              f"(it has: {', '.join(sorted(builder.info.splits))})")
     return builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
 

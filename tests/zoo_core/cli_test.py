@@ -53,13 +53,17 @@ def cli(argv, capfd, build_model=models.Model, evaluators_fn=None):
     return status, out, err
 
 
-def _assert_refused(status, out, err, expected):
+def _assert_refused(status, out, err, expected, alone=True):
+    """Exit 2 with one `error:` line naming `expected`, no traceback, no config dump; `alone`: and
+    nothing else printed."""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert status == 2, (status, err[-2000:])
     assert len(errors) == 1, err[-2000:]
     assert "Traceback" not in err + out and not any(line.startswith("E1") for line in err.splitlines()), err
     assert expected in errors[0], errors[0]
     assert not any(line.endswith("] config:") for line in err.splitlines()), "the config dump came first"
+    if alone:
+        assert [line for line in (out + err).splitlines() if line.strip()] == errors, "only the error line"
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,7 @@ CASES = [
     ("--config.data.options.num_classes=1", "num_classes must be an integer >= 2"),
     ("--config.data.options.bogus=1", "invalid config override: bogus"),
     ("--config.data.options.seed=-1", "seed must be an int in [0, 2**32), got -1"),
+    ("--config.test_split=test", "test_split='test' is not reported by this architecture's evaluators"),
     ("--config.data.data_dir={file}", "is a file; expected a directory"),
     ("--config.data.data_dir={file}/sub", "is under the file"),
     ("--config.task.name=regression", "unknown task.name 'regression'"),
@@ -204,6 +209,16 @@ DECODE_CASES = [
      "needs model.attention='favor'"),
     (f"{NW} --eval_only --config.decode.beam_size=0", "config.decode.beam_size must be an int >= 1"),
 ]
+
+
+def test_a_test_split_must_be_a_split_of_the_data(env, tmp_path, capfd):
+    # With evaluators that report it (SAMoVAR's), a test_split is checked against the prepared splits.
+    from samovar_jax import evaluation
+
+    status, out, err = cli(_argv("--config.test_split=nosuch", env, tmp_path / "run"), capfd,
+                           evaluators_fn=evaluation.evaluators_for)
+    _assert_refused(status, out, err, "test_split 'nosuch' is not a split of synthetic")
+    assert _snapshot(tmp_path) == []
 
 
 @pytest.mark.parametrize("case,expected", DECODE_CASES, ids=[c[len(NW) + 1:] if c.startswith(NW) else c
@@ -352,8 +367,9 @@ def test_a_class_count_that_does_not_match_the_data_is_refused_before_compiling(
     status, out, err = cli(["--config", "configs/agf/uea.py:dataset=BasicMotions,smoke", "--workdir", tmp_path / "w",
                             f"--config.data.data_dir={tmp_path / 'data'}", "--config.model.num_classes=3"],
                            capfd, build_model=Model)
+    # The class count is the prepared data set's, so this refusal comes after its build (and its log).
     _assert_refused(status, out, err, "the model has 3 outputs but uea has 4 classes: set "
-                                      "--config.model.num_classes=4")
+                                      "--config.model.num_classes=4", alone=False)
     assert not (tmp_path / "w").exists()
 
 
@@ -382,6 +398,17 @@ def test_full_listops_config_mistakes_are_reported_in_seconds(tmp_path, override
     _assert_refused(proc.returncode, proc.stdout, proc.stderr, expected)
     assert seconds < 30, seconds
     assert not (tmp_path / "w").exists() and not data.exists()
+
+
+@pytest.mark.entry
+def test_a_bad_data_option_of_the_real_forecasting_config_prints_only_its_error(tmp_path):
+    # The data builder is looked up before the option fails: TFDS's warning about the not yet prepared
+    # folder must not come before the error line (absl logs to stderr only in a real entry point).
+    proc, _ = _run("samovar_jax.train", "--config", "configs/samovar/forecasting.py:smoke", "--workdir",
+                   tmp_path / "w", f"--config.data.data_dir={tmp_path / 'data'}",
+                   "--config.data.options.target=nocolumn")
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, "target column 'nocolumn' not in embedded:vic_elec")
+    assert _snapshot(tmp_path) == []
 
 
 @pytest.mark.entry
