@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zoo_core import checks
+
 Array = jax.Array
 
 NEG = -1.0e9   # "minus infinity" for banned tokens and dead beams (keeps sums finite)
@@ -264,10 +266,6 @@ DECODE_DEFAULTS = {"beam_size": 1, "length_penalty": 0.0, "max_examples": 0, "ma
 CACHE_MODES = {"auto": None, "cache": True, "recompute": False}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def decode_options(config) -> dict[str, Any]:
     """`config.decode` merged with `DECODE_DEFAULTS`, every value checked (a ValueError naming the key).
 
@@ -287,17 +285,13 @@ def decode_options(config) -> dict[str, Any]:
         raise ValueError(f"config.decode.use_cache must be one of {tuple(CACHE_MODES)}, got "
                          f"{out['use_cache']!r}")
     beam, penalty = out["beam_size"], out["length_penalty"]
-    if not _is_int(beam) or beam < 1:
-        raise ValueError(f"config.decode.beam_size must be an int >= 1 (1 = greedy), got {beam!r}")
-    if (isinstance(penalty, bool) or not isinstance(penalty, (int, float, np.integer, np.floating))
-            or not np.isfinite(penalty) or penalty < 0):
-        raise ValueError(f"config.decode.length_penalty must be a finite number >= 0, got {penalty!r}")
+    checks.check_int("config.decode.beam_size", beam, 1)
+    checks.check_nonnegative("config.decode.length_penalty", penalty)
     if penalty and beam == 1:
         raise ValueError(f"config.decode.length_penalty={penalty} ranks beam hypotheses, and greedy "
                          "decoding (beam_size=1) has none: set beam_size > 1 or length_penalty=0")
-    for key, meaning in (("max_examples", "0 = eval_max_examples"), ("max_len", "0 = the targets' width")):
-        if not _is_int(out[key]) or out[key] < 0:
-            raise ValueError(f"config.decode.{key} must be an int >= 0 ({meaning}), got {out[key]!r}")
+    for key in ("max_examples", "max_len"):   # 0: eval_max_examples / the targets' width
+        checks.check_int(f"config.decode.{key}", out[key], 0)
     model = config.get("model", None) or {}
     vocab, max_target = model.get("target_vocab_size", None), model.get("max_target_len", None)
     if vocab is not None and beam > vocab - 2:

@@ -197,17 +197,17 @@ def test_a_bad_input_exits_2_with_one_error_line_and_creates_nothing(env, tmp_pa
 # built or anything trained, rather than at the first evaluation.
 NW = "CONFIG=configs/htgn/number_words.py:smoke"
 DECODE_CASES = [
-    (f"{NW} --config.decode.beam_size=0", "config.decode.beam_size must be an int >= 1"),
+    (f"{NW} --config.decode.beam_size=0", "`config.decode.beam_size` must be an integer >= 1, got 0"),
     (f"{NW} --config.decode.beam_size=36", "beam_size=36 exceeds model.target_vocab_size - 2 = 35"),
-    (f"{NW} --config.decode.length_penalty=-1", "config.decode.length_penalty must be a finite number >= 0"),
+    (f"{NW} --config.decode.length_penalty=-1", "`config.decode.length_penalty` must be a finite number >= 0"),
     (f"{NW} --config.decode.length_penalty=0.6", "greedy decoding (beam_size=1) has none"),
-    (f"{NW} --config.decode.max_len=-3", "config.decode.max_len must be an int >= 0"),
+    (f"{NW} --config.decode.max_len=-3", "`config.decode.max_len` must be an integer >= 0, got -3"),
     (f"{NW} --config.decode.max_len=13", "max_len=13 exceeds model.max_target_len=12"),
-    (f"{NW} --config.decode.max_examples=-1", "config.decode.max_examples must be an int >= 0"),
+    (f"{NW} --config.decode.max_examples=-1", "`config.decode.max_examples` must be an integer >= 0, got -1"),
     (f"{NW} --config.decode.use_cache=always", "config.decode.use_cache must be one of"),
     ("CONFIG=configs/htgn/number_words.py:attention=softmax,smoke --config.decode.use_cache=cache",
      "needs model.attention='favor'"),
-    (f"{NW} --eval_only --config.decode.beam_size=0", "config.decode.beam_size must be an int >= 1"),
+    (f"{NW} --eval_only --config.decode.beam_size=0", "`config.decode.beam_size` must be an integer >= 1"),
 ]
 
 
