@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agf_jax import ops
-from zoo_core import bench
+from zoo_core import bench, checks
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CASES = ("agf", "agf_causal", "agf_causal_scan", "softmax", "softmax_causal")
@@ -49,11 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = bench.scaling_parser(__doc__.split("\n")[0], CASES, out_dir=RESULTS, max_run_s=120.0)
     p.add_argument("--setting", default="lra", choices=sorted(SETTINGS),
                    help="head count and width of the AGF_LRA (2 x 32) or AGF_UEA (8 x 64) models")
-    p.add_argument("--chunk_size", type=int, default=16, help="chunk length of agf_causal")
+    p.add_argument("--chunk_size", type=checks.positive_int, default=16, help="chunk length of agf_causal")
     p.add_argument("--name", default=None, help="output file stem (default agf_scaling[_<setting>])")
     args = bench.parse_scaling_args(p, CASES, argv)
-    if args.chunk_size < 1:
-        p.error(f"--chunk_size must be >= 1, got {args.chunk_size}")
     if args.name is None:
         args.name = "agf_scaling" if args.setting == "lra" else f"agf_scaling_{args.setting}"
     return args

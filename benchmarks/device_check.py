@@ -48,6 +48,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:   # `python benchmarks/device_check.py` as well as `python -m benchmarks.device_check`
     sys.path.insert(0, str(REPO))
 
+from zoo_core import checks  # noqa: E402 - after the path above
+
 TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "tests/samovar_jax/ops_test.py",
               "tests/samovar_jax/reference_test.py", "tests/htgn_jax/ops_test.py",
               "tests/zoo_core/linear_attention_test.py")
@@ -326,13 +328,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run, about a minute)")
     p.add_argument("--out", default=None, help="JSON summary (default: <work_dir>/device_check.json)")
     p.add_argument("--work_dir", default=None, help="scaling JSONs and run workdirs (default: a temp folder)")
-    p.add_argument("--budget_s", type=float, default=None, help="whole check (default 470; --tiny 120)")
-    p.add_argument("--tests_budget_s", type=float, default=None, help="test phase cap (default 180; --tiny 60)")
-    p.add_argument("--scaling_budget_s", type=float, default=None, help="scaling phase (default 150; --tiny 30)")
-    p.add_argument("--scaling_max_run_s", type=float, default=20.0, help="stop a scaling case past this median")
-    p.add_argument("--max_n", type=int, default=2**20, help="largest scaling N (default 1M)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per config (default 10; --tiny 2)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--budget_s", type=checks.positive_float, default=None, help="whole check (default 470; --tiny 120)")
+    p.add_argument("--tests_budget_s", type=checks.positive_float, default=None, help="test phase cap (default 180; --tiny 60)")
+    p.add_argument("--scaling_budget_s", type=checks.positive_float, default=None, help="scaling phase (default 150; --tiny 30)")
+    p.add_argument("--scaling_max_run_s", type=checks.positive_float, default=20.0, help="stop a scaling case past this median")
+    p.add_argument("--max_n", type=checks.positive_int, default=2**20, help="largest scaling N (default 1M)")
+    p.add_argument("--steps", type=checks.positive_int, default=None, help="timed steps per config (default 10; --tiny 2)")
+    p.add_argument("--warmup", type=checks.nonnegative_int, default=2)
     p.add_argument("--test_precision", default="highest", choices=("highest", "high", "default"),
                    help="JAX_DEFAULT_MATMUL_PRECISION of the test phase")
     p.add_argument("--phases", default="tests,bounds,steps,scaling,reference_runs",
@@ -357,6 +359,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.phases) - {"tests", "bounds", "steps", "scaling", "reference_runs"}
     if unknown:
         p.error(f"unknown --phases {sorted(unknown)}")
+    checks.check_output_paths(p, args, dirs=["work_dir"], files=["out"])
     return args
 
 

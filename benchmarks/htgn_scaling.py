@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax import graph_ops, ops
-from zoo_core import bench
+from zoo_core import bench, checks
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CASES = ("favor", "favor_causal", "gat", "gat_causal", "softmax", "softmax_causal")
@@ -43,22 +43,15 @@ CASES = ("favor", "favor_causal", "gat", "gat_causal", "softmax", "softmax_causa
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = bench.scaling_parser(__doc__.split("\n")[0], CASES, out_dir=RESULTS)
-    p.add_argument("--heads", type=int, default=8, help="H (base-mt: 8)")
-    p.add_argument("--head_dim", type=int, default=64, help="D per head (base-mt: 512 / 8)")
-    p.add_argument("--features", type=int, default=256, help="m random features (base-mt: 256)")
-    p.add_argument("--window", type=int, default=8, help="GAT window radius w (base-mt: 8)")
-    p.add_argument("--globals", type=int, default=4, help="g global nodes of `gat` (base-mt: 4)")
-    p.add_argument("--chunk", type=int, default=64, help="C of the chunked causal FAVOR+")
+    p.add_argument("--heads", type=checks.positive_int, default=8, help="H (base-mt: 8)")
+    p.add_argument("--head_dim", type=checks.positive_int, default=64, help="D per head (base-mt: 512 / 8)")
+    p.add_argument("--features", type=checks.positive_int, default=256, help="m random features (base-mt: 256)")
+    p.add_argument("--window", type=checks.nonnegative_int, default=8, help="GAT window radius w (base-mt: 8)")
+    p.add_argument("--globals", type=checks.nonnegative_int, default=4, help="g global nodes of `gat` (base-mt: 4)")
+    p.add_argument("--chunk", type=checks.positive_int, default=64, help="C of the chunked causal FAVOR+")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--name", default="htgn_scaling", help="output file stem")
-    args = bench.parse_scaling_args(p, CASES, argv)
-    for name in ("heads", "head_dim", "features", "chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    for name in ("window", "globals"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name} must be >= 0")
-    return args
+    return bench.parse_scaling_args(p, CASES, argv)
 
 
 def make_case(case: str, n: int, args, projection):

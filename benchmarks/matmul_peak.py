@@ -17,23 +17,25 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from zoo_core import bench
+from zoo_core import bench, checks
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="512,1024,2048,4096", help="comma-separated square sizes n")
+    p.add_argument("--sizes", type=checks.positive_ints, default=[512, 1024, 2048, 4096],
+                   help="comma-separated square sizes n")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=checks.positive_int, default=5)
     p.add_argument("--out_dir", default=str(RESULTS))
     args = p.parse_args(argv)
-    args.sizes = sorted(int(n) for n in args.sizes.split(","))
+    args.sizes = sorted(args.sizes)
     args.dtypes = args.dtypes.split(",")
     for name in args.dtypes:
         if name not in ("float32", "bfloat16", "float16"):
             p.error(f"unsupported --dtypes entry {name!r}")
+    checks.check_output_paths(p, args, dirs=["out_dir"])
     return args
 
 

@@ -32,6 +32,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from zoo_core import checks  # noqa: E402 - after the path above
+
 VARIANTS = ("f32", "f32+remat", "bf16", "bf16+remat")
 
 
@@ -83,8 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"subset of {list(device_check.MAIN_CONFIGS)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {list(VARIANTS)}")
     p.add_argument("--tiny", action="store_true", help="the configs' smoke variants (CPU test)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --tiny 1)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=checks.positive_int, default=None, help="timed steps (default 5; --tiny 1)")
+    p.add_argument("--warmup", type=checks.nonnegative_int, default=1)
     p.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
@@ -95,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for v in args.variants:
         if v not in VARIANTS:
             p.error(f"--variants: unknown variant {v!r}; expected some of {list(VARIANTS)}")
+    checks.check_output_paths(p, args, files=["out"])
     return args
 
 

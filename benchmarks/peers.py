@@ -64,6 +64,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:   # `python benchmarks/peers.py` as well as `python -m benchmarks.peers`
     sys.path.insert(0, str(REPO))
 
+from zoo_core import checks  # noqa: E402 - after the path above
+
 STEP_CASES = ("agf_listops", "agf_softmax", "samovar_fig4", "lintrans")
 E2E_CASES = ("agf_uea_jv",)
 CASES = STEP_CASES + E2E_CASES
@@ -574,14 +576,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samovar_src", default=os.environ.get("SAMOVAR_SRC"),
                    help="checkout of LJC-FVNR/Structural-Aligned-Mixture-of-VAR")
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated subset of {list(CASES)}")
-    p.add_argument("--steps", type=int, default=7, help="timed steps per side per round")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B A B ...)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per side before the rounds")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (and OMP/MKL threads of subprocesses)")
+    p.add_argument("--steps", type=checks.positive_int, default=7, help="timed steps per side per round")
+    p.add_argument("--rounds", type=checks.positive_int, default=3, help="interleaved rounds (A B A B ...)")
+    p.add_argument("--warmup", type=checks.nonnegative_int, default=2, help="untimed steps per side before the rounds")
+    p.add_argument("--threads", type=checks.positive_int, default=2, help="torch threads (and OMP/MKL threads of subprocesses)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CI smoke); our side only without sources")
-    p.add_argument("--epochs", type=int, default=100, help="agf_uea_jv: epochs of each job")
-    p.add_argument("--uea_rounds", type=int, default=1, help="agf_uea_jv: alternating rounds of the two jobs")
-    p.add_argument("--uea_timeout", type=float, default=None, help="agf_uea_jv: seconds per job")
+    p.add_argument("--epochs", type=checks.positive_int, default=100, help="agf_uea_jv: epochs of each job")
+    p.add_argument("--uea_rounds", type=checks.positive_int, default=1, help="agf_uea_jv: alternating rounds of the two jobs")
+    p.add_argument("--uea_timeout", type=checks.positive_float, default=None, help="agf_uea_jv: seconds per job")
     p.add_argument("--uea_data_dir", default=None, help="folder with JapaneseVowels_{TRAIN,TEST}.ts "
                    "(default: sktime's copy)")
     p.add_argument("--uea_out", default=None, help="agf_uea_jv: folder for the jobs' outputs and logs")
@@ -591,7 +593,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="step cases: official init / data seed")
     p.add_argument("--uea_seed", type=int, default=None,
                    help="agf_uea_jv: --seed of both jobs (default: each side's own default)")
-    p.add_argument("--cpu_devices", type=int, default=None,
+    p.add_argument("--cpu_devices", type=checks.nonnegative_int, default=None,
                    help="step cases: run our steps on this many CPU devices instead of their configs' "
                         "parallel.cpu_devices (0: one per core), e.g. 1 to time the single-device step")
     p.add_argument("--no_bounds", action="store_true", help="skip measuring the matmul/bandwidth bounds")
@@ -601,13 +603,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
         p.error(f"unknown --cases {unknown}; choose from {list(CASES)}")
-    for name in ("steps", "rounds", "epochs", "uea_rounds", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
-    if args.cpu_devices is not None and args.cpu_devices < 0:
-        p.error("--cpu_devices must be >= 0")
+    checks.check_output_paths(p, args, dirs=["uea_out"], files=["out"])
     return args
 
 

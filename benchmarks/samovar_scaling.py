@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from samovar_jax import ops
-from zoo_core import bench
+from zoo_core import bench, checks
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CASES = ("var_masked", "var_chunked", "var_scan", "softmax")
@@ -40,17 +40,13 @@ CASES = ("var_masked", "var_chunked", "var_scan", "softmax")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = bench.scaling_parser(__doc__.split("\n")[0], CASES, out_dir=RESULTS)
-    p.add_argument("--layers", type=int, default=3, help="L, attention layers in the chain")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head_dim", type=int, default=8)
-    p.add_argument("--chunk", type=int, default=64, help="chunk length of var_chunked")
+    p.add_argument("--layers", type=checks.positive_int, default=3, help="L, attention layers in the chain")
+    p.add_argument("--heads", type=checks.positive_int, default=8)
+    p.add_argument("--head_dim", type=checks.positive_int, default=8)
+    p.add_argument("--chunk", type=checks.positive_int, default=64, help="chunk length of var_chunked")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--name", default="samovar_scaling", help="output file stem")
-    args = bench.parse_scaling_args(p, CASES, argv)
-    for name in ("layers", "heads", "head_dim", "chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    return args
+    return bench.parse_scaling_args(p, CASES, argv)
 
 
 def softmax_chain(x0, q, v):

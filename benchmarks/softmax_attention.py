@@ -20,7 +20,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from zoo_core import bench
+from zoo_core import bench, checks
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 CASES = {"full": False, "causal": True}  # case name -> is_causal
@@ -29,8 +29,8 @@ CASES = {"full": False, "causal": True}  # case name -> is_causal
 def parse_args(argv=None) -> argparse.Namespace:
     p = bench.scaling_parser(__doc__.split("\n")[0], tuple(CASES), out_dir=RESULTS, max_run_s=120.0,
                              default_cases="full")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head_dim", type=int, default=64)
+    p.add_argument("--heads", type=checks.positive_int, default=4)
+    p.add_argument("--head_dim", type=checks.positive_int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return bench.parse_scaling_args(p, tuple(CASES), argv)
 

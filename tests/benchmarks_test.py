@@ -1,11 +1,15 @@
-"""Smoke tests of the one-call device check and the peers benchmark (`--tiny`, CPU, subprocesses).
+"""Smoke tests of the one-call device check and the peers benchmark (`--tiny`, CPU, subprocesses), and the
+benchmark scripts' bad arguments (usage errors, parsed in-process).
 
 Timings printed here mean nothing (tiny shapes, a shared CI machine); only the structure is checked.
 """
+import importlib
 import json
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 from tests.environment import command_env
 
@@ -106,3 +110,38 @@ def test_memory_options_tiny_records_memory_and_time_per_variant(tmp_path):
         assert r["temp_bytes"] > 0 and r["total_bytes"] >= r["temp_bytes"]
         assert r["median_s"] > 0 and r["time_over_ref"] > 0
     assert "| samovar_fig4 | bf16+remat |" in stdout and "load average" in stdout
+
+
+# (script, arguments, text of the one `error:` line). Parsed in-process: nothing is measured.
+BAD_ARGUMENTS = [
+    ("peers", "--steps 0", "argument --steps: must be an integer >= 1, got '0'"),
+    ("peers", "--warmup -1", "argument --warmup: must be an integer >= 0, got '-1'"),
+    ("peers", "--uea_timeout nan", "argument --uea_timeout: must be a finite number > 0, got 'nan'"),
+    ("peers", "--out {dir}", "is an existing directory; expected a file"),
+    ("device_check", "--tiny --max_n 0", "argument --max_n: must be an integer >= 1"),
+    ("device_check", "--tiny --budget_s -5", "argument --budget_s: must be a finite number > 0"),
+    ("device_check", "--tiny --out {file}/summary.json", "is a file, so no directory can be made under it"),
+    ("device_check", "--tiny --work_dir {file}", "is an existing file; expected a directory"),
+    ("memory_options", "--tiny --steps -1", "argument --steps: must be an integer >= 1, got '-1'"),
+    ("matmul_peak", "--sizes 512,abc", "argument --sizes: must be a comma-separated list of integers >= 1"),
+    ("matmul_peak", "--out_dir {file}", "is an existing file; expected a directory"),
+    ("softmax_attention", "--lengths 0", "argument --lengths: must be a comma-separated list of integers >= 1"),
+    ("softmax_attention", "--max_gib -1", "argument --max_gib: must be a finite number > 0"),
+    ("softmax_attention", "--heads 0", "argument --heads: must be an integer >= 1"),
+    ("agf_scaling", "--chunk_size 0", "argument --chunk_size: must be an integer >= 1"),
+    ("htgn_scaling", "--window -1", "argument --window: must be an integer >= 0"),
+    ("samovar_scaling", "--repeats 0", "argument --repeats: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("script,args,expected", BAD_ARGUMENTS, ids=[f"{s} {a}" for s, a, _ in BAD_ARGUMENTS])
+def test_a_bad_benchmark_argument_is_a_usage_error(tmp_path, capsys, script, args, expected):
+    (tmp_path / "file").write_text("")
+    argv = args.format(file=tmp_path / "file", dir=tmp_path).split()
+    module = importlib.import_module(f"benchmarks.{script}")
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert e.value.code == 2 and len(errors) == 1 and expected in errors[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]     # nothing made

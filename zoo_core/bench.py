@@ -50,6 +50,8 @@ try:  # psutil comes with tensorflow-datasets; everything below works without it
 except ImportError:  # pragma: no cover
     psutil = None
 
+from zoo_core import checks
+
 _GIB = 1024**3
 # Default fraction of free memory a single benchmark may claim (estimate from XLA's buffer
 # assignment). The margin covers allocator fragmentation, XLA scratch and the other processes.
@@ -919,20 +921,20 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
     Parse with `parse_scaling_args`.
     """
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--lengths", default=",".join(map(str, SCALING_LENGTHS)),
+    p.add_argument("--lengths", type=checks.positive_ints, default=list(SCALING_LENGTHS),
                    help="comma-separated sequence lengths N")
     p.add_argument("--cases", default=default_cases or ",".join(cases),
                    help=f"comma-separated subset of {list(cases)}")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max_gib", type=float, default=None,
+    p.add_argument("--repeats", type=checks.positive_int, default=3)
+    p.add_argument("--max_gib", type=checks.positive_float, default=None,
                    help="memory guard in GiB (default: 80%% of available RAM / device memory)")
-    p.add_argument("--mem_factor", type=float, default=None,
+    p.add_argument("--mem_factor", type=checks.positive_float, default=None,
                    help="initial guard factor on XLA's memory estimate (default 2.0 on CPU, 1.0 on "
                         "accelerators; it rises to the peak-RSS ratio measured in each case)")
-    p.add_argument("--max_run_s", type=float, default=max_run_s,
+    p.add_argument("--max_run_s", type=checks.positive_float, default=max_run_s,
                    help="stop a case once its median time exceeds this")
-    p.add_argument("--ref_n", type=int, default=2048, help="reference matmul size (GPU: 8192)")
-    p.add_argument("--budget_s", type=float, default=None,
+    p.add_argument("--ref_n", type=checks.positive_int, default=2048, help="reference matmul size (GPU: 8192)")
+    p.add_argument("--budget_s", type=checks.positive_float, default=None,
                    help="time budget of the whole sweep; later records are skipped once it is spent")
     p.add_argument("--out_dir", default=str(out_dir))
     return p
@@ -940,18 +942,14 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
 
 def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
                        argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses `argv`: lengths and cases become lists (unknown cases and --repeats < 1 are usage
-    errors), and `max_bytes` is the resolved memory guard."""
+    """Parses `argv`: cases become a list (an unknown case, a number out of range and an --out_dir that
+    cannot be written are usage errors), and `max_bytes` is the resolved memory guard."""
     args = parser.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
     args.cases = args.cases.split(",")
     unknown = set(args.cases) - set(cases)
     if unknown:
         parser.error(f"unknown --cases {sorted(unknown)}; choose from {list(cases)}")
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
-    if args.mem_factor is not None and args.mem_factor <= 0:
-        parser.error(f"--mem_factor must be > 0, got {args.mem_factor}")
+    checks.check_output_paths(parser, args, dirs=["out_dir"])
     args.max_bytes = int(args.max_gib * 2**30) if args.max_gib else default_max_bytes()
     return args
 

@@ -6,6 +6,9 @@ and what is expected, in the form "`name` must be ..., got ...".
 """
 from __future__ import annotations
 
+import argparse
+import math
+import os
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -82,6 +85,32 @@ def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> N
         fail(f"`{name}` = {value} must be divisible by `{divisor_name}` = {divisor}")
 
 
+def output_path_problem(path: str, *, directory: bool) -> str | None:
+    """Why `path` cannot be written as a directory (`directory`) or a file, or None when it can.
+
+    It can when it already is one of that kind, or when the nearest existing folder above it is a
+    writable directory (then it is created later, by whoever writes it). Nothing is created here, so a
+    refused run leaves nothing behind. The answer is a phrase to put after the path in a one-line error.
+    """
+    if not path:
+        return "is empty"
+    full = os.path.abspath(path)
+    kind = "a directory" if directory else "a file"
+    if os.path.exists(full):
+        if os.path.isdir(full) != directory:
+            other = "directory" if os.path.isdir(full) else "file"
+            return f"is an existing {other}; expected {kind} (or a path to create)"
+        return None if os.access(full, os.W_OK | (os.X_OK if directory else 0)) else "is not writable"
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be made: {parent!r} is a file, so no directory can be made under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be made: {parent!r} is not writable"
+    return None
+
+
 def check_rank(name: str, x: Any, rank: int, shape_doc: str) -> None:
     """`x` has `rank` dimensions (`shape_doc` says which, e.g. '[B, T, E]')."""
     if np.ndim(x) != rank:
@@ -98,3 +127,61 @@ def check_mask(mask: Any, batch_time: Sequence[int], name: str = "mask") -> None
     """`mask` is None or a `[B, T]` key-padding mask (bool, True = valid; 0/1 also accepted)."""
     if mask is not None:
         check_shape(name, mask, batch_time, "[B, T]")
+
+
+# ----------------------------------------------------------------------------------------------------
+# argparse helpers of the scripts (benchmarks/): a bad value is a usage error (exit 2, one line naming
+# the flag) when the command is parsed, not a traceback minutes into a run. No jax here: some scripts
+# parse their flags before jax may be imported (the CPU device count).
+
+def _number(text: str, kind: type, minimum: float, strict: bool) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        what = "an integer" if kind is int else "a finite number"
+        raise argparse.ArgumentTypeError(f"must be {what} {'>' if strict else '>='} {minimum:g}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _number(text, int, 1, False)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _number(text, int, 0, False)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, float, 0, True)
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: a comma-separated list of integers >= 1 ('1024,2048')."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of integers >= 1, got {text!r}")
+    try:
+        return [positive_int(t.strip()) for t in items]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be a comma-separated list of integers >= 1, got {text!r}") from None
+
+
+def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                       dirs: Sequence[str] = (), files: Sequence[str] = ()) -> None:
+    """A usage error (exit 2) when a given output flag cannot be written: a file where a folder is
+    expected or the reverse, or under a file, or not writable (`output_path_problem`). Checked
+    before anything is measured, so a run never ends in a traceback when it comes to write its result."""
+    for names, directory in ((dirs, True), (files, False)):
+        for name in names:
+            path = getattr(args, name)
+            if path is None:
+                continue
+            problem = output_path_problem(str(path), directory=directory)
+            if problem:
+                parser.error(f"--{name} {path!r} {problem}")

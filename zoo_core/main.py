@@ -61,11 +61,21 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 
 
 def configure_compilation_cache(path: str) -> None:
-    """Points JAX's persistent compilation cache at `path` ('' leaves it off)."""
+    """Points JAX's persistent compilation cache at `path` ('' leaves it off).
+
+    Raises:
+      ValueError: `path` is a file, or under one, or not writable. JAX itself would only warn, once
+        per compiled program, and run without the cache.
+    """
     if not path:
         return
+    path = os.path.expanduser(path)
+    from zoo_core import checks
+    problem = checks.output_path_problem(path, directory=True)
+    if problem:
+        raise ValueError(f"--compilation_cache_dir {path!r} {problem}; give a directory, or '' for no cache")
     import jax
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_compilation_cache_dir", path)
 
 
 def maybe_initialize_distributed() -> None:
@@ -112,9 +122,9 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
     if _ALLOW_CONFIG_CHANGE.value and _EVAL_ONLY.value:
         _fail("--allow_config_change applies to training runs, not to --eval_only")
-    configure_compilation_cache(_COMPILATION_CACHE.value)
     try:
         try:
+            configure_compilation_cache(_COMPILATION_CACHE.value)
             sharding.configure_cpu_devices(config)
             maybe_initialize_distributed()
         except ValueError as e:

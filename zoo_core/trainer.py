@@ -42,7 +42,7 @@ from jax.flatten_util import ravel_pytree
 from zoo_core import checkpoint as ckpt_lib
 from zoo_core import data as data_lib
 from zoo_core import metrics as metrics_lib
-from zoo_core import optim, sharding, tasks
+from zoo_core import checks, optim, sharding, tasks
 from zoo_core.data import pipeline
 
 PARALLEL_MODES = ("jit", "pmap")
@@ -356,7 +356,7 @@ def _example_from_features(builder) -> dict[str, np.ndarray] | None:
 
 
 def check_workdir(workdir: str) -> None:
-    """`workdir` is a directory or can be made one; nothing is created here.
+    """`workdir` is a directory or can be made one (`checks.output_path_problem`); nothing is created here.
 
     Raises:
       ConfigError: it (or a folder above it) is an existing file, or the nearest existing folder above
@@ -364,16 +364,9 @@ def check_workdir(workdir: str) -> None:
     """
     if not workdir:
         raise ConfigError("--workdir is empty; give a directory for checkpoints and metrics")
-    path = os.path.abspath(workdir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"workdir {workdir!r} is an existing file; expected a directory (or a path to create)")
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"workdir {workdir!r}: {parent!r} is a file, so no directory can be made under it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"workdir {workdir!r}: {parent!r} is not writable")
+    problem = checks.output_path_problem(workdir, directory=True)
+    if problem:
+        raise ConfigError(f"workdir {workdir!r} {problem}")
 
 
 # Config fields that may change between a run and its resumption: they decide what is logged,
@@ -429,6 +422,10 @@ def stored_run_config(workdir: str) -> dict | None:
     path = os.path.join(workdir, "config.json")
     if not os.path.isdir(checkpoints) or not any(n.isdigit() for n in os.listdir(checkpoints)):
         return None
+    return _read_run_config(path)
+
+
+def _read_run_config(path: str) -> dict | None:
     if not os.path.isfile(path):
         return None
     try:
@@ -461,6 +458,37 @@ def check_resume(config_dict: dict, workdir: str, *, allow_config_change: bool =
                           f"with its own config, use a new --workdir, or pass --allow_config_change "
                           f"(train_and_evaluate(allow_config_change=True)) to continue with the new values")
     return [_describe(k, a, b) for k in refused + allowed]
+
+
+# Model fields an evaluation may set differently from training: they change how the model computes,
+# not which parameters it has or what they mean.
+EVAL_MAY_CHANGE = ("model.dtype", "model.remat")
+
+
+def check_eval_config(config_dict: dict, workdir: str) -> None:
+    """Refuses to evaluate the checkpoints in `workdir` with a model other than the one they trained.
+
+    The parameters only mean something in their own model: another size fails in the middle of the
+    restore, and another kind of the same size (an attention or a filter swapped) would score quietly
+    wrong numbers. Compares `config_dict` (`config.to_json_best_effort()`) with the run's config.json
+    (no check without one) over the `model` fields, except `EVAL_MAY_CHANGE`. Data and evaluation
+    settings may differ: scoring a run on another split or draw is what `--eval_only` is for.
+
+    Raises:
+      ConfigError: naming the model fields that differ.
+    """
+    path = os.path.join(workdir, "config.json")
+    stored = _read_run_config(path)
+    if stored is None:
+        return
+    a, b = _flatten(stored), _flatten(config_dict)
+    changed = [k for k in sorted(set(a) | set(b)) if k.startswith("model.") and k not in EVAL_MAY_CHANGE
+               and a.get(k) != b.get(k)]
+    if changed:
+        shown = ", ".join(_describe(k, a, b) for k in changed[:6])
+        more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+        raise ConfigError(f"the checkpoints in {workdir} were trained with another model: {shown}{more}; "
+                          f"evaluate them with the config they were trained with ({path})")
 
 
 def evals_between(config, after: int, upto: int) -> int:
@@ -1009,7 +1037,8 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
       {'eval/<metric>': value, ...} and 'step', the checkpoint's step.
 
     Raises:
-      ConfigError: a bad `which`, an unknown split or a config problem (one line).
+      ConfigError: a bad `which`, an unknown split, a model other than the run's (`check_eval_config`)
+        or a config problem (one line).
       FileNotFoundError: no such checkpoint in workdir.
     """
     if which not in ("best", "latest"):
@@ -1019,6 +1048,7 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
     # Before the data is built (minutes for some data sets): an empty or mistyped workdir fails at once.
     folder = "best" if which == "best" else "checkpoints"
     ckpt_lib.require_checkpoints(workdir, folder)
+    check_eval_config(json.loads(config.to_json_best_effort()), workdir)
     try:
         validate_config(config)
         _, eval_source = prepare_data(config)

@@ -142,6 +142,9 @@ CASES = [
     ("--eval_only", "no checkpoint under"),
     ("--eval_only --allow_config_change", "--allow_config_change applies to training runs"),
     ("WORKDIR={file}", "is an existing file; expected a directory"),
+    ("--compilation_cache_dir={file}", "is an existing file; expected a directory (or a path to create); give a "
+     "directory, or '' for no cache"),
+    ("--compilation_cache_dir={file}/xla", "is a file, so no directory can be made under it"),
     ("WORKDIR={file}/run", "is a file, so no directory can be made under it"),
     ("extra_argument", "unexpected positional argument(s) 'extra_argument'"),
     ("CONFIG=none", "--config is required"),
@@ -261,6 +264,14 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
     status, out, err = cli(["--config", "configs/core/synthetic.py", "--workdir", work,
                             f"--config.data.data_dir={env / 'data'}"], capfd)
     _assert_refused(status, out, err, "batch_size: 4 -> 16")
+    # --eval_only with another model is refused too: its checkpoints mean nothing in that model (another
+    # size failed inside the restore with a traceback). Another compute dtype is only another precision.
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work, "--eval_only",
+                            f"--config.data.data_dir={env / 'data'}", "--config.model.hidden=64"], capfd)
+    _assert_refused(status, out, err, "were trained with another model: model.hidden: 32 -> 64")
+    assert _snapshot(work) == before
+    as_stored = json.loads(stored)
+    trainer.check_eval_config(dict(as_stored, model=dict(as_stored["model"], dtype="bfloat16")), str(work))
 
 
 def _logged(caplog) -> str:
