@@ -30,6 +30,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from zoo_core import checks
+
 # Reference state_dict name roots of the two harnesses.
 LRA_ATTENTION_NAMES = dict(query="W_q", key="W_k", value="W_v", sigma="W_Sigma", out="ff",
                            poly="attn.poly.thetas")
@@ -499,7 +501,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (`--check FILE.npz ...`); exits with the usage line on a bad one."""
     parser = argparse.ArgumentParser(prog="python -m agf_jax.convert", description=__doc__.split(
         "\n")[0])
-    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True,
+    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True, type=checks.existing_file,
                         help="golden files to run through the converter and the port")
     return parser.parse_args(argv)
 

@@ -22,6 +22,8 @@ import shutil
 import sys
 import tempfile
 
+from zoo_core import checks
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 FIGURE_DIR = ROOT / "docs" / "figures"
@@ -162,11 +164,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", help="write the executed notebooks and figures here instead")
     parser.add_argument("--figures-dir", help="write the key figures here (default: docs/figures/ or --output-dir)")
     parser.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the kernel ('' = JAX's choice)")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    parser.add_argument("--timeout", type=checks.positive_int, default=1800, help="seconds per cell")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n.removesuffix(".ipynb") not in NOTEBOOKS]
     if unknown:
         parser.error(f"unknown notebook(s) {unknown}; expected some of {list(NOTEBOOKS)}")
+    checks.check_output_paths(parser, args, dirs=["output_dir", "figures_dir"])
     return args
 
 

@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from zoo_core import checks
+
 _LINEAR = "linear"   # [out, in] weight / [out] bias -> kernel [in, out] / bias
 _COPY = "copy"
 _SQUEEZE = "squeeze"  # drop the leading singleton axes
@@ -315,7 +317,7 @@ def check_golden(path, *, jit: bool = True) -> list[CheckResult]:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (`--check FILE.npz ...`); exits with the usage line on a bad one."""
     parser = argparse.ArgumentParser(prog="python -m samovar_jax.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True,
+    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True, type=checks.existing_file,
                         help="golden files (tests/testdata/samovar/*.npz) to convert and compare")
     return parser.parse_args(argv)
 
@@ -326,8 +328,8 @@ def main(argv=None) -> int:
     for path in args.check:
         try:
             results = check_golden(path)
-        except ValueError as e:
-            print(f"{path}: ERROR {e}")
+        except Exception as e:  # noqa: BLE001  report every file, then fail
+            print(f"{path}: ERROR {type(e).__name__}: {e}")
             failed = True
             continue
         for r in results:

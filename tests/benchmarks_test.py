@@ -1,9 +1,11 @@
 """Smoke tests of the one-call device check and the peers benchmark (`--tiny`, CPU, subprocesses), and the
-benchmark scripts' bad arguments (usage errors, parsed in-process).
+bad arguments of every script (benchmarks, the golden converters, the notebook runner): usage errors,
+parsed in-process.
 
 Timings printed here mean nothing (tiny shapes, a shared CI machine); only the structure is checked.
 """
 import importlib
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -112,7 +114,8 @@ def test_memory_options_tiny_records_memory_and_time_per_variant(tmp_path):
     assert "| samovar_fig4 | bf16+remat |" in stdout and "load average" in stdout
 
 
-# (script, arguments, text of the one `error:` line). Parsed in-process: nothing is measured.
+# (script, arguments, text of the one `error:` line; '{file}' an existing file, '{dir}' a folder). Parsed
+# in-process: nothing is measured.
 BAD_ARGUMENTS = [
     ("peers", "--steps 0", "argument --steps: must be an integer >= 1, got '0'"),
     ("peers", "--warmup -1", "argument --warmup: must be an integer >= 0, got '-1'"),
@@ -131,14 +134,24 @@ BAD_ARGUMENTS = [
     ("agf_scaling", "--chunk_size 0", "argument --chunk_size: must be an integer >= 1"),
     ("htgn_scaling", "--window -1", "argument --window: must be an integer >= 0"),
     ("samovar_scaling", "--repeats 0", "argument --repeats: must be an integer >= 1"),
+    ("agf_jax.convert", "--check {dir}/none.npz", "argument --check: '{dir}/none.npz' does not exist; expected a file"),
+    ("samovar_jax.convert", "--check {dir}", "argument --check: '{dir}' is a directory; expected a file"),
+    ("notebooks.run_notebooks", "--timeout 0", "argument --timeout: must be an integer >= 1"),
+    ("notebooks.run_notebooks", "--output-dir {file}", "--output-dir '{file}' is an existing file"),
 ]
 
 
 @pytest.mark.parametrize("script,args,expected", BAD_ARGUMENTS, ids=[f"{s} {a}" for s, a, _ in BAD_ARGUMENTS])
-def test_a_bad_benchmark_argument_is_a_usage_error(tmp_path, capsys, script, args, expected):
+def test_a_bad_script_argument_is_a_usage_error(tmp_path, capsys, script, args, expected):
     (tmp_path / "file").write_text("")
     argv = args.format(file=tmp_path / "file", dir=tmp_path).split()
-    module = importlib.import_module(f"benchmarks.{script}")
+    expected = expected.format(file=tmp_path / "file", dir=tmp_path)
+    if script.startswith("notebooks."):   # a script folder, not a package
+        spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "notebooks" / "run_notebooks.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(script if "." in script else f"benchmarks.{script}")
     with pytest.raises(SystemExit) as e:
         module.parse_args(argv)
     err = capsys.readouterr().err

@@ -160,6 +160,14 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, True)
 
 
+def existing_file(text: str) -> str:
+    """argparse type: the path of an existing file (not a folder)."""
+    if not os.path.isfile(text):
+        what = "is a directory" if os.path.isdir(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}; expected a file")
+    return text
+
+
 def positive_ints(text: str) -> list[int]:
     """argparse type: a comma-separated list of integers >= 1 ('1024,2048')."""
     items = [t for t in text.split(",") if t.strip()]
@@ -177,6 +185,7 @@ def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace
     """A usage error (exit 2) when a given output flag cannot be written: a file where a folder is
     expected or the reverse, or under a file, or not writable (`output_path_problem`). Checked
     before anything is measured, so a run never ends in a traceback when it comes to write its result."""
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     for names, directory in ((dirs, True), (files, False)):
         for name in names:
             path = getattr(args, name)
@@ -184,4 +193,4 @@ def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace
                 continue
             problem = output_path_problem(str(path), directory=directory)
             if problem:
-                parser.error(f"--{name} {path!r} {problem}")
+                parser.error(f"{flags.get(name, '--' + name)} {path!r} {problem}")
