@@ -77,6 +77,15 @@ def _drop_records_after(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def write_json(path: str, obj: Any) -> None:
+    """Writes `obj` as indented JSON to `path` atomically (a temporary file, then a rename): a kill
+    mid-write leaves the old file or the new one, never a torn one (config.json is what a resume reads)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Reads a metrics.jsonl file back (used by tests and notebooks)."""
     with open(path) as f:

@@ -748,8 +748,7 @@ def _restore_or_init(s: _Setup, workdir: str, replicated) -> tuple[ckpt_lib.Chec
         checkpoints.close(discard_created=True)
         raise ConfigError(str(e)) from e
     if jax.process_index() == 0:   # only now: a mismatching workdir keeps its own config.json
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(s.config_dict, f, indent=2, sort_keys=True)
+        metrics_lib.write_json(os.path.join(workdir, "config.json"), s.config_dict)
     if restored is None:
         init = functools.partial(init_state, model=s.model, tx=s.tx)
         logging.info("no checkpoint in %s: starting from scratch", workdir)
@@ -1066,8 +1065,7 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
     result["step"] = int(step)
     name = f"eval_{which}_{config.data.eval_split}.json"
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, name), "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
+        metrics_lib.write_json(os.path.join(workdir, name), result)
     logging.info("%s checkpoint (step %d) on %s: %s", which, step, config.data.eval_split,
                  ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items()) if k != "step"))
     return result

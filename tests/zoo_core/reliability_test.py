@@ -141,3 +141,15 @@ def test_the_default_workdir_names_the_config_and_its_args():
     assert default_workdir("configs/agf/lra_listops.py:smoke") == os.path.join("runs", "lra_listops_smoke")
     assert default_workdir("c/uea_japanese_vowels.py:smoke,attention=softmax") == os.path.join(
         "runs", "uea_japanese_vowels_smoke_attention-softmax")
+
+
+def test_run_json_files_are_replaced_whole(tmp_path):
+    # config.json and the eval results are written to a temporary file and renamed into place, so a kill
+    # mid-write cannot leave a torn config.json that a resume would refuse to read.
+    from zoo_core import metrics
+    path = tmp_path / "config.json"
+    path.write_text('{"seed": 0}')
+    (tmp_path / "config.json.tmp").write_text('{"se')          # left by a write killed earlier
+    metrics.write_json(str(path), {"seed": 1, "model": {"hidden": 32}})
+    assert json.loads(path.read_text()) == {"seed": 1, "model": {"hidden": 32}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
