@@ -33,30 +33,46 @@ CASES = {
 
 
 def _loss(model, batch):
+    """A training loss of the model's main output (dropout on, a fixed rng) plus its auxiliary losses."""
     def loss(params):
         out, aux = model.apply({"params": params}, batch, train=True,
                                rngs={"dropout": jax.random.key(1)})
         main = out["logits"] if "logits" in out else out["forecast"]
         extra = sum(v for k, v in aux.items() if k.startswith("loss/"))
-        return jnp.sum(jnp.sin(main.astype(jnp.float32))) + extra
+        return 0.5 * jnp.mean(jnp.square(main.astype(jnp.float32))) + extra
     return loss
+
+
+def _run_traced(model, batch, params):
+    """(the jaxpr of value_and_grad of `_loss` as text, its value): traced once for both."""
+    traced = jax.jit(jax.value_and_grad(_loss(model, batch))).trace(params)
+    return str(traced.jaxpr), traced.lower().compile()(params)
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_reference(name):
+    """(params, (loss, gradients), program) of the plain float32 model, which both tests compare against:
+    computed once per process (and compiled once per run, through the persistent compilation cache)."""
+    factory, kw, batch = CASES[name]
+    model = factory(**kw)
+    # Initialised as one compiled program: eagerly, every initialiser and every jitted helper of the
+    # forward pass compiles on its own, which made these tests several times slower.
+    params = jax.jit(model.init)(jax.random.key(0), batch)["params"]
+    program, value_and_grads = _run_traced(model, batch, params)
+    return params, value_and_grads, program
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_remat_changes_no_parameter_value_or_gradient(name):
     factory, kw, batch = CASES[name]
-    plain, remat = factory(**kw), factory(**kw, remat=True)
-    # Initialised as one compiled program each: eagerly, every initialiser and every jitted helper of
-    # the forward pass compiles on its own, which made these tests several times slower.
-    params = jax.jit(plain.init)(jax.random.key(0), batch)["params"]
+    remat = factory(**kw, remat=True)
+    params, want, plain_program = _float32_reference(name)
     jax.tree_util.tree_map(np.testing.assert_array_equal,
                            jax.jit(remat.init)(jax.random.key(0), batch)["params"], params)
-    want = jax.jit(jax.value_and_grad(_loss(plain, batch)))(params)
-    got = jax.jit(jax.value_and_grad(_loss(remat, batch)))(params)
+    program, got = _run_traced(remat, batch, params)
     assert_trees_close(got, want, **F32_MODEL)
-    program = str(jax.make_jaxpr(jax.grad(_loss(remat, batch)))(params))
     assert "remat" in program or "checkpoint" in program
-    assert "remat" not in str(jax.make_jaxpr(jax.grad(_loss(plain, batch)))(params))
+    assert "remat" not in plain_program
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -76,20 +92,10 @@ def test_bfloat16_model_tracks_float32(name):
     # is the same.
     factory, kw, batch = CASES[name]
     f32, bf16 = factory(**kw), factory(**kw, dtype="bfloat16")
-    params = jax.jit(f32.init)(jax.random.key(0), batch)["params"]
+    params, (loss32, grads32), _ = _float32_reference(name)
     out32, out16 = _main_output(f32, params, batch), _main_output(bf16, params, batch)
     assert float(jnp.linalg.norm(out16 - out32) / jnp.linalg.norm(out32)) < BF16["rtol"]
-
-    def loss(model):
-        def fn(p):
-            out, aux = model.apply({"params": p}, batch, train=True, rngs={"dropout": jax.random.key(1)})
-            main = out["logits"] if "logits" in out else out["forecast"]
-            extra = sum(v for k, v in aux.items() if k.startswith("loss/"))
-            return 0.5 * jnp.mean(jnp.square(main.astype(jnp.float32))) + extra
-        return fn
-
-    loss32, grads32 = jax.jit(jax.value_and_grad(loss(f32)))(params)
-    loss16, grads16 = jax.jit(jax.value_and_grad(loss(bf16)))(params)
+    loss16, grads16 = jax.jit(jax.value_and_grad(_loss(bf16, batch)))(params)
     np.testing.assert_allclose(loss16, loss32, rtol=BF16["rtol"])
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads16))
     g16, g32 = (jnp.concatenate([jnp.ravel(g) for g in jax.tree_util.tree_leaves(t)])
