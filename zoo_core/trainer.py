@@ -555,6 +555,9 @@ def prepare_data(config) -> tuple[Any, Any]:
             builder.download_and_prepare()
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other processes
             failure = e
+            if isinstance(e, OSError):   # the data dir cannot be written (e.g. a read-only mount): name it
+                failure = ValueError(f"could not prepare {d.name} in data.data_dir {data_dir!r}: "
+                                     f"{type(e).__name__}: {e}; give a writable data.data_dir or $ZOO_DATA_DIR")
             if created:
                 shutil.rmtree(created[0], ignore_errors=True)
     if jax.process_count() > 1:

@@ -131,6 +131,7 @@ CASES = [
     ("--config.test_split=test", "test_split='test' is not reported by this architecture's evaluators"),
     ("--config.data.data_dir={file}", "is a file; expected a directory"),
     ("--config.data.data_dir={file}/sub", "is under the file"),
+    ("--config.data.data_dir=/proc/zoo_data", "could not prepare synthetic_linear in data.data_dir '/proc/zoo_data'"),
     ("--config.task.name=regression", "unknown task.name 'regression'"),
     ("--config.eval_max_examples=-1", "eval_max_examples must be >= 0"),
     ("--config.model.hidden=-4", "hidden"),
