@@ -82,7 +82,13 @@ def maybe_initialize_distributed() -> None:
     """Calls jax.distributed.initialize when a coordinator is given by flag or environment."""
     address = _COORDINATOR.value or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not address:
+        if _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
+            raise ValueError("--num_processes and --process_id need --coordinator_address host:port (or "
+                             "JAX_COORDINATOR_ADDRESS); without it this would be a single-process run")
         return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator_address must be host:port with a port in 1..65535, got {address!r}")
     num = _NUM_PROCESSES.value if _NUM_PROCESSES.value is not None else os.environ.get("JAX_NUM_PROCESSES")
     pid = _PROCESS_ID.value if _PROCESS_ID.value is not None else os.environ.get("JAX_PROCESS_ID")
     if num is None or pid is None:
