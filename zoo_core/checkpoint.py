@@ -71,7 +71,11 @@ def require_checkpoints(workdir: str, which: str = "checkpoints") -> str:
     directory (a cheap check, e.g. before building the data an evaluation needs)."""
     path = os.path.join(os.path.abspath(workdir), which)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}")
+        hint = ""
+        if which == "best" and os.path.isdir(os.path.join(os.path.abspath(workdir), "checkpoints")):
+            hint = ("; this run keeps no best checkpoint (checkpoint.best_metric is empty, or it was not "
+                    "evaluated yet): --checkpoint=latest reads its newest one")
+        raise FileNotFoundError(f"no checkpoint under {os.path.join(workdir, which)}{hint}")
     return path
 
 

@@ -76,3 +76,10 @@ def test_restore_params_of_a_missing_run_raises_and_creates_nothing(tmp_path):
         with pytest.raises(FileNotFoundError, match=f"no checkpoint under .*{which}"):
             checkpoint.restore_params(str(tmp_path / "run"), which=which)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_without_a_best_checkpoint_points_to_the_latest(tmp_path):
+    from zoo_core import checkpoint
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)     # trained with checkpoint.best_metric=''
+    with pytest.raises(FileNotFoundError, match="keeps no best checkpoint .* --checkpoint=latest"):
+        checkpoint.require_checkpoints(str(tmp_path / "run"), "best")
