@@ -649,34 +649,45 @@ def _log_through_tqdm() -> Callable[[], None]:
 
 
 class _Terminate:
-    """Turns SIGTERM into a flag the loop polls, so the run can save and exit cleanly."""
+    """Turns SIGTERM and Ctrl-C (SIGINT) into a flag the loop polls, so the run can save and exit cleanly.
+
+    A second Ctrl-C stops at once (KeyboardInterrupt, the previous checkpoint is kept). A SIGINT that the
+    process was started to ignore (a background job of a non-interactive shell) stays ignored.
+    """
 
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.requested = None      # the name of the first signal received
+        self._previous = {}
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:   # not the main thread (e.g. inside a notebook worker): no handler
-            self._previous = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if sig == signal.SIGINT and signal.getsignal(sig) is not signal.default_int_handler:
+                continue
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:   # not the main thread (e.g. inside a notebook worker): no handler
+                pass
         return self
 
     def _handle(self, signum, frame):
-        logging.warning("SIGTERM received: saving a checkpoint and exiting")
-        self.requested = True
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
+        logging.warning("%s received: saving a checkpoint and exiting%s", name,
+                        " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else "")
+        self.requested = self.requested or name
 
     def any_requested(self) -> bool:
-        """Whether any process got SIGTERM. All processes must leave the loop at the same step (the
+        """Whether any process got SIGTERM or Ctrl-C. All processes must leave the loop at the same step (the
         save is collective), so with several processes they agree on the flag every step."""
         if jax.process_count() == 1:
-            return self.requested
+            return bool(self.requested)
         from jax.experimental import multihost_utils
-        return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+        return bool(np.max(multihost_utils.process_allgather(np.int32(bool(self.requested)))))
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 @dataclasses.dataclass
@@ -885,11 +896,12 @@ class _Loop:
             self.save(state, step)
 
     def signal(self, state, step: int, term: "_Terminate") -> bool:
-        """SIGTERM (on any process): a checkpoint now, then stop (True)."""
+        """SIGTERM or Ctrl-C (on any process): a checkpoint now, then stop (True)."""
         if not term.any_requested():
             return False
         self.save(state, step, force=True)
-        logging.warning("saved the checkpoint at step %d after SIGTERM; exiting", step)
+        logging.warning("saved the checkpoint at step %d after %s; exiting", step,
+                        term.requested or "SIGTERM or Ctrl-C on another process")
         return True
 
 
