@@ -39,14 +39,18 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     A bare word sets a bool to True ('smoke'); 'key=value' converts value to the default's type.
 
     Raises:
-      ValueError: an unknown key or a value that does not convert.
+      ValueError: an unknown key, a key given twice or a value that does not convert.
     """
     out = dict(defaults)
+    given = set()
     for item in filter(None, (arg or "").split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
         if key not in defaults:
             raise ValueError(f"unknown config argument {key!r}; valid: {', '.join(sorted(defaults))}")
+        if key in given:   # the last would silently win
+            raise ValueError(f"config argument {key!r} is given twice in {arg!r}")
+        given.add(key)
         kind = type(defaults[key])
         if not sep:
             if kind is not bool:

@@ -45,6 +45,8 @@ def test_config_loads_and_builds(path):
     optim.make_optimizer(full)
     with pytest.raises(ValueError, match="unknown config argument"):
         module.get_config("no_such_option=1")
+    with pytest.raises(ValueError, match="config argument 'smoke' is given twice"):
+        module.get_config("smoke,smoke=false")
     for config in (c, full):   # the size preset is written out: every model field is a config field
         assert "variant" not in config.model, "common.finish writes the variant's fields explicitly"
         assert set(config.data.options) >= set(common.data_option_defaults(config.data.name))
