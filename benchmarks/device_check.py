@@ -328,12 +328,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run, about a minute)")
     p.add_argument("--out", default=None, help="JSON summary (default: <work_dir>/device_check.json)")
     p.add_argument("--work_dir", default=None, help="scaling JSONs and run workdirs (default: a temp folder)")
-    p.add_argument("--budget_s", type=checks.positive_float, default=None, help="whole check (default 470; --tiny 120)")
-    p.add_argument("--tests_budget_s", type=checks.positive_float, default=None, help="test phase cap (default 180; --tiny 60)")
-    p.add_argument("--scaling_budget_s", type=checks.positive_float, default=None, help="scaling phase (default 150; --tiny 30)")
-    p.add_argument("--scaling_max_run_s", type=checks.positive_float, default=20.0, help="stop a scaling case past this median")
+    p.add_argument("--budget_s", type=checks.positive_float, default=None,
+                   help="whole check (default 470; --tiny 120)")
+    p.add_argument("--tests_budget_s", type=checks.positive_float, default=None,
+                   help="test phase cap (default 180; --tiny 60)")
+    p.add_argument("--scaling_budget_s", type=checks.positive_float, default=None,
+                   help="scaling phase (default 150; --tiny 30)")
+    p.add_argument("--scaling_max_run_s", type=checks.positive_float, default=20.0,
+                   help="stop a scaling case past this median")
     p.add_argument("--max_n", type=checks.positive_int, default=2**20, help="largest scaling N (default 1M)")
-    p.add_argument("--steps", type=checks.positive_int, default=None, help="timed steps per config (default 10; --tiny 2)")
+    p.add_argument("--steps", type=checks.positive_int, default=None,
+                   help="timed steps per config (default 10; --tiny 2)")
     p.add_argument("--warmup", type=checks.nonnegative_int, default=2)
     p.add_argument("--test_precision", default="highest", choices=("highest", "high", "default"),
                    help="JAX_DEFAULT_MATMUL_PRECISION of the test phase")

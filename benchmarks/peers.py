@@ -578,11 +578,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated subset of {list(CASES)}")
     p.add_argument("--steps", type=checks.positive_int, default=7, help="timed steps per side per round")
     p.add_argument("--rounds", type=checks.positive_int, default=3, help="interleaved rounds (A B A B ...)")
-    p.add_argument("--warmup", type=checks.nonnegative_int, default=2, help="untimed steps per side before the rounds")
-    p.add_argument("--threads", type=checks.positive_int, default=2, help="torch threads (and OMP/MKL threads of subprocesses)")
+    p.add_argument("--warmup", type=checks.nonnegative_int, default=2,
+                   help="untimed steps per side before the rounds")
+    p.add_argument("--threads", type=checks.positive_int, default=2,
+                   help="torch threads (and OMP/MKL threads of subprocesses)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CI smoke); our side only without sources")
     p.add_argument("--epochs", type=checks.positive_int, default=100, help="agf_uea_jv: epochs of each job")
-    p.add_argument("--uea_rounds", type=checks.positive_int, default=1, help="agf_uea_jv: alternating rounds of the two jobs")
+    p.add_argument("--uea_rounds", type=checks.positive_int, default=1,
+                   help="agf_uea_jv: alternating rounds of the two jobs")
     p.add_argument("--uea_timeout", type=checks.positive_float, default=None, help="agf_uea_jv: seconds per job")
     p.add_argument("--uea_data_dir", default=None, help="folder with JapaneseVowels_{TRAIN,TEST}.ts "
                    "(default: sktime's copy)")
