@@ -71,18 +71,20 @@ def _drop_records_after(path: str, step: int) -> None:
                 continue
             if record.get("step", 0) <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    _replace(path, "".join(kept))
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Writes `obj` as indented JSON to `path` atomically (a temporary file, then a rename): a kill
-    mid-write leaves the old file or the new one, never a torn one (config.json is what a resume reads)."""
+    """Writes `obj` as indented JSON to `path` atomically (config.json is what a resume reads)."""
+    _replace(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _replace(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temporary file and a rename: a kill mid-write leaves the old
+    file or the new one, never a torn one."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write(text)
     os.replace(tmp, path)
 
 
