@@ -6,8 +6,9 @@
 Flags: --config (ml_collections file[:args], with --config.a.b=value overrides), --workdir (default
 runs/<config name>[_<args>]), and for
 multi-host runs --coordinator_address / --num_processes / --process_id (or the environment variables
-JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Configuration mistakes end the run with one
-line on stderr and exit status 2, before anything is compiled.
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--help` lists them. Configuration mistakes
+(an error in the config file itself, an empty --workdir, a config of another architecture included) end
+the run with one line on stderr and exit status 2, before anything is compiled.
 
 Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
 a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
@@ -125,6 +126,10 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
+    if _WORKDIR.value is not None and not _WORKDIR.value.strip():
+        # `--workdir=$RUN` with RUN unset: the default folder might hold (and resume) another run.
+        _fail("--workdir is empty (an unset shell variable?); give a directory, or leave the flag out for "
+              "the default runs/<config name>")
     workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
     if _ALLOW_CONFIG_CHANGE.value and _EVAL_ONLY.value:
         _fail("--allow_config_change applies to training runs, not to --eval_only")
@@ -222,8 +227,51 @@ def _first_line(message: str) -> str:
     return line.split(": ", 1)[0]
 
 
+_HELP = ("--help", "-help", "-h", "-?", "--helpshort")
+
+
+def _print_help() -> None:
+    """The entry point's docstring and every flag of this command line (absl's own --help lists only
+    flags defined in the __main__ module, which defines none here, and exits with status 1)."""
+    doc = (sys.modules["__main__"].__doc__ or "").strip()
+    ours = flags.FLAGS.module_help(__name__).strip().split("\n", 1)[1]    # without its 'zoo_core.main:'
+    lines = [doc, ""] if doc else []
+    lines += ["flags (--helpfull lists absl's and JAX's too):", ours,
+              "  --config.<field>=<value>: overrides any field of the config, e.g. --config.model.num_layers=3"]
+    print("\n".join(lines))
+
+
+def _config_argument(argv: Sequence[str]) -> str:
+    """The value of --config in `argv` ('' when absent), for messages about a file that did not load."""
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(("--config=", "-config=")):
+            return arg.split("=", 1)[1]
+    return ""
+
+
+def _config_code_error(e: BaseException, argv: Sequence[str]) -> str | None:
+    """'<file>, line <n>: <Type>: <message>' when `e` was raised by the config file's own code (a bug
+    or a syntax error in it, or a file that is not Python), else None."""
+    path = os.path.abspath(_config_argument(argv).partition(":")[0])
+    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
+        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
+    tb, where = e.__traceback__, None
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == path:
+            where = tb.tb_lineno
+        tb = tb.tb_next
+    if where is None:
+        return None
+    return f"{_config_argument(argv).partition(':')[0]}, line {where}: {type(e).__name__}: {e}"
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config mistakes (unknown key, bad value, broken file) reduced to one line."""
+    if any(arg in _HELP for arg in argv[1:]):
+        _print_help()
+        sys.exit(0)
     try:
         rest = flags.FLAGS(argv)
     except flags.Error as e:
@@ -235,8 +283,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
                   f"({type(inner).__name__}: {inner}); expected a text file such as a CSV")
         _fail(f"bad flag: {_last_line(str(e))}")
     except OSError as e:   # a config file that does not load, met while registering its override flags
-        _fail(f"bad flag: --config {flags.FLAGS['config'].config_filename}: {_last_line(str(e))}")
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        _fail(f"bad flag: --config {_config_argument(argv)}: {_last_line(str(e))}")
+    except Exception as e:
+        if (where := _config_code_error(e, argv)) is not None:
+            _fail(f"bad flag: --config {_config_argument(argv)}: the config file raised an error at {where}")
+        if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
+            raise
         # ml_collections reports an unknown --config.a.b override as AttributeError("'b'").
         detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")
         detail = " ".join(detail.replace("\\", "").replace("'", "").replace('"', "").split())
@@ -248,7 +300,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         try:
             _CONFIG.value.get("seed")
         except OSError as e:
-            _fail(f"bad flag: --config {flags.FLAGS['config'].config_filename}: {_last_line(str(e))}")
+            _fail(f"bad flag: --config {_config_argument(argv)}: {_last_line(str(e))}")
     return rest
 
 

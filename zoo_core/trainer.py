@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -307,7 +308,7 @@ def check_setup(config, build_model: Callable[..., Any] | None = None, *, has_ev
         validate_config(config)
         tx, _ = optim.make_optimizer(config)
         task = tasks.make_task(config)
-        model = build_model(**config.model.to_dict()) if build_model is not None else None
+        model = _build_model(build_model, config) if build_model is not None else None
         options = config.data.options.to_dict()
         builder = data_lib.check_options(config.data.name, config.data.data_dir, options)
         num_train = options.get("num_train")
@@ -328,6 +329,19 @@ def check_setup(config, build_model: Callable[..., Any] | None = None, *, has_ev
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
         raise _config_error(e) from e
+
+
+def _build_model(build_model: Callable[..., Any], config):
+    """`build_model(**config.model)`; a field it has not, or one it needs and the config lacks, most
+    often means a config written for another architecture's train command."""
+    try:
+        return build_model(**config.model.to_dict())
+    except TypeError as e:
+        if not re.search(r"unexpected keyword argument|missing \d+ required", str(e)):
+            raise
+        detail = re.sub(r"^\S*\(\) ", "", str(e).splitlines()[0])
+        raise ConfigError(f"config.model does not fit {build_model.__module__}.{build_model.__qualname__}: "
+                          f"{detail}; is the config written for another architecture's train command?") from None
 
 
 _SHAPES_CHECKED: set = set()   # the last config whose shapes check_setup traced (the CLI checks twice)

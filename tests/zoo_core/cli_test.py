@@ -83,6 +83,7 @@ def env(tmp_path_factory):
     (root / "binary.csv").write_bytes(bytes(range(256)) * 8)
     (root / "header.csv").write_text("date,a,OT\n")
     (root / "empty.csv").write_bytes(b"")
+    (root / "buggy.py").write_text("def get_config():\n    return undefined_name\n")
     return root
 
 
@@ -154,6 +155,11 @@ CASES = [
     ("CONFIG=none", "--config is required"),
     ("CONFIG=configs/core/synthetic.py:bogus", "unknown config argument 'bogus'"),
     ("CONFIG=configs/core/no_such_file.py", "No such file or directory"),
+    ("CONFIG={root}/no_such_file.py --config.total_steps=3", "--config {root}/no_such_file.py: [Errno 2] No such"),
+    ("CONFIG={file}", "the config file raised an error at {file}, line 1: SyntaxError: invalid syntax"),
+    ("CONFIG={root}/buggy.py --config.seed=1",
+     "raised an error at {root}/buggy.py, line 2: NameError: name 'undefined_name' is not defined"),
+    ("WORKDIR=", "--workdir is empty (an unset shell variable?)"),
     (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{file}}", "source_dir"),
     (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{root}}/nowhere", "not found: put Toy/Toy_TRAIN.ts"),
     (f"CONFIG={TOY}:data=uea --config.data.options.source_dir={{root}}/uea --config.data.options.normalization=z",
@@ -194,10 +200,27 @@ def test_a_bad_input_exits_2_with_one_error_line_and_creates_nothing(env, tmp_pa
     workdir = tmp_path / "run"
     before = _snapshot(env)
     status, out, err = cli(_argv(case, env, workdir), capfd)
-    _assert_refused(status, out, err, expected)
+    _assert_refused(status, out, err, expected.format(file=env / "file", root=env))
     assert not workdir.exists(), _snapshot(workdir)
     assert _snapshot(env) == before
     assert _snapshot(tmp_path) == []
+
+
+def test_a_config_of_another_architecture_is_named_as_such(env, tmp_path, capfd):
+    from agf_jax.model import Model
+
+    status, out, err = cli(_argv("", env, tmp_path / "run"), capfd, build_model=Model)
+    _assert_refused(status, out, err, "config.model does not fit agf_jax.model.Model: missing 1 required "
+                                      "keyword-only argument: 'kind'; is the config written for another")
+    assert _snapshot(tmp_path) == []
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_the_flags_and_exits_0(capfd, flag):
+    status, out, err = cli([flag], capfd)
+    assert status == 0 and err == ""
+    for name in ("--config:", "--workdir:", "--[no]eval_only:", "--[no]allow_config_change:", "--config.<field>"):
+        assert name in out, out
 
 
 # The seq2seq decoding options (`python -m htgn_jax.train`): checked with the config, before any data is
