@@ -25,7 +25,9 @@ CPU devices: JAX's CPU backend starts with `config.parallel.cpu_devices` devices
 """
 from __future__ import annotations
 
+import difflib
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -267,6 +269,34 @@ def _config_code_error(e: BaseException, argv: Sequence[str]) -> str | None:
     return f"{_config_argument(argv).partition(':')[0]}, line {where}: {type(e).__name__}: {e}"
 
 
+def _suggestion(name: str, overrides: Sequence[str], argv: Sequence[str]) -> str:
+    """'; fields of config.<parent> like it: a, b' for an unknown override `name` that ml_collections
+    found no close match for (it misses e.g. model.dropout -> dropout_rate, attention_dropout)."""
+    path, colon, args = _config_argument(argv).partition(":")
+    try:   # the flag holds no value after a failed parse: load the file again, as ml_collections does
+        spec = importlib.util.spec_from_file_location("_zoo_config_for_suggestions", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = module.get_config(args) if colon else module.get_config()
+    except Exception:   # the file itself does not load: nothing to suggest from
+        return ""
+    for override in overrides:
+        path = override[len("--config."):].split(".")
+        if name not in path:
+            continue
+        parent = config
+        for key in path[:path.index(name)]:
+            parent = parent.get(key) if hasattr(parent, "get") else None
+        if not hasattr(parent, "keys"):
+            return ""
+        keys = sorted(parent.keys())
+        like = [k for k in keys if name.lower() in k.lower() or k.lower() in name.lower()]
+        like += [k for k in difflib.get_close_matches(name, keys, n=3, cutoff=0.6) if k not in like]
+        where = ".".join(["config", *path[:path.index(name)]])
+        return f"; fields of {where} like it: {', '.join(like)}" if like else f"; {where} has: {', '.join(keys)}"
+    return ""
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config mistakes (unknown key, bad value, broken file) reduced to one line."""
     if any(arg in _HELP for arg in argv[1:]):
@@ -293,6 +323,8 @@ def _parse_flags(argv: list[str]) -> list[str]:
         detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")
         detail = " ".join(detail.replace("\\", "").replace("'", "").replace('"', "").split())
         bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+        if "Did you mean" not in detail:
+            detail += _suggestion(detail, bad, argv)
         _fail(f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})")
     # A config file that cannot be loaded (e.g. a wrong path) is not a parse error for ml_collections:
     # the flag holds a placeholder that raises OSError on first use. Surface it here as one line.
