@@ -976,11 +976,19 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     changes = check_resume(json.loads(config.to_json_best_effort()), workdir,
                            allow_config_change=allow_config_change)
     s = _setup(config, build_model, has_evaluators=bool(evaluators))
-    os.makedirs(workdir, exist_ok=True)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:   # e.g. under /proc, which os.access calls writable
+        raise ConfigError(f"workdir {workdir!r} cannot be made: {e.strerror}") from None
     _log_run(s, workdir, changes, allow_config_change=allow_config_change)
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)
     checkpoints, state, start = _restore_or_init(s, workdir, replicated)
+    if start >= config.total_steps:   # its last evaluation came before its last checkpoint
+        logging.info("the run in %s has reached total_steps=%d: nothing to train (a larger "
+                     "--config.total_steps trains on; --eval_only scores a checkpoint)", workdir, config.total_steps)
+        checkpoints.close()
+        return {}
     steps = _compile_steps(s, mesh, replicated)
     if steps.pmapped:
         state = sharding.replicate_for_pmap(jax.device_get(state))

@@ -1,6 +1,7 @@
 """The shared trainer: metrics, sharded == single == pmap, accumulation, retracing, NaN stop, configs."""
 import functools
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -288,6 +289,17 @@ def test_evals_between_counts_the_eval_steps(data_dir):
         for upto in range(after, 11):
             want = sum(trainer.is_eval_step(c, s) for s in range(after + 1, upto + 1))
             assert trainer.evals_between(c, after, upto) == want, (after, upto)
+
+
+def test_a_run_at_total_steps_says_so_and_compiles_nothing(data_dir, tmp_path, caplog, monkeypatch):
+    c = _config(data_dir)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    monkeypatch.setattr(trainer, "_compile_steps", lambda *a: pytest.fail("compiled a finished run"))
+    caplog.set_level(logging.INFO)
+    assert trainer.train_and_evaluate(c, str(tmp_path), models.Model) == {}
+    assert f"has reached total_steps={c.total_steps}: nothing to train" in caplog.text
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
 
 def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_path):
