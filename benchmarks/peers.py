@@ -37,8 +37,8 @@ benchmarks/README.md), on the sktime copy of the data (`--uea_data_dir`).
     python -m benchmarks.peers --agf_src DIR --cases agf_uea_jv --epochs 20 --official_python DIR/venv/bin/python
     python -m benchmarks.peers --tiny --cases agf_listops,samovar_fig4    # CI smoke: our side only
 
-A case whose official source is not given (or lacks the file it needs) is reported as skipped with the
-reason; with --tiny and no sources only our side is timed, and the printout says so. Timings taken on a
+A case whose official source is not given is reported as skipped with the reason (a source given
+without the file a case needs is a usage error); with --tiny and no sources only our side is timed, and the printout says so. Timings taken on a
 loaded machine are not results: the load average is printed for that reason. No official code lives in
 this repository: pass the paths of checkouts made outside it.
 """
@@ -86,6 +86,7 @@ OFFICIAL_FILES = {
     "lintrans": ("samovar", "models/Autoregressive.py"),
     "agf_uea_jv": ("agf", "AGF_UEA/main.py"),
 }
+OFFICIAL_REPOS = {"agf": "github:jeongwhanchoi/agf", "samovar": "github:LJC-FVNR/Structural-Aligned-Mixture-of-VAR"}
 # `best_agf.sh`'s listops line.
 AGF_LISTOPS_FILTER = dict(poly_type="jacobi", K=5, alpha=2.0, beta=-1.0, fixI=True, reg=0.01)
 UEA_DATASET = "JapaneseVowels"
@@ -606,6 +607,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
         p.error(f"unknown --cases {unknown}; choose from {list(CASES)}")
+    # A source that is given but wrong is a mistake, not a reason to skip: the run would time nothing.
+    for case in args.cases:
+        src, reason = official_source(case, args)
+        if src is None and getattr(args, f"{OFFICIAL_FILES[case][0]}_src"):
+            p.error(f"{reason}: give the root of a checkout of {OFFICIAL_REPOS[OFFICIAL_FILES[case][0]]} "
+                    f"(case {case})")
     checks.check_output_paths(p, args, dirs=["uea_out"], files=["out"])
     return args
 

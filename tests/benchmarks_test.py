@@ -93,14 +93,6 @@ def test_peers_uea_timing_parsers(tmp_path):
     assert times["epoch_train_s"] == 3.0 and times["eval_s"] == 1.0 and times["first_epoch_s"] == 9.0
 
 
-def test_peers_reports_a_missing_official_source_as_skipped(tmp_path):
-    out = tmp_path / "peers.json"
-    _run(["benchmarks/peers.py", "--cases", "samovar_fig4", "--samovar_src", str(tmp_path / "nowhere"),
-          "--no_bounds", "--out", str(out)], tmp_path, timeout=120)
-    (rec,) = json.loads(out.read_text())["records"]
-    assert rec["status"] == "skipped" and "has no models/AutoregressiveAlignment.py" in rec["reason"]
-
-
 def test_memory_options_tiny_records_memory_and_time_per_variant(tmp_path):
     out = tmp_path / "memory.json"
     stdout = _run(["benchmarks/memory_options.py", "--tiny", "--configs", "samovar_fig4", "--variants",
@@ -121,6 +113,10 @@ BAD_ARGUMENTS = [
     ("peers", "--warmup -1", "argument --warmup: must be an integer >= 0, got '-1'"),
     ("peers", "--uea_timeout nan", "argument --uea_timeout: must be a finite number > 0, got 'nan'"),
     ("peers", "--out {dir}", "is an existing directory; expected a file"),
+    ("peers", "--cases samovar_fig4 --samovar_src {dir}/nowhere",
+     "--samovar_src {dir}/nowhere has no models/AutoregressiveAlignment.py: give the root of a checkout of "
+     "github:LJC-FVNR/Structural-Aligned-Mixture-of-VAR (case samovar_fig4)"),
+    ("peers", "--cases agf_listops --agf_src {dir}", "--agf_src {dir} has no AGF_LRA/model_wrapper.py"),
     ("device_check", "--tiny --max_n 0", "argument --max_n: must be an integer >= 1"),
     ("device_check", "--tiny --budget_s -5", "argument --budget_s: must be a finite number > 0"),
     ("device_check", "--tiny --out {file}/summary.json", "is a file, so no directory can be made under it"),
