@@ -75,12 +75,12 @@ def parse_ts(path: str) -> TsFile:
     """Parses a classification `.ts` file (sktime/aeon format).
 
     Layout: '#' comment lines, '@key value' header lines up to '@data', then one case per line:
-    dimensions separated by ':', values inside a dimension by ',', '?' for a missing value, and the
-    class label as the last ':' field.
+    dimensions separated by ':', values inside a dimension by ',', '?' (or 'NaN') for a missing value,
+    and the class label as the last ':' field. A leading byte-order mark is ignored.
 
     Raises:
       ValueError: naming the file and line, for a malformed header or case line, a case whose
-        dimensions differ in count or length, an undeclared label, or an unsupported variant
+        dimensions differ in count or length, an infinite value, an undeclared label, or an unsupported variant
         (timestamps, regression targets).
     """
     header: dict[str, str] = {}
@@ -89,7 +89,8 @@ def parse_ts(path: str) -> TsFile:
     class_names = None
     num_dims = None
     in_data = False
-    with open(path, encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a byte-order mark (files saved by some Windows editors) is not part of the first line.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line_no, raw in enumerate(f, 1):
             line = raw.strip()
             if not line or line.startswith("#"):
@@ -140,6 +141,9 @@ def parse_ts(path: str) -> TsFile:
                 values = [np.array(d.replace("?", "nan").split(","), dtype=np.float64) for d in dims]
             except ValueError as e:
                 raise _fail(path, line_no, f"bad value ({e})") from None
+            if any(np.isinf(v).any() for v in values):
+                # float() reads 'inf'; it would reach the normalisation and make every loss NaN.
+                raise _fail(path, line_no, "an infinite value (a missing value is written '?')")
             lengths = {len(v) for v in values}
             if len(lengths) != 1:
                 raise _fail(path, line_no, f"dimensions of one case differ in length: {[len(v) for v in values]}")

@@ -59,12 +59,22 @@ def test_parse_ts_values_labels_and_missing(source_dir):
     ("1,2:3,4,5:up", r"line 4: dimensions of one case differ in length"),
     ("1,2:up", r"line 4: 1 dimensions, expected 2"),
     ("1,2:3,4:sideways", r"line 4: label 'sideways' is not among the declared classes"),
+    ("1,inf:3,4:up", r"line 4: an infinite value \(a missing value is written '\?'\)"),
+    ("1,2:-Infinity,4:up", r"line 4: an infinite value"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, match):
     path = tmp_path / "Bad_TRAIN.ts"
     path.write_text(f"@dimensions 2\n@classLabel true up down\n@data\n{bad_line}\n")
     with pytest.raises(ValueError, match=rf"Bad_TRAIN\.ts, {match}"):
         uea.parse_ts(str(path))
+
+
+def test_a_byte_order_mark_and_windows_line_ends_are_read(tmp_path):
+    path = tmp_path / "Bom_TRAIN.ts"
+    path.write_bytes("\ufeff@dimensions 1\r\n@classLabel true a b\r\n@data\r\n1,NaN,3:a\r\n4,5,6:b\r\n".encode())
+    f = uea.parse_ts(str(path))
+    assert f.labels == ["a", "b"] and f.header["dimensions"] == "1"
+    np.testing.assert_array_equal(uea.fill_missing(f.series[0])[:, 0], [1, 2, 3])
 
 
 def test_not_a_classification_file(tmp_path):
