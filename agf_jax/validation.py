@@ -63,7 +63,7 @@ def require_causal(layer: Any, method: str) -> None:
 
 def check_inputs(x: Any, mask: Optional[Any]) -> None:
     """x `[B, T, E]` and mask None or `[B, T]`."""
-    checks.check_rank("x", x, 3, "[B, T, E]")
+    checks.check_tokens("x", x, "[B, T, E]")
     checks.check_mask(mask, jnp.shape(x)[:2])
 
 

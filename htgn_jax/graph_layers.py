@@ -28,7 +28,7 @@ from htgn_jax import graph_causal, validation
 from htgn_jax import graph_ops as ops
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import HeadsOutput, flat_init
-from zoo_core.checks import check_rank, fail
+from zoo_core.checks import check_rank, check_tokens, fail
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -284,7 +284,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
 
     def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
-        check_rank("x", x, 3, "[B, T, d]")
+        check_tokens("x", x, "[B, T, d]")
         mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
         q, k, v = self._self_features(ops.clean(x, mask))
         out, st, _ = graph_causal.causal_window_chunked(
@@ -314,7 +314,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         return out
 
     def _attend(self, x: Array, mask: Array | None, deterministic: bool):
-        check_rank("x", x, 3, "[B, L, d]")
+        check_tokens("x", x, "[B, L, d]")
         mask = ops._as_mask("mask", mask, x.shape[:2], "[B, L]")
         q, k, v = self._self_features(ops.clean(x, mask))
         rel_bias, global_bias = self._biases()
@@ -349,7 +349,7 @@ class WindowGraphAttention(_GraphAttentionBase):
           state).
         """
         validation.check_window_graph_method(self, "scan")
-        check_rank("x", x, 3, "[B, T, d]")
+        check_tokens("x", x, "[B, T, d]")
         if not deterministic and self.dropout_rate:
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
         mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
@@ -452,7 +452,7 @@ class CrossGraphAttention(_GraphAttentionBase):
 
     def _memory_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> CrossGraphCache:
         """`prepare_memory(memory)` for the queries x `[B, T, d]` (checked to fit the memory)."""
-        check_rank("x", x, 3, "[B, T, d]")
+        check_tokens("x", x, "[B, T, d]")
         cache = self.prepare_memory(memory, memory_mask=memory_mask)
         validation.check_cross_graph_inputs(self, x, memory, cache.mask)
         return cache
@@ -469,7 +469,7 @@ class CrossGraphAttention(_GraphAttentionBase):
           `CrossGraphCache(value [B, L, H, D] = W_s M, mask [B, L] bool, key)`, key `[B, L, H, 1]`
           (a_s . W M) for v1 and None for v2 and dot (whose score key is `value`).
         """
-        check_rank("memory", memory, 3, "[B, L, d_m]")
+        check_tokens("memory", memory, "[B, L, d_m]")
         memory_mask = ops._as_mask("memory_mask", memory_mask, memory.shape[:2], "[B, L]")
         k, v = self._source_features(ops.clean(memory, memory_mask))
         return CrossGraphCache(v, memory_mask, k if self.version == "v1" else None)

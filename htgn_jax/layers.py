@@ -48,7 +48,7 @@ from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import hrpe, ops, validation
 from zoo_core import linear_attention as la
-from zoo_core.checks import check_rank, check_shape, fail
+from zoo_core.checks import check_rank, check_shape, check_tokens, fail
 from zoo_core.linear_attention import LinearState
 
 Array = Any
@@ -219,7 +219,7 @@ class FavorAttention(nn.Module):
                                   key_mask=key_mask, eps=self.eps, key_stabiliser=key_stabiliser)
 
     def _inputs(self, x: Array, mask: Array | None, name: str = "x") -> Array:
-        check_rank(name, x, 3, "[B, T, E]")
+        check_tokens(name, x, "[B, T, E]")
         if mask is not None:
             check_shape(f"{name}_mask" if name != "x" else "mask", mask, x.shape[:2], "[B, T]")
         return without_padding(x, mask)
@@ -345,7 +345,7 @@ class FavorAttention(nn.Module):
           (y `[B, T, out_features]`, aux = {}) as `__call__` (the layer contract).
         """
         validation.check_favor_method(self, "cross", causal=False, state=False)
-        check_rank("x", x, 3, "[B, T, E]")
+        check_tokens("x", x, "[B, T, E]")
         memory = self._inputs(memory, memory_mask, "memory")
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, memory, None)

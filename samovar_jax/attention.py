@@ -134,7 +134,7 @@ class LinearAttention(nn.Module):
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
         """x [B, T, E], mask [B, T] (True = valid) -> (y [B, T, E_out], {})."""
-        checks.check_rank("x", x, 3, "[B, T, E]")
+        checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
         if self.chunk_size is None:
             num, _ = la.causal_parallel(q, k, v, mask=mask)
@@ -145,7 +145,7 @@ class LinearAttention(nn.Module):
     def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
              deterministic: bool = True) -> tuple[Array, LinearState]:
         """Token recurrence from `state` (zeros if None): x [B, T, E] -> (y [B, T, E_out], final state)."""
-        checks.check_rank("x", x, 3, "[B, T, E]")
+        checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
         num, _, state = la.causal_scan(q, k, v, state=state, mask=mask)
         return self._out(num, x), state
@@ -363,6 +363,7 @@ class VARChain(nn.Module):
         """
         if x0.ndim != 3 or x0.shape[-1] != self.width:
             checks.fail(f"`x0` must be [B, T, {self.width}], got shape {x0.shape}")
+        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
         if self.qv_source == "fixed" and x0.shape[0] % self.num_channels:
             checks.fail(f"FixedVAR rows must be batch x {self.num_channels} channels, got {x0.shape[0]}")
         xh, q, v, kernels = self._project_layers(x0, positions, start)
@@ -400,6 +401,7 @@ class VARChain(nn.Module):
         """`__call__`'s outputs as a tuple of L arrays [B, T, H, D] (`ops.var_chain_layers`): the
         same values, without stacking the layers' operands and outputs along L (for a caller that
         only sums them)."""
+        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
         xh, q, v, kernels = self._project_layers(x0, positions, 0)
         drop = _dropout_mask(self, self.dropout_rate, (len(q),) + q[0].shape, deterministic)
         return ops.var_chain_layers(xh, q, v, chunk_size=self.chunk_size, key_kernels=kernels,

@@ -4,6 +4,8 @@ Shapes and aux keys, jit == eager, every form equal (parallel, chunked, scan, st
 1e30 in padding and in the future change no valid or past output (nor the aux losses), and bf16
 compute within the BF16 tolerance of float32.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,6 +194,24 @@ def _chain_forms(x, params, mask=None):
             ys.append(y_t)
         out["step"] = jnp.stack(ys, axis=2)     # [L, B, T, H, D]
     return out
+
+
+def test_an_empty_sequence_is_refused_by_every_layer_and_form():
+    """T = 0 is one clear ValueError in every form, not an IndexError or ZeroDivisionError from
+    inside a kernel (as some forms raised) nor a made-up output (as others returned)."""
+    x, mask = _inputs()
+    message = "must hold at least one token, got shape (2, 0, 16)"
+    for name, causal, options in CASES + [("var_chain", True, {})]:
+        lay = _chain() if name == "var_chain" else _layer(name, causal, options)
+        params = _init(lay, x)
+        forms = {"call": dict(), "chunked": dict(chunk_size=3), "scan": dict(method="scan")} if causal else {"call": {}}
+        for form, kw in forms.items():
+            layer = lay.clone(chunk_size=kw.pop("chunk_size")) if "chunk_size" in kw else lay
+            with pytest.raises(ValueError, match=re.escape(message)):
+                layer.apply(params, x[:, :0], mask=mask[:, :0], **kw)
+    chain_params = _init(_chain(), x)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _chain().apply(chain_params, x[:, :0], method="layer_outputs")
 
 
 @pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])

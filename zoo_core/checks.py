@@ -117,6 +117,15 @@ def check_rank(name: str, x: Any, rank: int, shape_doc: str) -> None:
         fail(f"`{name}` must have rank {rank} {shape_doc}, got shape {tuple(np.shape(x))}")
 
 
+def check_tokens(name: str, x: Any, shape_doc: str) -> None:
+    """`x` is a sequence batch `shape_doc` (e.g. '[B, T, E]'): rank 3 with at least one token, the
+    attention layers' input in every form (an empty sequence has no output, no state change and no
+    regulariser worth returning)."""
+    check_rank(name, x, 3, shape_doc)
+    if np.shape(x)[1] < 1:
+        fail(f"`{name}` {shape_doc} must hold at least one token, got shape {tuple(np.shape(x))}")
+
+
 def check_shape(name: str, x: Any, shape: Sequence[int], shape_doc: str) -> None:
     """`x` has exactly `shape`."""
     if tuple(np.shape(x)) != tuple(shape):
