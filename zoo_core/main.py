@@ -169,6 +169,12 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         _fail(str(e).splitlines()[0])
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
+    except KeyboardInterrupt:
+        # Ctrl-C in the training loop saves and exits cleanly (trainer._Terminate); this is one outside
+        # it (preparing data, compiling) or a second one inside it. Nothing is half-written either way:
+        # checkpoints are written atomically and a dataset being prepared is removed.
+        _fail("interrupted (Ctrl-C): stopped at once; the last saved checkpoint, if any, is kept and a "
+              "rerun of the same command resumes from it", status=130)
 
 
 def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence[Any]:

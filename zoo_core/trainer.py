@@ -567,13 +567,15 @@ def prepare_data(config) -> tuple[Any, Any]:
                                os.path.join(data_dir, builder.name, config_name)) if not os.path.exists(p)]
         try:
             builder.download_and_prepare()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other processes
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other processes
+            if created:
+                shutil.rmtree(created[0], ignore_errors=True)
+            if not isinstance(e, Exception):   # Ctrl-C: stop now, leaving no half-made folder behind
+                raise
             failure = e
             if isinstance(e, OSError):   # the data dir cannot be written (e.g. a read-only mount): name it
                 failure = ValueError(f"could not prepare {d.name} in data.data_dir {data_dir!r}: "
                                      f"{type(e).__name__}: {e}; give a writable data.data_dir or $ZOO_DATA_DIR")
-            if created:
-                shutil.rmtree(created[0], ignore_errors=True)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         # Doubles as the barrier; without it a failure on process 0 would leave the others waiting.

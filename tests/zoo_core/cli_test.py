@@ -218,6 +218,30 @@ def test_a_config_of_another_architecture_is_named_as_such(env, tmp_path, capfd)
     assert _snapshot(tmp_path) == []
 
 
+def test_ctrl_c_while_preparing_data_exits_130_and_leaves_no_data_folder(tmp_path, capfd, monkeypatch):
+    """A Ctrl-C outside the training loop (which saves and exits 0 on its own): one line, status 130,
+    and the dataset being prepared is removed rather than left half-made."""
+    from configs.core import synthetic
+    from zoo_core import data as data_lib
+
+    builder_class = type(data_lib.make_builder("synthetic_linear", str(tmp_path / "probe"),
+                                               **synthetic.get_config("smoke").data.options.to_dict()))
+
+    def interrupted(self, *args, **kwargs):
+        os.makedirs(self.data_dir, exist_ok=True)
+        pathlib.Path(self.data_dir, "half-written.tfrecord").write_text("")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builder_class, "download_and_prepare", interrupted)
+    data = tmp_path / "data"
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                            f"--config.data.data_dir={data}"], capfd)
+    assert status == 130, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "interrupted (Ctrl-C): stopped at once" in errors[0] and "Traceback" not in err
+    assert not data.exists() and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_the_flags_and_exits_0(capfd, flag):
     status, out, err = cli([flag], capfd)
