@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
@@ -135,6 +136,9 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
     if _ALLOW_CONFIG_CHANGE.value and _EVAL_ONLY.value:
         _fail("--allow_config_change applies to training runs, not to --eval_only")
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    if previous_sigterm is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         try:
             configure_compilation_cache(_COMPILATION_CACHE.value)
@@ -169,12 +173,26 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         _fail(str(e).splitlines()[0])
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
-    except KeyboardInterrupt:
-        # Ctrl-C in the training loop saves and exits cleanly (trainer._Terminate); this is one outside
-        # it (preparing data, compiling) or a second one inside it. Nothing is half-written either way:
-        # checkpoints are written atomically and a dataset being prepared is removed.
-        _fail("interrupted (Ctrl-C): stopped at once; the last saved checkpoint, if any, is kept and a "
-              "rerun of the same command resumes from it", status=130)
+    except KeyboardInterrupt as e:
+        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (trainer._Terminate); this is one
+        # outside it (preparing data, compiling) or a second Ctrl-C inside it. Nothing is half-written
+        # either way: checkpoints are written atomically and a dataset being prepared is removed.
+        name = getattr(e, "signal_name", "Ctrl-C")
+        _fail(f"interrupted ({name}): stopped at once; the last saved checkpoint, if any, is kept and a "
+              "rerun of the same command resumes from it", status=143 if name == "SIGTERM" else 130)
+    finally:
+        if previous_sigterm is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class _SigtermStop(KeyboardInterrupt):
+    """SIGTERM outside the training loop (whose own handler saves a checkpoint), raised so that the
+    cleanup a Ctrl-C gets runs too (a dataset being prepared is removed) instead of a silent kill."""
+    signal_name = "SIGTERM"
+
+
+def _stop_on_sigterm(signum, frame):
+    raise _SigtermStop
 
 
 def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence[Any]:

@@ -218,9 +218,13 @@ def test_a_config_of_another_architecture_is_named_as_such(env, tmp_path, capfd)
     assert _snapshot(tmp_path) == []
 
 
-def test_ctrl_c_while_preparing_data_exits_130_and_leaves_no_data_folder(tmp_path, capfd, monkeypatch):
-    """A Ctrl-C outside the training loop (which saves and exits 0 on its own): one line, status 130,
-    and the dataset being prepared is removed rather than left half-made."""
+@pytest.mark.parametrize("stop,name,status", [(KeyboardInterrupt, "Ctrl-C", 130),
+                                              (main._SigtermStop, "SIGTERM", 143)], ids=["Ctrl-C", "SIGTERM"])
+def test_a_signal_while_preparing_data_is_one_line_and_leaves_no_data_folder(tmp_path, capfd, monkeypatch,
+                                                                             stop, name, status):
+    """Ctrl-C or SIGTERM outside the training loop (which saves and exits 0 on its own): one line, status
+    130 / 143, and the dataset being prepared is removed rather than left half-made. (`main` turns
+    SIGTERM into `_SigtermStop` outside the loop: `_stop_on_sigterm`.)"""
     from configs.core import synthetic
     from zoo_core import data as data_lib
 
@@ -230,16 +234,18 @@ def test_ctrl_c_while_preparing_data_exits_130_and_leaves_no_data_folder(tmp_pat
     def interrupted(self, *args, **kwargs):
         os.makedirs(self.data_dir, exist_ok=True)
         pathlib.Path(self.data_dir, "half-written.tfrecord").write_text("")
-        raise KeyboardInterrupt
+        raise stop
 
     monkeypatch.setattr(builder_class, "download_and_prepare", interrupted)
     data = tmp_path / "data"
-    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
-                            f"--config.data.data_dir={data}"], capfd)
-    assert status == 130, err[-2000:]
+    code, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                          f"--config.data.data_dir={data}"], capfd)
+    assert code == status, err[-2000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "interrupted (Ctrl-C): stopped at once" in errors[0] and "Traceback" not in err
+    assert len(errors) == 1 and f"interrupted ({name}): stopped at once" in errors[0] and "Traceback" not in err
     assert not data.exists() and not (tmp_path / "run").exists()
+    with pytest.raises(main._SigtermStop):
+        main._stop_on_sigterm(15, None)
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
