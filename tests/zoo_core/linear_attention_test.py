@@ -31,12 +31,18 @@ def _oracle(q, k, v, mask=None):
     return num, den
 
 
+# Compiled once per form and shape: run eagerly, each form compiles dozens of one-op programs (most of
+# this file's time). Eager == jit is checked for every layer in tests/contract_test.py.
+_parallel = jax.jit(la.causal_parallel, static_argnames="denominator")
+_chunked = jax.jit(la.causal_chunked, static_argnames=("chunk_size", "denominator"))
+_scan = jax.jit(la.causal_scan, static_argnames="denominator")
+
+
 def _all_forms(q, k, v, mask=None, denominator=True):
-    out = {"parallel": la.causal_parallel(q, k, v, mask=mask, denominator=denominator)}
+    out = {"parallel": _parallel(q, k, v, mask=mask, denominator=denominator)}
     for c in (1, 3, 16):
-        out[f"chunked({c})"] = la.causal_chunked(q, k, v, chunk_size=c, mask=mask,
-                                                 denominator=denominator)[:2]
-    out["scan"] = la.causal_scan(q, k, v, mask=mask, denominator=denominator)[:2]
+        out[f"chunked({c})"] = _chunked(q, k, v, chunk_size=c, mask=mask, denominator=denominator)[:2]
+    out["scan"] = _scan(q, k, v, mask=mask, denominator=denominator)[:2]
     return out
 
 
@@ -54,13 +60,14 @@ def test_forms_match_oracle(t, denominator):
 def test_step_loop_and_state_carry():
     q, k, v = _inputs(7, seed=1)
     ys, dens, state = [], [], la.init_state(B, H, D, M, denominator=True)
+    step = jax.jit(la.causal_step)
     for t in range(7):
-        y, d, state = la.causal_step(state, q[:, t], k[:, t], v[:, t])
+        y, d, state = step(state, q[:, t], k[:, t], v[:, t])
         ys.append(y)
         dens.append(d)
-    num_a, den_a, s_a = la.causal_chunked(q[:, :3], k[:, :3], v[:, :3], chunk_size=2, denominator=True)
-    num_b, den_b, s_b = la.causal_scan(q[:, 3:], k[:, 3:], v[:, 3:], state=s_a, denominator=True)
-    full = la.causal_chunked(q, k, v, chunk_size=4, denominator=True)
+    num_a, den_a, s_a = _chunked(q[:, :3], k[:, :3], v[:, :3], chunk_size=2, denominator=True)
+    num_b, den_b, s_b = _scan(q[:, 3:], k[:, 3:], v[:, 3:], state=s_a, denominator=True)
+    full = _chunked(q, k, v, chunk_size=4, denominator=True)
     assert_forms_agree({
         "chunked": full,
         "step": (jnp.stack(ys, 1), jnp.stack(dens, 1), state),
@@ -103,18 +110,18 @@ def test_gradients_float64():
 
         def f(fn):
             return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+        def grad(fn):
+            return jax.jit(jax.grad(f(fn), argnums=(0, 1, 2)))(q, k, v)
         grads = {
-            "parallel": jax.grad(f(lambda *a: la.causal_parallel(*a, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v),
+            "parallel": grad(lambda *a: la.causal_parallel(*a, mask=mask)[0]),
             # chunk 2 carries the state with the scan, chunk 3 with the prefix sum
-            "chunked": jax.grad(f(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0]),
-                                argnums=(0, 1, 2))(q, k, v),
-            "chunked(3)": jax.grad(f(lambda *a: la.causal_chunked(*a, chunk_size=3, mask=mask)[0]),
-                                   argnums=(0, 1, 2))(q, k, v),
-            "scan": jax.grad(f(lambda *a: la.causal_scan(*a, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v),
+            "chunked": grad(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0]),
+            "chunked(3)": grad(lambda *a: la.causal_chunked(*a, chunk_size=3, mask=mask)[0]),
+            "scan": grad(lambda *a: la.causal_scan(*a, mask=mask)[0]),
         }
         assert_forms_agree(grads, **F64)
         for c in (2, 3):
-            check_grads(lambda *a: la.causal_chunked(*a, chunk_size=c, mask=mask)[0], (q, k, v),
+            check_grads(jax.jit(lambda *a, c=c: la.causal_chunked(*a, chunk_size=c, mask=mask)[0]), (q, k, v),
                         order=1, modes=("rev",))
 
 
@@ -130,8 +137,10 @@ def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator, monkeyp
     outs = {}
     for prefix in (False, True):
         monkeypatch.setattr(la, "_prefix_sum_fits", lambda *_, p=prefix: p)
-        outs[f"prefix={prefix}"] = la.causal_chunked(q, k, v, chunk_size=chunk, state=state, mask=mask,
-                                                     denominator=denominator)
+        # A new function each time, so that jit traces again under the patched choice.
+        run = jax.jit(lambda *a: la.causal_chunked(*a, chunk_size=chunk, state=state, mask=mask,
+                                                   denominator=denominator))
+        outs[f"prefix={prefix}"] = run(q, k, v)
     assert_forms_agree(outs, **F32_SIMPLE)
 
 
