@@ -133,7 +133,8 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         # `--workdir=$RUN` with RUN unset: the default folder might hold (and resume) another run.
         _fail("--workdir is empty (an unset shell variable?); give a directory, or leave the flag out for "
               "the default runs/<config name>")
-    workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+    # expanduser: the shell leaves '~' as is in `--workdir=~/runs/x` (it would make a folder named '~').
+    workdir = os.path.expanduser(_WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename))
     if _ALLOW_CONFIG_CHANGE.value and _EVAL_ONLY.value:
         _fail("--allow_config_change applies to training runs, not to --eval_only")
     previous_sigterm = signal.getsignal(signal.SIGTERM)

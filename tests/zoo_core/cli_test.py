@@ -248,6 +248,18 @@ def test_a_signal_while_preparing_data_is_one_line_and_leaves_no_data_folder(tmp
         main._stop_on_sigterm(15, None)
 
 
+def test_a_leading_tilde_is_the_home_folder(tmp_path, capfd, monkeypatch):
+    """`--workdir=~/run` reaches the program with its '~' (the shell expands it only at a word's
+    start): it is the home folder, not a folder named '~' in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    status, out, err = cli(["--config", f"{ROOT}/configs/core/synthetic.py:smoke", "--workdir=~/run",
+                            "--config.data.data_dir=~/data"], capfd)
+    assert status == 0, err[-3000:]
+    assert (tmp_path / "run" / "config.json").is_file() and (tmp_path / "data" / "synthetic_linear").is_dir()
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_the_flags_and_exits_0(capfd, flag):
     status, out, err = cli([flag], capfd)

@@ -20,8 +20,9 @@ DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "linear_atten
 
 
 def resolve_data_dir(data_dir: str | None) -> str:
-    """`data_dir` if given, else $ZOO_DATA_DIR, else ~/.cache/linear_attention_zoo."""
-    return data_dir or os.environ.get("ZOO_DATA_DIR") or DEFAULT_DATA_DIR
+    """`data_dir` if given, else $ZOO_DATA_DIR, else ~/.cache/linear_attention_zoo; a leading '~' is the
+    home folder (the shell leaves it as is in `--config.data.data_dir=~/data`)."""
+    return os.path.expanduser(data_dir or os.environ.get("ZOO_DATA_DIR") or DEFAULT_DATA_DIR)
 
 
 def stack_records(records: list[dict[str, Any]]) -> dict[str, np.ndarray]:
