@@ -137,6 +137,16 @@ BAD_ARGUMENTS = [
 ]
 
 
+def test_a_leading_tilde_in_a_script_path_is_the_home_folder(tmp_path, monkeypatch):
+    from agf_jax import convert
+    from benchmarks import matmul_peak
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "g.npz").write_bytes(b"")
+    assert matmul_peak.parse_args(["--out_dir=~/results"]).out_dir == str(tmp_path / "results")
+    assert convert.parse_args(["--check", "~/g.npz"]).check == [str(tmp_path / "g.npz")]
+
+
 @pytest.mark.parametrize("script,args,expected", BAD_ARGUMENTS, ids=[f"{s} {a}" for s, a, _ in BAD_ARGUMENTS])
 def test_a_bad_script_argument_is_a_usage_error(tmp_path, capsys, script, args, expected):
     (tmp_path / "file").write_text("")

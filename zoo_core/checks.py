@@ -170,11 +170,12 @@ def positive_float(text: str) -> float:
 
 
 def existing_file(text: str) -> str:
-    """argparse type: the path of an existing file (not a folder)."""
-    if not os.path.isfile(text):
-        what = "is a directory" if os.path.isdir(text) else "does not exist"
+    """argparse type: the path of an existing file (not a folder); a leading '~' is the home folder."""
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
         raise argparse.ArgumentTypeError(f"{text!r} {what}; expected a file")
-    return text
+    return path
 
 
 def positive_ints(text: str) -> list[int]:
@@ -193,13 +194,17 @@ def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace
                        dirs: Sequence[str] = (), files: Sequence[str] = ()) -> None:
     """A usage error (exit 2) when a given output flag cannot be written: a file where a folder is
     expected or the reverse, or under a file, or not writable (`output_path_problem`). Checked
-    before anything is measured, so a run never ends in a traceback when it comes to write its result."""
+    before anything is measured, so a run never ends in a traceback when it comes to write its result.
+    A leading '~' in a given path is expanded in `args`."""
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     for names, directory in ((dirs, True), (files, False)):
         for name in names:
             path = getattr(args, name)
             if path is None:
                 continue
+            if isinstance(path, str):   # '--out=~/x.json': the shell leaves that '~' to us
+                path = os.path.expanduser(path)
+                setattr(args, name, path)
             problem = output_path_problem(str(path), directory=directory)
             if problem:
                 parser.error(f"{flags.get(name, '--' + name)} {path!r} {problem}")
