@@ -431,12 +431,21 @@ def _describe(key: str, stored: dict, new: dict) -> str:
 
 
 def stored_run_config(workdir: str) -> dict | None:
-    """The config.json of the run in `workdir` if it has a checkpoint to resume, else None."""
+    """The config.json of the run in `workdir` if it has a checkpoint to resume, else None.
+
+    Raises:
+      ConfigError: checkpoints without a readable config.json (their config cannot be compared).
+    """
     checkpoints = os.path.join(workdir, "checkpoints")
     path = os.path.join(workdir, "config.json")
     if not os.path.isdir(checkpoints) or not any(n.isdigit() for n in os.listdir(checkpoints)):
         return None
-    return _read_run_config(path)
+    stored = _read_run_config(path)
+    if stored is None:
+        raise ConfigError(f"{workdir} holds checkpoints but no config.json, so the config they were trained "
+                          "with cannot be compared with this one; restore config.json, use a new --workdir, or "
+                          "pass --allow_config_change to resume them with this config")
+    return stored
 
 
 def _read_run_config(path: str) -> dict | None:
@@ -460,7 +469,13 @@ def check_resume(config_dict: dict, workdir: str, *, allow_config_change: bool =
       ConfigError: a difference in a field that changes what is trained (model, optimiser, schedule,
         data, seed, batch, ...), naming the keys, unless `allow_config_change`.
     """
-    stored = stored_run_config(workdir)
+    try:
+        stored = stored_run_config(workdir)
+    except ConfigError:
+        if not allow_config_change or not os.path.isdir(workdir) or os.path.exists(
+                os.path.join(workdir, "config.json")):
+            raise
+        return ["config.json was missing: resuming the checkpoints with this config (allow_config_change)"]
     if stored is None:
         return []
     refused, allowed = resume_changes(stored, config_dict)

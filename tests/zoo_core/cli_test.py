@@ -346,6 +346,23 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
     trainer.check_eval_config(dict(as_stored, model=dict(as_stored["model"], dtype="bfloat16")), str(work))
 
 
+def test_checkpoints_without_their_config_json_are_resumed_only_when_allowed(env, tmp_path, capfd, caplog):
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    (work / "config.json").unlink()
+    before = _snapshot(work)
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work,
+                            f"--config.data.data_dir={env / 'data'}", "--config.total_steps=4"], capfd)
+    _assert_refused(status, out, err, "holds checkpoints but no config.json, so the config they were trained "
+                                      "with cannot be compared")
+    assert _snapshot(work) == before
+    caplog.set_level(py_logging.INFO)
+    _train(env, work, capfd, "--config.total_steps=4", "--allow_config_change")
+    assert "config.json was missing: resuming the checkpoints with this config" in _logged(caplog)
+    assert json.loads((work / "config.json").read_text())["total_steps"] == 4
+    assert sorted(os.listdir(work / "checkpoints")) == ["2", "4"]
+
+
 def _logged(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records)
 
