@@ -4,6 +4,8 @@ Every form of every causal layer gives the same numbers (`assert_forms_agree`), 
 at a padded or future position changes no valid or past output, nor the regulariser.
 """
 import flax.linen as nn
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +49,10 @@ def _init(layer, seed=1):
     return _with_theta(layer.init(jax.random.key(seed), X))
 
 
+@functools.lru_cache(maxsize=None)
 def _jit(layer):
-    """layer.apply jitted once per layer (eager applies would re-trace lax.scan on every call)."""
+    """layer.apply jitted once per layer, compared by its fields (eager applies would re-trace lax.scan
+    on every call, and a new jit per call compiles again)."""
     return jax.jit(layer.apply, static_argnames=("method",))
 
 

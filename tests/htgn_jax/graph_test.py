@@ -501,9 +501,16 @@ def _init(layer, *args, **kwargs):
     return jax.jit(layer.init)(jax.random.PRNGKey(0), *args, **kwargs)
 
 
-def _apply(layer, variables, *args, method=None, **kwargs):
+@functools.lru_cache(maxsize=None)
+def _jitted(layer, method=None):
+    """One jitted apply per (layer, method): layers compare by their fields, so a test that runs one
+    layer on several inputs of one shape (clean, padded, poisoned) compiles it once."""
     fn = layer.apply if method is None else functools.partial(layer.apply, method=method)
-    return jax.jit(fn, static_argnames=("deterministic",))(variables, *args, **kwargs)
+    return jax.jit(fn, static_argnames=("deterministic",))
+
+
+def _apply(layer, variables, *args, method=None, **kwargs):
+    return _jitted(layer, method)(variables, *args, **kwargs)
 
 
 def _randomise(variables, seed=7):
@@ -565,7 +572,7 @@ def _causal_forms(layer, variables, x, mask=None):
            "chunked(3)": _apply(chunked, variables, x, mask=mask)}
     state = layer.apply(variables, B, method=layer.init_state)
     out["scan"] = _apply(layer, variables, x, state, mask=mask, method=layer.scan)
-    step = jax.jit(functools.partial(layer.apply, method=layer.step))
+    step = _jitted(layer, layer.step)
     ys = []
     for t in range(x.shape[1]):
         y_t, state = step(variables, state, x[:, t])
@@ -668,7 +675,7 @@ def test_cross_layer_matches_dense_and_step(version):
     # Decoding: project the memory once, then one step per token.
     cache = _apply(layer, variables, memory, memory_mask=memory_mask, method=layer.prepare_memory)
     assert isinstance(cache, CrossGraphCache) and (cache.key is not None) == (version == "v1")
-    step = jax.jit(functools.partial(layer.apply, method=layer.step))
+    step = _jitted(layer, layer.step)
     ys = jnp.stack([step(variables, cache, x[:, i], position=i)[0] for i in range(t)], axis=1)
     assert_forms_agree({"parallel": y, "step": jnp.where(mask[..., None], ys, 0)}, **F32_SIMPLE)
 

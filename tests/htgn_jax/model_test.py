@@ -64,10 +64,13 @@ def _init(**kw):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _forward(model):
+    """One jitted forward per model, compared by its fields (a test calls it on several inputs)."""
     return jax.jit(lambda p, b: model.apply({"params": p}, b))
 
 
+@functools.lru_cache(maxsize=None)
 def _logits(model):
     """The logits alone: a program without the KL terms, so two models that differ only in their KL
     compile to one program and must agree bit for bit (programs with different KL work may fuse the
