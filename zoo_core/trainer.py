@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -997,6 +998,49 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:   # e.g. under /proc, which os.access calls writable
         raise ConfigError(f"workdir {workdir!r} cannot be made: {e.strerror}") from None
+    lock = _lock_workdir(workdir)
+    try:
+        return _train_in(s, workdir, changes, evaluators, allow_config_change=allow_config_change)
+    finally:
+        if lock is not None:
+            lock.close()   # releases the lock (so does the process ending, however it ends)
+
+
+def _lock_workdir(workdir: str):
+    """An exclusive lock on `workdir`/.lock held by process 0 while it trains there, or None (another
+    process of a multi-host run, or a system without fcntl). Two runs writing one workdir interleave
+    their checkpoints and metrics; the second is refused instead. The lock goes with its process
+    (a killed run leaves none behind).
+
+    Raises:
+      ConfigError: another process holds it.
+    """
+    if jax.process_index() != 0:
+        return None
+    try:
+        import fcntl
+    except ImportError:   # Windows: no advisory locks; nothing checked
+        return None
+    path = os.path.join(workdir, ".lock")
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"workdir {workdir!r} is in use by a run still going ({holder}); wait for it to end "
+                          "or use another --workdir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+def _train_in(s: _Setup, workdir: str, changes: list[str], evaluators, *, allow_config_change: bool) -> dict:
+    """`train_and_evaluate` once the workdir is checked, made and locked."""
+    config = s.config
     _log_run(s, workdir, changes, allow_config_change=allow_config_change)
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)

@@ -302,6 +302,22 @@ def test_a_run_at_total_steps_says_so_and_compiles_nothing(data_dir, tmp_path, c
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
 
+def test_a_workdir_in_use_by_another_run_is_refused(data_dir, tmp_path):
+    """Two runs on one workdir would interleave their checkpoints and metrics.jsonl lines: while one
+    holds the workdir's lock, the other is refused naming it; the lock goes with its holder."""
+    c = _config(data_dir, total_steps=4)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    held = trainer._lock_workdir(str(tmp_path))      # stands for a second process (flock: per open file)
+    try:
+        with pytest.raises(trainer.ConfigError, match=rf"is in use by a run still going \(pid {os.getpid()} on "):
+            trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), models.Model)
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    finally:
+        held.close()
+    trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), models.Model)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4", "6"]
+
+
 def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_path):
     """lr 1e-30 (no change in float32): the first eval is the best forever, so patience 2 with evals
     every 2 steps stops at 6."""
