@@ -38,9 +38,10 @@ benchmarks/README.md), on the sktime copy of the data (`--uea_data_dir`).
     python -m benchmarks.peers --tiny --cases agf_listops,samovar_fig4    # CI smoke: our side only
 
 A case whose official source is not given is reported as skipped with the reason (a source given
-without the file a case needs is a usage error); with --tiny and no sources only our side is timed, and the printout says so. Timings taken on a
-loaded machine are not results: the load average is printed for that reason. No official code lives in
-this repository: pass the paths of checkouts made outside it.
+without the file a case needs is a usage error); with --tiny and no sources only our side is timed,
+and the printout says so. Timings taken on a loaded machine are not results: the load average is
+printed for that reason. No official code lives in this repository: pass the paths of checkouts made
+outside it.
 """
 from __future__ import annotations
 
@@ -609,10 +610,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown --cases {unknown}; choose from {list(CASES)}")
     # A source that is given but wrong is a mistake, not a reason to skip: the run would time nothing.
     for case in args.cases:
+        which = OFFICIAL_FILES[case][0]
         src, reason = official_source(case, args)
-        if src is None and getattr(args, f"{OFFICIAL_FILES[case][0]}_src"):
-            p.error(f"{reason}: give the root of a checkout of {OFFICIAL_REPOS[OFFICIAL_FILES[case][0]]} "
-                    f"(case {case})")
+        if src is None and getattr(args, f"{which}_src"):
+            p.error(f"{reason}: give the root of a checkout of {OFFICIAL_REPOS[which]} (case {case})")
     checks.check_output_paths(p, args, dirs=["uea_out"], files=["out"])
     return args
 

@@ -281,7 +281,8 @@ def _config_argument(argv: Sequence[str]) -> str:
 def _config_code_error(e: BaseException, argv: Sequence[str]) -> str | None:
     """'<file>, line <n>: <Type>: <message>' when `e` was raised by the config file's own code (a bug
     or a syntax error in it, or a file that is not Python), else None."""
-    path = os.path.abspath(_config_argument(argv).partition(":")[0])
+    given = _config_argument(argv).partition(":")[0]
+    path = os.path.abspath(given)
     if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
         return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
     tb, where = e.__traceback__, None
@@ -291,33 +292,34 @@ def _config_code_error(e: BaseException, argv: Sequence[str]) -> str | None:
         tb = tb.tb_next
     if where is None:
         return None
-    return f"{_config_argument(argv).partition(':')[0]}, line {where}: {type(e).__name__}: {e}"
+    return f"{given}, line {where}: {type(e).__name__}: {e}"
 
 
 def _suggestion(name: str, overrides: Sequence[str], argv: Sequence[str]) -> str:
     """'; fields of config.<parent> like it: a, b' for an unknown override `name` that ml_collections
     found no close match for (it misses e.g. model.dropout -> dropout_rate, attention_dropout)."""
-    path, colon, args = _config_argument(argv).partition(":")
+    file, colon, args = _config_argument(argv).partition(":")
     try:   # the flag holds no value after a failed parse: load the file again, as ml_collections does
-        spec = importlib.util.spec_from_file_location("_zoo_config_for_suggestions", path)
+        spec = importlib.util.spec_from_file_location("_zoo_config_for_suggestions", file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         config = module.get_config(args) if colon else module.get_config()
     except Exception:   # the file itself does not load: nothing to suggest from
         return ""
     for override in overrides:
-        path = override[len("--config."):].split(".")
-        if name not in path:
+        keys_given = override[len("--config."):].split(".")
+        if name not in keys_given:
             continue
+        above = keys_given[:keys_given.index(name)]
         parent = config
-        for key in path[:path.index(name)]:
+        for key in above:
             parent = parent.get(key) if hasattr(parent, "get") else None
         if not hasattr(parent, "keys"):
             return ""
         keys = sorted(parent.keys())
         like = [k for k in keys if name.lower() in k.lower() or k.lower() in name.lower()]
         like += [k for k in difflib.get_close_matches(name, keys, n=3, cutoff=0.6) if k not in like]
-        where = ".".join(["config", *path[:path.index(name)]])
+        where = ".".join(["config", *above])
         return f"; fields of {where} like it: {', '.join(like)}" if like else f"; {where} has: {', '.join(keys)}"
     return ""
 

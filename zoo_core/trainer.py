@@ -431,22 +431,15 @@ def _describe(key: str, stored: dict, new: dict) -> str:
     return f"{key}: {stored.get(key, missing)!r} -> {new.get(key, missing)!r}"
 
 
-def stored_run_config(workdir: str) -> dict | None:
-    """The config.json of the run in `workdir` if it has a checkpoint to resume, else None.
-
-    Raises:
-      ConfigError: checkpoints without a readable config.json (their config cannot be compared).
-    """
+def _has_checkpoints(workdir: str) -> bool:
     checkpoints = os.path.join(workdir, "checkpoints")
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isdir(checkpoints) or not any(n.isdigit() for n in os.listdir(checkpoints)):
-        return None
-    stored = _read_run_config(path)
-    if stored is None:
-        raise ConfigError(f"{workdir} holds checkpoints but no config.json, so the config they were trained "
-                          "with cannot be compared with this one; restore config.json, use a new --workdir, or "
-                          "pass --allow_config_change to resume them with this config")
-    return stored
+    return os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))
+
+
+def stored_run_config(workdir: str) -> dict | None:
+    """The config.json of the run in `workdir` if it has a checkpoint to resume (and the file is
+    there), else None."""
+    return _read_run_config(os.path.join(workdir, "config.json")) if _has_checkpoints(workdir) else None
 
 
 def _read_run_config(path: str) -> dict | None:
@@ -468,17 +461,18 @@ def check_resume(config_dict: dict, workdir: str, *, allow_config_change: bool =
 
     Raises:
       ConfigError: a difference in a field that changes what is trained (model, optimiser, schedule,
-        data, seed, batch, ...), naming the keys, unless `allow_config_change`.
+        data, seed, batch, ...), naming the keys, or checkpoints without their config.json, unless
+        `allow_config_change`.
     """
-    try:
-        stored = stored_run_config(workdir)
-    except ConfigError:
-        if not allow_config_change or not os.path.isdir(workdir) or os.path.exists(
-                os.path.join(workdir, "config.json")):
-            raise
-        return ["config.json was missing: resuming the checkpoints with this config (allow_config_change)"]
+    stored = stored_run_config(workdir)
     if stored is None:
-        return []
+        if not _has_checkpoints(workdir):
+            return []
+        if not allow_config_change:   # their config cannot be compared with this one
+            raise ConfigError(f"{workdir} holds checkpoints but no config.json, so the config they were "
+                              "trained with cannot be compared with this one; restore config.json, use a new "
+                              "--workdir, or pass --allow_config_change to resume them with this config")
+        return ["config.json was missing: resuming the checkpoints with this config (allow_config_change)"]
     refused, allowed = resume_changes(stored, config_dict)
     a, b = _flatten(stored), _flatten(config_dict)
     if refused and not allow_config_change:
