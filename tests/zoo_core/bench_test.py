@@ -1,6 +1,8 @@
 """Tests of the benchmark harness (zoo_core/bench.py) on tiny functions."""
+import gc
 import importlib.util
 import json
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -84,8 +86,33 @@ def test_run_scaling_records_oom_and_reraises_other_errors():
 
     with pytest.raises(TypeError):
         bench.run_scaling(["a"], [16], broken, max_bytes=2**30, ref_n=None)
+    assert gc.get_freeze_count() == 0, "the sweep unfreezes the caller's objects however it ends"
     with pytest.raises(ValueError, match="ascending"):
         bench.run_scaling(["a"], [32, 16], _make_gram, max_bytes=2**30)
+
+
+class _Cyclic:
+    def __init__(self):
+        self.me = self          # a reference cycle: only the cyclic collector frees it
+
+
+def test_run_scaling_collects_each_records_garbage_with_the_callers_objects_frozen():
+    made, frozen = [], []
+
+    def make_fn(case, n):
+        made.append(weakref.ref(_Cyclic()))
+        frozen.append(gc.get_freeze_count())
+        return _make_gram(case, n)
+
+    bench.run_scaling(["a"], [16, 32], make_fn, repeats=1, max_bytes=2**30, ref_n=None)
+    assert [r() for r in made] == [None, None]
+    assert min(frozen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()                 # a caller's own freeze stays
+    try:
+        bench.run_scaling(["a"], [16], _make_gram, repeats=1, max_bytes=2**30, ref_n=None)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_write_json_and_plot(tmp_path):
