@@ -2,6 +2,7 @@
 
 They must be set before jax is imported anywhere, which is why they live in the root conftest.
 """
+import gc
 import os
 import shutil
 import tempfile
@@ -46,6 +47,16 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", old)
+
+
+def pytest_collection_finish(session):
+    """The objects every test shares (jax, flax, the collected modules) are frozen out of the cyclic
+    collector, and it runs less often (thresholds 700, 10, 10 -> 20,000, 20, 20): JAX's tracing makes
+    many short-lived objects, and each collection of the older generations walked the whole heap. Measured on tests/htgn_jax and
+    tests/samovar_jax (`pytest -n 2`): 8.6 s of collector time (3% of the CPU time) -> 2.2 s."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
 
 
 def pytest_unconfigure(config):

@@ -71,7 +71,15 @@ def test_run_scaling_guard_skips_and_stops_case():
     assert skipped.median_s is None and skipped.all_s is None
 
 
-def test_run_scaling_records_oom_and_reraises_other_errors():
+@pytest.fixture
+def unfrozen():
+    """A process with no frozen objects, as a user's (the suite's conftest freezes the objects all tests share)."""
+    gc.unfreeze()
+    yield
+    gc.freeze()
+
+
+def test_run_scaling_records_oom_and_reraises_other_errors(unfrozen):
     def make_fn(case, n):
         if n > 16:
             raise MemoryError("cannot allocate")
@@ -96,7 +104,7 @@ class _Cyclic:
         self.me = self          # a reference cycle: only the cyclic collector frees it
 
 
-def test_run_scaling_collects_each_records_garbage_with_the_callers_objects_frozen():
+def test_run_scaling_collects_each_records_garbage_with_the_callers_objects_frozen(unfrozen):
     made, frozen = [], []
 
     def make_fn(case, n):
