@@ -134,6 +134,10 @@ BAD_ARGUMENTS = [
     ("samovar_jax.convert", "--check {dir}", "argument --check: '{dir}' is a directory; expected a file"),
     ("notebooks.run_notebooks", "--timeout 0", "argument --timeout: must be an integer >= 1"),
     ("notebooks.run_notebooks", "--output-dir {file}", "--output-dir '{file}' is an existing file"),
+    # A folder that permissions call writable but that takes no new entries (procfs; root may "write" there).
+    ("notebooks.run_notebooks", "--output-dir /proc/zoo_nb", "--output-dir '/proc/zoo_nb' cannot be made: '/proc' "
+     "takes no new entries"),
+    ("peers", "--out /proc/zoo_peers/p.json", "--out '/proc/zoo_peers/p.json' cannot be made: '/proc' takes no new"),
 ]
 
 

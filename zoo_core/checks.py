@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -89,8 +90,11 @@ def output_path_problem(path: str, *, directory: bool) -> str | None:
     """Why `path` cannot be written as a directory (`directory`) or a file, or None when it can.
 
     It can when it already is one of that kind, or when the nearest existing folder above it is a
-    writable directory (then it is created later, by whoever writes it). Nothing is created here, so a
-    refused run leaves nothing behind. The answer is a phrase to put after the path in a one-line error.
+    writable directory (then it is created later, by whoever writes it). A folder that permissions call
+    writable is also asked to take a new entry, an empty folder made and removed at once: some file
+    systems refuse every new entry whatever the permissions say (/proc, /sys). Nothing is left
+    behind, so a refused run leaves nothing. The answer is a phrase to put after the path in a
+    one-line error.
     """
     if not path:
         return "is empty"
@@ -100,7 +104,9 @@ def output_path_problem(path: str, *, directory: bool) -> str | None:
         if os.path.isdir(full) != directory:
             other = "directory" if os.path.isdir(full) else "file"
             return f"is an existing {other}; expected {kind} (or a path to create)"
-        return None if os.access(full, os.W_OK | (os.X_OK if directory else 0)) else "is not writable"
+        if not os.access(full, os.W_OK | (os.X_OK if directory else 0)):
+            return "is not writable"
+        return _refuses_new_entries(full) if directory else None
     parent = os.path.dirname(full)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -108,6 +114,16 @@ def output_path_problem(path: str, *, directory: bool) -> str | None:
         return f"cannot be made: {parent!r} is a file, so no directory can be made under it"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"cannot be made: {parent!r} is not writable"
+    problem = _refuses_new_entries(parent)
+    return f"cannot be made: {parent!r} {problem}" if problem else None
+
+
+def _refuses_new_entries(directory: str) -> str | None:
+    """A phrase when `directory` refuses a new entry (tried with an empty folder, removed at once)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_check_", dir=directory))
+    except OSError as e:
+        return f"takes no new entries ({e.strerror})"
     return None
 
 

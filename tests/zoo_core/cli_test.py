@@ -149,7 +149,7 @@ CASES = [
     ("--compilation_cache_dir={file}", "is an existing file; expected a directory (or a path to create); give a "
      "directory, or '' for no cache"),
     ("--compilation_cache_dir={file}/xla", "is a file, so no directory can be made under it"),
-    ("WORKDIR=/proc/zoo_run", "workdir '/proc/zoo_run' cannot be made: No such file or directory"),
+    ("WORKDIR=/proc/zoo_run", "workdir '/proc/zoo_run' cannot be made: '/proc' takes no new entries"),
     ("WORKDIR={file}/run", "is a file, so no directory can be made under it"),
     ("extra_argument", "unexpected positional argument(s) 'extra_argument'"),
     ("--num_processes=2 --process_id=0", "--num_processes and --process_id need --coordinator_address"),
