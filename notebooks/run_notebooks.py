@@ -19,6 +19,7 @@ import base64
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -170,7 +171,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown notebook(s) {unknown}; expected some of {list(NOTEBOOKS)}")
     checks.check_output_paths(parser, args, dirs=["output_dir", "figures_dir"])
+    problem = platform_problem(args.platform)
+    if problem:
+        parser.error(f"--platform {args.platform!r}: {problem}")
     return args
+
+
+def platform_problem(platform: str) -> str | None:
+    """Why JAX cannot start `platform` here (its own last line), or None. Asked of a separate process:
+    starting an accelerator here would hold its memory while the kernel runs."""
+    if platform in ("", "cpu"):
+        return None
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                           env=dict(os.environ, JAX_PLATFORMS=platform), timeout=300)
+    if probe.returncode == 0:
+        return None
+    lines = probe.stderr.strip().splitlines()
+    return f"JAX cannot start it here ({lines[-1] if lines else f'exit status {probe.returncode}'})"
 
 
 def main(argv=None) -> int:

@@ -137,6 +137,7 @@ BAD_ARGUMENTS = [
     # A folder that permissions call writable but that takes no new entries (procfs; root may "write" there).
     ("notebooks.run_notebooks", "--output-dir /proc/zoo_nb", "--output-dir '/proc/zoo_nb' cannot be made: '/proc' "
      "takes no new entries"),
+    ("notebooks.run_notebooks", "--platform nosuch", "--platform 'nosuch': JAX cannot start it here"),
     ("peers", "--out /proc/zoo_peers/p.json", "--out '/proc/zoo_peers/p.json' cannot be made: '/proc' takes no new"),
 ]
 
