@@ -447,10 +447,14 @@ def _read_run_config(path: str) -> dict | None:
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            stored = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is not readable JSON ({type(e).__name__}); it records the run's config, "
                           "restore it or use a new --workdir") from e
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path} holds a JSON {type(stored).__name__}, not a config (a JSON object); it "
+                          "records the run's config, restore it or use a new --workdir")
+    return stored
 
 
 def check_resume(config_dict: dict, workdir: str, *, allow_config_change: bool = False) -> list[str]:

@@ -346,6 +346,20 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
     trainer.check_eval_config(dict(as_stored, model=dict(as_stored["model"], dtype="bfloat16")), str(work))
 
 
+@pytest.mark.parametrize("text,expected", [('{"model": {"hid', "is not readable JSON (JSONDecodeError)"),
+                                           ("[1, 2]", "holds a JSON list, not a config (a JSON object)")])
+def test_a_damaged_config_json_is_one_line_on_resume_and_eval(env, tmp_path, capfd, text, expected):
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    (work / "config.json").write_text(text)
+    before = _snapshot(work)
+    for extra in ([], ["--eval_only"]):
+        status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work,
+                                f"--config.data.data_dir={env / 'data'}", *extra], capfd)
+        _assert_refused(status, out, err, f"{work / 'config.json'} {expected}")
+        assert _snapshot(work) == before and (work / "config.json").read_text() == text
+
+
 def test_checkpoints_without_their_config_json_are_resumed_only_when_allowed(env, tmp_path, capfd, caplog):
     work = tmp_path / "run"
     _train(env, work, capfd)
