@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import zipfile
 from typing import Any, Mapping
 
 import numpy as np
@@ -34,7 +35,12 @@ class Golden:
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
+        if not zipfile.is_zipfile(self.path):   # np.load would call any other file pickled data
+            raise ValueError(f"{self.path} is not a golden file: not an .npz archive")
         with np.load(self.path, allow_pickle=False) as f:
+            if "meta" not in f.files:
+                raise ValueError(f"{self.path} is not a golden file: it has no 'meta' record "
+                                 "(tests/testdata/README.md)")
             self.meta: dict[str, Any] = json.loads(str(f["meta"]))
             self.inputs = _strip(f, "input/")
             self.params = _strip(f, "param/")

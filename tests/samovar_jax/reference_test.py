@@ -50,6 +50,18 @@ def test_cli_fails_on_a_wrong_golden(tmp_path, capsys):
     assert "forecast        [eval ]" in out and "FAIL" in out and "forecast_train  [train]" in out
 
 
+def test_cli_names_a_file_that_is_not_a_golden_and_checks_the_rest(tmp_path, capsys):
+    (tmp_path / "text.npz").write_text("not an archive")
+    np.savez(tmp_path / "no_meta.npz", a=np.ones(3))
+    files = [tmp_path / "text.npz", tmp_path / "no_meta.npz", TESTDATA / "samovar" / "lintrans.npz"]
+    assert convert.main(["--check", *map(str, files)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert f"{files[0]}: ERROR ValueError: {files[0]} is not a golden file: not an .npz archive" in lines
+    assert f"{files[1]}: ERROR ValueError: {files[1]} is not a golden file: it has no 'meta' record " \
+           "(tests/testdata/README.md)" in lines
+    assert any(line.startswith(f"{files[2]}: ") and line.endswith(" ok") for line in lines), lines
+
+
 def test_conversion_names_unknown_missing_and_mismatched_keys():
     g = Golden(TESTDATA / "samovar" / "samovar_padded.npz")
     model = convert.model_from_meta(g.meta)
