@@ -610,7 +610,16 @@ def prepare_data(config) -> tuple[Any, Any]:
         if split.split("[")[0] not in builder.info.splits:   # 'train[:90%]' slices a split
             raise ValueError(f"{role} {split!r} is not a split of {d.name} "
                              f"(it has: {', '.join(sorted(builder.info.splits))})")
-    return builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
+    try:
+        sources = builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
+        for source in sources:   # a damaged or missing file fails here, not steps into training
+            if len(source):
+                source[0], source[len(source) - 1]
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the remedy is the same
+        reason = (str(e).splitlines() or [""])[0][:300]
+        raise ValueError(f"the prepared {d.name} in {str(builder.data_dir)!r} cannot be read ({type(e).__name__}: "
+                         f"{reason}); delete that folder to prepare it again") from e
+    return sources
 
 
 def parameter_overview(params) -> str:

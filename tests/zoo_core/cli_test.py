@@ -10,6 +10,7 @@ import json
 import logging as py_logging
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -344,6 +345,26 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
     assert _snapshot(work) == before
     as_stored = json.loads(stored)
     trainer.check_eval_config(dict(as_stored, model=dict(as_stored["model"], dtype="bfloat16")), str(work))
+
+
+@pytest.mark.parametrize("damage", ["truncated records", "missing records", "unreadable dataset_info.json"])
+def test_damaged_prepared_data_is_one_line_naming_its_folder(env, tmp_path, capfd, damage):
+    data = tmp_path / "data"
+    shutil.copytree(env / "data", data)
+    (info,) = data.glob("synthetic_linear/*/*/dataset_info.json")
+    (record,) = info.parent.glob("*-train.array_record-*")
+    if damage == "truncated records":
+        os.truncate(record, 100)
+    elif damage == "missing records":
+        record.unlink()
+    else:
+        info.write_text("{")
+    before = _snapshot(data)
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                            f"--config.data.data_dir={data}"], capfd)
+    _assert_refused(status, out, err, f"the prepared synthetic_linear in '{info.parent}' ", alone=False)
+    assert "delete that folder to prepare it again" in err
+    assert _snapshot(data) == before and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("text,expected", [('{"model": {"hid', "is not readable JSON (JSONDecodeError)"),

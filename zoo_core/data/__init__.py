@@ -4,7 +4,9 @@ Every dataset is a module of this package exposing `make_builder(data_dir, **opt
 unprepared `tfds.core.DatasetBuilder`. `DATASETS` maps the names used in `config.data.name` to those
 modules; it is a plain dict (not a decorator registry) so that every dataset is one grep away.
 """
+import glob
 import importlib
+import json
 import os
 
 from absl import logging
@@ -42,6 +44,21 @@ def make_builder(name: str, data_dir: str, **options):
     builder._log_download_bytes = lambda: logging.info("preparing %s in %s", name, builder.data_dir)
     builder._log_download_done = lambda: logging.info("prepared %s in %s", name, builder.data_dir)
     return builder
+
+
+def _check_prepared_infos(name: str, folder: str) -> None:
+    """Every prepared copy's dataset_info.json under `folder` (<data dir>/<dataset>/[<config>/]<version>/)
+    must be readable JSON: TFDS reads it when it makes the builder, and a damaged one (a run killed while
+    writing it, an edit) would end in a protobuf traceback."""
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*", "dataset_info.json"))
+                       + glob.glob(os.path.join(glob.escape(folder), "*", "*", "dataset_info.json"))):
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"the prepared {name} in {os.path.dirname(path)!r} is damaged: its "
+                             f"dataset_info.json is not readable JSON ({type(e).__name__}); delete that folder "
+                             "to prepare it again") from e
 
 
 def _path_kind(key: str) -> str | None:
@@ -89,6 +106,7 @@ def check_options(name: str, data_dir: str, options: dict):
             raise ValueError(f"data.options.{key} {value!r} is a directory; expected a file")
         if kind == "file" and not os.path.exists(path):
             raise ValueError(f"data.options.{key} {value!r} does not exist; expected a file")
+    _check_prepared_infos(name, os.path.join(resolved, name))
     builder = make_builder(name, resolved, **options)
     check_sources = getattr(importlib.import_module(DATASETS[name]), "check_sources", None)
     if check_sources is not None and not builder.is_prepared():
