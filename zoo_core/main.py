@@ -30,6 +30,7 @@ import functools
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import signal
 import sys
@@ -129,6 +130,9 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
+    mismatch = _command_for_config(flags.FLAGS["config"].config_filename, build_model)
+    if mismatch:
+        _fail(mismatch)
     if _WORKDIR.value is not None and not _WORKDIR.value.strip():
         # `--workdir=$RUN` with RUN unset: the default folder might hold (and resume) another run.
         _fail("--workdir is empty (an unset shell variable?); give a directory, or leave the flag out for "
@@ -212,6 +216,24 @@ def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence
                                   f"(SAMoVAR's are); score the split after training with --eval_only "
                                   f"--eval_split={split}")
     return evaluators
+
+
+# configs/<folder>/ -> the package whose train command runs the configs there.
+CONFIG_FOLDERS = {"agf": "agf_jax", "samovar": "samovar_jax", "htgn": "htgn_jax", "core": "zoo_core"}
+
+
+def _command_for_config(config_arg: str, build_model: Callable[..., Any]) -> str | None:
+    """The error when a config of a `configs/<architecture>/` folder is given to another architecture's
+    train command, naming the right one; None otherwise (also for configs kept elsewhere). Its model
+    fields may fit the wrong `Model` well enough to fail late or in a misleading way (an HTGN config
+    under agf_jax.train was refused for its `kind`)."""
+    path = pathlib.Path(os.path.abspath(config_arg.partition(":")[0]))
+    want = CONFIG_FOLDERS.get(path.parent.name) if path.parent.parent.name == "configs" else None
+    have = build_model.__module__.split(".")[0]
+    if want is None or want == have:
+        return None
+    return (f"{config_arg.partition(':')[0]} is a config for {want}: run it with python -m {want}.train "
+            f"(this is {have}.train)")
 
 
 def default_workdir(config_arg: str) -> str:

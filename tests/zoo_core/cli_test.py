@@ -211,11 +211,29 @@ def test_a_bad_input_exits_2_with_one_error_line_and_creates_nothing(env, tmp_pa
 
 
 def test_a_config_of_another_architecture_is_named_as_such(env, tmp_path, capfd):
+    # A user's own copy (outside configs/<architecture>/): named by the fields the Model lacks.
     from agf_jax.model import Model
 
-    status, out, err = cli(_argv("", env, tmp_path / "run"), capfd, build_model=Model)
+    mine = tmp_path / "mine" / "synthetic.py"
+    mine.parent.mkdir()
+    shutil.copy(ROOT / "configs" / "core" / "synthetic.py", mine)
+    status, out, err = cli(_argv(f"CONFIG={mine}:smoke", env, tmp_path / "run"), capfd, build_model=Model)
     _assert_refused(status, out, err, "config.model does not fit agf_jax.model.Model: missing 1 required "
                                       "keyword-only argument: 'kind'; is the config written for another")
+    assert _snapshot(tmp_path) == ["mine", "mine/synthetic.py"]
+
+
+def test_a_repository_config_given_to_another_architectures_command_names_the_right_one(tmp_path, capfd):
+    # configs/htgn/number_words.py's model fields fit agf_jax's Model up to its `kind`: without this check
+    # the error was about `kind`, not about the command.
+    from agf_jax.model import Model
+
+    for config, build, want in [("configs/htgn/number_words.py:smoke", Model, "htgn_jax"),
+                                ("configs/agf/lra_listops.py:smoke", models.Model, "agf_jax")]:
+        status, out, err = cli(["--config", config, "--workdir", tmp_path / "run"], capfd, build_model=build)
+        path = config.partition(":")[0]
+        _assert_refused(status, out, err, f"{path} is a config for {want}: run it with python -m {want}.train "
+                                          f"(this is {build.__module__.split('.')[0]}.train)")
     assert _snapshot(tmp_path) == []
 
 
