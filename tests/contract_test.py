@@ -4,6 +4,7 @@ Shapes and aux keys, jit == eager, every form equal (parallel, chunked, scan, st
 1e30 in padding and in the future change no valid or past output (nor the aux losses), and bf16
 compute within the BF16 tolerance of float32.
 """
+import functools
 import re
 
 import jax
@@ -36,18 +37,50 @@ def _layer(name, causal, options, **extra):
     return attention.layer(name, num_heads=HEADS, qkv_features=E, causal=causal, **{**options, **extra})
 
 
+@functools.lru_cache(maxsize=None)
 def _inputs():
-    x = jax.random.normal(jax.random.PRNGKey(3), (B, T, E))
-    mask = jnp.arange(T)[None, :] < jnp.array([[T], [T - 3]])
+    # numpy, made once: eager jnp ops on them would compile each op per shape
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (B, T, E)))
+    mask = np.arange(T)[None, :] < np.array([[T], [T - 3]])
+    x.flags.writeable = mask.flags.writeable = False     # shared by every test
     return x, mask
 
 
+@functools.lru_cache(maxsize=None)
+def _init_cached(lay):
+    # jitted: eager init compiles every initialiser separately
+    return jax.jit(lay.init)({"params": jax.random.PRNGKey(0)}, _inputs()[0])
+
+
 def _init(lay, x):
-    return lay.init({"params": jax.random.PRNGKey(0)}, x)
+    assert x is _inputs()[0]
+    return _init_cached(lay)
 
 
 def _apply(lay, params, x, mask=None):
     return lay.apply(params, x, mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_apply(lay, causal):
+    """Jitted (params, x, mask) -> (y, aux, y of `scan` from a fresh state or None), one compile per layer."""
+    def fn(params, x, mask):
+        y, aux = lay.apply(params, x, mask=mask)
+        y_scan = None
+        if causal:
+            state = lay.apply(params, x.shape[0], method="init_state")
+            y_scan = lay.apply(params, x, state, mask=mask, method="scan")[0]
+        return y, aux, y_scan
+    return jax.jit(fn)
+
+
+def _frozen(options):
+    return tuple(sorted(options.items()))
+
+
+def _fill(x, where, bad):
+    """x with `bad` wherever `where` is False (numpy, x's dtype)."""
+    return np.where(where, x, bad).astype(x.dtype)
 
 
 @pytest.mark.parametrize("name,causal,options", CASES, ids=IDS)
@@ -61,7 +94,7 @@ def test_shapes_aux_and_jit(name, causal, options):
     for key, value in aux.items():
         if key.startswith("loss/"):
             assert jnp.shape(value) == (), key
-    y_jit, aux_jit = jax.jit(lambda p, x, m: _apply(lay, p, x, m))(params, x, mask)
+    y_jit, aux_jit, _ = _jit_apply(lay, causal)(params, x, mask)
     assert_forms_agree({"eager": (y, aux), "jit": (y_jit, aux_jit)}, **F32_SIMPLE)
 
 
@@ -71,18 +104,16 @@ def test_padding_changes_nothing_valid(name, causal, options, bad):
     lay = _layer(name, causal, options)
     x, mask = _inputs()
     params = _init(lay, x)
-    y, aux = _apply(lay, params, x, mask)
-    y_bad, aux_bad = _apply(lay, params, jnp.where(mask[..., None], x, bad), mask)
+    # Both runs through one compiled program (that of test_shapes_aux_and_jit), so they are comparable bit for bit.
+    fn = _jit_apply(lay, causal)
+    y, aux, y_scan = fn(params, x, mask)
+    y_bad, aux_bad, y_scan_bad = fn(params, _fill(x, mask[..., None], bad), mask)
     valid = np.asarray(mask)
     np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y)[valid])
     for key in aux:
         if key.startswith("loss/"):
             np.testing.assert_array_equal(np.asarray(aux_bad[key]), np.asarray(aux[key]), err_msg=key)
     if causal:
-        state = lay.apply(params, B, method="init_state")
-        y_scan, _ = lay.apply(params, x, state, mask=mask, method="scan")
-        y_scan_bad, _ = lay.apply(params, jnp.where(mask[..., None], x, bad), state, mask=mask,
-                                  method="scan")
         np.testing.assert_array_equal(np.asarray(y_scan_bad)[valid], np.asarray(y_scan)[valid])
 
 
@@ -90,19 +121,30 @@ CAUSAL = [c for c in CASES if c[1]]
 CAUSAL_IDS = [i for i, c in zip(IDS, CASES) if c[1]]
 
 
-def _all_forms(name, options, x, params):
-    out = {"parallel": _apply(_layer(name, True, options), params, x)[0]}
-    if name != "softmax":
-        out["chunked(3)"] = _apply(_layer(name, True, options, chunk_size=3), params, x)[0]
+@functools.lru_cache(maxsize=None)
+def _all_forms_fn(name, options):
+    """Jitted (params, x) -> {form: y}: every causal form in one program, compiled once per layer."""
+    options = dict(options)
     lay = _layer(name, True, options)
-    state = lay.apply(params, B, method="init_state")
-    out["scan"] = lay.apply(params, x, state, method="scan")[0]
-    ys = []
-    for t in range(T):
-        y_t, state = lay.apply(params, state, x[:, t], method="step")
-        ys.append(y_t)
-    out["step"] = jnp.stack(ys, axis=1)
-    return out
+    chunked = None if name == "softmax" else _layer(name, True, options, chunk_size=3)
+
+    def fn(params, x):
+        out = {"parallel": _apply(lay, params, x)[0]}
+        if chunked is not None:
+            out["chunked(3)"] = _apply(chunked, params, x)[0]
+        state = lay.apply(params, B, method="init_state")
+        out["scan"] = lay.apply(params, x, state, method="scan")[0]
+        ys = []
+        for t in range(T):
+            y_t, state = lay.apply(params, state, x[:, t], method="step")
+            ys.append(y_t)
+        out["step"] = jnp.stack(ys, axis=1)
+        return out
+    return jax.jit(fn)
+
+
+def _all_forms(name, options, x, params):
+    return _all_forms_fn(name, _frozen(options))(params, x)
 
 
 @pytest.mark.parametrize("name,causal,options", CAUSAL, ids=CAUSAL_IDS)
@@ -118,7 +160,9 @@ def test_future_changes_nothing_past(name, causal, options, bad):
     x, _ = _inputs()
     params = _init(_layer(name, True, options), x)
     clean = _all_forms(name, options, x, params)
-    dirty = _all_forms(name, options, x.at[:, FUTURE].set(bad), params)
+    x_bad = x.copy()
+    x_bad[:, FUTURE] = bad
+    dirty = _all_forms(name, options, x_bad, params)
     for form in clean:
         np.testing.assert_array_equal(np.asarray(dirty[form])[:, :FUTURE],
                                       np.asarray(clean[form])[:, :FUTURE], err_msg=form)
@@ -128,8 +172,8 @@ def test_future_changes_nothing_past(name, causal, options, bad):
 def test_bf16_compute_close_to_float32(name, causal, options):
     x, mask = _inputs()
     params = _init(_layer(name, causal, options), x)
-    y32, _ = _apply(_layer(name, causal, options), params, x, mask)
-    y16, _ = _apply(_layer(name, causal, options, dtype=jnp.bfloat16), params, x, mask)
+    y32, _, _ = _jit_apply(_layer(name, causal, options), causal)(params, x, mask)
+    y16, _, _ = _jit_apply(_layer(name, causal, options, dtype=jnp.bfloat16), False)(params, x, mask)
     assert y16.dtype == jnp.bfloat16
     valid = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(y16, np.float32)[valid], np.asarray(y32)[valid], **BF16)
@@ -140,9 +184,11 @@ def test_bf16_compute_close_to_float32(name, causal, options):
 # VAR chain (every layer's output, [L, B, T, H, D]). Same checks, through small adapters.
 # ---------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _memory():
-    memory = jax.random.normal(jax.random.PRNGKey(5), (B, 1 + 6, E))   # one global + 6 nodes
-    memory_mask = jnp.arange(7)[None, :] < jnp.array([[7], [5]])
+    memory = np.asarray(jax.random.normal(jax.random.PRNGKey(5), (B, 1 + 6, E)))   # one global + 6 nodes
+    memory_mask = np.arange(7)[None, :] < np.array([[7], [5]])
+    memory.flags.writeable = memory_mask.flags.writeable = False
     return memory, memory_mask
 
 
@@ -152,26 +198,38 @@ def _cross(dtype=jnp.float32):
                                out_features=E, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _cross_params():
+    return jax.jit(_cross().init)(jax.random.PRNGKey(0), _inputs()[0], _memory()[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _cross_jit(lay):
+    return jax.jit(lambda params, x, memory, mask, memory_mask:
+                   lay.apply(params, x, memory, mask=mask, memory_mask=memory_mask))
+
+
 @pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
 def test_cross_graph_contract(bad):
     x, mask = _inputs()
     memory, memory_mask = _memory()
     lay = _cross()
-    params = lay.init(jax.random.PRNGKey(0), x, memory)
+    params = _cross_params()
 
     def run(lay, x, memory):
-        return lay.apply(params, x, memory, mask=mask, memory_mask=memory_mask)
-    y, aux = run(lay, x, memory)
+        return _cross_jit(lay)(params, x, memory, mask, memory_mask)
+    y, aux = lay.apply(params, x, memory, mask=mask, memory_mask=memory_mask)
     assert y.shape == (B, T, E) and isinstance(aux, dict)
     assert all(jnp.shape(v) == () for k, v in aux.items() if k.startswith("loss/"))
-    assert_forms_agree({"eager": (y, aux), "jit": jax.jit(lambda x, m: run(lay, x, m))(x, memory)},
-                       **F32_SIMPLE)
-    y_bad, aux_bad = run(lay, jnp.where(mask[..., None], x, bad), jnp.where(memory_mask[..., None], memory, bad))
+    y_jit, aux_jit = run(lay, x, memory)
+    assert_forms_agree({"eager": (y, aux), "jit": (y_jit, aux_jit)}, **F32_SIMPLE)
+    # The padded run against the jitted clean one: the same compiled program.
+    y_bad, aux_bad = run(lay, _fill(x, mask[..., None], bad), _fill(memory, memory_mask[..., None], bad))
     valid = np.asarray(mask)
-    np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y)[valid])
+    np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y_jit)[valid])
     for key in aux:
         if key.startswith("loss/"):
-            np.testing.assert_array_equal(np.asarray(aux_bad[key]), np.asarray(aux[key]), err_msg=key)
+            np.testing.assert_array_equal(np.asarray(aux_bad[key]), np.asarray(aux_jit[key]), err_msg=key)
     y16, _ = run(_cross(jnp.bfloat16), x, memory)
     np.testing.assert_allclose(np.asarray(y16, np.float32)[valid], np.asarray(y)[valid], **BF16)
 
@@ -181,19 +239,33 @@ def _chain(**kw):
     return VARChain(width=E, num_heads=HEADS, num_layers=2, **kw)
 
 
+@functools.lru_cache(maxsize=None)
+def _chain_forms_fn(masked):
+    """Jitted (params, x, mask) -> {form: o} for the chain, compiled once per mask use."""
+    def fn(params, x, mask):
+        mask = mask if masked else None
+        out = {"parallel": _chain().apply(params, x, mask=mask)[0],
+               "chunked(3)": _chain(chunk_size=3).apply(params, x, mask=mask)[0]}
+        lay = _chain()
+        state = lay.apply(params, B, method="init_state")
+        out["scan"] = lay.apply(params, x, state, mask=mask, method="scan")[0]
+        if mask is None:
+            ys = []
+            for t in range(T):
+                y_t, state = lay.apply(params, state, x[:, t], method="step")
+                ys.append(y_t)
+            out["step"] = jnp.stack(ys, axis=2)     # [L, B, T, H, D]
+        return out
+    return jax.jit(fn)
+
+
 def _chain_forms(x, params, mask=None):
-    out = {"parallel": _chain().apply(params, x, mask=mask)[0],
-           "chunked(3)": _chain(chunk_size=3).apply(params, x, mask=mask)[0]}
-    lay = _chain()
-    state = lay.apply(params, B, method="init_state")
-    out["scan"] = lay.apply(params, x, state, mask=mask, method="scan")[0]
-    if mask is None:
-        ys = []
-        for t in range(T):
-            y_t, state = lay.apply(params, state, x[:, t], method="step")
-            ys.append(y_t)
-        out["step"] = jnp.stack(ys, axis=2)     # [L, B, T, H, D]
-    return out
+    return _chain_forms_fn(mask is not None)(params, x, _inputs()[1] if mask is None else mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_jit(lay):
+    return jax.jit(lambda p, x: lay.apply(p, x)[0])
 
 
 def test_an_empty_sequence_is_refused_by_every_layer_and_form():
@@ -217,19 +289,20 @@ def test_an_empty_sequence_is_refused_by_every_layer_and_form():
 @pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
 def test_var_chain_contract(bad):
     x, mask = _inputs()
-    params = _chain().init(jax.random.PRNGKey(0), x)
+    params = _init(_chain(), x)
     y, aux = _chain().apply(params, x)
     assert y.shape == (2, B, T, HEADS, E // HEADS) and isinstance(aux, dict)
-    assert_forms_agree({"eager": y, "jit": jax.jit(lambda p, x: _chain().apply(p, x)[0])(params, x)},
-                       **F32_SIMPLE)
+    assert_forms_agree({"eager": y, "jit": _chain_jit(_chain())(params, x)}, **F32_SIMPLE)
     clean = _chain_forms(x, params)
     assert_forms_agree(clean, **F32_SIMPLE)
-    dirty = _chain_forms(x.at[:, FUTURE].set(bad), params)
+    x_bad = x.copy()
+    x_bad[:, FUTURE] = bad
+    dirty = _chain_forms(x_bad, params)
     for form in clean:
         np.testing.assert_array_equal(np.asarray(dirty[form])[:, :, :FUTURE],
                                       np.asarray(clean[form])[:, :, :FUTURE], err_msg=form)
     clean = _chain_forms(x, params, mask)
-    dirty = _chain_forms(jnp.where(mask[..., None], x, bad), params, mask)
+    dirty = _chain_forms(_fill(x, mask[..., None], bad), params, mask)
     valid = np.asarray(mask)
     for form in clean:
         np.testing.assert_array_equal(np.asarray(dirty[form])[:, valid], np.asarray(clean[form])[:, valid],
@@ -238,6 +311,6 @@ def test_var_chain_contract(bad):
     # rounding only the inputs to bf16 (float32 compute) already moves such entries by more than
     # BF16's elementwise bound (measured: 34 of 448 entries). So the bf16 run is held to the BF16
     # tolerance relative to the output's scale, the error any bf16 rounding of the inputs implies.
-    y16 = np.asarray(_chain(dtype=jnp.bfloat16).apply(params, x)[0], np.float32)
+    y16 = np.asarray(_chain_jit(_chain(dtype=jnp.bfloat16))(params, x), np.float32)
     scale = np.max(np.abs(np.asarray(y)))
     assert np.max(np.abs(y16 - np.asarray(y))) <= BF16["rtol"] * scale, np.max(np.abs(y16 - np.asarray(y))) / scale

@@ -10,11 +10,11 @@ from agf_jax.model import VARIANTS, Model
 from zoo_core.testing import F32_SIMPLE
 
 B, T, E, H, D = 2, 7, 8, 2, 4
-X = jax.random.normal(jax.random.key(0), (B, T, E))
+X = np.asarray(jax.random.normal(jax.random.key(0), (B, T, E)))
 
 
 def _layer_vars(layer, seed=0, theta=(0.6, -0.5)):
-    v = layer.init(jax.random.key(seed), X)
+    v = jax.jit(layer.init)(jax.random.key(seed), X)
     params = dict(v["params"])
     params["theta"] = jnp.asarray(theta, jnp.float32)
     return {"params": params}
@@ -23,20 +23,20 @@ def _layer_vars(layer, seed=0, theta=(0.6, -0.5)):
 def _model_params(model, batch):
     """A model's params tree with the real structure, filled with zeros (no model compile)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0), batch)["params"]
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
 
 
 def test_filter_coefficients_and_response():
     model = Model(kind="uea_classifier", variant="tiny", num_classes=3, feat_dim=2, max_len=T,
                   order=2, basis="monomial", learn_c0=True)
-    params = _model_params(model, {"inputs": jnp.zeros((B, T, 2))})
+    params = _model_params(model, {"inputs": np.zeros((B, T, 2), np.float32)})
     coeffs = analysis.filter_coefficients({"params": params})
     assert list(coeffs) == ["block_00/attention", "block_01/attention"]
     # learn_c0 at init: every coefficient is tanh(0) = 0, so the filter is identically 0.
     s, g = analysis.filter_response(params, basis="monomial", num_points=11)
     assert s.shape == (11,) and all(np.all(gi == 0.0) for gi in g.values())
-    params["block_01"]["attention"]["theta_0"] = jnp.float32(0.2)
-    params["block_01"]["attention"]["theta"] = jnp.array([0.5, -1.0], jnp.float32)
+    params["block_01"]["attention"]["theta_0"] = np.float32(0.2)
+    params["block_01"]["attention"]["theta"] = np.array([0.5, -1.0], np.float32)
     c = analysis.filter_coefficients(params)["block_01/attention"]
     np.testing.assert_allclose(c, np.tanh([0.2, 0.5, -1.0]), **F32_SIMPLE)
     s, g = analysis.filter_response(params, basis="monomial", num_points=5)
@@ -45,7 +45,7 @@ def test_filter_coefficients_and_response():
     # Frozen c_0 (LRA) with theta = 0: g == 1.
     lra = Model(kind="lra_classifier", variant="tiny", num_classes=2, vocab_size=5, max_len=8,
                 order=3)
-    pl = _model_params(lra, {"inputs": jnp.ones((1, 4), jnp.int32)})
+    pl = _model_params(lra, {"inputs": np.ones((1, 4), np.int32)})
     _, gl = analysis.filter_response(pl, basis="jacobi", alpha=2.0, beta=-1.0)
     assert list(gl) == ["encoder/block_00/attention", "encoder/block_01/attention"]
     assert all(np.all(gi == 1.0) for gi in gl.values())
@@ -55,15 +55,15 @@ def test_filter_coefficients_and_response():
 def test_implicit_attention_reproduces_the_layer(causal):
     layer = AGFAttention(num_heads=H, head_dim=D, order=2, causal=causal)
     v = _layer_vars(layer, seed=3)
-    mask = jnp.asarray(np.arange(T)[None] < np.array([[T], [5]]))
+    mask = np.arange(T)[None] < np.array([[T], [5]])
     hmat = analysis.implicit_attention(layer, v, X, mask=mask)
     assert hmat.shape == (B, H, T, T)
     if causal:
         assert np.all(np.triu(hmat, 1) == 0.0)
-    y, _ = layer.apply(v, X, mask=mask)
-    f = layer.apply(v, X, mask=mask, method="factors")
+    y, f = jax.jit(lambda v, x, mask: (layer.apply(v, x, mask=mask)[0],
+                                       layer.apply(v, x, mask=mask, method="factors")))(v, X, mask)
     o = np.einsum("bhtj,bjhd->bthd", hmat, np.asarray(f["value"]))
-    p = v["params"]["out"]
+    p = jax.tree.map(np.asarray, v["params"]["out"])
     np.testing.assert_allclose(np.einsum("bthd,hde->bte", o, p["kernel"]) + p["bias"], y,
                                **F32_SIMPLE)
     sm = analysis.softmax_attention_matrix(layer, v, X, mask=mask)
@@ -95,7 +95,7 @@ def test_frequency_comparison_softmax_is_low_pass_agf_is_not():
     v = _layer_vars(layer, seed=4, theta=(0.9, -0.9))
     params = jax.tree.map(lambda x: x, v["params"])
     for name in ("query", "key"):
-        params[name] = jax.tree.map(jnp.zeros_like, params[name])
+        params[name] = jax.tree.map(np.zeros_like, params[name])
     res = analysis.frequency_comparison(layer, {"params": params}, X)
     assert set(res) == {"input", "agf", "softmax", "agf_gain", "softmax_gain"}
     assert res["agf"].shape == (B, H)

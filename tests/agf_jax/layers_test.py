@@ -19,7 +19,7 @@ from agf_jax.layers import AGFAttention, SoftmaxAttention
 from zoo_core.testing import BF16, F32_SIMPLE, assert_forms_agree, assert_trees_close, param_shapes
 
 B, T, E, H, D = 2, 7, 8, 2, 4
-X16 = jax.random.normal(jax.random.key(0), (B, 16, E))
+X16 = np.asarray(jax.random.normal(jax.random.key(0), (B, 16, E)))   # numpy: slicing compiles nothing
 X = X16[:, :T]
 MASK = jnp.asarray(np.arange(T)[None] < np.array([[T], [5]]))
 
@@ -45,15 +45,26 @@ def _with_theta(variables, theta=(0.6, -0.5, 0.4), theta_0=None):
     return {"params": params}
 
 
+@functools.lru_cache(maxsize=None)
+def _init_fn(layer):
+    # jitted: eager init compiles every initialiser separately
+    return jax.jit(layer.init)
+
+
 def _init(layer, seed=1):
-    return _with_theta(layer.init(jax.random.key(seed), X))
+    return _with_theta(_init_fn(layer)(jax.random.key(seed), X))
 
 
 @functools.lru_cache(maxsize=None)
 def _jit(layer):
     """layer.apply jitted once per layer, compared by its fields (eager applies would re-trace lax.scan
     on every call, and a new jit per call compiles again)."""
-    return jax.jit(layer.apply, static_argnames=("method",))
+    return jax.jit(layer.apply, static_argnames=("method", "deterministic"))
+
+
+@functools.lru_cache(maxsize=None)
+def _init_state(layer):
+    return jax.jit(lambda v: layer.apply(v, B, method="init_state"))
 
 
 def _all_forms(kind, v, x, mask, chunks):
@@ -65,11 +76,11 @@ def _all_forms(kind, v, x, mask, chunks):
         out[f"chunked({c})"] = _jit(_layer(kind, causal=True, chunk_size=c))(v, x, mask=mask)[0]
     out["scan"] = apply(v, x, mask=mask, method="scan")[0]
     if mask is None:
-        state, ys = layer.apply(v, B, method="init_state"), []
+        state, ys = _init_state(layer)(v), []
         for t in range(x.shape[1]):
             y_t, state = apply(v, state, x[:, t], method="step")
-            ys.append(y_t)
-        out["step"] = jnp.stack(ys, 1)
+            ys.append(np.asarray(y_t))
+        out["step"] = np.stack(ys, 1)
     return out
 
 
@@ -103,50 +114,52 @@ def test_exports():
 
 def test_forward_matches_ops_and_init_filters():
     layer = AGFAttention(num_heads=H, head_dim=D, order=3, basis="legendre")
-    v = layer.init(jax.random.key(1), X)
+    v = _init_fn(layer)(jax.random.key(1), X)
+    apply = _jit(layer)
     # theta = 0 and frozen c_0: g == 1, i.e. plain U (V^T Val) (spec §2.4).
-    f = layer.apply(v, X, mask=MASK, method="factors")
+    f = apply(v, X, mask=MASK, method="factors")
     assert np.all(np.asarray(f["g"]) == 1.0)
     v = _with_theta(v)
-    apply = _jit(layer)
     y, aux = apply(v, X, mask=MASK)
     f = apply(v, X, mask=MASK, method="factors")
-    o = ops.agf_parallel(f["zu"], f["zv"], f["zs"], f["value"], f["coeffs"], basis="legendre",
-                         mask=MASK)
+    # the references in one program: eagerly every op compiles on its own
+    o, ortho = jax.jit(lambda f: (
+        ops.agf_parallel(f["zu"], f["zv"], f["zs"], f["value"], f["coeffs"], basis="legendre", mask=MASK),
+        ops.orthogonality_loss(f["zu"], f["zv"], mask=MASK, count_padding=False)))(f)
     p = v["params"]["out"]
-    np.testing.assert_allclose(y, jnp.einsum("bthd,hde->bte", o, p["kernel"]) + p["bias"],
-                               **F32_SIMPLE)
-    ortho = ops.orthogonality_loss(f["zu"], f["zv"], mask=MASK, count_padding=False)
+    np.testing.assert_allclose(y, np.einsum("bthd,hde->bte", np.asarray(o), np.asarray(p["kernel"]))
+                               + np.asarray(p["bias"]), **F32_SIMPLE)
     assert set(aux) == {"loss/orthogonality", "orthogonality/per_sample", "filter/coefficients"}
     assert aux["loss/orthogonality"].shape == () and aux["orthogonality/per_sample"].shape == (B,)
     np.testing.assert_allclose(aux["orthogonality/per_sample"], ortho, **F32_SIMPLE)
-    np.testing.assert_allclose(aux["loss/orthogonality"], jnp.mean(ortho), **F32_SIMPLE)
+    np.testing.assert_allclose(aux["loss/orthogonality"], np.mean(np.asarray(ortho)), **F32_SIMPLE)
     np.testing.assert_array_equal(aux["filter/coefficients"], f["coeffs"])
     # Learnable c_0 at init: the filter is 0 and the output is the out-projection bias only.
     learn = AGFAttention(num_heads=H, head_dim=D, order=3, learn_c0=True,
                          bias_init=nn.initializers.normal(1.0))
-    vl = learn.init(jax.random.key(2), X)
-    yl, _ = learn.apply(vl, X)
-    np.testing.assert_allclose(yl, jnp.broadcast_to(vl["params"]["out"]["bias"], yl.shape),
+    vl = _init_fn(learn)(jax.random.key(2), X)
+    yl, _ = _jit(learn)(vl, X)
+    np.testing.assert_allclose(yl, np.broadcast_to(vl["params"]["out"]["bias"], yl.shape),
                                **F32_SIMPLE)
 
 
 def test_ortho_scale_padding_rule_and_theta_gradients():
     layer = AGFAttention(num_heads=H, head_dim=D, order=3, ortho_scale=0.25)
     v = _init(layer, 3)
-    _, aux = layer.apply(v, X)
-    _, aux1 = AGFAttention(num_heads=H, head_dim=D, order=3).apply(v, X)
-    np.testing.assert_allclose(aux["loss/orthogonality"], 0.25 * aux1["loss/orthogonality"],
+    _, aux = _jit(layer)(v, X)
+    _, aux1 = _jit(AGFAttention(num_heads=H, head_dim=D, order=3))(v, X)
+    np.testing.assert_allclose(aux["loss/orthogonality"], 0.25 * np.asarray(aux1["loss/orthogonality"]),
                                **F32_SIMPLE)
     # ortho_count_padding=True is the reference regulariser (padded U rows count, spec §2.5).
+    # (eager on both sides: they are compared bit for bit)
     ref = AGFAttention(num_heads=H, head_dim=D, order=3, ortho_count_padding=True)
     f = ref.apply(v, X, mask=MASK, method="factors")
     _, aux_ref = ref.apply(v, X, mask=MASK)
     np.testing.assert_array_equal(aux_ref["orthogonality/per_sample"],
                                   ops.orthogonality_loss(f["zu"], f["zv"], mask=MASK))
-    _, aux_contract = layer.apply(v, X, mask=MASK)
-    assert float(jnp.abs(aux_contract["orthogonality/per_sample"][1]
-                         - 0.25 * aux_ref["orthogonality/per_sample"][1])) > 1e-4
+    _, aux_contract = _jit(layer)(v, X, mask=MASK)
+    assert abs(float(aux_contract["orthogonality/per_sample"][1])
+               - 0.25 * float(aux_ref["orthogonality/per_sample"][1])) > 1e-4
     grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, X)[0] ** 2)))(
         v["params"])
     assert float(jnp.min(jnp.abs(grads["theta"]))) > 0.0
@@ -158,7 +171,7 @@ def test_ortho_scale_padding_rule_and_theta_gradients():
 def test_causal_forms_agree(kind, t, chunks, masked):
     v = _init(_layer(kind, causal=True), 4)
     outs = _all_forms(kind, v, X16[:, :t], _mask(t) if masked else None, chunks)
-    assert bool(jnp.all(jnp.isfinite(outs["parallel"])))
+    assert np.all(np.isfinite(np.asarray(outs["parallel"])))
     assert_forms_agree(outs, **F32_SIMPLE)
 
 
@@ -173,10 +186,10 @@ def test_state_continues_across_calls(kind):
     ys = [y_a, y_b]
     for t in range(5, T):
         y_t, st = apply(v, st, X[:, t], method="step")
-        ys.append(y_t[:, None])
-    assert_forms_agree({"parallel": y_full, "scan+scan+step": jnp.concatenate(ys, 1)},
+        ys.append(np.asarray(y_t)[:, None])
+    assert_forms_agree({"parallel": y_full, "scan+scan+step": np.concatenate([np.asarray(y) for y in ys], 1)},
                        **F32_SIMPLE)
-    st0 = layer.apply(v, B, method="init_state")
+    st0 = _init_state(layer)(v)
     assert isinstance(st0, agf_jax.AGFState if kind == "agf" else agf_jax.KVCache)
     assert all(s.dtype in (jnp.float32, jnp.int32) for s in st0)
     if kind == "softmax":
@@ -185,13 +198,13 @@ def test_state_continues_across_calls(kind):
 
 def test_softmax_cache_overflow_is_nan_not_dropped():
     layer = SoftmaxAttention(num_heads=H, head_dim=D, causal=True, max_length=2)
-    v = layer.init(jax.random.key(6), X)
-    st = layer.apply(v, B, method="init_state")
+    v = _init_fn(layer)(jax.random.key(6), X)
+    st = _init_state(layer)(v)
     ys = []
     for t in range(3):
-        y_t, st = layer.apply(v, st, X[:, t], method="step")
-        ys.append(y_t)
-    assert bool(jnp.all(jnp.isfinite(ys[1]))) and bool(jnp.all(jnp.isnan(ys[2])))
+        y_t, st = _jit(layer)(v, st, X[:, t], method="step")
+        ys.append(np.asarray(y_t))
+    assert np.all(np.isfinite(ys[1])) and np.all(np.isnan(ys[2]))
 
 
 # (layer kind, causal, form); forms: 'parallel', 'chunked' (C=3), 'scan', 'step'.
@@ -204,16 +217,17 @@ def _run(kind, causal, form, v, x, mask):
     """(y, aux) of one form; the step loop has no mask (it only sees the tokens it is given)."""
     if form == "step":
         layer = _layer(kind, causal=True)
-        state, ys = layer.apply(v, B, method="init_state"), []
+        state, ys = _init_state(layer)(v), []
         step = _jit(layer)
         for t in range(x.shape[1]):
             y_t, state = step(v, state, x[:, t], method="step")
-            ys.append(y_t)
-        return jnp.stack(ys, 1), {}
+            ys.append(np.asarray(y_t))
+        return np.stack(ys, 1), {}
     layer = _layer(kind, causal=causal, **({"chunk_size": 3} if form == "chunked" else {}))
     if form == "scan":
-        return _jit(layer)(v, x, mask=mask, method="scan")[0], {}
-    return _jit(layer)(v, x, mask=mask)
+        return np.asarray(_jit(layer)(v, x, mask=mask, method="scan")[0]), {}
+    y, aux = _jit(layer)(v, x, mask=mask)
+    return np.asarray(y), aux
 
 
 @pytest.mark.parametrize("kind,causal,form", FORMS)
@@ -222,8 +236,9 @@ def test_padding_and_future_cannot_leak(kind, causal, form, poison):
     v = _init(_layer(kind, causal=causal), 7)
     mask = MASK                                    # sample 1: positions 5, 6 are padding
     t0 = 3                                         # the future: positions > t0 of sample 0
-    x_pad = X.at[1, 5:].set(poison)
-    x_fut = X.at[0, t0 + 1:].set(poison)
+    x_pad, x_fut = X.copy(), X.copy()
+    x_pad[1, 5:] = poison
+    x_fut[0, t0 + 1:] = poison
     if form != "step":                             # padding (the step form takes no mask)
         y, aux = _run(kind, causal, form, v, X, mask)
         y_p, aux_p = _run(kind, causal, form, v, x_pad, mask)
@@ -235,22 +250,22 @@ def test_padding_and_future_cannot_leak(kind, causal, form, poison):
         assert_forms_agree({"clean": y[:, :t0 + 1], "future poisoned": y_f[:, :t0 + 1]},
                            **F32_SIMPLE)
         if poison != poison:                       # NaN reaches every later output of sample 0
-            assert bool(jnp.all(jnp.isnan(y_f[0, t0 + 1:])))
+            assert np.all(np.isnan(y_f[0, t0 + 1:]))
 
 
 @pytest.mark.parametrize("kind", ["agf", "softmax"])
 def test_dtype_policy_bf16(kind):
     v = _init(_layer(kind, causal=True), 8)
     layer16 = _layer(kind, causal=True, dtype=jnp.bfloat16)
-    v16 = _with_theta(layer16.init(jax.random.key(8), X))
+    v16 = _init(layer16, 8)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(v16))
     apply16 = _jit(layer16)
-    y16, aux16 = apply16(v, X.astype(jnp.bfloat16), mask=MASK)
+    y16, aux16 = apply16(v, jnp.asarray(X, jnp.bfloat16), mask=MASK)
     y32, _ = _jit(_layer(kind, causal=True))(v, X, mask=MASK)
     assert y16.dtype == jnp.bfloat16
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(aux16))
     np.testing.assert_allclose(np.asarray(y16, np.float32), y32, **BF16)
-    y16s, state = apply16(v, X.astype(jnp.bfloat16), mask=MASK, method="scan")
+    y16s, state = apply16(v, jnp.asarray(X, jnp.bfloat16), mask=MASK, method="scan")
     np.testing.assert_allclose(np.asarray(y16s, np.float32), y32, **BF16)
     assert all(s.dtype in (jnp.float32, jnp.int32) for s in state)
 
@@ -276,11 +291,11 @@ class _Foreign(nn.Module):
 
 def test_inside_foreign_module_and_nnx_bridge():
     model = _Foreign()
-    v = model.init(jax.random.key(6), X, MASK)
+    v = jax.jit(model.init)(jax.random.key(6), X, MASK)
     assert set(v["params"]) == {"proj", "agf", "head"}
     out, reg = jax.jit(model.apply)(v, X, MASK)
     assert out.shape == (B, 3) and reg.shape == ()
-    grads = jax.grad(lambda p: model.apply({"params": p}, X, MASK)[1])(v["params"])
+    grads = jax.jit(jax.grad(lambda p: model.apply({"params": p}, X, MASK)[1]))(v["params"])
     assert float(jnp.sum(jnp.abs(grads["agf"]["key"]["kernel"]))) > 0.0
 
     # NNX: wrap the Linen layer with ToNNX, lazily initialise, train one step with nnx APIs.
@@ -289,7 +304,7 @@ def test_inside_foreign_module_and_nnx_bridge():
     bridge.lazy_init(layer, X, mask=MASK)
     y, aux = layer(X, mask=MASK)
     params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
-    y_linen, _ = linen_layer.apply({"params": params}, X, mask=MASK)
+    y_linen, _ = _jit(linen_layer)({"params": params}, X, mask=MASK)
     np.testing.assert_allclose(y, y_linen, **F32_SIMPLE)
 
     def loss(m):
@@ -305,17 +320,20 @@ def test_inside_foreign_module_and_nnx_bridge():
 @pytest.mark.parametrize("causal", [False, True])
 def test_softmax_layer_matches_explicit_formula(causal):
     layer = _layer("softmax", causal=causal)
-    v = layer.init(jax.random.key(7), X)
-    y, aux = layer.apply(v, X, mask=MASK)
+    v = _init_fn(layer)(jax.random.key(7), X)
+    y, aux = _jit(layer)(v, X, mask=MASK)
     assert y.shape == X.shape and aux == {}
-    p = v["params"]
-    q, k, val = (jnp.einsum("bte,ehd->bthd", X, p[n]["kernel"]) + p[n]["bias"]
+    y = np.asarray(y)
+    p = jax.tree.map(np.asarray, v["params"])       # the formula in numpy
+    q, k, val = (np.einsum("bte,ehd->bthd", X, p[n]["kernel"]) + p[n]["bias"]
                  for n in ("query", "key", "value"))
-    logits = jnp.einsum("bthd,bjhd->bhtj", q, k) / np.sqrt(D)
-    allowed = MASK[:, None, None, :] & (jnp.tril(jnp.ones((T, T), bool)) if causal else True)
-    w = jax.nn.softmax(jnp.where(allowed, logits, -1e9), -1)
-    o = jnp.einsum("bhtj,bjhd->bthd", w, val)
-    want = jnp.einsum("bthd,hde->bte", o, p["out"]["kernel"]) + p["out"]["bias"]
+    logits = np.einsum("bthd,bjhd->bhtj", q, k) / np.sqrt(D)
+    allowed = np.asarray(MASK)[:, None, None, :] & (np.tril(np.ones((T, T), bool)) if causal else True)
+    logits = np.where(allowed, logits, -1e9)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w = w / w.sum(-1, keepdims=True)
+    o = np.einsum("bhtj,bjhd->bthd", w, val)
+    want = np.einsum("bthd,hde->bte", o, p["out"]["kernel"]) + p["out"]["bias"]
     rows = (slice(None), slice(None)) if not causal else (1, slice(0, 5))   # valid rows
     np.testing.assert_allclose(y[rows], want[rows], **F32_SIMPLE)
     np.testing.assert_allclose(y[0], want[0], **F32_SIMPLE)
@@ -327,11 +345,12 @@ def test_softmax_layer_matches_explicit_formula(causal):
 def test_dropout_is_rng_driven(kind, form):
     layer = _layer(kind, causal=True, dropout_rate=0.5,
                    **({"chunk_size": 3} if form == "chunked" else {}))
-    v = layer.init(jax.random.key(10), X)
+    v = _init_fn(layer)(jax.random.key(10), X)
     method = "scan" if form == "scan" else "__call__"
-    y_eval = layer.apply(v, X, method=method)[0]
-    y_a = layer.apply(v, X, method=method, deterministic=False, rngs={"dropout": jax.random.key(1)})[0]
-    y_b = layer.apply(v, X, method=method, deterministic=False, rngs={"dropout": jax.random.key(2)})[0]
+    apply = _jit(layer)
+    y_eval = apply(v, X, method=method)[0]
+    y_a = apply(v, X, method=method, deterministic=False, rngs={"dropout": jax.random.key(1)})[0]
+    y_b = apply(v, X, method=method, deterministic=False, rngs={"dropout": jax.random.key(2)})[0]
     assert not np.allclose(y_a, y_b)
-    y_eval2 = _layer(kind, causal=True).apply(v, X, method=method)[0]
+    y_eval2 = _jit(_layer(kind, causal=True))(v, X, method=method)[0]
     assert_trees_close(y_eval, y_eval2, **F32_SIMPLE)

@@ -106,7 +106,7 @@ def test_softmax_attention_round_trip():
     params = convert.convert(sd, layer)["params"]
     assert set(params) == {"query", "key", "value", "out"}
     # Head split (B, T, H*D) -> (B, T, H, D): kernel[:, h, d] is weight row h*D + d.
-    np.testing.assert_array_equal(params["key"]["kernel"][:, 1, 2], sd["key_projection.weight"][5])
-    np.testing.assert_array_equal(params["out"]["kernel"][1, 0], sd["out_projection.weight"][:, 3])
+    np.testing.assert_array_equal(np.asarray(params["key"]["kernel"])[:, 1, 2], sd["key_projection.weight"][5])
+    np.testing.assert_array_equal(np.asarray(params["out"]["kernel"])[1, 0], sd["out_projection.weight"][:, 3])
     with pytest.raises(ValueError, match="Sigma_projection"):
         convert.convert_attention({**sd, "Sigma_projection.weight": np.zeros((6, 5))}, layer)

@@ -1,5 +1,7 @@
 """Tests of samovar_jax.ops: the four forms of the VAR chain agree (on the shared zoo_core kernels),
 state carry across split sequences, causality and NaN-safety, numerical gradients, structural matrix."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,14 +16,17 @@ CHUNKS = (3, 4, 16)   # divides 16 / divides neither 7 nor 16 / longer than T
 
 
 def _chain_inputs(t, seed=0, dtype=jnp.float32):
-    k = jax.random.split(jax.random.PRNGKey(seed), 5)
-    x0 = jax.random.normal(k[0], (B, t, H, D), dtype)
+    # numpy: jax.random and the edits of the inputs would compile each op eagerly
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    normal = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    x0 = normal(B, t, H, D)
     # q/v are per-head RMS-normalised in the model; scale like the goldens to keep the chain O(1).
-    g = (D * max(t, 1)) ** -0.25
-    q = g * jax.random.normal(k[1], (L, B, t, H, D), dtype)
-    v = g * jax.random.normal(k[2], (L, B, t, H, D), dtype)
-    wk = 0.3 * jax.random.normal(k[3], (L, H * D, H * D), dtype)
-    mask = jax.random.bernoulli(k[4], 0.8, (L, B, t, H, D)).astype(dtype) / 0.8
+    g = dtype.type((D * max(t, 1)) ** -0.25)
+    q = g * normal(L, B, t, H, D)
+    v = g * normal(L, B, t, H, D)
+    wk = dtype.type(0.3) * normal(L, H * D, H * D)
+    mask = (rng.random((L, B, t, H, D)) < 0.8).astype(dtype) / dtype.type(0.8)
     return x0, q, v, wk, mask
 
 
@@ -44,24 +49,31 @@ def _naive_chain(x0, q, v, wk=None, mask=None):
     return np.stack(outs)
 
 
-def _all_forms(x0, q, v, wk=None, mask=None):
-    """Every form of the chain (run eagerly: JAX caches every primitive
-    per shape, which is cheaper here than compiling one large program per shape).
-
-    The step forms are called once per token (a Python loop unrolled into the trace), so this checks
-    `*_step` itself, not only the scans built on it.
-    """
+@jax.jit
+def _sequence_forms(x0, q, v, wk, mask):
     kw = dict(key_kernels=wk, dropout_mask=mask)
     out = {"parallel": ops.var_chain_parallel(x0, q, v, **kw)}
     out["recurrent"], out["recurrent_state"] = ops.var_chain_recurrent(x0, q, v, **kw)
     for c in CHUNKS:
         out[f"chunked{c}"], out[f"chunked{c}_state"] = ops.var_chain_chunked(x0, q, v, c, **kw)
+    return out
+
+
+_step = jax.jit(ops.var_chain_step)
+
+
+def _all_forms(x0, q, v, wk=None, mask=None):
+    """Every form of the chain: the sequence forms in one program per T, and `var_chain_step`
+    called once per token (jitted on its own, so one program serves every T instead of the whole
+    loop unrolled per T).
+    """
+    out = _sequence_forms(x0, q, v, wk, mask)
     state, steps = ops.var_chain_init_state(L, B, H, D), []
     for i in range(x0.shape[1]):
-        state, o = ops.var_chain_step(state, x0[:, i], q[:, :, i], v[:, :, i], key_kernels=wk,
-                                      dropout_mask_t=None if mask is None else mask[:, :, i])
-        steps.append(o)
-    out["step"], out["step_state"] = jnp.stack(steps, axis=2), state
+        state, o = _step(state, x0[:, i], q[:, :, i], v[:, :, i], key_kernels=wk,
+                         dropout_mask_t=None if mask is None else mask[:, :, i])
+        steps.append(np.asarray(o))
+    out["step"], out["step_state"] = np.stack(steps, axis=2), state
     return out
 
 
@@ -82,6 +94,7 @@ def test_four_forms_agree_with_key_kernels_and_dropout():
     _assert_forms(_all_forms(x0, q, v, wk, mask), _naive_chain(x0, q, v, wk, mask))
 
 
+@jax.jit
 def _split(x0, q, v, wk):
     a = 7
     full = ops.var_chain_recurrent(x0, q, v, key_kernels=wk)
@@ -106,17 +119,20 @@ def test_split_sequence_state_carry():
 def test_causality():
     t, cut = 16, 9
     x0, q, v, wk, _ = _chain_inputs(t, seed=3)
-    noise = jax.random.normal(jax.random.PRNGKey(9), x0.shape)
-    future = jnp.arange(t)[None, :, None, None] >= cut
-    x0b = jnp.where(future, x0 + noise, x0)
-    qb = jnp.where(future[None], q + 1.0, q)
-    vb = jnp.where(future[None], v - 1.0, v)
+    noise = np.random.default_rng(9).standard_normal(x0.shape).astype(np.float32)
+    future = np.arange(t)[None, :, None, None] >= cut
+    x0b = np.where(future, x0 + noise, x0)
+    qb = np.where(future[None], q + np.float32(1.0), q)
+    vb = np.where(future[None], v - np.float32(1.0), v)
+
+    @jax.jit   # both inputs through one program
     def fn(*z):
         return ops.var_chain_parallel(*z, key_kernels=wk), ops.var_chain_chunked(*z, 4, key_kernels=wk)[0]
 
     for a, b in zip(fn(x0, q, v), fn(x0b, qb, vb)):
+        a, b = np.asarray(a), np.asarray(b)
         # Bitwise: masked terms are exact zeros and no later quantity enters an earlier sum.
-        np.testing.assert_array_equal(np.asarray(a[:, :, :cut]), np.asarray(b[:, :, :cut]))
+        np.testing.assert_array_equal(a[:, :, :cut], b[:, :, :cut])
         assert not np.allclose(a[:, :, cut:], b[:, :, cut:])
 
 
@@ -146,21 +162,25 @@ def test_a_bad_future_value_changes_no_past_output_in_any_form(bad, where):
     steps 0-2 of every layer bit for bit, through the chain and its dropout masks."""
     t, cut = 7, 3
     x0, q, v, wk, drop = _chain_inputs(t, seed=7)
-    poisoned = {"x0": (x0.at[:, cut].set(bad), q, v), "q": (x0, q.at[0, :, cut].set(bad), v),
-                "v": (x0, q, v.at[1, :, cut].set(bad))}[where]
+    def poison(a, index):
+        a = a.copy()
+        a[index] = bad
+        return a
+    poisoned = {"x0": (poison(x0, np.s_[:, cut]), q, v), "q": (x0, poison(q, np.s_[0, :, cut]), v),
+                "v": (x0, q, poison(v, np.s_[1, :, cut]))}[where]
     for kernels, mask in ((None, None), (wk, drop)):
         clean, dirty = _chain_forms(x0, q, v, kernels, mask, None), _chain_forms(*poisoned, kernels, mask, None)
         for name in clean:
-            np.testing.assert_array_equal(np.asarray(dirty[name][:, :, :cut]), np.asarray(clean[name][:, :, :cut]),
+            np.testing.assert_array_equal(np.asarray(dirty[name])[:, :, :cut], np.asarray(clean[name])[:, :, :cut],
                                           err_msg=name)
 
 
 def test_padding_holding_nan_changes_no_valid_output():
     t = 7
     x0, q, v, wk, drop = _chain_inputs(t, seed=8)
-    mask = jnp.asarray([[True] * 5 + [False] * 2, [True, False, True, True, False, True, True]])
+    mask = np.asarray([[True] * 5 + [False] * 2, [True, False, True, True, False, True, True]])
     pad = ~mask[:, :, None, None]
-    x0n, qn, vn = jnp.where(pad, jnp.nan, x0), jnp.where(pad, 1e30, q), jnp.where(pad, jnp.nan, v)
+    x0n, qn, vn = (np.where(pad, np.float32(bad), a) for bad, a in ((np.nan, x0), (1e30, q), (np.nan, v)))
     clean, dirty = _chain_forms(x0, q, v, wk, drop, mask), _chain_forms(x0n, qn, vn, wk, drop, mask)
     keep = np.asarray(mask)[None, :, :, None, None]
     for name in clean:
@@ -168,9 +188,9 @@ def test_padding_holding_nan_changes_no_valid_output():
                                       err_msg=name)
         np.testing.assert_array_equal(np.where(keep, 0.0, dirty[name]), 0.0, err_msg=name)   # padded outputs are 0
     # Valid outputs equal the chain run on the valid tokens only (row 0: its first 5 tokens).
-    short = ops.var_chain_parallel(x0[:1, :5], q[:, :1, :5], v[:, :1, :5], key_kernels=wk,
-                                   dropout_mask=drop[:, :1, :5])
-    np.testing.assert_allclose(dirty["parallel"][:, :1, :5], short, **F32_SIMPLE)
+    short = jax.jit(ops.var_chain_parallel)(x0[:1, :5], q[:, :1, :5], v[:, :1, :5], key_kernels=wk,
+                                            dropout_mask=drop[:, :1, :5])
+    np.testing.assert_allclose(np.asarray(dirty["parallel"])[:, :1, :5], short, **F32_SIMPLE)
 
 
 def test_check_grads_float64(x64):
@@ -186,31 +206,37 @@ def test_check_grads_float64(x64):
 
 
 def test_structural_matrix_and_inverse():
-    theta = 0.3 * jax.random.normal(jax.random.PRNGKey(5), (H, D, D))
-    lower, upper = ops.lu_factors(theta)
-    np.testing.assert_allclose(jnp.diagonal(lower, axis1=1, axis2=2), 1.0)
-    assert np.all(np.asarray(jnp.diagonal(upper, axis1=1, axis2=2)) > 0)
-    np.testing.assert_array_equal(np.triu(np.asarray(lower), 1), 0.0)
-    np.testing.assert_array_equal(np.tril(np.asarray(upper), -1), 0.0)
-    d = ops.structural_matrix(theta)
-    np.testing.assert_allclose(d @ ops.structural_matrix_inverse(theta), np.broadcast_to(np.eye(D), d.shape),
-                               **F32_SIMPLE)
+    theta = np.float32(0.3) * np.random.default_rng(5).standard_normal((H, D, D)).astype(np.float32)
+    # one program: eagerly every op of the factorisation compiles on its own
+    lower, upper, d, d_inv = (np.asarray(a) for a in jax.jit(
+        lambda t: ops.lu_factors(t) + (ops.structural_matrix(t), ops.structural_matrix_inverse(t)))(theta))
+    np.testing.assert_allclose(np.diagonal(lower, axis1=1, axis2=2), 1.0)
+    assert np.all(np.diagonal(upper, axis1=1, axis2=2) > 0)
+    np.testing.assert_array_equal(np.triu(lower, 1), 0.0)
+    np.testing.assert_array_equal(np.tril(upper, -1), 0.0)
+    np.testing.assert_allclose(d @ d_inv, np.broadcast_to(np.eye(D), d.shape), **F32_SIMPLE)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _stats_and_patches(x, patch_len, mean_mode):
+    seg = ops.patchify(x, patch_len)
+    return ops.instance_norm_stats(x, patch_len, mean_mode), seg, ops.unpatchify(seg)
 
 
 def test_instance_norm_and_patchify():
-    x = jax.random.normal(jax.random.PRNGKey(6), (B, 10, 3)) * 3.0 + 1.0
-    mean, std = ops.instance_norm_stats(x, 4)
-    np.testing.assert_allclose(mean[:, 0], np.mean(np.asarray(x)[:, -4:], 1), **F32_SIMPLE)
-    np.testing.assert_allclose(std[:, 0], np.std(np.asarray(x), 1, ddof=1) + 1e-8, **F32_SIMPLE)
-    np.testing.assert_allclose(ops.instance_norm_stats(x, 4, "window")[0][:, 0], np.mean(np.asarray(x), 1),
+    x = np.random.default_rng(6).standard_normal((B, 10, 3)).astype(np.float32) * np.float32(3.0) + np.float32(1.0)
+    (mean, std), seg, unpatched = _stats_and_patches(x, 4, "last_patch")
+    np.testing.assert_allclose(np.asarray(mean)[:, 0], np.mean(x[:, -4:], 1), **F32_SIMPLE)
+    np.testing.assert_allclose(np.asarray(std)[:, 0], np.std(x, 1, ddof=1) + 1e-8, **F32_SIMPLE)
+    np.testing.assert_allclose(np.asarray(_stats_and_patches(x, 4, "window")[0][0])[:, 0], np.mean(x, 1),
                                **F32_SIMPLE)
     with pytest.raises(ValueError, match="mean_mode"):
         ops.instance_norm_stats(x, 4, "median")
-    seg = ops.patchify(x, 4)                                          # 10 -> 2 zeros on the left, 3 patches
+    seg = np.asarray(seg)                                             # 10 -> 2 zeros on the left, 3 patches
     assert seg.shape == (B, 3, 3, 4)
     np.testing.assert_array_equal(seg[:, :, 0, :2], 0.0)
     np.testing.assert_array_equal(seg[:, 1, 1], x[:, 2:6, 1])
-    np.testing.assert_array_equal(ops.unpatchify(seg)[:, 2:], x)
+    np.testing.assert_array_equal(np.asarray(unpatched)[:, 2:], x)
 
 
 def test_chain_rejects_bad_shapes():
@@ -229,10 +255,11 @@ def test_per_head_product_is_the_per_head_einsum():
     rng = np.random.default_rng(7)
     x = rng.normal(size=(2, 5, 3, 4)).astype(np.float32)
     m = rng.normal(size=(3, 4, 4)).astype(np.float32)
-    np.testing.assert_allclose(ops.per_head_product(x, m), np.einsum("...hd,hde->...he", x, m), **F32_SIMPLE)
+    product = jax.jit(ops.per_head_product)
+    np.testing.assert_allclose(product(x, m), np.einsum("...hd,hde->...he", x, m), **F32_SIMPLE)
     # a non-finite entry stays in its own row
     x[0, 1, 2, 3] = np.nan
-    out = np.asarray(ops.per_head_product(x, m))
+    out = np.asarray(product(x, m))
     assert np.isnan(out[0, 1]).all() and np.isfinite(np.delete(out.reshape(10, 3, 4), 1, axis=0)).all()
     with pytest.raises(ValueError, match=r"`x` must be \[\.\.\., 3, 4\]"):
         ops.per_head_product(x[..., :3], m)
@@ -253,10 +280,12 @@ def test_chain_layers_are_the_stacked_forms_unstacked(chunk):
         return jnp.stack(ops.var_chain_layers(x0, list(q), list(v), chunk_size=chunk, **kw))
 
     # (different programs, so compared at the float32 tolerance, not bit for bit)
-    np.testing.assert_allclose(layers(x0, q, v), stacked(x0, q, v), **F32_SIMPLE)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, **F32_SIMPLE),
-                           jax.grad(loss(layers), (0, 1, 2))(x0, q, v), jax.grad(loss(stacked), (0, 1, 2))(x0, q, v))
+    # value and gradients of each in one program: eagerly every op compiles on its own
+    value_and_grads = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(loss(f), (0, 1, 2))(*a)))  # noqa: E731
+    (y_layers, g_layers), (y_stacked, g_stacked) = (value_and_grads(f)(x0, q, v) for f in (layers, stacked))
+    np.testing.assert_allclose(y_layers, y_stacked, **F32_SIMPLE)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, **F32_SIMPLE), g_layers, g_stacked)
     with pytest.raises(ValueError, match="equal length"):
         ops.var_chain_layers(x0, list(q), list(v)[:2])
     with pytest.raises(ValueError, match="x0's shape"):
