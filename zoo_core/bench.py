@@ -965,9 +965,11 @@ def scaling_parser(description: str, cases: Sequence[str], *, out_dir: str | os.
 
 def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
                        argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses `argv`: cases become a list (an unknown case, a number out of range and an --out_dir that
-    cannot be written are usage errors), and `max_bytes` is the resolved memory guard."""
+    """Parses `argv`: cases become a list (an unknown case, a number out of range, lengths not increasing
+    and an --out_dir that cannot be written are usage errors), and `max_bytes` is the resolved memory guard."""
     args = parser.parse_args(argv)
+    if args.lengths != sorted(set(args.lengths)):   # a case stops at its first failure: smallest first
+        parser.error(f"--lengths must be increasing, got {','.join(map(str, args.lengths))}")
     args.cases = args.cases.split(",")
     unknown = set(args.cases) - set(cases)
     if unknown:
