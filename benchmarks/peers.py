@@ -608,6 +608,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
         p.error(f"unknown --cases {unknown}; choose from {list(CASES)}")
+    twice = sorted({c for c in args.cases if args.cases.count(c) > 1})
+    if twice:
+        p.error(f"--cases names {', '.join(twice)} more than once")
     # A source that is given but wrong is a mistake, not a reason to skip: the run would time nothing.
     for case in args.cases:
         which = OFFICIAL_FILES[case][0]

@@ -129,6 +129,8 @@ BAD_ARGUMENTS = [
     ("softmax_attention", "--heads 0", "argument --heads: must be an integer >= 1"),
     ("agf_scaling", "--chunk_size 0", "argument --chunk_size: must be an integer >= 1"),
     ("agf_scaling", "--lengths 64,32", "--lengths must be increasing, got 64,32"),
+    ("agf_scaling", "--cases agf,softmax,agf", "--cases names agf more than once"),
+    ("peers", "--cases lintrans,lintrans", "--cases names lintrans more than once"),
     ("softmax_attention", "--lengths 64,64", "--lengths must be increasing, got 64,64"),
     ("htgn_scaling", "--window -1", "argument --window: must be an integer >= 0"),
     ("samovar_scaling", "--repeats 0", "argument --repeats: must be an integer >= 1"),

@@ -974,6 +974,9 @@ def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
     unknown = set(args.cases) - set(cases)
     if unknown:
         parser.error(f"unknown --cases {sorted(unknown)}; choose from {list(cases)}")
+    twice = sorted({c for c in args.cases if args.cases.count(c) > 1})
+    if twice:
+        parser.error(f"--cases names {', '.join(twice)} more than once")
     checks.check_output_paths(parser, args, dirs=["out_dir"])
     args.max_bytes = int(args.max_gib * 2**30) if args.max_gib else default_max_bytes()
     return args
