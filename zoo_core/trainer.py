@@ -607,15 +607,22 @@ def prepare_data(config) -> tuple[Any, Any]:
     if config.get("test_split", ""):
         roles.append(("test_split", config.test_split))
     for role, split in roles:
-        if split.split("[")[0] not in builder.info.splits:   # 'train[:90%]' slices a split
+        name = split.split("[")[0]   # 'train[:90%]' slices a split
+        if name not in builder.info.splits:
             raise ValueError(f"{role} {split!r} is not a split of {d.name} "
                              f"(it has: {', '.join(sorted(builder.info.splits))})")
+        try:
+            selected = builder.info.splits[split].num_examples
+        except ValueError as e:   # a slice TFDS cannot parse
+            raise ValueError(f"{role} {split!r}: {' '.join(str(e).split()[:40])}") from None
+        if selected <= 0:
+            raise ValueError(f"{role} {split!r} selects no examples ({name} has "
+                             f"{builder.info.splits[name].num_examples})")
     try:
         sources = builder.as_data_source(d.train_split), builder.as_data_source(d.eval_split)
-        for source in sources:   # a damaged or missing file fails here, not steps into training
-            if len(source):
-                source[0], source[len(source) - 1]
-    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the remedy is the same
+        for source in sources:   # a damaged or missing record file fails here, not steps into training
+            source[0], source[len(source) - 1]
+    except (RuntimeError, OSError) as e:   # what the record reader raises for a short or missing file
         reason = (str(e).splitlines() or [""])[0][:300]
         raise ValueError(f"the prepared {d.name} in {str(builder.data_dir)!r} cannot be read ({type(e).__name__}: "
                          f"{reason}); delete that folder to prepare it again") from e
