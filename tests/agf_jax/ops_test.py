@@ -17,18 +17,20 @@ COEFFS = np.array([1.0, 0.6, -0.4, 0.3], np.float32)     # c_0..c_3, non-trivial
 
 
 def _inputs(t, seed=0, dtype=jnp.float32):
+    # numpy (the same values): slicing, editing and casting the inputs then compiles nothing
     ks = jax.random.split(jax.random.key(seed), 4)
-    zu = 2.0 * jax.random.normal(ks[0], (B, t, H, D), dtype)
-    zv = 3.0 * jax.random.normal(ks[1], (B, t, H, D), dtype)   # wide range: tests the running max
-    zs = jax.random.normal(ks[2], (B, t, H, D), dtype)
-    val = jax.random.normal(ks[3], (B, t, H, M), dtype)
+    normal = lambda k, shape: np.asarray(jax.random.normal(k, shape, dtype))  # noqa: E731
+    zu = 2.0 * normal(ks[0], (B, t, H, D))
+    zv = 3.0 * normal(ks[1], (B, t, H, D))   # wide range: tests the running max
+    zs = normal(ks[2], (B, t, H, D))
+    val = normal(ks[3], (B, t, H, M))
     return zu, zv, zs, val
 
 
 def _mask(t):
     # Second sample padded from position t - t//3 on (left part real).
     lengths = np.array([t, max(1, t - t // 3)])
-    return jnp.asarray(np.arange(t)[None] < lengths[:, None])
+    return np.arange(t)[None] < lengths[:, None]
 
 
 # Jitted forms: one compile per shape (eager lax.scan would retrace its closure on every call).
@@ -36,16 +38,20 @@ parallel = jax.jit(functools.partial(ops.agf_parallel, **BASIS), static_argnames
 chunked = jax.jit(functools.partial(ops.agf_chunked, **BASIS), static_argnames=("chunk_size",))
 recurrent = jax.jit(functools.partial(ops.agf_recurrent, **BASIS))
 _step = jax.jit(functools.partial(ops.agf_step, **BASIS))
+_masked_logits = jax.jit(ops.masked_logits)
+_init_state = jax.jit(ops.init_state, static_argnums=(0, 1, 2, 3))
+attention_matrix = jax.jit(functools.partial(ops.agf_attention_matrix, **BASIS),
+                           static_argnames=("causal",))
 
 
 def _step_loop(zu, zv, zs, val, coeffs, mask=None, state=None):
-    zv = ops.masked_logits(zv, mask)
-    state = ops.init_state(B, H, D, M) if state is None else state
+    zv = np.asarray(_masked_logits(zv, mask))
+    state = _init_state(B, H, D, M) if state is None else state
     ys = []
     for t in range(zu.shape[1]):
         state, y = _step(state, zu[:, t], zv[:, t], zs[:, t], val[:, t], coeffs)
-        ys.append(y)
-    return jnp.stack(ys, 1), state
+        ys.append(np.asarray(y))
+    return np.stack(ys, 1), state
 
 
 # ------------------------------------------------------------------------------------------
@@ -58,12 +64,12 @@ def _step_loop(zu, zv, zs, val, coeffs, mask=None, state=None):
 def test_causal_forms_agree(t, chunks, masked):
     zu, zv, zs, val = _inputs(t, seed=t)
     # Always pass a mask (all ones when unmasked): same jit signature, fewer compiles.
-    mask = _mask(t) if masked else jnp.ones((B, t), bool)
+    mask = _mask(t) if masked else np.ones((B, t), bool)
     y_par = parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=True)
     y_rec, s_rec = recurrent(zu, zv, zs, val, COEFFS, mask=mask)
     y_step, s_step = _step_loop(zu, zv, zs, val, COEFFS, mask)
     assert y_par.shape == (B, t, H, M)
-    assert bool(jnp.all(jnp.isfinite(y_par)))
+    assert bool(np.all(np.isfinite(y_par)))
     np.testing.assert_allclose(y_rec, y_par, **F32_SIMPLE)
     np.testing.assert_allclose(y_step, y_par, **F32_SIMPLE)
     assert_trees_close(s_step, s_rec, **F32_SIMPLE)
@@ -77,23 +83,24 @@ def test_causal_last_position_equals_noncausal():
     # V^(T) is the whole-sequence softmax, so the last causal output is the non-causal one.
     zu, zv, zs, val = _inputs(7, seed=3)
     mask = _mask(7)
-    y_c = ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=True, **BASIS)
-    y_n = ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=False, **BASIS)
+    y_c = np.asarray(parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=True))
+    y_n = np.asarray(parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=False))
     np.testing.assert_allclose(y_c[:, -1], y_n[:, -1], **F32_SIMPLE)
     assert not np.allclose(y_c[:, 0], y_n[:, 0], atol=1e-3)
 
 
 def test_split_sequence_state_carry():
     zu, zv, zs, val = _inputs(16, seed=4)
-    ones = jnp.ones((B, 16), bool)
+    ones = np.ones((B, 16), bool)
     y_full, s_full = recurrent(zu, zv, zs, val, COEFFS, mask=ones)
+    y_full = np.asarray(y_full)
     first, rest = slice(0, 7), slice(7, 16)
     a = [x[:, first] for x in (zu, zv, zs, val)]
     b = [x[:, rest] for x in (zu, zv, zs, val)]
     # Any form continues any other's state: chunked -> chunked, chunked -> recurrent / step.
     y_a, s_a = chunked(*a, COEFFS, chunk_size=3, mask=ones[:, first])
     y_b, s_b = chunked(*b, COEFFS, chunk_size=3, mask=ones[:, rest], state=s_a)
-    np.testing.assert_allclose(jnp.concatenate([y_a, y_b], 1), y_full, **F32_SIMPLE)
+    np.testing.assert_allclose(np.concatenate([y_a, y_b], 1), y_full, **F32_SIMPLE)
     assert_trees_close(s_b, s_full, **F32_SIMPLE)
     y_c, _ = recurrent(*b, COEFFS, mask=ones[:, rest], state=s_a)
     np.testing.assert_allclose(y_c, y_full[:, rest], **F32_SIMPLE)
@@ -104,15 +111,15 @@ def test_split_sequence_state_carry():
 
 def test_causality():
     zu, zv, zs, val = _inputs(16, seed=5)
-    ones = jnp.ones((B, 16), bool)
+    ones = np.ones((B, 16), bool)
     t0 = 6
     new = _inputs(16, seed=6)
-    future = [jnp.concatenate([a[:, :t0 + 1], b[:, t0 + 1:]], 1) for a, b in zip((zu, zv, zs, val),
+    future = [np.concatenate([a[:, :t0 + 1], b[:, t0 + 1:]], 1) for a, b in zip((zu, zv, zs, val),
                                                                                  new)]
     for fn in (lambda *a: parallel(*a, COEFFS, mask=ones, causal=True),
                lambda *a: chunked(*a, COEFFS, chunk_size=4, mask=ones)[0]):
-        y1 = fn(zu, zv, zs, val)
-        y2 = fn(*future)
+        y1 = np.asarray(fn(zu, zv, zs, val))
+        y2 = np.asarray(fn(*future))
         np.testing.assert_allclose(y2[:, :t0 + 1], y1[:, :t0 + 1], **F32_SIMPLE)
         assert not np.allclose(y2[:, t0 + 1:], y1[:, t0 + 1:], atol=1e-3)
 
@@ -127,31 +134,34 @@ def test_padding_invariance(causal):
     # Real rows do not depend on what sits at padded positions, and equal the unpadded run.
     t, n = 16, 7
     zu, zv, zs, val = _inputs(t, seed=7)
-    mask = jnp.asarray(np.arange(t)[None] < np.array([[t], [n]]))
-    y = parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=causal)
+    mask = np.arange(t)[None] < np.array([[t], [n]])
+    y = np.asarray(parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=causal))
     junk = _inputs(t, seed=8)
     keep = mask[:, :, None, None]
-    mixed = [jnp.where(keep, a, 10 * b) for a, b in zip((zu, zv, zs, val), junk)]
-    y2 = parallel(*mixed, COEFFS, mask=mask, causal=causal)
+    mixed = [np.where(keep, a, 10 * b) for a, b in zip((zu, zv, zs, val), junk)]
+    y2 = np.asarray(parallel(*mixed, COEFFS, mask=mask, causal=causal))
     np.testing.assert_allclose(y2[0], y[0], **F32_SIMPLE)
     np.testing.assert_allclose(y2[1, :n], y[1, :n], **F32_SIMPLE)
     # The padded sample equals the same tokens run unpadded (sample 0 is full length: skip it).
     short = parallel(*(a[:, :n] for a in (zu, zv, zs, val)), COEFFS, mask=mask[:, :n],
                      causal=causal)
-    np.testing.assert_allclose(y[1, :n], short[1], **F32_SIMPLE)
+    np.testing.assert_allclose(y[1, :n], np.asarray(short)[1], **F32_SIMPLE)
 
 
 def test_mask_float_and_bool_agree_and_v_rows_zero():
     zu, zv, zs, val = _inputs(7, seed=9)
     mask = _mask(7)
-    f_bool = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask, **BASIS)
-    f_float = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask.astype(jnp.float32), **BASIS)
+    # One program per mask dtype (eagerly each op compiles on its own).
+    factors = jax.jit(functools.partial(ops.agf_factors, **BASIS))
+    f_bool = factors(zu, zv, zs, COEFFS, mask=mask)
+    f_float = factors(zu, zv, zs, COEFFS, mask=mask.astype(np.float32))
     np.testing.assert_array_equal(f_bool.v, f_float.v)
-    f_nonzero = ops.agf_factors(zu, zv, zs, COEFFS, mask=mask * 2.5, **BASIS)   # nonzero = valid
+    f_nonzero = factors(zu, zv, zs, COEFFS, mask=mask * np.float32(2.5))   # nonzero = valid
     np.testing.assert_array_equal(f_bool.v, f_nonzero.v)
-    assert float(jnp.max(jnp.abs(f_bool.v[1, 5:]))) == 0.0       # padded rows of V are exactly 0
-    np.testing.assert_allclose(jnp.sum(f_bool.v, axis=1), 1.0, **F32_SIMPLE)
-    np.testing.assert_allclose(jnp.sum(f_bool.u, axis=-1), 1.0, **F32_SIMPLE)
+    v, u = np.asarray(f_bool.v), np.asarray(f_bool.u)
+    assert float(np.max(np.abs(v[1, 5:]))) == 0.0       # padded rows of V are exactly 0
+    np.testing.assert_allclose(np.sum(v, axis=1), 1.0, **F32_SIMPLE)
+    np.testing.assert_allclose(np.sum(u, axis=-1), 1.0, **F32_SIMPLE)
 
 
 # ------------------------------------------------------------------------------------------
@@ -238,31 +248,32 @@ def _numpy_reference(zu, zv, zs, val, coeffs, mask, alpha, beta):
 def test_linear_path_equals_explicit_matrix():
     zu, zv, zs, val = _inputs(7, seed=10)
     mask = _mask(7)
-    y = ops.agf_parallel(zu, zv, zs, val, COEFFS, mask=mask, **BASIS)
+    y = parallel(zu, zv, zs, val, COEFFS, mask=mask, causal=False)
     y_np, h_np, ortho_np = _numpy_reference(zu, zv, zs, val, COEFFS, mask, 2.0, -1.0)
     np.testing.assert_allclose(y, y_np, **F32_SIMPLE)
-    hmat = ops.agf_attention_matrix(zu, zv, zs, COEFFS, mask=mask, **BASIS)
+    hmat = attention_matrix(zu, zv, zs, COEFFS, mask=mask)
     np.testing.assert_allclose(hmat, h_np, **F32_SIMPLE)
-    np.testing.assert_allclose(ops.orthogonality_loss(zu, zv, mask=mask), ortho_np, **F32_SIMPLE)
+    np.testing.assert_allclose(jax.jit(ops.orthogonality_loss)(zu, zv, mask=mask), ortho_np,
+                               **F32_SIMPLE)
 
 
 def test_causal_matches_explicit_prefix_matrix():
     zu, zv, zs, val = _inputs(7, seed=11)
-    hmat = ops.agf_attention_matrix(zu, zv, zs, COEFFS, causal=True, **BASIS)
-    assert float(jnp.max(jnp.abs(jnp.triu(hmat, 1)))) == 0.0
-    y = ops.agf_parallel(zu, zv, zs, val, COEFFS, causal=True, **BASIS)
-    np.testing.assert_allclose(y, jnp.einsum("bhtj,bjhm->bthm", hmat, val), **F32_SIMPLE)
+    hmat = np.asarray(attention_matrix(zu, zv, zs, COEFFS, causal=True))
+    assert float(np.max(np.abs(np.triu(hmat, 1)))) == 0.0
+    y = parallel(zu, zv, zs, val, COEFFS, mask=None, causal=True)
+    np.testing.assert_allclose(y, np.einsum("bhtj,bjhm->bthm", hmat, val), **F32_SIMPLE)
     # Row t of the causal matrix is the non-causal matrix of the prefix [0, t].
     t = 4
-    h_prefix = ops.agf_attention_matrix(*(a[:, :t + 1] for a in (zu, zv, zs)), COEFFS, **BASIS)
+    h_prefix = np.asarray(attention_matrix(*(a[:, :t + 1] for a in (zu, zv, zs)), COEFFS))
     np.testing.assert_allclose(hmat[:, :, t, :t + 1], h_prefix[:, :, t], **F32_SIMPLE)
 
 
 def test_float32_math_for_bf16_inputs():
     zu, zv, zs, val = (a.astype(jnp.bfloat16) for a in _inputs(7, seed=12))
-    y = ops.agf_parallel(zu, zv, zs, val, COEFFS, **BASIS)
+    y = parallel(zu, zv, zs, val, COEFFS)
     assert y.dtype == jnp.float32
-    _, state = ops.agf_chunked(zu, zv, zs, val, COEFFS, chunk_size=3, **BASIS)
+    _, state = chunked(zu, zv, zs, val, COEFFS, chunk_size=3)
     assert all(s.dtype == jnp.float32 for s in state)
 
 
@@ -275,7 +286,7 @@ def test_check_grads_float64(x64):
     zu, zv, zs, val = (a.astype(jnp.float64) for a in _inputs(7, seed=13))
     zv = zv / 3.0
     mask = _mask(7)
-    theta = jnp.array([0.7, -0.4, 0.3], jnp.float64)
+    theta = np.array([0.7, -0.4, 0.3], np.float64)
 
     def noncausal(zu, zv, zs, val, theta):
         c = ops.filter_coefficients(theta)
@@ -311,7 +322,7 @@ def test_fused_form_equals_the_plain_maths_and_its_gradients(x64, basis, count_p
     zu, zv, zs, val = (a.astype(jnp.float64) for a in _inputs(7, seed=15))
     zv = zv / 3.0
     mask = _mask(7)
-    weights = jax.random.normal(jax.random.key(16), (B, 7, H, M), jnp.float64)
+    weights = np.asarray(jax.random.normal(jax.random.key(16), (B, 7, H, M), jnp.float64))
 
     def fused(zu, zv, zs, val, theta, theta_0):
         c = ops.filter_coefficients(theta, theta_0)
@@ -326,25 +337,32 @@ def test_fused_form_equals_the_plain_maths_and_its_gradients(x64, basis, count_p
         reg = ops.orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
         return jnp.sum(jnp.sin(y) * weights) + jnp.sum(reg * jnp.array([0.7, -1.3]))
 
-    args = (zu, zv, zs, val, jnp.array([0.7, -0.4, 0.3], jnp.float64), jnp.float64(0.2))
-    np.testing.assert_allclose(jax.jit(fused)(*args), jax.jit(plain)(*args), **F64)
-    got = jax.jit(jax.grad(fused, argnums=tuple(range(6))))(*args)
-    want = jax.jit(jax.grad(plain, argnums=tuple(range(6))))(*args)
+    args = (zu, zv, zs, val, np.array([0.7, -0.4, 0.3], np.float64), np.float64(0.2))
+    fused_jit = jax.jit(fused)   # the program check_grads then reuses
+    grad = functools.partial(jax.grad, argnums=tuple(range(6)))
+    # The plain value and both gradients in one program.
+    plain_value, got, want = jax.jit(lambda *a: (plain(*a), grad(fused)(*a), grad(plain)(*a)))(
+        *args)
+    np.testing.assert_allclose(fused_jit(*args), plain_value, **F64)
     assert_trees_close(got, want, **F64)
-    check_grads(jax.jit(fused), args, order=1, modes=("rev",), **F64)
+    check_grads(fused_jit, args, order=1, modes=("rev",), **F64)
 
 
 def test_fused_form_returns_the_reference_pair():
     zu, zv, zs, val = _inputs(7, seed=17)
     mask = _mask(7)
-    y, reg = ops.agf_with_orthogonality(zu, zv, zs, val, COEFFS, mask=mask, **BASIS)
+
+    @jax.jit   # one program: eagerly each op compiles on its own
+    def run(zu, zv, zs, val, mask):
+        fused = functools.partial(ops.agf_with_orthogonality, zu, zv, zs, val, COEFFS, mask=mask,
+                                  **BASIS)
+        return (fused(), fused(count_padding=False)[1],
+                ops.orthogonality_loss(zu, zv, mask=mask, count_padding=False))
+    (y, reg), reg_valid, want_valid = run(zu, zv, zs, val, mask)
     y_np, _, ortho_np = _numpy_reference(zu, zv, zs, val, COEFFS, mask, 2.0, -1.0)
     np.testing.assert_allclose(y, y_np, **F32_SIMPLE)
     np.testing.assert_allclose(reg, ortho_np, **F32_SIMPLE)
-    _, reg_valid = ops.agf_with_orthogonality(zu, zv, zs, val, COEFFS, mask=mask,
-                                              count_padding=False, **BASIS)
-    np.testing.assert_allclose(reg_valid, ops.orthogonality_loss(zu, zv, mask=mask,
-                                                                 count_padding=False), **F32_SIMPLE)
+    np.testing.assert_allclose(reg_valid, want_valid, **F32_SIMPLE)
 
 
 def test_where_masking_is_bit_identical_to_the_reference_offset():

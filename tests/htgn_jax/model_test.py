@@ -37,7 +37,7 @@ def _image(seed=0):
 
 def _shapes(model, batch):
     """Variables shapes without running anything (jax.eval_shape traces only)."""
-    return jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)
+    return jax.eval_shape(lambda b: model.init(jax.random.PRNGKey(0), b), batch)
 
 
 def _params(model, batch):
@@ -48,12 +48,23 @@ def random_params(model, batch, seed=0):
     """Parameters from the model's abstract init (eval_shape, nothing compiled): LayerNorm
     scales 1 + noise, everything else N(0, 0.2^2). Compiling `model.init` costs as much as a
     forward pass, and these tests only need some well-scaled parameters of the right shapes."""
-    shapes = _shapes(model, batch)["params"]
+    return _draw_params(_shapes(model, batch)["params"], seed)
+
+
+def _module_params(module, *args, **kwargs):
+    """`random_params` for a block: its init's shapes (the random-feature projection is left out:
+    the layers draw the same one from their seed in every apply)."""
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *args, **kwargs))
+    return {"params": _draw_params(shapes["params"], 0)}
+
+
+def _draw_params(shapes, seed):
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
         noise = rng.normal(0.0, 0.2, leaf.shape).astype(np.float32)
-        return jnp.asarray(noise + (1.0 if path[-1].key == "scale" else 0.0))
+        # numpy: jnp.asarray would compile a conversion per shape
+        return noise + np.float32(1.0 if path[-1].key == "scale" else 0.0)
     return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
@@ -63,7 +74,6 @@ def _init(**kw):
     return model, random_params(model, _batch())
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def _forward(model):
     """One jitted forward per model, compared by its fields (a test calls it on several inputs)."""
@@ -90,7 +100,8 @@ def test_seq2seq_shapes_finite_and_weighted_kl():
     assert np.all(np.isfinite(out["logits"]))
     assert set(aux) == {"loss/kl", "graph/kl"} and aux["loss/kl"].shape == ()
     assert float(aux["graph/kl"]) > 0.0
-    np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * aux["graph/kl"], rtol=1e-6)
+    np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * np.asarray(aux["graph/kl"]),
+                               rtol=1e-6)
 
 
 def test_distance_kl_prior_changes_only_the_kl_term():
@@ -101,12 +112,14 @@ def test_distance_kl_prior_changes_only_the_kl_term():
     near = Model(**SEQ, kl_tau=1.0)
     far = Model(**SEQ, kl_tau=1e9)
     assert _params(near, _batch()) == _params(model, _batch())
-    _, aux_n = _forward(near)(params, _batch())
-    _, aux_f = _forward(far)(params, _batch())
+    # Both KL terms in one program (the logits are compared through `_logits` below).
+    aux_n, aux_f = jax.jit(lambda p, b: tuple(m.apply({"params": p}, b)[1] for m in (near, far)))(
+        params, _batch())
     np.testing.assert_array_equal(_logits(near)(params, _batch()), _logits(model)(params, _batch()))
     assert abs(float(aux_n["graph/kl"]) - float(aux["graph/kl"])) > 1e-3
     np.testing.assert_allclose(aux_f["graph/kl"], aux["graph/kl"], rtol=1e-5)
-    np.testing.assert_allclose(aux_n["loss/kl"], near.kl_weight * aux_n["graph/kl"], rtol=1e-6)
+    np.testing.assert_allclose(aux_n["loss/kl"], near.kl_weight * np.asarray(aux_n["graph/kl"]),
+                               rtol=1e-6)
 
 
 def test_neighbour_kl_mode_changes_only_the_kl_term():
@@ -137,8 +150,8 @@ def test_decoder_is_causal_bit_for_bit():
     cut = 3   # decoder inputs are [BOS] + targets[:-1]: targets[3:] feed positions 4.. only
     changed["targets"][:, cut:] = np.where(changed["targets"][:, cut:] == 5, 6, 5)
     changed["targets"][1, -1] = 0
-    a = _forward(model)(params, batch)[0]["logits"]
-    b = _forward(model)(params, changed)[0]["logits"]
+    a = np.asarray(_forward(model)(params, batch)[0]["logits"])
+    b = np.asarray(_forward(model)(params, changed)[0]["logits"])
     np.testing.assert_array_equal(np.asarray(a[:, :cut + 1]), np.asarray(b[:, :cut + 1]))
     assert not np.allclose(a[:, cut + 1:], b[:, cut + 1:])
 
@@ -154,7 +167,7 @@ def test_encoder_is_invariant_to_appended_padding():
     m8, mask8 = encode(params, padded)
     real = model.num_global + 5
     np.testing.assert_array_equal(np.asarray(mask8[:, :real]), np.asarray(mask5))
-    np.testing.assert_allclose(m8[:, :real], m5, **F32_MODEL)
+    np.testing.assert_allclose(np.asarray(m8)[:, :real], m5, **F32_MODEL)
 
 
 def test_train_mode_dropout_drop_path_and_zero_kl_weight():
@@ -165,7 +178,8 @@ def test_train_mode_dropout_drop_path_and_zero_kl_weight():
     model = Model(**SEQ, drop_path=0.2, dropout_rate=0.1, kl_weight=0.0)
     run = jax.jit(lambda p, b, r: model.apply({"params": p}, b, train=True, rngs={"dropout": r}))
     (a, aux), (b, _) = (run(params, _batch(), jax.random.PRNGKey(i)) for i in (1, 2))
-    assert np.all(np.isfinite(a["logits"])) and not np.allclose(a["logits"], b["logits"])
+    a, b = np.asarray(a["logits"]), np.asarray(b["logits"])
+    assert np.all(np.isfinite(a)) and not np.allclose(a, b)
     assert float(aux["loss/kl"]) == 0.0 and float(aux["graph/kl"]) > 0.0
 
 
@@ -200,7 +214,8 @@ def test_classifier_shapes_and_aux():
     params = random_params(model, _image())
     out, aux = jax.jit(lambda p, b: model.apply({"params": p}, b))(params, _image(1))
     assert out["logits"].shape == (B, 10) and np.all(np.isfinite(out["logits"]))
-    np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * aux["graph/kl"], rtol=1e-6)
+    np.testing.assert_allclose(aux["loss/kl"], model.kl_weight * np.asarray(aux["graph/kl"]),
+                               rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------
@@ -457,10 +472,10 @@ def test_decoder_block_parallel_equals_step_decoding(options):
     block = DecoderBlock(config)
     t, s = 6, 5
     rng = np.random.default_rng(3)
-    y = jnp.asarray(rng.normal(size=(B, t, 16)), jnp.float32)
-    memory = jnp.asarray(rng.normal(size=(B, 2 + s, 16)), jnp.float32)
-    memory_mask = jnp.arange(2 + s)[None, :] < jnp.array([[2 + s], [2 + s - 2]])
-    variables = block.init(jax.random.PRNGKey(0), y, memory, memory_mask=memory_mask)
+    y = rng.normal(size=(B, t, 16)).astype(np.float32)
+    memory = rng.normal(size=(B, 2 + s, 16)).astype(np.float32)
+    memory_mask = np.arange(2 + s)[None, :] < np.array([[2 + s], [2 + s - 2]])
+    variables = _module_params(block, y, memory, memory_mask=memory_mask)
 
     @jax.jit
     def run(variables):
@@ -481,10 +496,9 @@ def test_decoder_block_parallel_equals_step_decoding(options):
 
 def test_encoder_aux_sums_the_blocks_kl():
     encoder = Encoder(CONFIG, num_layers=2)
-    x = jnp.asarray(np.random.default_rng(4).normal(size=(B, 5, 16)), jnp.float32)
-    mask = jnp.arange(5)[None, :] < jnp.array([[5], [3]])
-    variables = encoder.init(jax.random.PRNGKey(0), x, mask)
-    memory, aux = encoder.apply(variables, x, mask)
+    x = np.random.default_rng(4).normal(size=(B, 5, 16)).astype(np.float32)
+    mask = np.arange(5)[None, :] < np.array([[5], [3]])
+    memory, aux = jax.jit(encoder.apply)(_module_params(encoder, x, mask), x, mask)
     assert memory.shape == (B, 2 + 5, 16) and set(aux) == {"kl_sum", "kl_count"}
     # Per (head, valid row) terms of both blocks: 2 blocks * 2 heads * (2 + 5 / 2 + 3 rows).
     assert float(aux["kl_count"]) == 2 * 2 * (7 + 5)
@@ -508,7 +522,7 @@ def test_fields_of_a_switched_off_part_are_refused():
 
 
 def test_the_encoder_checks_the_grid_layout():
-    x, mask = jnp.ones((2, 5, 16)), jnp.ones((2, 5), bool)
+    x, mask = np.ones((2, 5, 16), np.float32), np.ones((2, 5), bool)
     encoder = Encoder(dataclasses.replace(CONFIG, window=1, grid_width=2), num_layers=1)
     with pytest.raises(ValueError, match="grid_width=2 lays the tokens out in rows, but there are 5"):
         encoder.init(jax.random.PRNGKey(0), x, mask)

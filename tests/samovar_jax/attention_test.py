@@ -16,7 +16,7 @@ from zoo_core.testing import BF16, F32_SIMPLE, assert_forms_agree, param_shapes
 
 B, T, E, H = 2, 7, 8, 2
 CHUNKS = (2, 3, 7)            # chunks that do not divide T = 7, and one chunk of all T tokens
-MASK = jnp.asarray([[True] * 5 + [False] * 2, [True, False, True, True, False, True, True]])
+MASK = np.asarray([[True] * 5 + [False] * 2, [True, False, True, True, False, True, True]])
 
 LAYERS = {
     "linear_attention": LinearAttention(num_heads=H, head_dim=3, out_features=6,
@@ -30,7 +30,13 @@ LAYERS = {
 
 
 def _x(shape=(B, T, E), seed=0):
-    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+    return _x_cached(shape, seed).copy()
+
+
+@functools.lru_cache(maxsize=None)
+def _x_cached(shape, seed):
+    # numpy: editing and slicing the inputs then compiles nothing
+    return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), shape))
 
 
 def _axis(layer):
@@ -38,7 +44,9 @@ def _axis(layer):
     return 2 if isinstance(layer, VARChain) else 1
 
 
+@functools.lru_cache(maxsize=None)
 def _variables(name):
+    # Eager: its ops' programs are shared with the other eager applies; jitted it cost more.
     layer = LAYERS[name]
     variables = layer.init(jax.random.PRNGKey(1), _x())
     if isinstance(layer, VARChain):
@@ -51,8 +59,9 @@ def _variables(name):
 
 @functools.lru_cache(maxsize=None)
 def _forms_fn(name, masked):
-    """Jitted (variables, x, mask) -> {form: output} for `__call__` in every form, `scan` whole and
-    split, and (unmasked) the `step` loop; compiled once per layer and mask use."""
+    """Jitted (variables, x, mask) -> ({form: output}, the whole `scan`'s state) for `__call__` in
+    every form, `scan` whole and split, and (unmasked) the `step` loop; compiled once per layer and
+    mask use."""
     layer = LAYERS[name]
     axis = _axis(layer)
 
@@ -74,29 +83,30 @@ def _forms_fn(name, masked):
         out = {"parallel": layer.clone(chunk_size=None).apply(variables, x, mask=mask)[0]}
         for c in CHUNKS:
             out[f"chunked({c})"] = layer.clone(chunk_size=c).apply(variables, x, mask=mask)[0]
-        out["scan"] = layer.apply(variables, x, mask=mask, method="scan")[0]
+        out["scan"], state = layer.apply(variables, x, mask=mask, method="scan")
         out["scan split"] = layer.apply(variables, x, mask, method=split)
         if mask is None:
             out["step"] = layer.apply(variables, x, method=steps)
-        return out
+        return out, state
     return jax.jit(fn)
 
 
-def _forms(layer, variables, x, mask=None):
+def _forms(layer, variables, x, mask=None, *, with_state=False):
     name = next(n for n, m in LAYERS.items() if m is layer)
-    return _forms_fn(name, mask is not None)(variables, x, MASK if mask is None else mask)
+    out, state = _forms_fn(name, mask is not None)(variables, x, MASK if mask is None else mask)
+    return (out, state) if with_state else out
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_all_forms_agree_and_states_are_named_tuples(name):
     layer, variables = _variables(name)
     x = _x()
-    assert_forms_agree(_forms(layer, variables, x), **F32_SIMPLE)
+    forms, state = _forms(layer, variables, x, with_state=True)   # state: the whole `scan`'s
+    assert_forms_agree(forms, **F32_SIMPLE)
     assert_forms_agree(_forms(layer, variables, x, MASK), **F32_SIMPLE)
-    y, aux = layer.apply(variables, x)
+    y, aux = jax.eval_shape(layer.apply, variables, x)
     assert aux == {} and y.shape == ((3, B, T, H, E // H) if isinstance(layer, VARChain)
                                      else (B, T, 6 if name == "linear_attention" else E))
-    _, state = layer.apply(variables, x, method="scan")
     assert isinstance(state, VARChainState if isinstance(layer, VARChain) else LinearState)
     assert state.num.dtype == jnp.float32
     if isinstance(layer, VARChain):
@@ -108,13 +118,15 @@ def test_all_forms_agree_and_states_are_named_tuples(name):
 def test_bad_values_in_the_future_or_in_padding_change_nothing_valid(name, bad):
     layer, variables = _variables(name)
     axis, x, cut = _axis(layer), _x(), 4
-    past = lambda y: np.asarray(jnp.take(y, jnp.arange(cut), axis=axis))  # noqa: E731
-    clean, dirty = _forms(layer, variables, x), _forms(layer, variables, x.at[:, cut].set(bad))
+    past = lambda y: np.take(np.asarray(y), np.arange(cut), axis=axis)  # noqa: E731
+    x_bad = x.copy()
+    x_bad[:, cut] = bad
+    clean, dirty = _forms(layer, variables, x), _forms(layer, variables, x_bad)
     for form in clean:
         np.testing.assert_array_equal(past(dirty[form]), past(clean[form]), err_msg=form)
     valid = np.expand_dims(np.asarray(MASK), (0, 3, 4) if axis == 2 else (2,))
     clean = _forms(layer, variables, x, MASK)
-    dirty = _forms(layer, variables, jnp.where(MASK[:, :, None], x, bad), MASK)
+    dirty = _forms(layer, variables, np.where(MASK[:, :, None], x, np.float32(bad)), MASK)
     for form in clean:
         np.testing.assert_array_equal(np.where(valid, dirty[form], 0.0), np.where(valid, clean[form], 0.0),
                                       err_msg=form)
@@ -129,14 +141,14 @@ def test_bfloat16_compute_is_close_to_float32_and_jit_equals_eager(name):
         # at 2 layers within BF16. (The chain itself passes float32 keys between layers.)
         layer = layer.clone(num_layers=2)
         variables = {"params": {k: p for k, p in variables["params"].items() if k != "layer_02"}}
-    x = _x().astype(jnp.bfloat16).astype(jnp.float32)      # the same (bf16-exact) input for both runs
+    x = _x().astype(jnp.bfloat16).astype(np.float32)   # the same (bf16-exact) input for both runs
     y16 = layer.clone(dtype=jnp.bfloat16).apply(variables, x.astype(jnp.bfloat16))[0]
     assert y16.dtype == jnp.bfloat16
     assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(variables))
     _, state = layer.clone(dtype=jnp.bfloat16).apply(variables, x, method="scan")
     assert state.num.dtype == jnp.float32
     y32 = layer.apply(variables, x)[0]
-    assert_forms_agree({"float32": y32, "bfloat16": y16.astype(jnp.float32)}, **BF16)
+    assert_forms_agree({"float32": y32, "bfloat16": np.asarray(y16).astype(np.float32)}, **BF16)
     chunked = layer.clone(chunk_size=3)
     assert_forms_agree({"eager": chunked.apply(variables, x)[0],
                         "jit": jax.jit(chunked.apply)(variables, x)[0]}, **F32_SIMPLE)
@@ -168,14 +180,19 @@ def test_parameter_names():
     assert "layer_02/query_norm/scale" in names("var_chain")
 
 
-def _bad_calls():
+@functools.lru_cache(maxsize=None)
+def _bad_call_layers():
     x, key = _x(), jax.random.PRNGKey(0)
     la = LinearAttention(num_heads=H, head_dim=4)
-    la_vars = la.init(key, x)
     chain = VARChain(E, H, 2)
-    chain_vars = chain.init(key, x)
+    return key, la, la.init(key, x), chain, chain.init(key, x)
+
+
+def _bad_calls():
+    x = _x()
+    key, la, la_vars, chain, chain_vars = _bad_call_layers()
     return {
-        "chain positions (SAMoVAR)": (lambda: chain.apply(chain_vars, x, positions=jnp.arange(T)),
+        "chain positions (SAMoVAR)": (lambda: chain.apply(chain_vars, x, positions=np.arange(T)),
                                       NotImplementedError, "qv_source='fixed'"),
         "chain step position (SAMoVAR)": (lambda: chain.apply(chain_vars, chain.apply(
             chain_vars, B, method="init_state"), x[:, 0], position=jnp.asarray(0), method="step"),
@@ -184,7 +201,7 @@ def _bad_calls():
                                                      position=0, method="step"), NotImplementedError, "position"),
         "attention rank": (lambda: la.init(key, x[0]), ValueError, r"`x` must have rank 3"),
         "attention chunk_size": (lambda: la.clone(chunk_size=0).init(key, x), ValueError, "chunk_size"),
-        "attention mask shape": (lambda: la.apply(la_vars, x, mask=jnp.ones((B, T + 1), bool)), ValueError, "mask"),
+        "attention mask shape": (lambda: la.apply(la_vars, x, mask=np.ones((B, T + 1), bool)), ValueError, "mask"),
         "chain width": (lambda: VARChain(E, 3, 2).init(key, x), ValueError, "divisible by `num_heads`"),
         "chain qv_source": (lambda: VARChain(E, H, 2, qv_source="free").init(key, x), ValueError, "qv_source"),
         "chain fixed with norms": (lambda: VARChain(E, H, 2, qv_source="fixed").init(key, x), ValueError, "FixedVAR"),
@@ -192,10 +209,12 @@ def _bad_calls():
                              .init(key, x), ValueError, "FixedVAR rows"),
         "chain x0 width": (lambda: chain.init(key, x[..., :4]), ValueError, r"`x0` must be \[B, T, 8\]"),
         "block width": (lambda: LinTransBlock(E, 3, 16).init(key, x), ValueError, "divisible by `num_heads`"),
-        "rms norm width": (lambda: layers.RMSNorm(8).init(key, jnp.ones((2, 1))), ValueError, r"\[\.\.\., 8\]"),
+        "rms norm width": (lambda: layers.RMSNorm(8).init(key, np.ones((2, 1), np.float32)), ValueError,
+                           r"\[\.\.\., 8\]"),
         "embedding positions": (lambda: layers.ARXEmbedding(num_targets=1, max_tokens=4, width=E).init(
             key, jnp.arange(6)), ValueError, r"token positions must be in \[0, max_tokens=4\)"),
-        "tokenizer segments": (lambda: layers.ARXTokenizer(5, 3, 2, E).init(key, jnp.ones((B, 2, 4, 5))),
+        "tokenizer segments": (lambda: layers.ARXTokenizer(5, 3, 2, E).init(
+            key, np.ones((B, 2, 4, 5), np.float32)),
                                ValueError, "segments"),
     }
 

@@ -61,14 +61,16 @@ def test_dense_layers_are_flax_layers_with_two_dimensional_dots(cls, flax_name, 
     init = dict(kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
                 bias_init=nn.initializers.uniform(0.5)) if fields.get("use_bias", True) else {}
     ours, theirs = cls(**fields, **init), getattr(nn, flax_name)(**fields, **init)
-    x = jax.random.normal(jax.random.key(0), shape)
+    x = np.asarray(jax.random.normal(jax.random.key(0), shape))
     params = theirs.init(jax.random.key(1), x)
     # The same tree and initial values (the initialisers see the same flattened shapes) ...
     jax.tree_util.tree_map(np.testing.assert_array_equal, ours.init(jax.random.key(1), x), params)
-    # ... the same outputs and gradients ...
-    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-6, atol=1e-6)
+    # ... the same outputs and gradients (one program: eagerly each op compiles on its own) ...
     loss = lambda m: lambda p, x: jnp.sum(jnp.sin(m.apply(p, x)))  # noqa: E731
-    got, want = jax.grad(loss(ours), (0, 1))(params, x), jax.grad(loss(theirs), (0, 1))(params, x)
+    y_ours, y_theirs, got, want = jax.jit(lambda p, x: (
+        ours.apply(p, x), theirs.apply(p, x), jax.grad(loss(ours), (0, 1))(p, x),
+        jax.grad(loss(theirs), (0, 1))(p, x)))(params, x)
+    np.testing.assert_allclose(y_ours, y_theirs, rtol=1e-6, atol=1e-6)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                            got, want)
     # ... and every dot of the gradient contracts one axis of two matrices (no transposing copies).
