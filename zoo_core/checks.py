@@ -100,6 +100,8 @@ def output_path_problem(path: str, *, directory: bool) -> str | None:
         return "is empty"
     full = os.path.abspath(path)
     kind = "a directory" if directory else "a file"
+    if os.path.islink(full) and not os.path.exists(full):   # nothing can be made through it
+        return f"is a symbolic link to {os.readlink(full)!r}, which does not exist; create that or give another path"
     if os.path.exists(full):
         if os.path.isdir(full) != directory:
             other = "directory" if os.path.isdir(full) else "file"

@@ -78,6 +78,7 @@ def env(tmp_path_factory):
     c.data.data_dir = str(data)
     trainer.prepare_data(c)
     (root / "file").write_text("not a folder\n")
+    (root / "dangling_link").symlink_to(root / "no_such_target")
     (root / "uea" / "Toy").mkdir(parents=True)
     for split in ("TRAIN", "TEST"):
         (root / "uea" / "Toy" / f"Toy_{split}.ts").write_text(_TS)
@@ -153,6 +154,8 @@ CASES = [
     ("--compilation_cache_dir={file}", "is an existing file; expected a directory (or a path to create); give a "
      "directory, or '' for no cache"),
     ("--compilation_cache_dir={file}/xla", "is a file, so no directory can be made under it"),
+    ("WORKDIR={root}/dangling_link", "workdir '{root}/dangling_link' is a symbolic link to '{root}/no_such_target', "
+     "which does not exist"),
     ("WORKDIR=/proc/zoo_run", "workdir '/proc/zoo_run' cannot be made: '/proc' takes no new entries"),
     ("WORKDIR={file}/run", "is a file, so no directory can be made under it"),
     ("extra_argument", "unexpected positional argument(s) 'extra_argument'"),
