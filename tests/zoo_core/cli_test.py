@@ -391,6 +391,18 @@ def test_damaged_prepared_data_is_one_line_naming_its_folder(env, tmp_path, capf
     assert _snapshot(data) == before and not (tmp_path / "run").exists()
 
 
+def test_a_damaged_copy_of_another_configuration_does_not_stop_a_run(env, tmp_path, capfd):
+    data = tmp_path / "data"
+    shutil.copytree(env / "data", data)
+    (info,) = data.glob("synthetic_linear/*/*/dataset_info.json")
+    other = data / "synthetic_linear" / "cfg_other" / info.parent.name
+    shutil.copytree(info.parent, other)
+    (other / "dataset_info.json").write_text("{")
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                            f"--config.data.data_dir={data}"], capfd)
+    assert status == 0, err[-3000:]
+
+
 @pytest.mark.parametrize("text,expected", [('{"model": {"hid', "is not readable JSON (JSONDecodeError)"),
                                            ("[1, 2]", "holds a JSON list, not a config (a JSON object)")])
 def test_a_damaged_config_json_is_one_line_on_resume_and_eval(env, tmp_path, capfd, text, expected):

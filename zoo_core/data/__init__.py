@@ -47,9 +47,8 @@ def make_builder(name: str, data_dir: str, **options):
 
 
 def _check_prepared_infos(name: str, folder: str) -> None:
-    """Every prepared copy's dataset_info.json under `folder` (<data dir>/<dataset>/[<config>/]<version>/)
-    must be readable JSON: TFDS reads it when it makes the builder, and a damaged one (a run killed while
-    writing it, an edit) would end in a protobuf traceback."""
+    """Raises naming the first prepared copy under `folder` (<data dir>/<dataset>/[<config>/]<version>/)
+    whose dataset_info.json is not readable JSON."""
     for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*", "dataset_info.json"))
                        + glob.glob(os.path.join(glob.escape(folder), "*", "*", "dataset_info.json"))):
         try:
@@ -106,8 +105,13 @@ def check_options(name: str, data_dir: str, options: dict):
             raise ValueError(f"data.options.{key} {value!r} is a directory; expected a file")
         if kind == "file" and not os.path.exists(path):
             raise ValueError(f"data.options.{key} {value!r} does not exist; expected a file")
-    _check_prepared_infos(name, os.path.join(resolved, name))
-    builder = make_builder(name, resolved, **options)
+    try:
+        builder = make_builder(name, resolved, **options)
+    except Exception:
+        # TFDS reads a prepared copy's dataset_info.json when it makes the builder: a damaged one (a run
+        # killed while writing it, an edit) ends in a protobuf traceback. Name it if that is the cause.
+        _check_prepared_infos(name, os.path.join(resolved, name))
+        raise
     check_sources = getattr(importlib.import_module(DATASETS[name]), "check_sources", None)
     if check_sources is not None and not builder.is_prepared():
         check_sources(builder)
