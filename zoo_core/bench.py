@@ -705,9 +705,44 @@ def run_scaling(cases: Iterable[str], lengths: Iterable[int],
         mem_factor = CPU_MEMORY_FACTOR if jax.default_backend() == "cpu" else 1.0
     if mem_factor <= 0:
         raise ValueError(f"mem_factor must be positive, got {mem_factor}")
+    cases = list(cases)
     with _collections_see_only_new_objects():
-        return _sweep(list(cases), lengths, make_fn, warmup=warmup, repeats=repeats, max_bytes=max_bytes,
-                      mem_factor=mem_factor, max_run_s=max_run_s, ref_n=ref_n, log=log, deadline=deadline)
+        records = []
+        for i, case in enumerate(cases):
+            factor = mem_factor
+            case_deadline = None
+            if deadline is not None:
+                now = time.monotonic()
+                case_deadline = now + max(deadline - now, 0.0) / (len(cases) - i)
+            for n in lengths:
+                if case_deadline is not None and time.monotonic() > case_deadline:
+                    res = Result(case=case, n=n, status=SKIPPED, reason="time budget spent")
+                    records.append(res)
+                    if log is not None:
+                        log(format_table([res], header=False))
+                    continue
+                try:
+                    res = _measure(case, n, make_fn, warmup=warmup, repeats=repeats,
+                                   max_bytes=max_bytes, factor=factor, ref_n=ref_n)
+                except Exception as err:  # noqa: BLE001 (only out-of-memory is recorded; see _is_oom)
+                    if not _is_oom(err):
+                        raise
+                    res = Result(case=case, n=n, status=OOM, reason=f"{type(err).__name__}: "
+                                 f"{str(err).splitlines()[0][:300] if str(err) else ''}")
+                gc.collect()  # drop this record's inputs before the next, larger one
+                if (res.status == OK and res.peak_rss_per_record
+                        and (res.est_bytes or 0) >= CALIBRATE_MIN_BYTES):
+                    factor = max(factor, (res.peak_rss_bytes - res.rss_base_bytes) / res.est_bytes)
+                stop = res.status != OK
+                if not stop and max_run_s is not None and res.median_s > max_run_s:
+                    res.reason = f"median {res.median_s:.1f} s > max_run_s {max_run_s}: case stopped"
+                    stop = True
+                records.append(res)
+                if log is not None:
+                    log(format_table([res], header=False))
+                if stop:
+                    break
+        return records
 
 
 @contextlib.contextmanager
@@ -723,47 +758,6 @@ def _collections_see_only_new_objects():
         yield
     finally:
         gc.unfreeze()
-
-
-def _sweep(cases, lengths, make_fn, *, warmup, repeats, max_bytes, mem_factor, max_run_s, ref_n, log,
-           deadline) -> list[Result]:
-    """`run_scaling`'s loop, its arguments checked."""
-    records = []
-    for i, case in enumerate(cases):
-        factor = mem_factor
-        case_deadline = None
-        if deadline is not None:
-            now = time.monotonic()
-            case_deadline = now + max(deadline - now, 0.0) / (len(cases) - i)
-        for n in lengths:
-            if case_deadline is not None and time.monotonic() > case_deadline:
-                res = Result(case=case, n=n, status=SKIPPED, reason="time budget spent")
-                records.append(res)
-                if log is not None:
-                    log(format_table([res], header=False))
-                continue
-            try:
-                res = _measure(case, n, make_fn, warmup=warmup, repeats=repeats,
-                               max_bytes=max_bytes, factor=factor, ref_n=ref_n)
-            except Exception as err:  # noqa: BLE001 (only out-of-memory is recorded; see _is_oom)
-                if not _is_oom(err):
-                    raise
-                res = Result(case=case, n=n, status=OOM, reason=f"{type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:300] if str(err) else ''}")
-            gc.collect()  # drop this record's inputs before the next, larger one
-            if (res.status == OK and res.peak_rss_per_record
-                    and (res.est_bytes or 0) >= CALIBRATE_MIN_BYTES):
-                factor = max(factor, (res.peak_rss_bytes - res.rss_base_bytes) / res.est_bytes)
-            stop = res.status != OK
-            if not stop and max_run_s is not None and res.median_s > max_run_s:
-                res.reason = f"median {res.median_s:.1f} s > max_run_s {max_run_s}: case stopped"
-                stop = True
-            records.append(res)
-            if log is not None:
-                log(format_table([res], header=False))
-            if stop:
-                break
-    return records
 
 
 # ----------------------------------------------------------------------------------------------

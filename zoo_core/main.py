@@ -227,13 +227,13 @@ def _command_for_config(config_arg: str, build_model: Callable[..., Any]) -> str
     train command, naming the right one; None otherwise (also for configs kept elsewhere). Its model
     fields may fit the wrong `Model` well enough to fail late or in a misleading way (an HTGN config
     under agf_jax.train was refused for its `kind`)."""
-    path = pathlib.Path(os.path.abspath(config_arg.partition(":")[0]))
+    given = config_arg.partition(":")[0]
+    path = pathlib.Path(os.path.abspath(given))
     want = CONFIG_FOLDERS.get(path.parent.name) if path.parent.parent.name == "configs" else None
     have = build_model.__module__.split(".")[0]
     if want is None or want == have:
         return None
-    return (f"{config_arg.partition(':')[0]} is a config for {want}: run it with python -m {want}.train "
-            f"(this is {have}.train)")
+    return f"{given} is a config for {want}: run it with python -m {want}.train (this is {have}.train)"
 
 
 def default_workdir(config_arg: str) -> str:
