@@ -52,8 +52,9 @@ def x64():
 def pytest_collection_finish(session):
     """The objects every test shares (jax, flax, the collected modules) are frozen out of the cyclic
     collector, and it runs less often (thresholds 700, 10, 10 -> 20,000, 20, 20): JAX's tracing makes
-    many short-lived objects, and each collection of the older generations walked the whole heap. Measured on tests/htgn_jax and
-    tests/samovar_jax (`pytest -n 2`): 8.6 s of collector time (3% of the CPU time) -> 2.2 s."""
+    many short-lived objects, and each collection of the older generations walked the whole heap.
+    Measured on tests/htgn_jax and tests/samovar_jax (`pytest -n 2`): 8.6 s of collector time (3% of the
+    CPU time) -> 2.2 s."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
