@@ -105,7 +105,7 @@ def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
+    return layout.LayerNorm(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
 
 
 def _aux(aux: dict, weight: float) -> dict:

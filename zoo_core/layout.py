@@ -10,15 +10,18 @@ the last bit there). So the backward here is that dot; the forward stays the pla
 `Dense` and `DenseGeneral` are flax's layers of the same names (same fields, parameters and
 values) computed as two-dimensional matmuls, whose gradients XLA's CPU backend runs without
 transposing copies of the activations; `heads` splits the head axis for per-head dots. `gelu` is
-PyTorch's exact GELU in PyTorch's own formula, which XLA computes faster than flax's.
+PyTorch's exact GELU in PyTorch's own formula, which XLA computes faster than flax's. `LayerNorm`
+is flax's layer with a hand-written backward (`layer_norm`) that keeps fewer full-size arrays.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax
 from flax.core import meta
+from flax.linen import dtypes as flax_dtypes
 import jax.numpy as jnp
 
 Array = jax.Array
@@ -156,3 +159,66 @@ class Dense(nn.Dense):
         if bias is not None:
             y = y + bias.reshape(1, -1)
         return y.reshape(inputs.shape[:-1] + (self.features,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float) -> Array:
+    """Layer normalisation over the last axis: `(x - mean) / sqrt(var + epsilon) * scale + bias`.
+
+    x `[..., E]`, scale and bias `[E]`; the statistics and the result in float32 at least (as
+    flax's `LayerNorm`: the variance is E[x^2] - E[x]^2, clipped at 0). The backward is written
+    out (`jax.custom_vjp`): it keeps x-hat and the `[..., 1]` inverse deviation, where autodiff of
+    flax's form kept two full-size arrays (x - mean and the broadcast product rsqrt * scale) and
+    XLA's CPU backend wrote the broadcasts to memory.
+    """
+    return _layer_norm_fwd(x, scale, bias, epsilon)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, epsilon):
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(xf * xf, axis=-1, keepdims=True) - mean * mean)
+    inv = jax.lax.rsqrt(var + epsilon)
+    xhat = (xf - mean) * inv
+    y = xhat * scale.astype(xf.dtype) + bias.astype(xf.dtype)
+    return y, (xhat, inv, scale, jnp.zeros((), x.dtype), jnp.zeros((), bias.dtype))
+
+
+def _layer_norm_bwd(epsilon, res, dy):
+    xhat, inv, scale, x_zero, bias_zero = res
+    dy = dy.astype(xhat.dtype)
+    lead = tuple(range(dy.ndim - 1))
+    dbias = jnp.sum(dy, axis=lead)
+    dscale = jnp.sum(dy * xhat, axis=lead)
+    g = dy * scale.astype(xhat.dtype)
+    dx = inv * (g - jnp.mean(g, axis=-1, keepdims=True)
+                - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    return dx.astype(x_zero.dtype), dscale.astype(scale.dtype), dbias.astype(bias_zero.dtype)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+class LayerNorm(nn.LayerNorm):
+    """`flax.linen.LayerNorm` (same fields, parameters and values up to float32 rounding) computed
+    by `layer_norm`, whose hand-written backward moves fewer bytes.
+
+    Only the default axes, scale and bias, fast variance and no cross-device statistics (the
+    zoo's uses); anything else is refused.
+    """
+
+    @nn.compact
+    def __call__(self, x: Array, *, mask: Array | None = None) -> Array:
+        unsupported = dict(mask=mask is not None, reduction_axes=self.reduction_axes != -1,
+                           feature_axes=self.feature_axes != -1, use_bias=not self.use_bias,
+                           use_scale=not self.use_scale, use_fast_variance=not self.use_fast_variance,
+                           axis_name=self.axis_name is not None,
+                           axis_index_groups=self.axis_index_groups is not None)
+        bad = [name for name, is_bad in unsupported.items() if is_bad]
+        if bad:
+            raise ValueError(f"layout.LayerNorm supports flax's defaults only; got a different {bad}")
+        features = jnp.shape(x)[-1]
+        scale = self.param("scale", self.scale_init, (features,), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (features,), self.param_dtype)
+        dtype = flax_dtypes.canonicalize_dtype(x, scale, bias, dtype=self.dtype)
+        return layer_norm(x, scale, bias, self.epsilon).astype(dtype)

@@ -85,3 +85,47 @@ def test_dense_general_refuses_what_it_does_not_compute():
         layout.DenseGeneral(3, axis=0).init(jax.random.key(0), jnp.ones((2, 4)))
     with pytest.raises(ValueError, match="contracts trailing axes only"):
         layout.DenseGeneral(3, batch_dims=0).init(jax.random.key(0), jnp.ones((2, 4)))
+
+
+@pytest.mark.parametrize("x_dtype, dtype", [(jnp.float32, None), (jnp.bfloat16, None),
+                                            (jnp.bfloat16, jnp.bfloat16)])
+def test_layer_norm_is_flax_layer_norm(x_dtype, dtype):
+    import flax.linen as nn
+
+    x = (3.0 * jax.random.normal(jax.random.key(0), (2, 5, 8)) + 1.0).astype(x_dtype)
+    ours, theirs = layout.LayerNorm(epsilon=1e-5, dtype=dtype), nn.LayerNorm(epsilon=1e-5, dtype=dtype)
+    params = theirs.init(jax.random.key(1), x)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, ours.init(jax.random.key(1), x), params)
+    params = {"params": {"scale": 1.0 + jax.random.normal(jax.random.key(2), (8,)),
+                         "bias": jax.random.normal(jax.random.key(3), (8,))}}
+    w = jax.random.normal(jax.random.key(4), x.shape)
+    loss = lambda m: lambda p, x: jnp.sum(m.apply(p, x).astype(jnp.float32) * w)  # noqa: E731
+    y_ours, y_theirs, got, want = jax.jit(lambda p, x: (
+        ours.apply(p, x), theirs.apply(p, x), jax.grad(loss(ours), (0, 1))(p, x),
+        jax.grad(loss(theirs), (0, 1))(p, x)))(params, x)
+    assert y_ours.dtype == y_theirs.dtype
+    # flax multiplies by rsqrt(var + eps) * scale, this by rsqrt(var + eps), then scale: one rounding.
+    tol = 1e-6 if y_ours.dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(y_ours, np.float32), np.asarray(y_theirs, np.float32),
+                               rtol=tol, atol=tol)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.dtype == b.dtype
+        tol = 1e-5 if a.dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol,
+                                   atol=tol)
+
+
+def test_layer_norm_gradients_in_float64(x64):
+    x = 2.0 * jax.random.normal(jax.random.key(0), (3, 4, 6), jnp.float64) - 0.5
+    scale = 1.0 + jax.random.normal(jax.random.key(1), (6,), jnp.float64)
+    bias = jax.random.normal(jax.random.key(2), (6,), jnp.float64)
+    check_grads(lambda x, s, b: layout.layer_norm(x, s, b, 1e-5), (x, scale, bias), order=1,
+                modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def test_layer_norm_refuses_what_it_does_not_compute():
+    x = jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=r"flax's defaults only; got a different \['use_bias'\]"):
+        layout.LayerNorm(use_bias=False).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"\['mask', 'reduction_axes'\]"):
+        layout.LayerNorm(reduction_axes=(0, 1)).init(jax.random.key(0), x, mask=x > 0)
