@@ -66,6 +66,7 @@ MAIN_CONFIGS = {
                             "agf_jax.model:Model"),
 }
 SCALING_SCRIPTS = ("agf_scaling", "samovar_scaling", "htgn_scaling")
+PHASES = ("tests", "bounds", "steps", "scaling", "reference_runs")
 # Reference-budget runs: name -> (config argument, the step record whose time estimates the run).
 REFERENCE_RUNS = {
     "listops_softmax_control": ("attention=softmax", "agf_listops_softmax"),
@@ -342,28 +343,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=checks.nonnegative_int, default=2)
     p.add_argument("--test_precision", default="highest", choices=("highest", "high", "default"),
                    help="JAX_DEFAULT_MATMUL_PRECISION of the test phase")
-    p.add_argument("--phases", default="tests,bounds,steps,scaling,reference_runs",
-                   help="comma-separated phases to run")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {list(PHASES)}")
     p.add_argument("--tests", default=None, help="comma-separated pytest paths / node ids (default: the subset)")
     p.add_argument("--configs", default=",".join(MAIN_CONFIGS), help=f"step configs, subset of {list(MAIN_CONFIGS)}")
     p.add_argument("--scaling_scripts", default=",".join(SCALING_SCRIPTS),
                    help=f"subset of {list(SCALING_SCRIPTS)}")
     args = p.parse_args(argv)
     args.tests = [x for x in args.tests.split(",") if x] if args.tests else None
-    args.configs = [x for x in args.configs.split(",") if x]
-    args.scaling_scripts = [x for x in args.scaling_scripts.split(",") if x]
-    for name, given, known in (("configs", args.configs, MAIN_CONFIGS), ("scaling_scripts", args.scaling_scripts,
-                                                                         SCALING_SCRIPTS)):
-        if set(given) - set(known):
-            p.error(f"unknown --{name} {sorted(set(given) - set(known))}; choose from {list(known)}")
+    args.configs = checks.choice_list(p, "--configs", args.configs, MAIN_CONFIGS)
+    args.scaling_scripts = checks.choice_list(p, "--scaling_scripts", args.scaling_scripts, SCALING_SCRIPTS)
     defaults = dict(budget_s=(120, 470), tests_budget_s=(60, 180), scaling_budget_s=(30, 150), steps=(2, 10))
     for key, (tiny, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else full)
-    args.phases = [x for x in args.phases.split(",") if x]
-    unknown = set(args.phases) - {"tests", "bounds", "steps", "scaling", "reference_runs"}
-    if unknown:
-        p.error(f"unknown --phases {sorted(unknown)}")
+    args.phases = checks.choice_list(p, "--phases", args.phases, PHASES)
     checks.check_output_paths(p, args, dirs=["work_dir"], files=["out"])
     return args
 

@@ -89,14 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=checks.nonnegative_int, default=1)
     p.add_argument("--out", default=None, help="JSON file (default: print only)")
     args = p.parse_args(argv)
-    args.configs = [c for c in args.configs.split(",") if c]
-    args.variants = [v for v in args.variants.split(",") if v]
-    for c in args.configs:
-        if c not in device_check.MAIN_CONFIGS:
-            p.error(f"--configs: unknown config {c!r}; expected some of {sorted(device_check.MAIN_CONFIGS)}")
-    for v in args.variants:
-        if v not in VARIANTS:
-            p.error(f"--variants: unknown variant {v!r}; expected some of {list(VARIANTS)}")
+    args.configs = checks.choice_list(p, "--configs", args.configs, device_check.MAIN_CONFIGS)
+    args.variants = checks.choice_list(p, "--variants", args.variants, VARIANTS)
     checks.check_output_paths(p, args, files=["out"])
     return args
 

@@ -604,13 +604,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no_bounds", action="store_true", help="skip measuring the matmul/bandwidth bounds")
     p.add_argument("--out", default=None, help="write the records and meta as JSON here")
     args = p.parse_args(argv)
-    args.cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(args.cases) - set(CASES))
-    if unknown:
-        p.error(f"unknown --cases {unknown}; choose from {list(CASES)}")
-    twice = sorted({c for c in args.cases if args.cases.count(c) > 1})
-    if twice:
-        p.error(f"--cases names {', '.join(twice)} more than once")
+    args.cases = checks.choice_list(p, "--cases", args.cases, CASES)
     # A source that is given but wrong is a mistake, not a reason to skip: the run would time nothing.
     for case in args.cases:
         which = OFFICIAL_FILES[case][0]

@@ -964,13 +964,7 @@ def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
     args = parser.parse_args(argv)
     if args.lengths != sorted(set(args.lengths)):   # a case stops at its first failure: smallest first
         parser.error(f"--lengths must be increasing, got {','.join(map(str, args.lengths))}")
-    args.cases = args.cases.split(",")
-    unknown = set(args.cases) - set(cases)
-    if unknown:
-        parser.error(f"unknown --cases {sorted(unknown)}; choose from {list(cases)}")
-    twice = sorted({c for c in args.cases if args.cases.count(c) > 1})
-    if twice:
-        parser.error(f"--cases names {', '.join(twice)} more than once")
+    args.cases = checks.choice_list(parser, "--cases", args.cases, cases)
     checks.check_output_paths(parser, args, dirs=["out_dir"])
     args.max_bytes = int(args.max_gib * 2**30) if args.max_gib else default_max_bytes()
     return args

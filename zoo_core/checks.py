@@ -208,6 +208,22 @@ def positive_ints(text: str) -> list[int]:
             f"must be a comma-separated list of integers >= 1, got {text!r}") from None
 
 
+def choice_list(parser: argparse.ArgumentParser, flag: str, text: str, choices: Iterable[str]) -> list[str]:
+    """The comma-separated subset of `choices` given to `flag` ('--cases'), in the order given. An
+    unknown entry, an entry named twice, or none at all is a usage error (exit 2)."""
+    choices = list(choices)
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = sorted(set(items) - set(choices))
+    if unknown:
+        parser.error(f"unknown {flag} {unknown}; choose from {choices}")
+    twice = sorted({t for t in items if items.count(t) > 1})
+    if twice:
+        parser.error(f"{flag} names {', '.join(twice)} more than once")
+    if not items:
+        parser.error(f"{flag} names none of {choices}")
+    return items
+
+
 def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
                        dirs: Sequence[str] = (), files: Sequence[str] = ()) -> None:
     """A usage error (exit 2) when a given output flag cannot be written: a file where a folder is
