@@ -203,8 +203,8 @@ class LayerNorm(nn.LayerNorm):
     """`flax.linen.LayerNorm` (same fields, parameters and values up to float32 rounding) computed
     by `layer_norm`, whose hand-written backward moves fewer bytes.
 
-    Only the default axes, scale and bias, fast variance and no cross-device statistics (the
-    zoo's uses); anything else is refused.
+    Only the default axes, scale and bias, fast variance, float32 statistics and no cross-device
+    statistics (the zoo's uses); anything else is refused.
     """
 
     @nn.compact
@@ -213,7 +213,8 @@ class LayerNorm(nn.LayerNorm):
                            feature_axes=self.feature_axes != -1, use_bias=not self.use_bias,
                            use_scale=not self.use_scale, use_fast_variance=not self.use_fast_variance,
                            axis_name=self.axis_name is not None,
-                           axis_index_groups=self.axis_index_groups is not None)
+                           axis_index_groups=self.axis_index_groups is not None,
+                           force_float32_reductions=not self.force_float32_reductions)
         bad = [name for name, is_bad in unsupported.items() if is_bad]
         if bad:
             raise ValueError(f"layout.LayerNorm supports flax's defaults only; got a different {bad}")

@@ -129,3 +129,5 @@ def test_layer_norm_refuses_what_it_does_not_compute():
         layout.LayerNorm(use_bias=False).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"\['mask', 'reduction_axes'\]"):
         layout.LayerNorm(reduction_axes=(0, 1)).init(jax.random.key(0), x, mask=x > 0)
+    with pytest.raises(ValueError, match=r"\['force_float32_reductions'\]"):
+        layout.LayerNorm(force_float32_reductions=False).init(jax.random.key(0), x)
