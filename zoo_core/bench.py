@@ -348,7 +348,8 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
     Returns:
       dict(step: the jitted step, compiled: it compiled for (state, batch), state, batch, model,
       config: the copy used, compile_s, num_params, cost: `cost_of` the step (on CPU summed over
-      its devices), devices: the mesh's size).
+      its devices; with `optim.grad_accum_steps` > 1, of the same step without micro-batches),
+      devices: the mesh's size).
     """
     import copy
 
@@ -386,7 +387,14 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
-    cost = cost_of(None, compiled=compiled)
+    if step_kw["accum_steps"] > 1:
+        # XLA's cost analysis counts the micro-batch loop's body once: the step's cost is that of
+        # the same step on the whole batch at once.
+        whole = jax.jit(functools.partial(trainer.train_step, **dict(step_kw, accum_steps=1)),
+                        donate_argnums=(0,) if donate else (), out_shardings=(replicated, replicated))
+        cost = cost_of(None, compiled=whole.lower(state, batch).compile())
+    else:
+        cost = cost_of(None, compiled=compiled)
     if jax.default_backend() == "cpu":
         # XLA counts a partitioned step per device; CPU devices share the machine's cores, whose
         # bounds `machine_bounds` measures, so the step's cost is the sum over devices.

@@ -826,31 +826,42 @@ class _Steps:
     to_device: Callable[[Any], Any]
     host_state: Callable[[Any], Any]   # the single (unreplicated) copy of a state
     pmapped: bool
+    # The same step without micro-batches (`train` itself when grad_accum_steps is 1), only ever
+    # lowered: XLA's cost analysis counts a loop body once, so the FLOPs are read from this one.
+    whole: Callable[..., Any] = None
 
 
 def step_flops(steps: _Steps, state, batch) -> float | None:
     """FLOPs of one train step over all devices, from XLA's cost analysis of the step's lowering
-    (`bench.cost_of`; the traced step is cached, so this costs no compile); None where the backend
-    counts none."""
+    (`bench.cost_of`; no compile), None where the backend counts none.
+
+    With micro-batches the lowered step is the one without them (`_Steps.whole`): the cost analysis
+    counts the body of the micro-batch loop once, which would undercount the step by their number.
+    """
     from zoo_core import bench
-    flops = bench.cost_of(None, compiled=steps.train.lower(state, batch))["flops"]
+    flops = bench.cost_of(None, compiled=(steps.whole or steps.train).lower(state, batch))["flops"]
     # pmap lowers the per-device computation; a jitted step's lowering is the global one.
     return None if flops is None else flops * (jax.device_count() if steps.pmapped else 1)
 
 
 def _compile_steps(s: _Setup, mesh, replicated) -> _Steps:
     """`train_step` and `eval_step` jitted once: over the 'data' mesh (mode 'jit') or pmapped."""
-    step_kw = dict(model=s.model, tx=s.tx, task=s.task, schedule=s.schedule,
-                   accum_steps=int(s.config.optim.grad_accum_steps))
+    accum = int(s.config.optim.grad_accum_steps)
+    step_kw = dict(model=s.model, tx=s.tx, task=s.task, schedule=s.schedule)
     if s.config.parallel.mode == "jit":
+        def train(accum_steps, donate):
+            return jax.jit(functools.partial(train_step, accum_steps=accum_steps, **step_kw),
+                           donate_argnums=(0,) if donate else (), out_shardings=(replicated, replicated))
         return _Steps(
-            train=jax.jit(functools.partial(train_step, **step_kw), donate_argnums=(0,),
-                          out_shardings=(replicated, replicated)),
+            train=train(accum, True), whole=None if accum == 1 else train(1, False),
             eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),
             to_device=lambda b: sharding.global_batch(b, mesh), host_state=lambda st: st, pmapped=False)
+
+    def train(accum_steps, donate):
+        return jax.pmap(functools.partial(train_step, axis_name="batch", accum_steps=accum_steps, **step_kw),
+                        axis_name="batch", donate_argnums=(0,) if donate else ())
     return _Steps(
-        train=jax.pmap(functools.partial(train_step, axis_name="batch", **step_kw), axis_name="batch",
-                       donate_argnums=(0,)),
+        train=train(accum, True), whole=None if accum == 1 else train(1, False),
         eval=jax.pmap(functools.partial(eval_step, model=s.model, task=s.task, axis_name="batch"),
                       axis_name="batch", in_axes=(0, 0, None)),
         to_device=sharding.pmap_batch, host_state=sharding.unreplicate, pmapped=True)

@@ -220,3 +220,21 @@ def test_run_scaling_deadline_skips_the_rest_and_records_bytes():
     ok = bench.run_scaling(["a"], [16], _make_gram, repeats=1, max_bytes=2**30, ref_n=None)[0]
     assert ok.bytes_accessed > 0 and ok.gbps > 0
     assert "GB/s" in bench.format_table([ok])
+
+
+def test_train_step_setup_costs_the_whole_step_with_micro_batches(tmp_path):
+    """XLA's cost analysis counts the micro-batch loop's body once; the step's cost is that of the
+    same step on the whole batch."""
+    from configs.core import synthetic
+    from zoo_core import models
+
+    def cost(accum):
+        c = synthetic.get_config("smoke")
+        with c.unlocked():
+            c.data.data_dir = str(tmp_path)
+            c.batch_size = 8
+            c.optim.grad_accum_steps = accum
+        return bench.train_step_setup(c, models.Model)["cost"]
+
+    whole, micro = cost(1), cost(4)
+    assert whole["flops"] > 0 and micro == whole

@@ -141,6 +141,22 @@ def test_gradient_accumulation_equals_full_batch(data_dir):
     np.testing.assert_allclose(acc_metrics["train/total_loss"], full_metrics["train/total_loss"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["jit", "pmap"])
+def test_step_flops_count_every_micro_batch(data_dir, tmp_path, mode):
+    """XLA's cost analysis counts a loop body once; the logged FLOPs of a step with micro-batches
+    are those of the same step on the whole batch."""
+    def flops_per_step(accum, workdir):
+        c = _config(data_dir, total_steps=2, batch_size=8, log_every_steps=1, eval_every_steps=0,
+                    **{"optim.grad_accum_steps": accum, "parallel.mode": mode})
+        trainer.train_and_evaluate(c, str(workdir), models.Model)
+        train = [r for r in metrics_lib.read_jsonl(str(workdir / "metrics.jsonl")) if "train/total_loss" in r]
+        return {round(r["train/gflops_per_second"] / r["train/steps_per_second"], 9) for r in train}
+
+    whole = flops_per_step(1, tmp_path / "whole")
+    assert len(whole) == 1 and min(whole) > 0
+    assert flops_per_step(4, tmp_path / "micro") == whole
+
+
 def test_gradient_accumulation_stays_data_parallel(data_dir):
     """With the batch sharded over the devices, every micro-batch is split over them too: the
     compiled step all-reduces gradients and never gathers the batch."""
