@@ -155,8 +155,14 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
             if _EVAL_SPLIT.value is not None:
                 config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
             evaluators = _evaluators(evaluators_fn, config)
-            result = trainer.evaluate_checkpoint(config, workdir, build_model, which=_CHECKPOINT.value or "best",
-                                                 evaluators=evaluators)
+            try:
+                result = trainer.evaluate_checkpoint(config, workdir, build_model,
+                                                     which=_CHECKPOINT.value or "best", evaluators=evaluators)
+            except trainer.ConfigError as e:
+                # The split came from the flag: name it, not the config field it was written into.
+                if _EVAL_SPLIT.value is None or not str(e).startswith("data.eval_split "):
+                    raise
+                raise trainer.ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
             print(json.dumps(result, sort_keys=True))
             return
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:

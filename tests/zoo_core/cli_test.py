@@ -371,6 +371,22 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
     trainer.check_eval_config(dict(as_stored, model=dict(as_stored["model"], dtype="bfloat16")), str(work))
 
 
+def test_a_bad_eval_split_flag_is_named_as_the_flag(env, tmp_path, capfd):
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    before = _snapshot(work)
+    for split, expected in (("nosuch", "--eval_split 'nosuch' is not a split of synthetic_linear (it has: test, train)"),
+                            ("test[50%:10%]", "--eval_split 'test[50%:10%]' selects no examples (test has 128)")):
+        status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work, "--eval_only",
+                                f"--eval_split={split}", f"--config.data.data_dir={env / 'data'}"], capfd)
+        _assert_refused(status, out, err, expected)
+    # Written into the config, the same mistake names the config field.
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work, "--eval_only",
+                            "--config.data.eval_split=nosuch", f"--config.data.data_dir={env / 'data'}"], capfd)
+    _assert_refused(status, out, err, "data.eval_split 'nosuch' is not a split of synthetic_linear")
+    assert _snapshot(work) == before
+
+
 @pytest.mark.parametrize("damage", ["truncated records", "missing records", "unreadable dataset_info.json"])
 def test_damaged_prepared_data_is_one_line_naming_its_folder(env, tmp_path, capfd, damage):
     data = tmp_path / "data"
