@@ -97,7 +97,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
     c.optim.grad_clip_norm = 0.0      # global-norm clipping (0 = off)
-    c.optim.grad_accum_steps = 1      # micro-batches averaged per optimiser step
+    c.optim.grad_accum_steps = 1      # micro-batches per optimiser step (same update as the whole batch)
     c.optim.update(optim.LOOKAHEAD_DEFAULTS)  # ranger only: lookahead sync period and step size
 
     c.schedule = ml_collections.ConfigDict()

@@ -5,6 +5,9 @@ sum(values * weights * example_mask) / sum(weights * example_mask) for every met
 batches are exact and token-level metrics (weights = tokens per example) average over tokens, not
 sentences. The metric named 'loss' is the one that is optimised; the model's `aux['loss/*']` terms are
 added to it by the trainer.
+
+The weights are a function of the batch alone, never of the outputs: the trainer reads a batch's loss
+weight before running the model on its micro-batches (`trainer.batch_loss_weight`).
 """
 from __future__ import annotations
 

@@ -123,7 +123,13 @@ def eval_step_index(steps_done):
 WEIGHT_PREFIX = "weight/"   # train_step metrics under it are weights, not logged (see _mean_metrics)
 
 
-def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axis_name: str | None = None):
+def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axis_name: str | None = None,
+                      loss_weight: jax.Array | None = None):
+    """(loss, (metric sums, aux losses)) of one batch: the task's weighted mean loss plus the aux losses.
+
+    `loss_weight`, when given, divides the loss sum instead of this batch's own weight: a micro-batch's
+    share of its whole batch's weight (`train_step`).
+    """
     outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {},
                                **step_kwargs(model, step))
     sums = tasks.reduce_metrics(task(outputs, batch), batch.get("example_mask"))
@@ -132,7 +138,9 @@ def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axi
         if v.ndim:
             raise ValueError(f"aux[{k!r}] must be a scalar, got shape {v.shape}")
     total, weight = sums["loss"]
-    if axis_name is not None:
+    if loss_weight is not None:
+        weight = loss_weight
+    elif axis_name is not None:
         # Under pmap each device holds part of the batch. Its loss is its share of the global weighted
         # mean (times the device count, which the caller's pmean divides out), so that tokens weigh the
         # same on every device, as in the jit step over the whole batch.
@@ -142,13 +150,28 @@ def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axi
     return loss, (sums, aux_losses)
 
 
+def batch_loss_weight(params, batch, rng, step, *, model, task) -> jax.Array:
+    """The weight of `batch`'s loss (examples or tokens, times its example mask), without running the model.
+
+    A task's weights are a function of the batch alone (`zoo_core.tasks`), so the task is evaluated on
+    zero outputs of the model's output shapes (`jax.eval_shape`, no compute); XLA drops everything but
+    the weights' sum.
+    """
+    shapes = jax.eval_shape(lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng},
+                                                     **step_kwargs(model, step))[0], params, batch)
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.stop_gradient(tasks.reduce_metrics(task(zeros, batch), batch.get("example_mask"))["loss"][1])
+
+
 def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, task, schedule,
                accum_steps: int = 1, axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser step on a global batch.
 
     With `accum_steps > 1` the batch is split into that many micro-batches whose gradients are averaged
-    (a lax.scan, so only one micro-batch's activations are live) before one optimiser update; for tasks
-    whose loss is a per-example mean this equals the step on the whole batch.
+    (a lax.scan, so only one micro-batch's activations are live) before one optimiser update. This is
+    the step on the whole batch: each micro-batch's loss sum is divided by its share of the whole
+    batch's weight (`batch_loss_weight`), so a micro-batch with more tokens weighs more, as its tokens
+    do in the whole batch; aux losses are averaged over the micro-batches.
 
     Args:
       state: the train state (donated by the caller's jit).
@@ -174,13 +197,18 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
         micro = jax.tree_util.tree_map(
             lambda x: jnp.swapaxes(x.reshape(-1, accum_steps, *x.shape[1:]), 0, 1), batch)
 
+        share = batch_loss_weight(state.params, batch, rng, state.step, model=model, task=task)
+        if axis_name is not None:
+            share = jax.lax.psum(share, axis_name) / jax.lax.psum(1, axis_name)
+        share = share / accum_steps
+
         def accumulate(carry, inputs):
             i, mb = inputs
-            out, g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), state.step)
+            out, g = grad_fn(state.params, mb, jax.random.fold_in(rng, i), state.step, loss_weight=share)
             return jax.tree_util.tree_map(jnp.add, carry, (out, g)), None
 
-        zero_out = jax.eval_shape(grad_fn, state.params, jax.tree_util.tree_map(lambda x: x[0], micro), rng,
-                                  state.step)
+        zero_out = jax.eval_shape(functools.partial(grad_fn, loss_weight=share), state.params,
+                                  jax.tree_util.tree_map(lambda x: x[0], micro), rng, state.step)
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), zero_out)
         total, _ = jax.lax.scan(accumulate, zeros, (jnp.arange(accum_steps), micro))
         (loss, (sums, aux_losses)), grads = total

@@ -141,6 +141,69 @@ def test_gradient_accumulation_equals_full_batch(data_dir):
     np.testing.assert_allclose(acc_metrics["train/total_loss"], full_metrics["train/total_loss"], rtol=1e-5)
 
 
+class TokenLogits(nn.Module):
+    """Logits [B, T, V] from a learned table of the input tokens, and a constant aux loss."""
+
+    @nn.compact
+    def __call__(self, batch, *, train=False):
+        return {"logits": nn.Embed(7, 7, name="table")(batch["inputs"])}, {"loss/const": jnp.float32(0.25)}
+
+
+def _token_batches(n=2):
+    """Even rows have 5 target tokens, odd rows 1: strided micro-batches of 2 get 20 and 4 tokens."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        targets = rng.integers(1, 7, size=(8, 5))
+        targets[1::2, 1:] = 0
+        out.append({"inputs": rng.integers(1, 7, size=(8, 5)), "targets": targets})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["jit", "pmap"])
+def test_gradient_accumulation_weighs_tokens_as_the_whole_batch(data_dir, mode):
+    """A token-weighted loss: micro-batches with different token counts give the whole batch's step."""
+    model, task = TokenLogits(), tasks.seq2seq()
+    batches = _token_batches()
+    tx, schedule = optim.make_optimizer(_config(data_dir, **{"optim.learning_rate": 0.1}))
+    init = trainer.init_state(jax.random.PRNGKey(0), jax.tree_util.tree_map(lambda x: x[:1], batches[0]),
+                              model=model, tx=tx)
+    results = []
+    for accum in (1, 2):
+        step = functools.partial(trainer.train_step, model=model, tx=tx, task=task, schedule=schedule,
+                                 accum_steps=accum)
+        state = init
+        if mode == "jit":
+            for b in batches:
+                state, metrics = jax.jit(step)(state, b)
+        else:
+            state = sharding.replicate_for_pmap(state)
+            for b in batches:
+                state, metrics = jax.pmap(functools.partial(step, axis_name="batch"), axis_name="batch")(
+                    state, sharding.pmap_batch(b))
+            state, metrics = sharding.unreplicate(state), sharding.unreplicate(metrics)
+        results.append((state, metrics))
+    (full, full_metrics), (acc, acc_metrics) = results
+    assert_trees_close(acc.params, full.params, rtol=1e-5, atol=1e-6)
+    for key in ("train/total_loss", "train/loss", "train/loss/const"):
+        np.testing.assert_allclose(acc_metrics[key], full_metrics[key], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(tasks.TASKS))
+def test_task_weights_do_not_depend_on_the_outputs(name):
+    """The trainer reads a batch's loss weight from zero outputs (trainer.batch_loss_weight)."""
+    rng = np.random.default_rng(0)
+    batch = {"label": rng.integers(0, 3, size=4), "target": rng.normal(size=(4, 2)),
+             "targets": np.array([[1, 2, 0], [3, 0, 0], [1, 1, 1], [2, 0, 0]])}
+    outputs = {"logits": rng.normal(size=(4, 3)), "forecast": rng.normal(size=(4, 2))}
+    if name == "seq2seq":
+        outputs["logits"] = rng.normal(size=(4, 3, 4))
+    task = tasks.TASKS[name]()
+    zeros = jax.tree_util.tree_map(np.zeros_like, outputs)
+    for (_, w), (_, w0) in zip(task(outputs, batch).values(), task(zeros, batch).values()):
+        np.testing.assert_array_equal(w, w0)
+
+
 @pytest.mark.parametrize("mode", ["jit", "pmap"])
 def test_step_flops_count_every_micro_batch(data_dir, tmp_path, mode):
     """XLA's cost analysis counts a loop body once; the logged FLOPs of a step with micro-batches
