@@ -167,11 +167,11 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
                accum_steps: int = 1, axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimiser step on a global batch.
 
-    With `accum_steps > 1` the batch is split into that many micro-batches whose gradients are averaged
-    (a lax.scan, so only one micro-batch's activations are live) before one optimiser update. This is
-    the step on the whole batch: each micro-batch's loss sum is divided by its share of the whole
-    batch's weight (`batch_loss_weight`), so a micro-batch with more tokens weighs more, as its tokens
-    do in the whole batch; aux losses are averaged over the micro-batches.
+    With `accum_steps > 1` the batch is split into that many micro-batches whose gradients are summed
+    (a lax.scan, so only one micro-batch's activations are live) before one optimiser update. The loss
+    is the whole batch's weighted mean: each micro-batch's loss sum is divided by its share of the whole
+    batch's weight (`batch_loss_weight`), so its examples or tokens weigh what they weigh in the whole
+    batch; aux losses are averaged over the micro-batches, and each micro-batch draws its own dropout.
 
     Args:
       state: the train state (donated by the caller's jit).
