@@ -138,16 +138,19 @@ def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axi
         if v.ndim:
             raise ValueError(f"aux[{k!r}] must be a scalar, got shape {v.shape}")
     total, weight = sums["loss"]
-    if loss_weight is not None:
-        weight = loss_weight
-    elif axis_name is not None:
-        # Under pmap each device holds part of the batch. Its loss is its share of the global weighted
-        # mean (times the device count, which the caller's pmean divides out), so that tokens weigh the
-        # same on every device, as in the jit step over the whole batch.
-        global_weight = jax.lax.psum(jax.lax.stop_gradient(weight), axis_name)
-        weight = global_weight / jax.lax.psum(1, axis_name)
+    weight = _device_share(weight, axis_name) if loss_weight is None else loss_weight
     loss = total / weight + sum(aux_losses.values(), jnp.zeros([], jnp.float32))
     return loss, (sums, aux_losses)
+
+
+def _device_share(weight: jax.Array, axis_name: str | None) -> jax.Array:
+    """The loss weight one device divides by: its own without pmap; under pmap the global weight over
+    the device count. Each device holds part of the batch, and its loss is then its share of the global
+    weighted mean (times the device count, which the caller's pmean divides out), so that tokens weigh
+    the same on every device, as in the jit step over the whole batch."""
+    if axis_name is None:
+        return weight
+    return jax.lax.psum(jax.lax.stop_gradient(weight), axis_name) / jax.lax.psum(1, axis_name)
 
 
 def batch_loss_weight(params, batch, rng, step, *, model, task) -> jax.Array:
@@ -197,10 +200,8 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
         micro = jax.tree_util.tree_map(
             lambda x: jnp.swapaxes(x.reshape(-1, accum_steps, *x.shape[1:]), 0, 1), batch)
 
-        share = batch_loss_weight(state.params, batch, rng, state.step, model=model, task=task)
-        if axis_name is not None:
-            share = jax.lax.psum(share, axis_name) / jax.lax.psum(1, axis_name)
-        share = share / accum_steps
+        share = _device_share(batch_loss_weight(state.params, batch, rng, state.step, model=model, task=task),
+                              axis_name) / accum_steps
 
         def accumulate(carry, inputs):
             i, mb = inputs
@@ -876,22 +877,24 @@ def _compile_steps(s: _Setup, mesh, replicated) -> _Steps:
     """`train_step` and `eval_step` jitted once: over the 'data' mesh (mode 'jit') or pmapped."""
     accum = int(s.config.optim.grad_accum_steps)
     step_kw = dict(model=s.model, tx=s.tx, task=s.task, schedule=s.schedule)
-    if s.config.parallel.mode == "jit":
-        def train(accum_steps, donate):
-            return jax.jit(functools.partial(train_step, accum_steps=accum_steps, **step_kw),
-                           donate_argnums=(0,) if donate else (), out_shardings=(replicated, replicated))
-        return _Steps(
-            train=train(accum, True), whole=None if accum == 1 else train(1, False),
-            eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),
-            to_device=lambda b: sharding.global_batch(b, mesh), host_state=lambda st: st, pmapped=False)
+    jitted = s.config.parallel.mode == "jit"
 
     def train(accum_steps, donate):
+        donate_argnums = (0,) if donate else ()
+        if jitted:
+            return jax.jit(functools.partial(train_step, accum_steps=accum_steps, **step_kw),
+                           donate_argnums=donate_argnums, out_shardings=(replicated, replicated))
         return jax.pmap(functools.partial(train_step, axis_name="batch", accum_steps=accum_steps, **step_kw),
-                        axis_name="batch", donate_argnums=(0,) if donate else ())
+                        axis_name="batch", donate_argnums=donate_argnums)
+
+    steps = dict(train=train(accum, True), whole=None if accum == 1 else train(1, False))
+    if jitted:
+        return _Steps(
+            **steps, eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),
+            to_device=lambda b: sharding.global_batch(b, mesh), host_state=lambda st: st, pmapped=False)
     return _Steps(
-        train=train(accum, True), whole=None if accum == 1 else train(1, False),
-        eval=jax.pmap(functools.partial(eval_step, model=s.model, task=s.task, axis_name="batch"),
-                      axis_name="batch", in_axes=(0, 0, None)),
+        **steps, eval=jax.pmap(functools.partial(eval_step, model=s.model, task=s.task, axis_name="batch"),
+                               axis_name="batch", in_axes=(0, 0, None)),
         to_device=sharding.pmap_batch, host_state=sharding.unreplicate, pmapped=True)
 
 
