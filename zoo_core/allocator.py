@@ -13,6 +13,15 @@ huge pages (`/sys/kernel/mm/transparent_hugepage/enabled` is not `[never]`), `GL
 not already set `glibc.malloc.hugetlb`, and `ZOO_MALLOC` is not `system` (the opt-out). Any other
 tunables the user set are kept.
 
+What huge pages leave: XLA still allocates each call's temporaries afresh, one block per device (401 MB
+for a ListOps device), so their pages are faulted and zeroed on every step: 1.1-1.3k faults and
+0.07-0.17 CPU-s of system time per ListOps or SAMoVAR Fig. 4 step (of 0.8-1.5 CPU-s), measured
+2026-12-03. glibc can keep such a block instead (`arena_max=1:mmap_max=0:trim_threshold=4294967295`:
+it then comes from the main heap and stays there), and that removes the faults, but with one arena
+for all of XLA's threads the steps got slower: SAMoVAR 0.47-0.50 -> 0.59-0.63 s with 8x the context
+switches; ListOps 0.59 -> 1.33 s (with `tcache_count=4000` as well) at 1.2 CPU-s of system time per
+step. So it is not used.
+
 This module imports nothing heavy.
 """
 from __future__ import annotations
