@@ -98,3 +98,22 @@ def assert_forms_agree(outputs: Mapping[str, Any], *, rtol: float, atol: float) 
             assert_trees_close(out, ref, rtol=rtol, atol=atol)
         except AssertionError as e:
             raise AssertionError(f"form {name!r} differs from {ref_name!r}: {e}") from None
+
+
+def exported_program(fn, *args: Any, platform: str = "cuda") -> str:
+    """The StableHLO text of `jax.jit(fn)(*args)` as JAX exports it for `platform` ('cuda', 'tpu', 'cpu').
+
+    Needs no accelerator: this is how a test on the CPU sees the program a GPU or TPU would run,
+    with `jax.lax.platform_dependent` resolved for that platform. `args` are arrays or
+    `jax.ShapeDtypeStruct`s.
+    """
+    import jax
+    from jax import export
+
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
+    return export.export(jax.jit(fn), platforms=[platform])(*specs).mlir_module()
+
+
+def while_loops(program: str) -> int:
+    """How many while loops a StableHLO text holds (a `lax.scan`/`fori_loop` each lowers to one)."""
+    return program.count("stablehlo.while")
