@@ -1,11 +1,10 @@
 """The host allocator setting the training commands run under: glibc malloc on huge pages.
 
-XLA's CPU runtime allocates each executable's temporaries (about 1.5 GiB for the AGF ListOps step)
-with `malloc` on every call. Blocks that large are fresh `mmap`s, so every 4 KiB page is
-page-faulted and zeroed again on every step: 320k faults and 0.75 CPU-s of system time per ListOps
-step, measured. glibc (>= 2.35) backs its mmaps with transparent huge pages when started with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: about 1k faults per step and 1.17 -> 0.76 s per ListOps
-step (README "Speed"). The tunable is read only when a process starts, so the training commands
+XLA's CPU runtime allocates each executable's temporaries with `malloc` on every call. Blocks that
+large are fresh `mmap`s, so every 4 KiB page would be faulted and zeroed again on every step. glibc
+(>= 2.35) backs its mmaps with transparent huge pages when started with
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which removes most of those faults (measurements:
+benchmarks/RESULTS.md). The tunable is read only when a process starts, so the training commands
 restart themselves once with it set, before anything is parsed or built.
 
 The restart happens only when all of these hold: Linux with glibc, the kernel offers transparent
@@ -13,14 +12,9 @@ huge pages (`/sys/kernel/mm/transparent_hugepage/enabled` is not `[never]`), `GL
 not already set `glibc.malloc.hugetlb`, and `ZOO_MALLOC` is not `system` (the opt-out). Any other
 tunables the user set are kept.
 
-What huge pages leave: XLA still allocates each call's temporaries afresh, one block per device (401 MB
-for a ListOps device), so their pages are faulted and zeroed on every step: 1.1-1.3k faults and
-0.07-0.17 CPU-s of system time per ListOps or SAMoVAR Fig. 4 step (of 0.8-1.5 CPU-s), measured
-2026-12-03. glibc can keep such a block instead (`arena_max=1:mmap_max=0:trim_threshold=4294967295`:
-it then comes from the main heap and stays there), and that removes the faults, but with one arena
-for all of XLA's threads the steps got slower: SAMoVAR 0.47-0.50 -> 0.59-0.63 s with 8x the context
-switches; ListOps 0.59 -> 1.33 s (with `tcache_count=4000` as well) at 1.2 CPU-s of system time per
-step. So it is not used.
+glibc's keep-the-block settings (`arena_max=1:mmap_max=0:trim_threshold=...`) would remove the
+remaining per-step faults, but one arena for all of XLA's threads made the steps slower, so they are
+not used.
 
 This module imports nothing heavy.
 """

@@ -26,10 +26,8 @@ def cpu_device_count(requested: int, *, batch_size: int, eval_batch_size: int, a
     XLA's CPU runtime runs each elementwise fusion on one thread; only its matmuls use every core. A
     step that is mostly elementwise work (narrow layers over long sequences, as AGF on LRA: width 64
     at 2K tokens) therefore leaves the other cores idle for most of its time. As N data-parallel
-    devices, the N shards of the batch run their fusions at once. Measured on 2 cores (README, "Speed
-    against the original implementations"): AGF ListOps 1.17 -> 0.99 s and SAMoVAR Fig. 4 1.36 -> 0.81 s
-    per step; the 512-wide UEA model, whose step is its matmuls, trains at about half the steps per
-    second, hence the default of one device.
+    devices, the N shards of the batch run their fusions at once. A model whose step is its matmuls
+    (the 512-wide UEA model) gains nothing and loses speed that way, hence the default of one device.
 
     Args:
       requested: >= 1: that many devices; 0: one per core this process may run on, lowered to the
