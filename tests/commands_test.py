@@ -286,10 +286,9 @@ def test_the_readme_prints_other_commands():
 
 
 # The README writes what lies outside the repository as a `$NAME` it explains: the official checkouts
-# the peers benchmark times, and the python of the official UEA job. The test fills each checkout with a
-# temporary folder laid out as that checkout (every file benchmarks/peers.py looks for), and the python
-# with this one, so the command is parsed, source checks included, as printed.
-PLACEHOLDERS = {"AGF_SRC": "agf", "SAMOVAR_SRC": "samovar", "UEA_PYTHON": None}
+# the peers benchmark times. The test fills each with a temporary folder laid out as that checkout (every
+# file benchmarks/peers.py looks for), so the command is parsed, source checks included, as printed.
+PLACEHOLDERS = {"AGF_SRC": "agf", "SAMOVAR_SRC": "samovar"}
 OUTSIDE = re.compile(r"(?:^|[\s=])(?:~|\$HOME\b|/(?:home|root|work|shared|mnt)/)")
 
 
@@ -298,9 +297,6 @@ def _fill_placeholders(command: str, tmp_path, monkeypatch) -> str:
 
     for name in set(re.findall(r"\$\{?(\w+)", command)):
         assert name in PLACEHOLDERS, f"{command}: ${name} is not one of the README's placeholders {sorted(PLACEHOLDERS)}"
-        if PLACEHOLDERS[name] is None:
-            monkeypatch.setenv(name, sys.executable)
-            continue
         src = tmp_path / name.lower()
         for which, rel in peers.OFFICIAL_FILES.values():
             if which == PLACEHOLDERS[name]:
