@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import os
 import pathlib
 import shutil
@@ -190,8 +191,27 @@ def platform_problem(platform: str) -> str | None:
     return f"JAX cannot start it here ({lines[-1] if lines else f'exit status {probe.returncode}'})"
 
 
+NOTEBOOK_PACKAGES = ("nbclient", "nbformat", "ipykernel")   # the `[notebooks]` extra (setup.cfg), less jupyterlab
+
+
+def missing_packages() -> list[str]:
+    """The packages this script needs that this interpreter cannot import."""
+    missing = []
+    for name in NOTEBOOK_PACKAGES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    missing = missing_packages()
+    if missing:
+        print(f"error: {', '.join(missing)} not installed; the notebooks need the extra: pip install -e \".[notebooks]\"",
+              file=sys.stderr)
+        return 2
     names = [n.removesuffix(".ipynb") for n in args.names] or list(NOTEBOOKS)
     output_dir = args.output_dir or (tempfile.mkdtemp(prefix="notebooks_smoke_") if args.smoke else None)
     for name in names:

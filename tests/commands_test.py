@@ -17,6 +17,7 @@ with its --workdir moved under a temporary folder:
     packages' own train tests run their smoke configs too).
 """
 import importlib
+import os
 import pathlib
 import re
 import shlex
@@ -231,6 +232,7 @@ def test_the_smoke_command_of_each_config_trains(command, tmp_path, capfd, monke
 # reference_test.py, file by file), the benchmark and notebook scripts (they run for minutes to
 # hours, or need the official sources: benchmarks_test and notebooks_test run them at --tiny / smoke
 # size); a `pytest PATH ...` line must select tests. The bare `pytest -n 2` is CI's own command.
+# Nothing a command names may lie outside the repository (CI runs with an empty HOME).
 # ---------------------------------------------------------------------------------------------
 
 def _braces(command: str) -> list[str]:
@@ -283,10 +285,36 @@ def test_the_readme_prints_other_commands():
             "python benchmarks.htgn_scaling"} <= programs, programs
 
 
+# The README writes what lies outside the repository as a `$NAME` it explains: the official checkouts
+# the peers benchmark times. The test fills each with a temporary folder laid out as that checkout (every
+# file benchmarks/peers.py looks for), so the command is parsed, source checks included, as printed.
+PLACEHOLDERS = {"AGF_SRC": "agf", "SAMOVAR_SRC": "samovar"}
+OUTSIDE = re.compile(r"(?:^|[\s=])(?:~|\$HOME\b|/(?:home|root|work|shared|mnt)/)")
+
+
+def _fill_placeholders(command: str, tmp_path, monkeypatch) -> str:
+    from benchmarks import peers
+
+    for name in set(re.findall(r"\$\{?(\w+)", command)):
+        assert name in PLACEHOLDERS, f"{command}: ${name} is not one of the README's placeholders {sorted(PLACEHOLDERS)}"
+        src = tmp_path / name.lower()
+        for which, rel in peers.OFFICIAL_FILES.values():
+            if which == PLACEHOLDERS[name]:
+                (src / rel).parent.mkdir(parents=True, exist_ok=True)
+                (src / rel).touch()
+        monkeypatch.setenv(name, str(src))
+    return os.path.expandvars(command)
+
+
+def test_readme_commands_read_nothing_outside_the_repository():
+    for command in README_OTHER_COMMANDS + README_COMMANDS:
+        assert not OUTSIDE.search(command), f"{command}: a path outside the repository (write a placeholder)"
+
+
 @pytest.mark.parametrize("command", README_OTHER_COMMANDS, ids=[f"readme-other-{i}" for i in range(len(README_OTHER_COMMANDS))])
-def test_a_readme_command_works_as_printed(command, monkeypatch):
-    tokens = shlex.split(command)
+def test_a_readme_command_works_as_printed(command, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
+    tokens = shlex.split(_fill_placeholders(command, tmp_path, monkeypatch))
     if tokens[0] == "pytest":
         proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                *tokens[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ import importlib.util
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -99,3 +100,10 @@ def test_script_refuses_unknown_notebooks(capsys):
     with pytest.raises(SystemExit) as e:
         run_notebooks.main(["no_such_notebook"])
     assert e.value.code == 2 and "unknown notebook" in capsys.readouterr().err
+
+
+def test_script_names_the_extra_when_a_package_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "nbclient", None)     # makes `import nbclient` raise ImportError
+    assert run_notebooks.main(["agf_filters", "--smoke"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ['error: nbclient not installed; the notebooks need the extra: pip install -e ".[notebooks]"']
