@@ -314,3 +314,51 @@ def test_var_chain_contract(bad):
     y16 = np.asarray(_chain_jit(_chain(dtype=jnp.bfloat16))(params, x), np.float32)
     scale = np.max(np.abs(np.asarray(y)))
     assert np.max(np.abs(y16 - np.asarray(y))) <= BF16["rtol"] * scale, np.max(np.abs(y16 - np.asarray(y))) / scale
+
+
+# ---------------------------------------------------------------------------------------------
+# The forms `zoo_core.attention.make` adds to the layers': cross-attention in the MHDPA call style
+# for every mechanism with a cross form, and linear attention's global (non-causal) self form.
+# Same checks: jit == eager, padding holding NaN or 1e30 changes no valid output, bf16 close.
+# ---------------------------------------------------------------------------------------------
+
+DROPIN = [("cross", n) for n in attention.names("cross")] + [("self", "linear")]
+# The Cross-Graph memory as HTGN lays it out (and as test_cross_graph_contract holds it to BF16):
+# one global node, then the tokens.
+DROPIN_OPTIONS = {"favor": {"num_features": 8}, "cross_graph": {"window": 1, "num_global": 1}}
+
+
+@functools.lru_cache(maxsize=None)
+def _dropin(role, name, dtype=jnp.float32):
+    """(module, jitted (params, x, memory, mask) -> y) of a drop-in, compiled once."""
+    attn = attention.make(name, num_heads=HEADS, qkv_features=E, dtype=dtype, **DROPIN_OPTIONS.get(name, {}))
+    if role == "cross":
+        return attn, jax.jit(lambda p, x, memory, mask: attn.apply(p, x, memory, mask=mask))
+    return attn, jax.jit(lambda p, x, memory, mask: attn.apply(p, x, mask=mask))
+
+
+@pytest.mark.parametrize("bad", [np.nan, 1e30], ids=["nan", "1e30"])
+@pytest.mark.parametrize("role,name", DROPIN, ids=[f"{r}-{n}" for r, n in DROPIN])
+def test_dropin_forms_contract(role, name, bad):
+    x, mask = _inputs()
+    memory, memory_mask = _memory()
+    attn, fn = _dropin(role, name)
+    if role == "cross":
+        keys, key_mask = memory, memory_mask
+        params = jax.jit(attn.init)(jax.random.PRNGKey(0), x, memory, mask=memory_mask)
+        valid = np.ones((B, T), bool)     # every query is valid; the memory is padded
+    else:
+        keys, key_mask = x, mask
+        params = jax.jit(attn.init)(jax.random.PRNGKey(0), x, mask=mask)
+        valid = np.asarray(mask)
+    y = fn(params, x, memory, key_mask)
+    assert y.shape == (B, T, E) and y.dtype == jnp.float32
+    args = (x, memory) if role == "cross" else (x,)
+    eager = attn.apply(params, *args, mask=key_mask)
+    assert_forms_agree({"jit": y, "eager": eager}, **F32_SIMPLE)
+    dirty = _fill(keys, key_mask[..., None], bad)
+    y_bad = fn(params, x, dirty, key_mask) if role == "cross" else fn(params, dirty, memory, key_mask)
+    np.testing.assert_array_equal(np.asarray(y_bad)[valid], np.asarray(y)[valid])
+    y16 = _dropin(role, name, jnp.bfloat16)[1](params, x, memory, key_mask)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32)[valid], np.asarray(y)[valid], **BF16)

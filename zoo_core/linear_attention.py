@@ -315,3 +315,49 @@ def causal_scan(q: Array, k: Array, v: Array, *, state: Optional[LinearState] = 
     num = jnp.swapaxes(num, 0, 1)
     den = jnp.swapaxes(den, 0, 1) if denominator else None
     return _guard(poisoned, num, den, final)
+
+
+def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
+              query_mask: Optional[Array] = None,
+              denominator: bool = False) -> tuple[Array, Optional[Array]]:
+    """Global (non-causal) linear attention, every query over every valid key.
+
+        num_t = sum_s (q_t . k_s) v_s = q_t S,   S = sum_s k_s v_s^T   [B, H, D, M]
+        den_t = q_t . sum_s k_s                                         (with `denominator`)
+
+    the non-causal form of Katharopoulos et al. 2020 ("Transformers are RNNs"), eq. (4)-(5), with
+    the feature map left to the caller. Queries and keys may have different lengths (cross-attention:
+    T queries, S keys). O((T + S) D M) time, O(D M) for the summary S.
+
+    Masking is NaN-safe: padded keys and values (`mask` False) and padded queries (`query_mask`
+    False) are replaced by 0 with `jnp.where` before any product, so whatever they hold changes no
+    output, and a padded query's own output is 0.
+
+    Args:
+      q: `[B, T, H, D]` queries (or query features).
+      k: `[B, S, H, D]` keys (or key features).
+      v: `[B, S, H, M]` values.
+      mask: optional `[B, S]` bool key-padding mask, True = valid.
+      query_mask: optional `[B, T]` bool query mask, True = valid.
+      denominator: also return den.
+
+    Returns:
+      (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:] \
+            or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"non-causal linear attention expects q [B, T, H, D], k [B, S, H, D], "
+                         f"v [B, S, H, M]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    for arg, m, shape in (("mask", mask, k.shape[:2]), ("query_mask", query_mask, q.shape[:2])):
+        if m is not None and tuple(jnp.shape(m)) != tuple(shape):
+            raise ValueError(f"{arg} must be {list(shape)}, got {tuple(jnp.shape(m))}")
+    acc = acc_dtype(q, k, v)
+    q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
+    if mask is not None:
+        keep = jnp.asarray(mask).astype(bool)[:, :, None, None]
+        k, v = jnp.where(keep, k, 0.0), jnp.where(keep, v, 0.0)
+    if query_mask is not None:
+        q = jnp.where(jnp.asarray(query_mask).astype(bool)[:, :, None, None], q, 0.0)
+    num = jnp.einsum("bthd,bhdm->bthm", q, jnp.einsum("bshd,bshm->bhdm", k, v))
+    den = jnp.einsum("bthd,bhd->bth", q, jnp.sum(k, axis=1)) if denominator else None
+    return num, den

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from zoo_core import attention
+from zoo_core import attention, testing
 
 B, T, E, HEADS = 2, 7, 16, 2
 
@@ -25,6 +25,7 @@ CASES = [
     ("window_graph", False, {"window": 2, "kl_weight": 1e-3}),
     ("window_graph", True, {"window": 2}),
     ("linear", True, {}),
+    ("linear", False, {}),
 ]
 
 
@@ -125,7 +126,12 @@ def test_layer_returns_the_contract_layer():
 
 @pytest.mark.parametrize("call,message", [
     (lambda: attention.make("nope", num_heads=2, qkv_features=8), r"unknown attention 'nope'; choose one of \("),
-    (lambda: attention.make("linear", num_heads=2, qkv_features=8), r"'linear' has no causal=False mode"),
+    (lambda: attention.make("cross_graph", num_heads=2, qkv_features=8, causal=True),
+     r"'cross_graph' has no causal=True mode \(it is cross-attention only\)"),
+    (lambda: attention.make("agf", num_heads=2, qkv_features=8, decode=True),
+     r"decode=True on 'agf' needs causal=True"),
+    (lambda: attention.layer("linear", num_heads=2, qkv_features=8), r"no causal=False contract layer"),
+    (lambda: attention.names("bidirectional"), r"unknown capability \['bidirectional'\]"),
     (lambda: attention.make("window_graph", num_heads=2, qkv_features=8, causal=True, shift=1),
      r"no option\(s\) \['shift'\]; its options are \["),
     (lambda: attention.make("agf", num_heads=2, qkv_features=8, orderr=3), r"no option\(s\) \['orderr'\]"),
@@ -136,3 +142,205 @@ def test_layer_returns_the_contract_layer():
 def test_bad_arguments_raise_at_make(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+# ---------------------------------------------------------------------------------------------
+# Capabilities, Flax's decode convention, cross-attention in the MHDPA call style.
+# ---------------------------------------------------------------------------------------------
+
+S = 5   # memory length of the cross-attention tests
+SMALL = {"favor": {"num_features": 8}, "window_graph": {"window": 2}, "cross_graph": {"window": 1}}
+
+
+def test_capabilities_say_which_mechanism_fits_which_role():
+    assert attention.names("cross") == ("cross_graph", "favor", "linear", "softmax")
+    assert attention.names("causal", "decode") == ("agf", "favor", "linear", "softmax", "window_graph")
+    assert attention.names("self") == ("agf", "favor", "linear", "softmax", "window_graph")
+    assert attention.names() == attention.names(*())
+    for name in attention.names():
+        caps = attention.capabilities(name)
+        assert tuple(caps) == attention.CAPABILITIES
+        for cap, has in caps.items():
+            assert (name in attention.names(cap)) == has
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _decode_run(name, options, dtype, length):
+    """(teacher-forced causal y, token-by-token y, the cache after init) for one mechanism."""
+    kw = dict(num_heads=HEADS, qkv_features=E, causal=True, dtype=dtype, **options)
+    dec, full = attention.make(name, decode=True, **kw), attention.make(name, **kw)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(B, length, E)), dtype)
+    variables = jax.jit(dec.init)(jax.random.PRNGKey(0), x)
+    params, cache = variables["params"], variables["cache"]
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(
+        jax.eval_shape(full.init, jax.random.PRNGKey(0), x)["params"])   # one parameter tree
+
+    def tokens(params, cache, x):
+        def body(cache, x_t):
+            y_t, state = dec.apply({"params": params, "cache": cache}, x_t[:, None], mutable=["cache"])
+            return state["cache"], y_t[:, 0]
+        cache, ys = jax.lax.scan(body, cache, jnp.swapaxes(x, 0, 1))
+        return jnp.swapaxes(ys, 0, 1), cache["cache_index"]
+    ys, index = jax.jit(tokens)(params, cache, x)
+    assert int(index) == length
+    return jax.jit(full.apply)({"params": params}, x), ys, params, cache
+
+
+DECODE_CASES = [(n, {**SMALL.get(n, {})}) for n in attention.names("causal")] + [
+    ("favor", {"num_features": 8, "use_rotary": True})]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name,options", DECODE_CASES, ids=[f"{n}-{len(o)}" for n, o in DECODE_CASES])
+def test_decode_token_by_token_equals_the_causal_call(name, options, dtype):
+    y, ys, params, cache = _decode_run(name, options, dtype, T)
+    assert ys.dtype == y.dtype == dtype and ys.shape == y.shape == (B, T, E)
+    tol = testing.F32_SIMPLE if dtype == jnp.float32 else testing.BF16
+    np.testing.assert_allclose(np.asarray(ys, np.float32), np.asarray(y, np.float32), **tol)
+    # The cache is the layer's own State, as `init_state` makes it: O(1) in the length, except
+    # softmax's key/value cache of L slots.
+    state = cache["state"]
+    lay = attention.layer(name, num_heads=HEADS, qkv_features=E, causal=True, **options,
+                          **({"max_length": T} if name == "softmax" else {}))
+    own = lay.apply({"params": params["attention"]}, B, method="init_state")
+    assert_trees_equal(state, own)
+    longer = jax.eval_shape(attention.make(name, num_heads=HEADS, qkv_features=E, causal=True, decode=True,
+                                           **options).init, jax.random.PRNGKey(0), jnp.zeros((B, 3 * T, E)))
+    shapes = [np.shape(a) for a in jax.tree_util.tree_leaves(state)]
+    shapes_3t = [a.shape for a in jax.tree_util.tree_leaves(longer["cache"]["state"])]
+    if name == "softmax":
+        assert state.key.shape[1] == T and longer["cache"]["state"].key.shape[1] == 3 * T
+    else:
+        assert shapes == shapes_3t
+    for leaf in jax.tree_util.tree_leaves(state):
+        assert leaf.dtype in (jnp.float32, jnp.int32, jnp.bool_)
+
+
+def test_decode_refuses_what_it_cannot_do():
+    dec = attention.make("linear", num_heads=HEADS, qkv_features=E, causal=True, decode=True)
+    x = jnp.zeros((B, T, E))
+    variables = dec.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"each call takes one token \[B, 1, E\]; got shape \(2, 7, 16\)"):
+        dec.apply(variables, x, mutable=["cache"])
+    with pytest.raises(ValueError, match=r"a self-attention step takes no mask"):
+        dec.apply(variables, x[:, :1], mask=jnp.ones((B, 1), bool), mutable=["cache"])
+    with pytest.raises(ValueError, match=r"decoding steps run without dropout"):
+        dec.apply(variables, x[:, :1], deterministic=False, mutable=["cache"])
+    full = attention.make("linear", num_heads=HEADS, qkv_features=E, decode=True)   # a cross module
+    with pytest.raises(ValueError, match=r"decode=True self-attention needs causal=True"):
+        full.init(jax.random.PRNGKey(0), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _memory():
+    rng = np.random.default_rng(7)
+    memory = rng.normal(size=(B, S, E)).astype(np.float32)
+    memory_mask = np.arange(S)[None, :] < np.array([[S], [S - 2]])
+    return memory, memory_mask
+
+
+CROSS = attention.names("cross")
+
+
+@pytest.mark.parametrize("name", CROSS)
+def test_cross_attention_in_the_mhdpa_call_style(name):
+    x, _, _ = _data()
+    memory, memory_mask = _memory()
+    attn = attention.make(name, num_heads=HEADS, qkv_features=E, out_features=E + 1, **SMALL.get(name, {}))
+    params = jax.jit(attn.init)(jax.random.PRNGKey(0), x, memory, mask=memory_mask)
+    fn = jax.jit(lambda p, x, m: attn.apply(p, x, m, mask=memory_mask))
+    y = fn(params, x, memory)
+    assert y.shape == (B, T, E + 1) and np.all(np.isfinite(np.asarray(y)))
+    for other in (attn.apply(params, x, inputs_kv=memory, mask=memory_mask),
+                  attn.apply(params, x, memory, memory, mask=memory_mask)):
+        np.testing.assert_allclose(np.asarray(other), np.asarray(y), **testing.F32_SIMPLE)
+    # a memory of another length and width than the queries
+    wide = np.concatenate([memory, memory], axis=1)[..., :E - 4]
+    y_wide = attn.clone().init_with_output(jax.random.PRNGKey(0), x, wide,
+                                           mask=np.concatenate([memory_mask, memory_mask], 1))[0]
+    assert y_wide.shape == (B, T, E + 1)
+
+
+@pytest.mark.parametrize("name", CROSS)
+def test_cross_decode_step_by_step_equals_the_full_call(name):
+    """A decoder's cross-attention with decode=True: the query at step t sits at position t
+    (the Cross-Graph layer centres its window there); the others read no position."""
+    x, _, _ = _data()
+    memory, memory_mask = _memory()
+    kw = dict(num_heads=HEADS, qkv_features=E, **SMALL.get(name, {}))
+    full, dec = attention.make(name, **kw), attention.make(name, decode=True, **kw)
+    variables = jax.jit(lambda: dec.init(jax.random.PRNGKey(0), x, memory, mask=memory_mask))()
+    y = full.apply({"params": variables["params"]}, x, memory, mask=memory_mask)
+
+    def tokens(variables):
+        def body(cache, x_t):
+            y_t, state = dec.apply({"params": variables["params"], "cache": cache}, x_t[:, None], memory,
+                                   mask=memory_mask, mutable=["cache"])
+            return state["cache"], y_t[:, 0]
+        return jnp.swapaxes(jax.lax.scan(body, variables["cache"], jnp.swapaxes(x, 0, 1))[1], 0, 1)
+    np.testing.assert_allclose(np.asarray(jax.jit(tokens)(variables)), np.asarray(y), **testing.F32_SIMPLE)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x, m: attention.make("agf", num_heads=2, qkv_features=8)(x, m),
+     r"^attention 'agf' has no cross-attention form; these have one: \('cross_graph', 'favor', 'linear', "
+     r"'softmax'\)"),
+    (lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8)(x),
+     r"'cross_graph' is cross-attention only: call it as attn\(inputs_q, inputs_k\)"),
+    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8, causal=True)(x, m),
+     r"cross-attention is not causal"),
+    (lambda x, m: attention.make("softmax", num_heads=2, qkv_features=8, dropout_rate=0.1)(x, m),
+     r"option\(s\) \['dropout_rate'\] of 'softmax' apply to its self-attention form only"),
+    (lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8, rho=0.5)(x),
+     r"cross-attention only"),
+    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, x),
+     r"keys and values come from one memory"),
+    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, inputs_kv=m),
+     r"as inputs_kv or as inputs_k, not both"),
+    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, mask=jnp.ones((2, 7), bool)),
+     r"mask must be a \[B, S\] = \(2, 5\) key-padding mask, got shape \(2, 7\)"),
+])
+def test_cross_refusals_are_one_clear_line(call, message):
+    x, m = jnp.zeros((2, 7, 8)), jnp.zeros((2, 5, 8))
+
+    class Wrap(nn.Module):
+        @nn.compact
+        def __call__(self, x, m):
+            return call(x, m)
+    with pytest.raises(ValueError, match=message):
+        Wrap().init(jax.random.PRNGKey(0), x, m)
+
+
+def test_noncausal_linear_attention_kernel(x64):
+    """`linear_attention.noncausal` against the explicit sum over keys, NaN-safe padding, and its
+    float64 gradients."""
+    from jax.test_util import check_grads
+
+    from zoo_core import linear_attention as la
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.normal(size=(B, t, HEADS, d)) for t, d in ((T, 4), (S, 4), (S, 3)))
+    _, memory_mask = _memory()
+    query_mask = np.arange(T)[None, :] < np.array([[T], [2]])
+    num, den = la.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask, denominator=True)
+    scores = np.einsum("bthd,bshd->bhts", q, k) * memory_mask[:, None, None, :]
+    want_num = np.einsum("bhts,bshm->bthm", scores, v) * query_mask[..., None, None]
+    want_den = np.swapaxes(scores.sum(-1), 1, 2) * query_mask[..., None]
+    np.testing.assert_allclose(np.asarray(num), want_num, **testing.F32_SIMPLE)
+    np.testing.assert_allclose(np.asarray(den), want_den, **testing.F32_SIMPLE)
+    assert num.dtype == jnp.float64 and la.noncausal(q, k, v)[1] is None
+    dirty = [np.where(mask[:, :, None, None], a, np.nan) for a, mask in
+             ((q, query_mask), (k, memory_mask), (v, memory_mask))]
+    num_bad, den_bad = la.noncausal(*dirty, mask=memory_mask, query_mask=query_mask, denominator=True)
+    np.testing.assert_array_equal(np.asarray(num_bad), np.asarray(num))
+    np.testing.assert_array_equal(np.asarray(den_bad), np.asarray(den))
+    with pytest.raises(ValueError, match=r"mask must be \[2, 5\], got \(2, 7\)"):
+        la.noncausal(q, k, v, mask=query_mask)
+    # float64 (the x64 fixture): gradients against finite differences
+    f = jax.jit(lambda q, k, v: la.noncausal(q, k, v, mask=memory_mask, denominator=True))
+    check_grads(f, tuple(jnp.asarray(a, jnp.float64) for a in (q, k, v)), order=1, modes=("rev",))

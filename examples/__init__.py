@@ -1,0 +1,1 @@
+"""Examples that use the zoo from outside it (not installed with the packages)."""

@@ -1,0 +1,154 @@
+"""The registry of `zoo_core.attention`: each mechanism's layer classes, what it can do, and the
+checks of `make` / `layer`, each problem in one line (see the package docstring)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, NamedTuple, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class _Form(NamedTuple):
+    """One layer class of a mechanism: where it lives, the fields the registry fixes, and those it
+    hides (meaningless in this form, so not offered as options)."""
+    module: str
+    cls: str
+    fixed: tuple = ()
+    hidden: tuple = ()
+
+
+class _Entry(NamedTuple):
+    self_form: Optional[_Form]  # the self-attention contract layer (None: cross only)
+    modes: tuple[bool, ...]     # the values of `causal` the self-attention layer has itself
+    global_linear: bool         # non-causal self-attention by `linear_attention.noncausal` on its projections
+    cross_form: Optional[_Form]
+    doc: str
+
+
+_FAVOR = _Form("htgn_jax.layers", "FavorAttention")
+_REGISTRY: dict[str, _Entry] = {
+    "agf": _Entry(_Form("agf_jax.layers", "AGFAttention"), (False, True), False, None,
+                  "Attentive Graph Filter (Wi, Choi, Park, IJCAI 2025); causal: prefix-normalised"),
+    "cross_graph": _Entry(None, (), False, _Form("htgn_jax", "CrossGraphAttention"),
+                          "HTGN Cross-Graph attention: query i -> a memory window around round(rho i)"),
+    "favor": _Entry(_FAVOR, (False, True), False, _FAVOR,
+                    "FAVOR+ positive random features (Performer, Choromanski et al. 2021)"),
+    "linear": _Entry(_Form("samovar_jax", "LinearAttention"), (True,), True,
+                     _Form("samovar_jax", "LinearAttention"),
+                     "linear attention without normaliser (SAMoVAR / LinTrans); non-causal: global"),
+    "softmax": _Entry(_Form("agf_jax.layers", "SoftmaxAttention"), (False, True), False,
+                      _FAVOR._replace(fixed=(("feature_map", "exact"),), hidden=(
+                          "chunk_size", "num_features", "redraw_every", "use_rotary", "rotary_base",
+                          "eps", "projection_seed")),
+                      "exact multi-head softmax attention, O(T^2): the baseline"),
+    "window_graph": _Entry(_Form("htgn_jax", "WindowGraphAttention"), (False, True), False, None,
+                           "HTGN windowed graph attention with global nodes (GATv2 scoring)"),
+}
+
+# Arguments of `make` itself; everything else goes to the layer and must be one of its fields.
+_RESERVED = ("num_heads", "head_dim", "out_features", "causal", "dtype", "param_dtype", "name",
+             "parent")
+CAPABILITIES = ("self", "causal", "decode", "cross")
+
+
+def capabilities(name: str) -> dict[str, bool]:
+    """What mechanism `name` has: {'self': non-causal self-attention, 'causal': causal
+    self-attention, 'decode': `decode=True` (one token per call through the 'cache' collection, in
+    a causal self-attention or a cross-attention), 'cross': cross-attention}."""
+    entry = lookup(name)
+    causal = True in entry.modes
+    return {"self": False in entry.modes or entry.global_linear, "causal": causal,
+            "decode": causal or entry.cross_form is not None, "cross": entry.cross_form is not None}
+
+
+def names(*required: str) -> tuple[str, ...]:
+    """The registered mechanisms, sorted; with `required` (of CAPABILITIES) those that have them all,
+    e.g. `names('cross')`, `names('causal', 'decode')`."""
+    bad = sorted(set(required) - set(CAPABILITIES))
+    if bad:
+        raise ValueError(f"unknown capability {bad}; choose from {CAPABILITIES}")
+    return tuple(n for n in sorted(_REGISTRY) if all(capabilities(n)[c] for c in required))
+
+
+def lookup(name: str) -> _Entry:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention {name!r}; choose one of {names()}")
+    return _REGISTRY[name]
+
+
+def layer_class(form: _Form) -> type:
+    return getattr(importlib.import_module(form.module), form.cls)
+
+
+def fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def options_of(form: _Form) -> set[str]:
+    return fields(layer_class(form)) - set(_RESERVED) - set(form.hidden) - {k for k, _ in form.fixed}
+
+
+def form_kwargs(form: _Form, *, num_heads: int, head_dim: int, out_features: Optional[int],
+                causal: Optional[bool], dtype: Any, param_dtype: Any, options: dict) -> dict:
+    """The fields of `form`'s layer: the common ones, `causal` where it has one, the fixed ones and
+    `options` (all of them its own; `make` checked them)."""
+    kwargs = dict(num_heads=num_heads, head_dim=head_dim, out_features=out_features, dtype=dtype,
+                  param_dtype=param_dtype, **dict(form.fixed), **options)
+    if causal is not None and "causal" in fields(layer_class(form)):
+        kwargs["causal"] = causal
+    return kwargs
+
+
+def check(name: str, *, num_heads: int, qkv_features: int, out_features: Optional[int], causal: bool,
+           decode: bool, options: dict) -> _Entry:
+    """Checks the arguments of `make` / `layer` once, each problem in one line."""
+    entry = lookup(name)
+    caps = capabilities(name)
+    if causal and not caps["causal"]:
+        have = "cross-attention only" if entry.self_form is None else "non-causal only"
+        raise ValueError(f"attention {name!r} has no causal=True mode (it is {have})")
+    if not causal and not caps["self"] and not caps["cross"]:
+        raise ValueError(f"attention {name!r} has no causal=False mode (it is causal only)")
+    if decode and not caps["decode"]:
+        raise ValueError(f"attention {name!r} has no decode=True form; these have one: {names('decode')}")
+    if decode and not causal and not caps["cross"]:
+        raise ValueError(f"decode=True on {name!r} needs causal=True (it has no cross form, the other "
+                         f"use of decode)")
+    for arg, value in (("num_heads", num_heads), ("qkv_features", qkv_features)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{arg}` must be an integer >= 1, got {value!r}")
+    if qkv_features % num_heads:
+        raise ValueError(f"`qkv_features` = {qkv_features} must be divisible by `num_heads` = {num_heads}")
+    if out_features is not None and (isinstance(out_features, bool) or not isinstance(out_features, int)
+                                     or out_features < 1):
+        raise ValueError(f"`out_features` must be None or an integer >= 1, got {out_features!r}")
+    allowed = set().union(*(options_of(f) for f in (entry.self_form, entry.cross_form) if f))
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"attention {name!r} has no option(s) {unknown}; its options are {sorted(allowed)}")
+    return entry
+
+
+def layer(name: str, *, num_heads: int, qkv_features: int, out_features: Optional[int] = None,
+          causal: bool = False, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+          **options) -> nn.Module:
+    """The mechanism's own self-attention contract layer (`(y, aux)`; `init_state` / `scan` /
+    `step` if causal).
+
+    Arguments as in `make`. `out_features=None` gives the input width. A mode the layer has only
+    through `make` (linear's global form) or a cross-only mechanism raises.
+    """
+    entry = check(name, num_heads=num_heads, qkv_features=qkv_features, out_features=out_features,
+                   causal=causal, decode=False, options=options)
+    if entry.self_form is None or causal not in entry.modes:
+        raise ValueError(f"attention {name!r} has no causal={causal} contract layer; `make` builds "
+                         f"its {'cross' if entry.self_form is None else 'global'} form")
+    extra = sorted(set(options) - options_of(entry.self_form))
+    if extra:
+        raise ValueError(f"option(s) {extra} of {name!r} apply to its cross form only")
+    cls = layer_class(entry.self_form)
+    return cls(**form_kwargs(entry.self_form, num_heads=num_heads, head_dim=qkv_features // num_heads,
+                             out_features=out_features, causal=causal, dtype=dtype,
+                             param_dtype=param_dtype, options=options))
