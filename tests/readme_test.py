@@ -18,10 +18,22 @@ SNIPPETS = re.findall(r"```python\n(.*?)```", _section("Use in your own model"),
 
 
 def test_the_section_has_its_snippets():
-    assert len(SNIPPETS) == 2
+    assert len(SNIPPETS) == 3
 
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_snippet_runs(index, capsys):
     exec(compile(SNIPPETS[index], f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
     assert capsys.readouterr().out.strip()
+
+
+def test_the_block_takes_every_self_attention_name(capsys):
+    """The README says the Block takes any of `attention.names('self')`: run it with each."""
+    from zoo_core import attention
+
+    block_snippet = SNIPPETS[0]
+    assert 'mechanism: str = "agf"' in block_snippet
+    for name in attention.names("self"):
+        exec(compile(block_snippet.replace('mechanism: str = "agf"', f'mechanism: str = "{name}"'),
+                     f"README.md Block with {name}", "exec"), {"__name__": "__readme__"})
+        assert "(2, 16, 64)" in capsys.readouterr().out, name
