@@ -138,7 +138,7 @@ def test_gradients_float64():
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
 @pytest.mark.parametrize("denominator", [False, True])
 def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator, monkeypatch):
-    # causal_chunked picks the prefix sum or the scan by the size of the states; run both here.
+    # On the CPU causal_chunked picks the prefix sum or the scan by the size of the states; run both here.
     q, k, v = _inputs(13, seed=4)
     kq, kd = jax.random.split(jax.random.PRNGKey(5))
     state = la.LinearState(jax.random.normal(kq, (B, H, D, M)),
