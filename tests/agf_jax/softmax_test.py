@@ -185,3 +185,15 @@ def test_gpu_program_takes_dot_product_attention_in_the_input_dtype():
         assert cpu and not any("bf16" in ops for ops in cpu), cpu
         if jax.default_backend() == "gpu":   # cuDNN is only detectable on a GPU host
             assert "cudnn" in _train_program(form, "cuda", jnp.bfloat16, **kw), form.__name__
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_gpu_host_without_cudnn_falls_back_to_the_xla_form(masked, monkeypatch):
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(t=8, seed=6))
+    mask = _mask(8) if masked else None
+    want = jax.jit(lambda *a: sm.softmax_fused(*a, mask=mask, causal=True))(q, k, v)
+    if jax.default_backend() != "gpu":   # the cuDNN attempt raises here and is caught
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = jax.jit(lambda *a: sm.softmax_fused(*a, mask=mask, causal=True))(q, k, v)
+    valid = np.ones((B, 8), bool) if mask is None else mask
+    np.testing.assert_allclose(*(_valid_rows({"": o}, valid)[""] for o in (got, want)), **BF16)
