@@ -6,7 +6,8 @@ Key padding puts -1e9 on the padded logits (the reference harnesses' offset); th
 -inf on the future ones, so a padded row with only padded keys before it averages the padded
 (zeroed) values instead of reading the future.
 
-Forms of the causal attention (same numbers up to float32 rounding, tests/agf_jax/layers_test.py):
+Forms of the causal attention (same numbers up to float32 rounding, tests/agf_jax/softmax_test.py
+and layers_test.py):
 
 * `softmax_parallel(causal=True)`: the masked T x T form.
 * `softmax_chunked`: the same rows, C queries at a time against all T keys. Chosen per platform
