@@ -6,11 +6,18 @@ Key padding puts -1e9 on the padded logits (the reference harnesses' offset); th
 -inf on the future ones, so a padded row with only padded keys before it averages the padded
 (zeroed) values instead of reading the future.
 
-Forms of the causal attention (same numbers up to float32 rounding, tests/agf_jax/layers_test.py):
+Forms of the causal attention (same numbers up to float32 rounding, tests/agf_jax/softmax_test.py
+and layers_test.py):
 
 * `softmax_parallel(causal=True)`: the masked T x T form.
-* `softmax_chunked`: the same rows, C queries at a time against all T keys (`lax.map`, rematerialised
-  body), so the live logits are `[B, H, C, T]` instead of `[B, H, T, T]`.
+* `softmax_chunked`: the same rows, C queries at a time against all T keys. Chosen per platform
+  (`jax.lax.platform_dependent`): on the CPU a `lax.map` over the chunks with a rematerialised body,
+  so the live logits are `[B, H, C, T]` instead of `[B, H, T, T]`; on accelerators, whose loops run
+  one iteration at a time, `softmax_chunked_batched` (every chunk at once) or, on a GPU without
+  dropout, `softmax_fused`.
+* `softmax_fused`: `jax.nn.dot_product_attention` (cuDNN's fused flash attention for bf16/fp16
+  inputs where this host has cuDNN, JAX's XLA form otherwise); `softmax_parallel` and
+  `softmax_chunked` use it on a GPU when no dropout is asked for (it has no weight dropout).
 * `softmax_scan` / `softmax_step`: the token recurrence on a `KVCache` of `max_length` slots; with a
   mask, padded tokens are not written (attention reads no positions, so the cache holds the valid
   tokens only, `length` counts them per sample).
@@ -20,10 +27,12 @@ Masking is NaN-safe (the zoo's layer contract): padded and future logits are rep
 still NaN for a zero future weight and a NaN value, a non-finite value at a valid position is
 replaced by 0 and every output at or after it is set to NaN (what the token recurrence gives).
 A token written past `max_length` makes its output and all later ones NaN instead of being dropped.
-Logits, weights, outputs and the cache are float32 (float64 stays float64).
+Logits, weights, outputs and the cache are float32 (float64 stays float64); the fused form takes
+bf16/fp16 inputs as they are (cuDNN keeps its softmax statistics in float32) and returns float32.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
@@ -63,7 +72,6 @@ def init_cache(batch_size: int, max_length: int, num_heads: int, head_dim: int,
 def _prepare(q, k, v, mask, causal):
     """Float casts, padded values -> 0, and (causal) the non-finite-value guard `[B, T, H]`."""
     q, k, v = _float(q), _float(k), _float(v)
-    validation.check_kernel_inputs(q, k, v, mask)
     valid = jnp.ones(q.shape[:2], bool) if mask is None else jnp.asarray(mask).astype(bool)
     keep = jnp.broadcast_to(valid[:, :, None], q.shape[:3])
     poisoned = None
@@ -102,6 +110,9 @@ def softmax_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = No
                      causal: bool = False, dropout: Dropout = None) -> Array:
     """softmax(Q K^T / sqrt(D)) V per head, O(T^2).
 
+    On a GPU without `dropout` this is `softmax_fused` (chosen by `jax.lax.platform_dependent`);
+    elsewhere the XLA form below.
+
     Args:
         q, k: `[B, T, H, D]`.
         v: `[B, T, H, M]`.
@@ -112,6 +123,15 @@ def softmax_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = No
     Returns:
         `[B, T, H, M]` float32.
     """
+    validation.check_kernel_inputs(q, k, v, mask)
+    xla = functools.partial(_parallel_xla, causal=causal, dropout=dropout)
+    if dropout is not None:
+        return xla(q, k, v, mask)
+    return jax.lax.platform_dependent(q, k, v, mask, cuda=functools.partial(_fused, causal=causal),
+                                      default=xla)
+
+
+def _parallel_xla(q, k, v, mask, *, causal, dropout):
     q, k, v, valid, poisoned = _prepare(q, k, v, mask, causal)
     w = _weights(q, k, valid, mask is not None, causal)
     if dropout is not None:
@@ -119,9 +139,87 @@ def softmax_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = No
     return _guard(jnp.einsum("bhtj,bjhm->bthm", w, v.astype(w.dtype)), poisoned)
 
 
+def softmax_fused(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
+                  causal: bool = False) -> Array:
+    """`softmax_parallel` (no dropout) through `jax.nn.dot_product_attention`, on any platform.
+
+    bf16/fp16 inputs take cuDNN's fused flash attention (`implementation='cudnn'`, `is_causal`, key
+    padding as key lengths when the mask is a valid prefix per row) where this host has cuDNN and the
+    shapes suit it (head width a multiple of 8 up to 128, value width = key width); other float16/32
+    inputs JAX's XLA form of the same function (softmax in float32); float64 inputs, or values of
+    another width than keys, `softmax_parallel`'s XLA form. There key padding is a `-1e9` bias on
+    the padded keys (the offset of `softmax_parallel`, so a row with only padded keys averages the
+    zeroed padded values as there). Padded keys and values are zeroed with `jnp.where` first, and
+    causal rows at and after a non-finite key or value are NaN, so padding or the future holding
+    NaN changes no output.
+
+    Args:
+        q, k: `[B, T, H, D]`; v: `[B, T, H, M]`; mask: `[B, T]` (True = valid) or None;
+        causal: as in `softmax_parallel`.
+
+    Returns:
+        `[B, T, H, M]` float32 (float64 for float64 inputs).
+    """
+    validation.check_kernel_inputs(q, k, v, mask)
+    return _fused(q, k, v, mask, causal=causal)
+
+
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _fused(q, k, v, mask, *, causal):
+    dt = jnp.result_type(q, k, v)
+    if not jnp.issubdtype(dt, jnp.floating):
+        dt = jnp.float32
+    # jax.nn's attention needs values as wide as keys, and its softmax is float32 even for float64
+    if jnp.shape(v)[-1] != jnp.shape(q)[-1] or dt == jnp.float64:
+        return _parallel_xla(q, k, v, mask, causal=causal, dropout=None)
+    q, k, v = (jnp.asarray(x).astype(dt) for x in (q, k, v))
+    valid = jnp.ones(q.shape[:2], bool) if mask is None else jnp.asarray(mask).astype(bool)
+    bad = jnp.zeros(q.shape[:3], bool)
+    if causal:
+        bad = valid[:, :, None] & ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))
+    drop = (bad | ~valid[:, :, None])[..., None]
+    k, v = jnp.where(drop, 0.0, k).astype(dt), jnp.where(drop, 0.0, v).astype(dt)
+    bias = None
+    if mask is not None:
+        bias = jnp.where(valid, 0.0, -MASK_OFFSET).astype(jnp.promote_types(dt, jnp.float32))[:, None, None, :]
+    o = _dot_product_attention(q, k, v, valid, bias, causal)
+    o = o.astype(jnp.promote_types(dt, jnp.float32))
+    return _guard(o, jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0 if causal else None)
+
+
+def _dot_product_attention(q, k, v, valid, bias, causal):
+    """`jax.nn.dot_product_attention`: cuDNN where it takes the operands, else JAX's XLA form.
+
+    cuDNN's padding is by key lengths, so a mask goes there only when every row is a non-empty
+    valid prefix (checked on the device, `lax.cond`); other masks take the XLA form's bias.
+    """
+    def xla():
+        return jax.nn.dot_product_attention(q, k, v, bias, is_causal=causal)
+
+    d = q.shape[-1]
+    if not (jax.default_backend() == "gpu" and q.dtype in _CUDNN_DTYPES and d % 8 == 0 and d <= 128):
+        return xla()
+    try:
+        if bias is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
+        prefix = (jnp.all(valid == (jnp.arange(q.shape[1])[None] < lengths[:, None]))
+                  & jnp.all(lengths > 0))
+        return jax.lax.cond(prefix, lambda: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, key_value_seq_lengths=lengths, implementation="cudnn"), xla)
+    except (RuntimeError, NotImplementedError, ValueError):   # no cuDNN here, or a shape it lacks
+        return xla()
+
+
 def softmax_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
                     mask: Optional[Array] = None, dropout: Dropout = None) -> Array:
     """Causal softmax attention, C queries at a time (any C >= 1; the last chunk may be short).
+
+    Per platform (`jax.lax.platform_dependent`): on the CPU a `lax.map` over the chunks (live logits
+    `[B, H, C, T]`); on accelerators no loop over chunks: `softmax_fused` on a GPU without dropout,
+    else `softmax_chunked_batched`. All give the same rows and the same dropout masks.
 
     Args:
         q, k, v, mask: as in `softmax_parallel`.
@@ -131,6 +229,25 @@ def softmax_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
     Returns:
         `[B, T, H, M]` float32, the rows of `softmax_parallel(causal=True)`.
     """
+    validation.check_kernel_inputs(q, k, v, mask)
+    by_map = functools.partial(_chunked_xla, chunk_size=chunk_size, dropout=dropout, batched=False)
+    batched = functools.partial(_chunked_xla, chunk_size=chunk_size, dropout=dropout, batched=True)
+    gpu = batched if dropout is not None else functools.partial(_fused, causal=True)
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=by_map, cuda=gpu, default=batched)
+
+
+def softmax_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
+                            mask: Optional[Array] = None, dropout: Dropout = None) -> Array:
+    """`softmax_chunked`'s accelerator form, on any platform: every chunk at once (`jax.vmap` of the
+    chunk body over the chunk axis, live logits `[n, B, H, C, T]`), the same rows and dropout masks.
+
+    Args and Returns: as in `softmax_chunked`.
+    """
+    validation.check_kernel_inputs(q, k, v, mask)
+    return _chunked_xla(q, k, v, mask, chunk_size=chunk_size, dropout=dropout, batched=True)
+
+
+def _chunked_xla(q, k, v, mask, *, chunk_size, dropout, batched):
     q, k, v, valid, poisoned = _prepare(q, k, v, mask, True)
     b, t, h, d = q.shape
     c = max(1, min(int(chunk_size), t))
@@ -146,7 +263,7 @@ def softmax_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
             w = dropout(w, i)
         return jnp.einsum("bhtj,bjhm->bthm", w, v)
 
-    o = jax.lax.map(body, (jnp.arange(n), qc))
+    o = jax.vmap(body)((jnp.arange(n), qc)) if batched else jax.lax.map(body, (jnp.arange(n), qc))
     o = jnp.moveaxis(o, 0, 1).reshape((b, n * c) + o.shape[3:])[:, :t]
     return _guard(o, poisoned)
 

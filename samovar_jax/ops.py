@@ -14,8 +14,9 @@ Contents:
   x0, key of layer m = output of layer m-1 (key of layer 1 = x0), optionally through a key matrix
   W_k (the "w/ W_k" ablation). Each layer is the zoo's causal linear attention without normaliser,
   `o_t = sum_{s<=t} (q_t . k_s) v_s` (`zoo_core.linear_attention`, denominator=False), in four forms:
-  `var_chain_parallel`, `var_chain_chunked`, `var_chain_recurrent` (a token scan per layer) and
-  `var_chain_step`, with `var_chain_init_state`. Padding masks and non-finite values are handled by
+  `var_chain_parallel`, `var_chain_chunked` (per platform: on accelerators
+  `var_chain_chunked_batched`, batched over heads with no loop), `var_chain_recurrent` (a token scan
+  per layer) and `var_chain_step`, with `var_chain_init_state`. Padding masks and non-finite values are handled by
   the shared kernels with `jnp.where` (NaN-safe: no future or padded position reaches a past or valid
   output, in any form and through the whole chain).
 * The LU-parameterised structural matrix D = L U (spec §2.7): `structural_matrix`,
@@ -199,10 +200,10 @@ def _masked_layer(mask):
     return lambda qm, km, vm, _: (la.causal_parallel(qm, km, vm, mask=mask)[0], None)
 
 
-def _chunked_layer(chunk_size, mask):
-    """`_chain`'s layer function of the chunked form (carries each layer's state)."""
+def _chunked_layer(chunk_size, mask, form=la.causal_chunked):
+    """`_chain`'s layer function of a chunked form (carries each layer's state)."""
     def fn(qm, km, vm, s):
-        num, _, s = la.causal_chunked(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
+        num, _, s = form(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
         return num, s
     return fn
 
@@ -211,6 +212,10 @@ def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: 
                       key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
                       mask: Optional[Array] = None) -> tuple[Array, Array]:
     """Chunked form: `zoo_core.linear_attention.causal_chunked` once per layer (spec §4).
+
+    The form of each layer is chosen per platform by `causal_chunked`: on accelerators it is
+    `var_chain_chunked_batched`'s (all heads and chunks in the same einsums, no loop, a program that
+    does not grow with H); on the CPU one head at a time (or a scan over chunks).
 
     Args:
       x0, q, v, key_kernels, dropout_mask, mask: as in `var_chain_parallel`.
@@ -222,6 +227,21 @@ def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: 
     """
     _check_chain(x0, q, v, key_kernels, dropout_mask)
     return _chain(_chunked_layer(chunk_size, mask), x0, q, v, key_kernels, dropout_mask, state)
+
+
+def var_chain_chunked_batched(x0: Array, q: Array, v: Array, chunk_size: int, *,
+                              state: Optional[Array] = None, key_kernels: Optional[Array] = None,
+                              dropout_mask: Optional[Array] = None,
+                              mask: Optional[Array] = None) -> tuple[Array, Array]:
+    """The accelerator form of `var_chain_chunked`, on any platform: per layer
+    `zoo_core.linear_attention.causal_chunked_batched` (every chunk's entering state at once by an
+    exclusive prefix sum over the chunks, each product one einsum over [B, n, H]).
+
+    Args and Returns: as in `var_chain_chunked`.
+    """
+    _check_chain(x0, q, v, key_kernels, dropout_mask)
+    return _chain(_chunked_layer(chunk_size, mask, la.causal_chunked_batched), x0, q, v, key_kernels,
+                  dropout_mask, state)
 
 
 def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk_size: Optional[int] = None,

@@ -13,9 +13,11 @@ Forms (all return the same numbers up to float32 rounding; `tests/zoo_core/linea
 * `causal_parallel`: the masked quadratic form `tril(Q K^T) V`, O(T^2) time and memory; the fastest
   for short sequences.
 * `causal_chunked`: the quadratic form inside chunks of C tokens (any C >= 1, also one that does not
-  divide T) and the state across chunks, from a prefix sum over the chunks where their states are no
-  larger than the inputs, else carried by a rematerialised `lax.scan`: O(T C D + T D M) time,
-  O(T (D + M) + D M) memory.
+  divide T) and the state across chunks, O(T C D + T D M) time. Chosen per platform: on accelerators
+  `causal_chunked_batched` (every chunk's state at once from a prefix sum, all heads in one einsum,
+  no loop); on the CPU a per-head prefix sum where the chunk states are no larger than the inputs,
+  else a rematerialised `lax.scan` over the chunks (O(T (D + M) + D M) memory).
+* `causal_chunked_batched`: the accelerator form of `causal_chunked`, callable on any platform.
 * `causal_scan`: a `lax.scan` of `causal_step` over tokens (the recurrent form).
 * `causal_step`: one token, `S += k_t v_t^T; num_t = q_t S`.
 
@@ -37,6 +39,7 @@ removed with `jnp.where`, never by multiplying with 0, since 0 * NaN = NaN:
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -166,17 +169,17 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
 
     T is zero-padded at the end to a multiple of C; padded tokens have k = v = 0, so they add nothing
     to the state, and their rows are dropped. The state entering each of the n = ceil(T / C) chunks
-    is computed in one of two ways, with the same numbers up to float32 rounding:
+    is computed per platform (`jax.lax.platform_dependent`), with the same numbers up to float32
+    rounding:
 
-    * all at once, as an exclusive prefix sum over the chunks of their sums k^T v (`jnp.cumsum`),
-      when those n states and the n score blocks are no larger than the inputs (n D M <= T (D + M)
-      and C <= D + M): every product is one batched einsum over all chunks;
-    * otherwise by a `lax.scan` over the chunks whose body is rematerialised (`jax.checkpoint`),
-      so that the backward pass stores one state per chunk instead of the per-chunk score blocks
-      and the forward pass only the running state.
-
-    Either way the memory is O(T (D + M) + D M). Measured on the SAMoVAR Fig. 4 train step
-    (T = 128, C = 32, D = M = 16; 2 CPU devices): 0.800 s with the scan, 0.750 s with the prefix sum.
+    * on accelerators, `causal_chunked_batched`'s form: every chunk's entering state at once, as an
+      exclusive prefix sum over the chunks of their sums k^T v, each product one einsum over all
+      chunks and heads (no loop over chunks, whose iterations a GPU would run one by one);
+    * on the CPU, the same prefix sum one head at a time when the n states and score blocks are no
+      larger than the inputs (n D M <= T (D + M) and C <= D + M), since einsums batched over (B, n)
+      alone need no relayout copies there (`zoo_core.layout.heads`); otherwise a `lax.scan` over the
+      chunks whose body is rematerialised (`jax.checkpoint`), so that the backward pass stores one
+      state per chunk instead of the per-chunk score blocks. Memory O(T (D + M) + D M).
 
     Args:
       q, k, v, mask, denominator: as in `causal_parallel`.
@@ -186,36 +189,92 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
     """
+    q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator)
+    num, den, final = jax.lax.platform_dependent(q, k, v, state, cpu=functools.partial(_chunked_cpu, c),
+                                                 default=functools.partial(_chunked_batched, c))
+    return _guard(poisoned, num, den, final)
+
+
+def causal_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
+                           state: Optional[LinearState] = None, mask: Optional[Array] = None,
+                           denominator: bool = False) -> tuple[Array, Optional[Array], LinearState]:
+    """The accelerator form of `causal_chunked`, on any platform: no loop over chunks or heads.
+
+    With chunks `Q_j, K_j, V_j` of C tokens and `S_j = sum_{i < j} K_i^T V_i` (plus the carried
+    state), `num_j = tril(Q_j K_j^T) V_j + Q_j S_j`: the chunk sums `K_j^T V_j` are one einsum over
+    `[B, n, H]`, the entering states an exclusive `cumsum` over the chunk axis, and the outputs two
+    more einsums (the chunkwise parallel form of linear attention, as in fla's chunk kernels).
+    The n entering states `[B, n, H, D, M]` are float32 (float64 under x64): memory
+    O(T (D + M) + n H D M).
+
+    Args and Returns: as in `causal_chunked`.
+    """
+    q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator)
+    return _guard(poisoned, *_chunked_batched(c, q, k, v, state))
+
+
+def _chunked_inputs(q, k, v, chunk_size, state, mask, denominator):
+    """Checks and `_prepare` of the chunked forms: (q, k, v, poisoned, initial state, C)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     _check(q, k, v, mask, 4)
     q, k, v, poisoned = _prepare(q, k, v, mask)
     state = _initial(state, q, v, denominator, q.dtype)
-    b, t, h, d = q.shape
-    m = v.shape[-1]
-    c = max(1, min(chunk_size, t))
+    return q, k, v, poisoned, state, max(1, min(chunk_size, q.shape[1]))
+
+
+def _to_chunks(x: Array, c: int) -> Array:
+    """`[B, T, ...]` -> `[B, n, C, ...]`, zero-padded at the end to n = ceil(T / C) chunks."""
+    b, t = x.shape[:2]
     n = -(-t // c)
+    x = jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape((b, n, c) + x.shape[2:])
 
-    def chunks(x):   # [B, T, ...] -> [B, n, C, ...]
-        x = jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2))
-        return x.reshape((b, n, c) + x.shape[2:])
 
+def _from_chunks(num: Array, den: Optional[Array], t: int):
+    """`[B, n, C, H, .]` -> `[B, T, H, .]`: the rows of the first T tokens."""
+    b, n, c = num.shape[:3]
+    num = num.reshape((b, n * c) + num.shape[3:])[:, :t]
+    return num, None if den is None else den.reshape((b, n * c) + den.shape[3:])[:, :t]
+
+
+def _chunked_cpu(c: int, q: Array, k: Array, v: Array, state: LinearState):
+    """`causal_chunked` on the CPU: per-head prefix sums where they fit, else a scan over chunks."""
+    t, h, d, m = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
     if _prefix_sum_fits(t, c, d, m):
         # One head at a time: einsums batched over (B, n) alone run without relayout copies
         # (`zoo_core.layout.heads`).
         dens = [None] * h if state.den is None else layout.heads(state.den, axis=1)
-        out = [_chunks_by_prefix_sum(chunks(qh), chunks(kh), chunks(vh), LinearState(num_h, den_h))
+        out = [_chunks_by_prefix_sum(_to_chunks(qh, c), _to_chunks(kh, c), _to_chunks(vh, c),
+                                     LinearState(num_h, den_h))
                for qh, kh, vh, num_h, den_h in zip(layout.heads(q), layout.heads(k), layout.heads(v),
                                                    layout.heads(state.num, axis=1), dens)]
         num = jnp.stack([o[0] for o in out], axis=3)
-        den = jnp.stack([o[1] for o in out], axis=3) if denominator else None
+        den = None if state.den is None else jnp.stack([o[1] for o in out], axis=3)
         final = LinearState(jnp.stack([o[2].num for o in out], axis=1),
-                            jnp.stack([o[2].den for o in out], axis=1) if denominator else None)
+                            None if state.den is None else jnp.stack([o[2].den for o in out], axis=1))
     else:
-        num, den, final = _chunks_by_scan(chunks(q), chunks(k), chunks(v), state)
-    num = num.reshape(b, n * c, h, m)[:, :t]
-    den = den.reshape(b, n * c, h)[:, :t] if denominator else None
-    return _guard(poisoned, num, den, final)
+        num, den, final = _chunks_by_scan(_to_chunks(q, c), _to_chunks(k, c), _to_chunks(v, c), state)
+    return _from_chunks(num, den, t) + (final,)
+
+
+def _chunked_batched(c: int, q: Array, k: Array, v: Array, state: LinearState):
+    """`causal_chunked_batched` after `_prepare`: every chunk and head in the same einsums."""
+    qc, kc, vc = _to_chunks(q, c), _to_chunks(k, c), _to_chunks(v, c)           # [B, n, C, H, .]
+    tril = jnp.tril(jnp.ones((c, c), bool))
+    scores = jnp.where(tril, jnp.einsum("bnihd,bnjhd->bnhij", qc, kc), 0.0)    # [B, n, H, C, C]
+    kv = jnp.einsum("bnjhd,bnjhm->bnhdm", kc, vc)                                # [B, n, H, D, M]
+    entering = _exclusive_cumsum(kv, state.num)
+    num = jnp.einsum("bnhij,bnjhm->bnihm", scores, vc) + jnp.einsum("bnihd,bnhdm->bnihm", qc, entering)
+    final = LinearState(entering[:, -1] + kv[:, -1], None)
+    den = None
+    if state.den is not None:
+        ksum = jnp.sum(kc, axis=2)                                               # [B, n, H, D]
+        entering_den = _exclusive_cumsum(ksum, state.den)
+        den = (jnp.swapaxes(jnp.sum(scores, axis=-1), 2, 3)
+               + jnp.einsum("bnihd,bnhd->bnih", qc, entering_den))
+        final = LinearState(final.num, entering_den[:, -1] + ksum[:, -1])
+    return _from_chunks(num, den, q.shape[1]) + (final,)
 
 
 def _prefix_sum_fits(t: int, c: int, d: int, m: int) -> bool:

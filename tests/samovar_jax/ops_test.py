@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 from samovar_jax import ops
-from zoo_core.testing import F32_SIMPLE, F64
+from zoo_core.testing import F32_SIMPLE, F64, exported_program, while_loops
 
 B, H, D, L = 2, 2, 4, 3
 CHUNKS = (3, 4, 16)   # divides 16 / divides neither 7 nor 16 / longer than T
@@ -56,6 +56,7 @@ def _sequence_forms(x0, q, v, wk, mask):
     out["recurrent"], out["recurrent_state"] = ops.var_chain_recurrent(x0, q, v, **kw)
     for c in CHUNKS:
         out[f"chunked{c}"], out[f"chunked{c}_state"] = ops.var_chain_chunked(x0, q, v, c, **kw)
+        out[f"batched{c}"], out[f"batched{c}_state"] = ops.var_chain_chunked_batched(x0, q, v, c, **kw)
     return out
 
 
@@ -100,7 +101,9 @@ def _split(x0, q, v, wk):
     full = ops.var_chain_recurrent(x0, q, v, key_kernels=wk)
     parts = {}
     for name, fn in [("recurrent", lambda *z, state=None: ops.var_chain_recurrent(*z, state=state, key_kernels=wk)),
-                     ("chunked", lambda *z, state=None: ops.var_chain_chunked(*z, 4, state=state, key_kernels=wk))]:
+                     ("chunked", lambda *z, state=None: ops.var_chain_chunked(*z, 4, state=state, key_kernels=wk)),
+                     ("batched", lambda *z, state=None: ops.var_chain_chunked_batched(*z, 3, state=state,
+                                                                                     key_kernels=wk))]:
         o1, s1 = fn(x0[:, :a], q[:, :, :a], v[:, :, :a])
         o2, s2 = fn(x0[:, a:], q[:, :, a:], v[:, :, a:], state=s1)
         parts[name] = (jnp.concatenate([o1, o2], axis=2), s2)
@@ -145,6 +148,7 @@ def _chain_forms(x0, q, v, wk, drop, mask):
            "recurrent": ops.var_chain_recurrent(x0, q, v, **kw)[0]}
     for c in (2, 3):
         out[f"chunked{c}"] = ops.var_chain_chunked(x0, q, v, c, **kw)[0]
+        out[f"batched{c}"] = ops.var_chain_chunked_batched(x0, q, v, c, **kw)[0]
     if mask is None:
         state, steps = ops.var_chain_init_state(L, B, H, D), []
         for i in range(x0.shape[1]):
@@ -200,6 +204,9 @@ def test_check_grads_float64(x64):
     # (the scan), and D^-1 (triangular solves); jitted so the finite differences are cheap.
     chunked = jax.jit(lambda a, b, c, w: ops.var_chain_chunked(a, b, c, 2, key_kernels=w, dropout_mask=mask))
     check_grads(chunked, (x0, q, v, wk), order=1, modes=("rev",), **F64)
+    batched = jax.jit(lambda a, b, c, w: ops.var_chain_chunked_batched(a, b, c, 2, key_kernels=w,
+                                                                       dropout_mask=mask))
+    check_grads(batched, (x0, q, v, wk), order=1, modes=("rev",), **F64)
     recurrent = jax.jit(lambda a, b, c: ops.var_chain_recurrent(a, b, c)[0])
     check_grads(recurrent, (x0, q, v), order=1, modes=("rev",), **F64)
     check_grads(jax.jit(ops.structural_matrix_inverse), (0.3 * wk[:1, :4, :4],), order=1, modes=("rev",), **F64)
@@ -290,3 +297,33 @@ def test_chain_layers_are_the_stacked_forms_unstacked(chunk):
         ops.var_chain_layers(x0, list(q), list(v)[:2])
     with pytest.raises(ValueError, match="x0's shape"):
         ops.var_chain_layers(x0, [a[:, :3] for a in q], list(v))
+
+
+def _chain_train_program(heads: int, chunk: int, platform: str, per_layer: bool) -> str:
+    """The exported forward + backward of the chunked chain (`var_chain_chunked` or, with
+    `per_layer`, the model's `var_chain_layers`), with key kernels, dropout and a padding mask."""
+    x0 = jax.ShapeDtypeStruct((B, 64, heads, D), jnp.float32)
+    qv = jax.ShapeDtypeStruct((L,) + x0.shape, jnp.float32)
+    wk = jax.ShapeDtypeStruct((L, heads * D, heads * D), jnp.float32)
+    mask = jax.ShapeDtypeStruct((B, 64), jnp.bool_)
+
+    def loss(x0, q, v, wk, drop, mask):
+        kw = dict(key_kernels=wk, dropout_mask=drop, mask=mask)
+        if per_layer:
+            return sum(jnp.sum(o) for o in ops.var_chain_layers(x0, list(q), list(v), chunk_size=chunk, **kw))
+        return jnp.sum(ops.var_chain_chunked(x0, q, v, chunk, **kw)[0])
+    return exported_program(jax.grad(loss, argnums=(0, 1, 2, 3)), x0, qv, qv, wk, qv, mask, platform=platform)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_accelerator_chain_has_no_loop_and_does_not_grow_with_heads(platform, per_layer):
+    # Chunk 4 is a per-head prefix sum on the CPU, chunk 16 (> 2 D) a scan over chunks there.
+    assert while_loops(_chain_train_program(4, 16, "cpu", per_layer)) > 0
+    dots = {}
+    for heads in (4, 16):
+        for chunk in (4, 16):
+            program = _chain_train_program(heads, chunk, platform, per_layer)
+            assert while_loops(program) == 0, (heads, chunk)
+            dots.setdefault(chunk, set()).add(program.count("stablehlo.dot_general"))
+    assert all(len(counts) == 1 for counts in dots.values()), dots

@@ -6,7 +6,7 @@ import pytest
 from jax.test_util import check_grads
 
 from zoo_core import linear_attention as la
-from zoo_core.testing import F32_SIMPLE, F64, assert_forms_agree
+from zoo_core.testing import F32_SIMPLE, F64, assert_forms_agree, exported_program, while_loops
 
 B, H, D, M = 2, 2, 4, 3
 
@@ -35,6 +35,7 @@ def _oracle(q, k, v, mask=None):
 # this file's time). Eager == jit is checked for every layer in tests/contract_test.py.
 _parallel = jax.jit(la.causal_parallel, static_argnames="denominator")
 _chunked = jax.jit(la.causal_chunked, static_argnames=("chunk_size", "denominator"))
+_batched = jax.jit(la.causal_chunked_batched, static_argnames=("chunk_size", "denominator"))
 _scan = jax.jit(la.causal_scan, static_argnames="denominator")
 
 
@@ -42,6 +43,7 @@ def _all_forms(q, k, v, mask=None, denominator=True):
     out = {"parallel": _parallel(q, k, v, mask=mask, denominator=denominator)}
     for c in (1, 3, 16):
         out[f"chunked({c})"] = _chunked(q, k, v, chunk_size=c, mask=mask, denominator=denominator)[:2]
+        out[f"batched({c})"] = _batched(q, k, v, chunk_size=c, mask=mask, denominator=denominator)[:2]
     out["scan"] = _scan(q, k, v, mask=mask, denominator=denominator)[:2]
     return out
 
@@ -68,8 +70,12 @@ def test_step_loop_and_state_carry():
     num_a, den_a, s_a = _chunked(q[:, :3], k[:, :3], v[:, :3], chunk_size=2, denominator=True)
     num_b, den_b, s_b = _scan(q[:, 3:], k[:, 3:], v[:, 3:], state=s_a, denominator=True)
     full = _chunked(q, k, v, chunk_size=4, denominator=True)
+    num_c, den_c, s_c = _batched(q[:, :5], k[:, :5], v[:, :5], chunk_size=2, denominator=True)
+    num_d, den_d, s_d = _batched(q[:, 5:], k[:, 5:], v[:, 5:], chunk_size=3, state=s_c, denominator=True)
     assert_forms_agree({
         "chunked": full,
+        "batched": _batched(q, k, v, chunk_size=4, denominator=True),
+        "batched split": (jnp.concatenate([num_c, num_d], 1), jnp.concatenate([den_c, den_d], 1), s_d),
         "step": (jnp.stack(ys, 1), jnp.stack(dens, 1), state),
         "split": (jnp.concatenate([num_a, num_b], 1), jnp.concatenate([den_a, den_b], 1), s_b),
     }, **F32_SIMPLE)
@@ -99,8 +105,9 @@ def test_padding_and_future_cannot_change_valid_outputs(bad):
 
 def test_accumulates_in_float32_for_bf16_inputs():
     q, k, v = _inputs(7, dtype=jnp.bfloat16)
-    num, den, state = la.causal_chunked(q, k, v, chunk_size=3, denominator=True)
-    assert num.dtype == den.dtype == state.num.dtype == state.den.dtype == jnp.float32
+    for form in (la.causal_chunked, la.causal_chunked_batched):
+        num, den, state = form(q, k, v, chunk_size=3, denominator=True)
+        assert num.dtype == den.dtype == state.num.dtype == state.den.dtype == jnp.float32
 
 
 def test_gradients_float64():
@@ -117,18 +124,21 @@ def test_gradients_float64():
             # chunk 2 carries the state with the scan, chunk 3 with the prefix sum
             "chunked": grad(lambda *a: la.causal_chunked(*a, chunk_size=2, mask=mask)[0]),
             "chunked(3)": grad(lambda *a: la.causal_chunked(*a, chunk_size=3, mask=mask)[0]),
+            "batched(2)": grad(lambda *a: la.causal_chunked_batched(*a, chunk_size=2, mask=mask)[0]),
             "scan": grad(lambda *a: la.causal_scan(*a, mask=mask)[0]),
         }
         assert_forms_agree(grads, **F64)
         for c in (2, 3):
             check_grads(jax.jit(lambda *a, c=c: la.causal_chunked(*a, chunk_size=c, mask=mask)[0]), (q, k, v),
                         order=1, modes=("rev",))
+        check_grads(jax.jit(lambda *a: la.causal_chunked_batched(*a, chunk_size=2, mask=mask)[0]), (q, k, v),
+                    order=1, modes=("rev",))
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
 @pytest.mark.parametrize("denominator", [False, True])
 def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator, monkeypatch):
-    # causal_chunked picks the prefix sum or the scan by the size of the states; run both here.
+    # On the CPU causal_chunked picks the prefix sum or the scan by the size of the states; run both here.
     q, k, v = _inputs(13, seed=4)
     kq, kd = jax.random.split(jax.random.PRNGKey(5))
     state = la.LinearState(jax.random.normal(kq, (B, H, D, M)),
@@ -141,7 +151,32 @@ def test_both_ways_of_carrying_the_chunk_state_agree(chunk, denominator, monkeyp
         run = jax.jit(lambda *a: la.causal_chunked(*a, chunk_size=chunk, state=state, mask=mask,
                                                    denominator=denominator))
         outs[f"prefix={prefix}"] = run(q, k, v)
+    outs["batched"] = _batched(q, k, v, chunk_size=chunk, state=state, mask=mask, denominator=denominator)
     assert_forms_agree(outs, **F32_SIMPLE)
+
+
+def _chunked_train_program(heads: int, chunk: int, platform: str) -> str:
+    """The exported forward + backward of `causal_chunked` (with denominator and mask)."""
+    x = jax.ShapeDtypeStruct((2, 64, heads, 4), jnp.float32)
+    mask = jax.ShapeDtypeStruct((2, 64), jnp.bool_)
+
+    def loss(q, k, v, mask):
+        num, den, _ = la.causal_chunked(q, k, v, chunk_size=chunk, mask=mask, denominator=True)
+        return jnp.sum(num) + jnp.sum(den)
+    return exported_program(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, mask, platform=platform)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_accelerator_program_has_no_loop_and_does_not_grow_with_heads(platform):
+    # Chunk 1 (n D M > T (D + M)) takes the scan over chunks on the CPU; an accelerator never loops.
+    assert while_loops(_chunked_train_program(2, 1, "cpu")) > 0
+    dots = set()
+    for heads in (2, 8):
+        for chunk in (1, 16):
+            program = _chunked_train_program(heads, chunk, platform)
+            assert while_loops(program) == 0, (heads, chunk)
+            dots.add(program.count("stablehlo.dot_general"))
+    assert len(dots) == 1, dots
 
 
 def test_bad_arguments_raise():
