@@ -121,13 +121,14 @@ def gaussian_orthogonal_random_matrix(key: Array, num_features: int, dim: int, *
         raise ValueError(f"scaling must be 0 or 1, got {scaling!r}")
     num_blocks = -(-num_features // dim)
 
-    # The original splits sequentially (rng, sub = split(rng)) once per block; a scan reproduces
-    # that key chain, and the blocks are then drawn and factorised in one batched call.
-    def next_key(rng, _):
+    # The original splits sequentially (rng, sub = split(rng)) once per block; a Python loop
+    # reproduces that key chain with no while loop (an accelerator runs a loop's control from the
+    # host, and a redraw is on the training path), then one batched call draws and factorises.
+    rng, subkeys = key, []
+    for _ in range(num_blocks):
         rng, sub = jax.random.split(rng)
-        return rng, sub
-
-    _, subkeys = jax.lax.scan(next_key, key, None, length=num_blocks)
+        subkeys.append(sub)
+    subkeys = jnp.stack(subkeys)
     gauss = jax.vmap(lambda k: jax.random.normal(k, (dim, dim), dtype))(subkeys)
     q, r = jnp.linalg.qr(gauss)
     if fix_signs:
