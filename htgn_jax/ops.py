@@ -66,7 +66,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention as la
+from zoo_core import linear_attention
 from zoo_core.linear_attention import LinearState, acc_dtype
 
 Array = Any
@@ -433,8 +433,8 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
       key_mask: optional `[B, S]` key-padding mask.
       eps: numerical stabiliser (features and denominator guard).
       key_stabiliser: 'max' | 'constant'; None picks 'constant' when causal, else 'max'.
-      causal_impl: 'chunked' | 'recurrent' | 'quadratic' (`la.causal_chunked` / `causal_scan` /
-        `causal_parallel`).
+      causal_impl: 'chunked' | 'recurrent' | 'quadratic' (`linear_attention.causal_chunked` /
+        `causal_scan` / `causal_parallel`).
       chunk_size: chunk length of the chunked form.
 
     Returns:
@@ -458,10 +458,12 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
     if not causal:
         num, den = favor_parallel(phi_q, phi_k, v)
     elif causal_impl == "chunked":
-        num, den, _ = la.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size, mask=key_mask,
-                                        denominator=True)
+        num, den, _ = linear_attention.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size,
+                                                      mask=key_mask, denominator=True)
     elif causal_impl == "recurrent":
-        num, den, _ = la.causal_scan(phi_q, phi_k, v, mask=key_mask, denominator=True)
+        num, den, _ = linear_attention.causal_scan(phi_q, phi_k, v, mask=key_mask,
+                                                   denominator=True)
     else:
-        num, den = la.causal_parallel(phi_q, phi_k, v, mask=key_mask, denominator=True)
+        num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=key_mask,
+                                                    denominator=True)
     return normalize(num, den, guard)
