@@ -5,6 +5,8 @@ recurrent and chunked forms, as pure `jnp` functions: `causal_window_step` (one 
 `causal_window_chunked_scan` (a `lax.scan` over chunks) on the CPU and
 `causal_window_chunked_parallel` (every chunk at once, no loop) on an accelerator. All equal the
 parallel form `graph_ops.window_graph_attention(..., causal=True)`; masking is NaN-safe as there.
+These kernels assert their structure only: the layer (`WindowGraphAttention`) checks what a user
+passes (fields in `setup`, inputs and states in its methods, `validation`).
 """
 from __future__ import annotations
 
@@ -14,9 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax.graph_kl import attention_kl, check_kl, distance_prior_logits, neighbour_kl
-from htgn_jax.graph_ops import (_as_mask, _check_attn, _unfold, clean, neighbour_attention,
-                                window_distances)
-from zoo_core.checks import check_int, check_rank, check_shape
+from htgn_jax.graph_ops import _unfold, clean, neighbour_attention, window_distances
 
 Array = jax.Array
 
@@ -65,20 +65,14 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: Wind
     Returns:
       out_t `[B, H, D]` and the updated state (same shapes and dtypes).
     """
-    check_rank("query_t", query_t, 3, "[B, H, C]")
     b, heads, ch = query_t.shape
-    check_rank("value_t", value_t, 3, "[B, H, D]")
     w = state.value.shape[1]
-    check_shape("state.value", state.value, (b, w) + value_t.shape[1:], "[B, w, H, D]")
     shared = state.key is None
-    if not shared:
-        check_shape("key_t", key_t, (b, heads, ch), "[B, H, C]")
-        check_shape("state.key", state.key, (b, w, heads, ch), "[B, w, H, C]")
-    check_shape("state.valid", state.valid, (b, w), "[B, w]")
-    _check_attn(attn, heads, ch)
-    if rel_bias is not None:
-        check_shape("rel_bias", rel_bias, (heads, w + 1), "[H, w+1]")
-    valid_t = _as_mask("valid_t", valid_t, (b,), "[B]")
+    assert state.value.shape == (b, w) + value_t.shape[1:] and state.valid.shape == (b, w)
+    assert shared or (key_t.shape == query_t.shape and state.key.shape == (b, w, heads, ch))
+    assert attn is None or attn.shape == (heads, ch)
+    assert rel_bias is None or rel_bias.shape == (heads, w + 1)
+    valid_t = _bool_mask(valid_t, (b,))
     query_t, value_t = clean(query_t, valid_t), clean(value_t, valid_t)
     vals = jnp.concatenate([state.value.astype(value_t.dtype), value_t[:, None]], axis=1)
     keys = vals if shared else jnp.concatenate(
@@ -131,12 +125,19 @@ def causal_window_chunked(query: Array, key: Array, value: Array, attn: Array | 
         default=lambda: causal_window_chunked_parallel(query, key, value, attn, state, **kw))
 
 
+def _bool_mask(mask: Array | None, shape: tuple[int, ...]) -> Array:
+    """`mask` as bool (all True when None); its shape was checked by the caller (the layer)."""
+    if mask is None:
+        return jnp.ones(shape, bool)
+    assert jnp.shape(mask) == shape, (jnp.shape(mask), shape)
+    return jnp.asarray(mask) != 0
+
+
 def _chunked_inputs(query, key, value, state, chunk_size, mask):
     """Shared prologue of the chunked forms: clean inputs, chunk count n and size c."""
-    check_int("chunk_size", chunk_size, 1)
-    check_rank("query", query, 4, "[B, T, H, C]")
+    assert chunk_size >= 1 and query.ndim == 4
     b, t = query.shape[:2]
-    mask = _as_mask("mask", mask, (b, t), "[B, T]")
+    mask = _bool_mask(mask, (b, t))
     query, value = clean(query, mask), clean(value, mask)
     key = value if state.key is None else clean(key, mask)
     c = min(chunk_size, t)
@@ -255,8 +256,8 @@ def causal_window_scan(query: Array, key: Array, value: Array, attn: Array | Non
       out `[B, T, H, D]` (equal to `window_graph_attention(..., causal=True)` from an empty
       state) and the final state.
     """
-    check_rank("query", query, 4, "[B, T, H, C]")
-    mask = _as_mask("mask", mask, query.shape[:2], "[B, T]")
+    assert query.ndim == 4
+    mask = _bool_mask(mask, query.shape[:2])
 
     def body(st, xs):
         q_t, k_t, v_t, m_t = xs

@@ -354,7 +354,10 @@ class WindowGraphAttention(_GraphAttentionBase):
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
         mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
         q, k, v = self._self_features(graph_ops.clean(x, mask))
-        state = self.init_state(x.shape[0]) if state is None else state
+        if state is None:
+            state = self.init_state(x.shape[0])
+        else:
+            validation.check_window_state(self, state, x.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state,
                                                      mask=mask, rel_bias=self._biases()[0],
                                                      negative_slope=self.negative_slope)
@@ -375,6 +378,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         validation.check_window_graph_method(self, "step")
         check_rank("x_t", x_t, 2, "[B, d]")
         q, k, v = self._self_features(x_t)
+        validation.check_window_state(self, state, x_t.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
                                                      rel_bias=self._biases()[0],
                                                      negative_slope=self.negative_slope)
