@@ -9,9 +9,9 @@ with `norm='post'`; DropPath rate p_l = drop_path * l / (L - 1):
 * `DecoderBlock`: causal FAVOR+ -> causal WinGAT (offsets -w..0, no globals) -> FAVOR+
   cross-attention to the memory (no RoPE) -> Cross-Graph GAT (encoder window of radius w_x around
   c_i = round(rho * i) plus the encoder globals) -> FFN. Its wiring is written once for both
-  paths: `block(y, memory, ...) -> (y, aux)` over a teacher-forced sequence, and with
-  `cache=DecoderState` `block(y_t, DecoderMemory, cache=..., position=t) -> (y_t, DecoderState)`
-  for one decoding token (O(1) attention work per token).
+  paths: `block(y, memory, ...) -> (y, aux)` over a teacher-forced sequence, and
+  `block.step(state, y_t, memory, position=t) -> (y_t, state)` for one decoding token from its
+  `DecoderState` and `DecoderMemory` (`init_cache`; O(1) attention work per token).
 
 Blocks and the encoder return `(y, aux)`, their layers' aux merged (`merge_aux`: equal keys summed).
 The graph layers report the KL term of spec §5.7 as 'kl_sum' and 'kl_count'; the model forms the
@@ -281,67 +281,92 @@ class DecoderBlock(_Block):
             self.cross_graph = CrossGraphAttention(window=c.cross_window, num_global=c.num_global,
                                                    rho=c.rho, name="cross_graph", **kw)
 
-    def __call__(self, y: Array, memory: Any, *, cache: Optional[DecoderState] = None,
-                 mask: Optional[Array] = None, memory_mask: Optional[Array] = None,
-                 position: Optional[Array] = None, deterministic: bool = True,
-                 feature_step: Optional[Array] = None) -> tuple[Array, Any]:
-        """The block over a teacher-forced sequence, or over one decoding token.
+    def __call__(self, y: Array, memory: Array, *, mask: Optional[Array] = None,
+                 memory_mask: Optional[Array] = None, deterministic: bool = True,
+                 feature_step: Optional[Array] = None) -> tuple[Array, dict]:
+        """The block over a teacher-forced sequence.
 
         Args:
-          y: `[B, T, d]` decoder states, or `[B, d]` one token when `cache` is given.
-          memory: encoder output `[B, g + N, d]`, or the block's `DecoderMemory` (`init_cache`)
-            when decoding.
-          cache: None (parallel path), or the `DecoderState` of the previous tokens.
+          y: `[B, T, d]` decoder states.
+          memory: encoder output `[B, g + N, d]`.
           mask: `[B, T]` real decoder inputs (graph layers only: padding follows the real tokens,
-            so causal attention needs none); parallel path only.
-          memory_mask: `[B, g + N]`; parallel path only (the decoding memory carries its own).
-          position: decoder index of the token (int scalar); decoding only.
-          deterministic: no dropout (always, when decoding).
+            so causal attention needs none).
+          memory_mask: `[B, g + N]`.
+          deterministic: no dropout.
           feature_step: training-step index selecting the FAVOR+ random-feature draw.
 
         Returns:
-          (y `[B, T, d]`, aux {'kl_sum', 'kl_count'} or {}) on the parallel path;
-          (y_t `[B, d]`, new `DecoderState`) when decoding.
+          (y `[B, T, d]`, aux {'kl_sum', 'kl_count'} or {}).
         """
-        decoding = cache is not None
-        det = deterministic or decoding
         fs = dict(feature_step=feature_step)
-        auxes, new = [], {}
+        auxes = []
 
-        def sub(parallel, decode, name=None):
-            """One sub-layer; `parallel(h) -> (out, aux)`, `decode(h) -> (out, state)`."""
+        def keep_aux(layer_call):
             def fn(h):
-                if not decoding:
-                    out, aux = parallel(h)
-                    auxes.append(aux)
-                    return out
-                out, new[name] = decode(h)
+                out, aux = layer_call(h)
+                auxes.append(aux)
                 return out
             return fn
 
-        y = self._residual(y, self.self_attention_norm, sub(
-            lambda h: self.self_attention(h, deterministic=det, **fs),
-            lambda h: self.self_attention.step(cache.self_attention, h, position=position, **fs),
-            "self_attention"), det)
-        if self.config.use_graph_conv:
-            y = self._residual(y, self.graph_norm, sub(
-                lambda h: self.graph(h, mask=mask, deterministic=det),
-                lambda h: self.graph.step(cache.graph, h), "graph"), det)
-        y = self._residual(y, self.cross_attention_norm, sub(
-            lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
-                                                 deterministic=det, **fs),
-            lambda h: (self.cross_attention.cross_step(memory.cross_attention, h, **fs), None),
-            "cross_attention"), det)
-        if self._has_cross_graph:
-            y = self._residual(y, self.cross_graph_norm, sub(
+        y = self._wiring(y, deterministic, {
+            "self_attention": keep_aux(
+                lambda h: self.self_attention(h, deterministic=deterministic, **fs)),
+            "graph": keep_aux(lambda h: self.graph(h, mask=mask, deterministic=deterministic)),
+            "cross_attention": keep_aux(
+                lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
+                                                     deterministic=deterministic, **fs)),
+            "cross_graph": keep_aux(
                 lambda h: self.cross_graph(h, memory, mask=mask, memory_mask=memory_mask,
-                                           deterministic=det),
-                lambda h: self.cross_graph.step(memory.cross_graph, h, position=position),
-                "cross_graph"), det)
-        y = self._residual(y, self.mlp_norm, lambda h: self._mlp(h, det), det)
-        if decoding:
-            return y, DecoderState(new["self_attention"], new.get("graph"))
+                                           deterministic=deterministic)),
+        })
         return y, merge_aux(*auxes)
+
+    def step(self, state: DecoderState, y_t: Array, memory: DecoderMemory, *, position: Array,
+             feature_step: Optional[Array] = None) -> tuple[Array, DecoderState]:
+        """One decoding token through the block (deterministic), O(1) attention work per token.
+
+        Args:
+          state: the `DecoderState` of the previous tokens (`init_cache`, or the last `step`).
+          y_t: `[B, d]` the token's decoder state.
+          memory: the block's `DecoderMemory` (`init_cache`).
+          position: decoder index of the token (int scalar).
+          feature_step: the FAVOR+ random-feature draw `init_cache` used.
+
+        Returns:
+          (y_t `[B, d]`, new `DecoderState`), equal to row `position` of `__call__` on the prefix.
+        """
+        fs = dict(feature_step=feature_step)
+        new = {}
+
+        def keep_state(name, layer_step):
+            def fn(h):
+                out, new[name] = layer_step(h)
+                return out
+            return fn
+
+        y_t = self._wiring(y_t, True, {
+            "self_attention": keep_state("self_attention", lambda h: self.self_attention.step(
+                state.self_attention, h, position=position, **fs)),
+            "graph": keep_state("graph", lambda h: self.graph.step(state.graph, h)),
+            "cross_attention": lambda h: self.cross_attention.cross_step(
+                memory.cross_attention, h, **fs),
+            "cross_graph": lambda h: self.cross_graph.step(memory.cross_graph, h,
+                                                           position=position)[0],
+        })
+        return y_t, DecoderState(new["self_attention"], new.get("graph"))
+
+    def _wiring(self, y: Array, deterministic: bool, sublayers: dict) -> Array:
+        """The block's residual wiring, written once for `__call__` and `step`: `sublayers[name]`
+        maps the normalised input `h` to the sub-layer's output (the graph ones only when on)."""
+        y = self._residual(y, self.self_attention_norm, sublayers["self_attention"], deterministic)
+        if self.config.use_graph_conv:
+            y = self._residual(y, self.graph_norm, sublayers["graph"], deterministic)
+        y = self._residual(y, self.cross_attention_norm, sublayers["cross_attention"],
+                           deterministic)
+        if self._has_cross_graph:
+            y = self._residual(y, self.cross_graph_norm, sublayers["cross_graph"], deterministic)
+        return self._residual(y, self.mlp_norm, lambda h: self._mlp(h, deterministic),
+                              deterministic)
 
     def init_cache(self, memory: Array, memory_mask: Array, *,
                    feature_step: Optional[Array] = None) -> tuple[DecoderMemory, DecoderState]:

@@ -1,8 +1,12 @@
 """Causal window graph attention (the decoder's WinGAT, spec §3.4 "Causal version", §5.10) in its
 recurrent and chunked forms, as pure `jnp` functions: `causal_window_step` (one token, rolling
 `WindowState` of the last w tokens), `causal_window_scan` (its `lax.scan`) and
-`causal_window_chunked` (chunks of C tokens, the state carried across chunks). All equal the
+`causal_window_chunked` (chunks of C tokens continuing from a state), which runs
+`causal_window_chunked_scan` (a `lax.scan` over chunks) on the CPU and
+`causal_window_chunked_parallel` (every chunk at once, no loop) on an accelerator. All equal the
 parallel form `graph_ops.window_graph_attention(..., causal=True)`; masking is NaN-safe as there.
+These kernels assert their structure only: the layer (`WindowGraphAttention`) checks what a user
+passes (fields in `setup`, inputs and states in its methods, `validation`).
 """
 from __future__ import annotations
 
@@ -12,9 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax.graph_kl import attention_kl, check_kl, distance_prior_logits, neighbour_kl
-from htgn_jax.graph_ops import (_as_mask, _check_attn, _unfold, clean, neighbour_attention,
-                                window_distances)
-from zoo_core.checks import check_int, check_rank, check_shape
+from htgn_jax.graph_ops import _unfold, clean, neighbour_attention, window_distances
 
 Array = jax.Array
 
@@ -63,20 +65,14 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: Wind
     Returns:
       out_t `[B, H, D]` and the updated state (same shapes and dtypes).
     """
-    check_rank("query_t", query_t, 3, "[B, H, C]")
     b, heads, ch = query_t.shape
-    check_rank("value_t", value_t, 3, "[B, H, D]")
     w = state.value.shape[1]
-    check_shape("state.value", state.value, (b, w) + value_t.shape[1:], "[B, w, H, D]")
     shared = state.key is None
-    if not shared:
-        check_shape("key_t", key_t, (b, heads, ch), "[B, H, C]")
-        check_shape("state.key", state.key, (b, w, heads, ch), "[B, w, H, C]")
-    check_shape("state.valid", state.valid, (b, w), "[B, w]")
-    _check_attn(attn, heads, ch)
-    if rel_bias is not None:
-        check_shape("rel_bias", rel_bias, (heads, w + 1), "[H, w+1]")
-    valid_t = _as_mask("valid_t", valid_t, (b,), "[B]")
+    assert state.value.shape == (b, w) + value_t.shape[1:] and state.valid.shape == (b, w)
+    assert shared or (key_t.shape == query_t.shape and state.key.shape == (b, w, heads, ch))
+    assert attn is None or attn.shape == (heads, ch)
+    assert rel_bias is None or rel_bias.shape == (heads, w + 1)
+    valid_t = _bool_mask(valid_t, (b,))
     query_t, value_t = clean(query_t, valid_t), clean(value_t, valid_t)
     vals = jnp.concatenate([state.value.astype(value_t.dtype), value_t[:, None]], axis=1)
     keys = vals if shared else jnp.concatenate(
@@ -107,37 +103,74 @@ def causal_window_chunked(query: Array, key: Array, value: Array, attn: Array | 
                           rel_bias: Array | None = None, negative_slope: float | None = None,
                           dropout_rate: float = 0.0, dropout_rng: Array | None = None
                           ) -> tuple[Array, dict[str, Array], WindowState]:
-    """The causal window GAT in chunks of C tokens: a `lax.scan` over chunks carrying the
-    `WindowState` of the last w tokens; inside a chunk the parallel (unfold) form.
+    """The causal window GAT in chunks of C tokens, in the form that suits the platform:
+    `causal_window_chunked_scan` on the CPU, `causal_window_chunked_parallel` elsewhere (an
+    accelerator runs a loop's control from the host, one chunk at a time). Both give the same
+    numbers, dropout included.
 
     Args:
       query, key, value, attn, rel_bias, negative_slope, mask: as in `causal_window_scan`.
       state: `WindowState` of the tokens before these.
       chunk_size: C >= 1 (clipped to T; need not divide T).
-      dropout_rate, dropout_rng: attention dropout (one key per chunk).
+      dropout_rate, dropout_rng: attention dropout (one key per chunk, `fold_in(rng, chunk)`).
 
     Returns:
       (out `[B, T, H, D]`, {'probs', 'log_probs' `[B, T, H, w+1]`, 'valid' `[B, T, w+1]`}, final
       state); the statistics let the caller form the KL term exactly as the parallel form does.
     """
-    check_int("chunk_size", chunk_size, 1)
-    check_rank("query", query, 4, "[B, T, H, C]")
+    kw = dict(chunk_size=chunk_size, mask=mask, rel_bias=rel_bias, negative_slope=negative_slope,
+              dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    return jax.lax.platform_dependent(
+        cpu=lambda: causal_window_chunked_scan(query, key, value, attn, state, **kw),
+        default=lambda: causal_window_chunked_parallel(query, key, value, attn, state, **kw))
+
+
+def _bool_mask(mask: Array | None, shape: tuple[int, ...]) -> Array:
+    """`mask` as bool (all True when None); its shape was checked by the caller (the layer)."""
+    if mask is None:
+        return jnp.ones(shape, bool)
+    assert jnp.shape(mask) == shape, (jnp.shape(mask), shape)
+    return jnp.asarray(mask) != 0
+
+
+def _chunked_inputs(query, key, value, state, chunk_size, mask):
+    """Shared prologue of the chunked forms: clean inputs, chunk count n and size c."""
+    assert chunk_size >= 1 and query.ndim == 4
     b, t = query.shape[:2]
-    mask = _as_mask("mask", mask, (b, t), "[B, T]")
+    mask = _bool_mask(mask, (b, t))
+    query, value = clean(query, mask), clean(value, mask)
+    key = value if state.key is None else clean(key, mask)
+    c = min(chunk_size, t)
+    return query, key, value, mask, c, -(-t // c)
+
+
+def _final_state(state: WindowState, key: Array, value: Array, mask: Array) -> WindowState:
+    """The `WindowState` after these tokens: the last w of state ++ tokens."""
+    w = state.value.shape[1]
+    tail = lambda old, new: jnp.concatenate([old, new.astype(old.dtype)], 1)[:, -w:] if w else old
+    return WindowState(tail(state.value, value),
+                       None if state.key is None else tail(state.key, key),
+                       tail(state.valid, mask))
+
+
+def causal_window_chunked_scan(query: Array, key: Array, value: Array, attn: Array | None,
+                               state: WindowState, *, chunk_size: int,
+                               mask: Array | None = None, rel_bias: Array | None = None,
+                               negative_slope: float | None = None, dropout_rate: float = 0.0,
+                               dropout_rng: Array | None = None
+                               ) -> tuple[Array, dict[str, Array], WindowState]:
+    """`causal_window_chunked` as a `lax.scan` over chunks carrying the `WindowState` of the last
+    w tokens; inside a chunk the parallel (unfold) form. The CPU form: it keeps one chunk's
+    neighbour stack `[B, C, w+1, H, D]` live at a time."""
+    query, key, value, mask, c, n = _chunked_inputs(query, key, value, state, chunk_size, mask)
+    b, t = query.shape[:2]
     w = state.value.shape[1]
     shared = state.key is None
-    query, value = clean(query, mask), clean(value, mask)
-    key = value if shared else clean(key, mask)
-    c = min(chunk_size, t)
-    n = -(-t // c)
     offsets = tuple(range(-w, 1))
 
     def chunks(x):
         x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
         return jnp.moveaxis(x.reshape((b, n, c) + x.shape[2:]), 1, 0)
-
-    def tail(x):
-        return x[:, x.shape[1] - w:]
 
     def body(st, xs):
         q, k, v, m, i = xs
@@ -151,19 +184,59 @@ def causal_window_chunked(query: Array, key: Array, value: Array, attn: Array | 
         out, st_ = neighbour_attention(q, kk, vv, valid, attn, bias=rel_bias,
                                        negative_slope=negative_slope,
                                        dropout_rate=dropout_rate, dropout_rng=rng)
-        new = WindowState(tail(vals).astype(st.value.dtype),
-                          None if shared else tail(keys).astype(st.key.dtype), tail(slots))
+        new = _final_state(st, k, v, m)
         return new, (out, st_["probs"], st_["log_probs"], valid)
 
     xs = (chunks(query), chunks(key), chunks(value), chunks(mask), jnp.arange(n))
     _, ys = jax.lax.scan(body, state, xs)
     out, probs, log_probs, valid = (
         jnp.moveaxis(y, 0, 1).reshape((b, n * c) + y.shape[3:])[:, :t] for y in ys)
-    final = WindowState(
-        tail(jnp.concatenate([state.value, value.astype(state.value.dtype)], 1)),
-        None if shared else tail(jnp.concatenate([state.key, key.astype(state.key.dtype)], 1)),
-        tail(jnp.concatenate([state.valid, mask], 1)))
-    return out, {"probs": probs, "log_probs": log_probs, "valid": valid}, final
+    return (out, {"probs": probs, "log_probs": log_probs, "valid": valid},
+            _final_state(state, key, value, mask))
+
+
+def causal_window_chunked_parallel(query: Array, key: Array, value: Array, attn: Array | None,
+                                   state: WindowState, *, chunk_size: int,
+                                   mask: Array | None = None, rel_bias: Array | None = None,
+                                   negative_slope: float | None = None, dropout_rate: float = 0.0,
+                                   dropout_rng: Array | None = None
+                                   ) -> tuple[Array, dict[str, Array], WindowState]:
+    """`causal_window_chunked` with every chunk at once, no loop: a window GAT's causal state is
+    only the last w tokens, so the neighbour stack of all T tokens is one unfold of
+    state ++ tokens `[B, w+T, ...]` -> `[B, T, w+1, ...]`, batched over heads. The chunks matter
+    only to dropout, whose bits are drawn per chunk (vmapped `fold_in(rng, chunk)`) so that this
+    form equals `causal_window_chunked_scan` exactly."""
+    query, key, value, mask, c, n = _chunked_inputs(query, key, value, state, chunk_size, mask)
+    b, t = query.shape[:2]
+    w = state.value.shape[1]
+    shared = state.key is None
+    offsets = tuple(range(-w, 1))
+    vals = jnp.concatenate([state.value.astype(value.dtype), value], axis=1)     # [B, w+T, H, D]
+    keys = vals if shared else jnp.concatenate([state.key.astype(key.dtype), key], axis=1)
+    slots = jnp.concatenate([state.valid, mask], axis=1)                        # [B, w+T]
+    kk = _unfold(keys, offsets)[:, w:]                                           # [B, T, K, H, C]
+    vv = kk if shared else _unfold(vals, offsets)[:, w:]                         # [B, T, K, H, D]
+    valid = _unfold(slots, offsets, False)[:, w:] & mask[:, :, None]            # [B, T, K]
+
+    def attend(q, k_, v_, ok, rng):
+        out, st = neighbour_attention(q, k_, v_, ok, attn, bias=rel_bias,
+                                      negative_slope=negative_slope, dropout_rate=dropout_rate,
+                                      dropout_rng=rng)
+        return out, st["probs"], st["log_probs"]
+
+    if dropout_rng is None or dropout_rate == 0.0:
+        out, probs, log_probs = attend(query, kk, vv, valid, None)
+    else:
+        def chunks(x):   # [B, T, ...] -> [B, n, c, ...] (the last chunk zero-padded)
+            x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
+            return x.reshape((b, n, c) + x.shape[2:])
+
+        rngs = jax.vmap(jax.random.fold_in, (None, 0))(dropout_rng, jnp.arange(n))
+        ys = jax.vmap(attend, (1, 1, 1, 1, 0), 1)(
+            chunks(query), chunks(kk), chunks(vv), chunks(valid), rngs)
+        out, probs, log_probs = (y.reshape((b, n * c) + y.shape[3:])[:, :t] for y in ys)
+    return (out, {"probs": probs, "log_probs": log_probs, "valid": valid},
+            _final_state(state, key, value, mask))
 
 
 def causal_window_scan(query: Array, key: Array, value: Array, attn: Array | None,
@@ -183,8 +256,8 @@ def causal_window_scan(query: Array, key: Array, value: Array, attn: Array | Non
       out `[B, T, H, D]` (equal to `window_graph_attention(..., causal=True)` from an empty
       state) and the final state.
     """
-    check_rank("query", query, 4, "[B, T, H, C]")
-    mask = _as_mask("mask", mask, query.shape[:2], "[B, T]")
+    assert query.ndim == 4
+    mask = _bool_mask(mask, query.shape[:2])
 
     def body(st, xs):
         q_t, k_t, v_t, m_t = xs

@@ -5,7 +5,8 @@ parameters only. Contract (README "Layer contract"):
 
 * `WindowGraphAttention.__call__(x, *, mask=None, deterministic=True) -> (y, aux)`; when causal
   also `init_state(batch_size) -> WindowState`, `scan(x, state=None, *, mask=None,
-  deterministic=True) -> (y, state)` and `step(state, x_t, *, position=None) -> (y_t, state)`.
+  deterministic=True) -> (y, state)` and `step(state, x_t) -> (y_t, state)` (no position: the
+  window needs no index).
 * `CrossGraphAttention.__call__(x, memory, *, mask=None, memory_mask=None, deterministic=True)
   -> (y, aux)`; decoding: `prepare_memory(memory, *, memory_mask=None) -> CrossGraphCache` once,
   then `step(cache, x_t, *, position) -> (y_t, cache)`.
@@ -24,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from htgn_jax import graph_causal, validation
-from htgn_jax import graph_ops as ops
+from htgn_jax import graph_causal, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import HeadsOutput, flat_init
 from zoo_core.checks import check_rank, check_tokens, fail
@@ -146,8 +146,8 @@ class _GraphAttentionBase(nn.Module):
             u = self.source(x)
             return self.target(x), u, u
         z = self.source(x)
-        q, k, _ = ops.gat_v1_features(z, self._head_vector("attn_target", z),
-                                  self._head_vector("attn_source", z))
+        q, k, _ = graph_ops.gat_v1_features(z, self._head_vector("attn_target", z),
+                                            self._head_vector("attn_source", z))
         return q, k, z
 
     def _query_features(self, x: Array, head_dim: int) -> Array:
@@ -259,7 +259,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     def setup(self):
         validation.check_window_graph_fields(self)
         self._has_global_bias = self.num_global > 0
-        num_slots = len(ops.window_offsets(self.window, self.causal, self.grid_width))
+        num_slots = len(graph_ops.window_offsets(self.window, self.causal, self.grid_width))
         self._setup_common(num_slots, self._has_global_bias)
 
     def __call__(self, x: Array, *, mask: Array | None = None,
@@ -285,8 +285,8 @@ class WindowGraphAttention(_GraphAttentionBase):
 
     def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
         check_tokens("x", x, "[B, T, d]")
-        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
-        q, k, v = self._self_features(ops.clean(x, mask))
+        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
+        q, k, v = self._self_features(graph_ops.clean(x, mask))
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
             mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
@@ -315,10 +315,10 @@ class WindowGraphAttention(_GraphAttentionBase):
 
     def _attend(self, x: Array, mask: Array | None, deterministic: bool):
         check_tokens("x", x, "[B, L, d]")
-        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, L]")
-        q, k, v = self._self_features(ops.clean(x, mask))
+        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, L]")
+        q, k, v = self._self_features(graph_ops.clean(x, mask))
         rel_bias, global_bias = self._biases()
-        out, st = ops.window_graph_attention(
+        out, st = graph_ops.window_graph_attention(
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
             causal=self.causal, grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
             global_bias=global_bias, negative_slope=self.negative_slope,
@@ -332,7 +332,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         validation.check_window_graph_method(self, "init_state")
         c, d = self._head_dims()
         return graph_causal.init_window_state(batch_size, self.window, self.num_heads, d,
-                                     key_dim=c if self.version == "v1" else None)
+                                              key_dim=c if self.version == "v1" else None)
 
     def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
              deterministic: bool = True) -> tuple[Array, WindowState]:
@@ -352,36 +352,36 @@ class WindowGraphAttention(_GraphAttentionBase):
         check_tokens("x", x, "[B, T, d]")
         if not deterministic and self.dropout_rate:
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
-        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
-        q, k, v = self._self_features(ops.clean(x, mask))
-        state = self.init_state(x.shape[0]) if state is None else state
-        out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state, mask=mask,
-                                            rel_bias=self._biases()[0],
-                                            negative_slope=self.negative_slope)
+        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
+        q, k, v = self._self_features(graph_ops.clean(x, mask))
+        if state is None:
+            state = self.init_state(x.shape[0])
+        else:
+            validation.check_window_state(self, state, x.shape[0], (q.shape[-1], v.shape[-1]))
+        out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state,
+                                                     mask=mask, rel_bias=self._biases()[0],
+                                                     negative_slope=self.negative_slope)
         y = self.output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), state
 
-    def step(self, state: WindowState, x_t: Array, *,
-             position: Array | int | None = None) -> tuple[Array, WindowState]:
+    def step(self, state: WindowState, x_t: Array) -> tuple[Array, WindowState]:
         """One decoding step (causal only), O(w H D) attention work per token.
 
         Args:
           state: `WindowState` from `init_state`, `scan` or the previous `step`.
-          x_t: `[B, d]` the new token's features.
-          position: must be None: the window needs no index (the state marks which slots hold
-            tokens and the relative bias depends on offsets only).
+          x_t: `[B, d]` the new token's features. No position: the window needs no index (the
+            state marks which slots hold tokens and the relative bias depends on offsets only).
 
         Returns:
           (y_t `[B, F]`, new state). Equal to row t of `__call__` on the unpadded prefix.
         """
         validation.check_window_graph_method(self, "step")
-        if position is not None:
-            fail("WindowGraphAttention.step takes no `position` (the window needs no index)")
         check_rank("x_t", x_t, 2, "[B, d]")
         q, k, v = self._self_features(x_t)
+        validation.check_window_state(self, state, x_t.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
-                                            rel_bias=self._biases()[0],
-                                            negative_slope=self.negative_slope)
+                                                     rel_bias=self._biases()[0],
+                                                     negative_slope=self.negative_slope)
         return self.output(out, x_t.shape[-1]), state
 
 
@@ -470,8 +470,8 @@ class CrossGraphAttention(_GraphAttentionBase):
           (a_s . W M) for v1 and None for v2 and dot (whose score key is `value`).
         """
         check_tokens("memory", memory, "[B, L, d_m]")
-        memory_mask = ops._as_mask("memory_mask", memory_mask, memory.shape[:2], "[B, L]")
-        k, v = self._source_features(ops.clean(memory, memory_mask))
+        memory_mask = graph_ops._as_mask("memory_mask", memory_mask, memory.shape[:2], "[B, L]")
+        k, v = self._source_features(graph_ops.clean(memory, memory_mask))
         return CrossGraphCache(v, memory_mask, k if self.version == "v1" else None)
 
     def step(self, cache: CrossGraphCache, x_t: Array, *,
@@ -494,12 +494,12 @@ class CrossGraphAttention(_GraphAttentionBase):
         return y[:, 0], cache
 
     def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False):
-        mask = ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
-        x = ops.clean(x, mask)
+        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
+        x = graph_ops.clean(x, mask)
         v = cache.value
         q = self._query_features(x, v.shape[-1])
         rel_bias, global_bias = self._biases()
-        out, st = ops.cross_graph_attention(
+        out, st = graph_ops.cross_graph_attention(
             q, v if cache.key is None else cache.key, v, self._attn_vector(v),
             window=self.window, num_global=self.num_global, rho=self.rho, mask=mask,
             memory_mask=cache.mask, positions=positions, rel_bias=rel_bias,

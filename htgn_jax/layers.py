@@ -47,7 +47,7 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import hrpe, ops, validation
-from zoo_core import linear_attention as la
+from zoo_core import linear_attention
 from zoo_core.checks import check_rank, check_shape, check_tokens, fail
 from zoo_core.linear_attention import LinearState
 
@@ -104,7 +104,8 @@ class FavorAttention(nn.Module):
       causal: unidirectional self-attention (data-independent key stabiliser, so that every form
         is exactly causal and streamable); enables `init_state`, `scan` and `step`.
       chunk_size: form of the causal `__call__`: None = the masked quadratic form
-        (`la.causal_parallel`, O(T^2)), an int C >= 1 = the chunked form (`la.causal_chunked`).
+        (`linear_attention.causal_parallel`, O(T^2)), an int C >= 1 = the chunked form
+        (`linear_attention.causal_chunked`).
         Must be None when not causal.
       num_features: M random features for feature_map='softmax' (None = 256); must be None for
         the deterministic maps ('relu', 'elu': M = D) and for 'exact'.
@@ -258,16 +259,18 @@ class FavorAttention(nn.Module):
         if not self.causal:
             num, den = ops.favor_parallel(phi_q, phi_k, without_padding(v, mask))
         elif self.chunk_size is None:
-            num, den = la.causal_parallel(phi_q, phi_k, v, mask=mask, denominator=True)
+            num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=mask,
+                                                        denominator=True)
         else:
-            num, den, _ = la.causal_chunked(phi_q, phi_k, v, chunk_size=self.chunk_size,
-                                            mask=mask, denominator=True)
+            num, den, _ = linear_attention.causal_chunked(
+                phi_q, phi_k, v, chunk_size=self.chunk_size, mask=mask, denominator=True)
         return self._read_out(num, den, guard, v, x.shape[-1]), {}
 
     def init_state(self, batch_size: int) -> LinearState:
         """Zero causal state `LinearState(num [B, H, M, D], den [B, H, M])`, float32."""
         validation.check_favor_method(self, "init_state", causal=True)
-        return la.init_state(batch_size, self.num_heads, self._m, self.head_dim, denominator=True)
+        return linear_attention.init_state(batch_size, self.num_heads, self._m, self.head_dim,
+                                           denominator=True)
 
     def scan(self, x: Array, state: LinearState | None = None, *, mask: Array | None = None,
              deterministic: bool = True, feature_step: Array | int | None = None,
@@ -291,7 +294,8 @@ class FavorAttention(nn.Module):
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, x, positions)
         phi_q, phi_k, guard = self._features(q, k, omega, mask, "constant")
-        num, den, state = la.causal_scan(phi_q, phi_k, v, state=state, mask=mask, denominator=True)
+        num, den, state = linear_attention.causal_scan(phi_q, phi_k, v, state=state, mask=mask,
+                                                       denominator=True)
         return self._read_out(num, den, guard, v, x.shape[-1]), state
 
     def step(self, state: LinearState, x_t: Array, *, position: Array | int | None = None,
@@ -323,7 +327,7 @@ class FavorAttention(nn.Module):
         if mask is not None:
             keep = jnp.asarray(mask).astype(bool)[:, None, None]
             phi_q, phi_k, v = (jnp.where(keep, a[:, 0], 0.0)[:, None] for a in (phi_q, phi_k, v))
-        num, den, state = la.causal_step(state, phi_q[:, 0], phi_k[:, 0], v[:, 0])
+        num, den, state = linear_attention.causal_step(state, phi_q[:, 0], phi_k[:, 0], v[:, 0])
         return self._read_out(num[:, None], den[:, None], guard, v, x.shape[-1])[:, 0], state
 
     # --- cross-attention (decoder queries, encoder memory) ---------------------------------

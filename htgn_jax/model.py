@@ -348,7 +348,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         y = self._target_tokens(token[:, None], position[None], True)[:, 0]
         new_dynamic = []
         for block, memory, state in zip(self.decoder_blocks, static, dynamic):
-            y, state = block(y, memory, cache=state, position=position, feature_step=step)
+            y, state = block.step(state, y, memory, position=position, feature_step=step)
             new_dynamic.append(state)
         return self._logits(y), new_dynamic
 

@@ -66,7 +66,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention as la
+from zoo_core import linear_attention
 from zoo_core.linear_attention import LinearState, acc_dtype
 
 Array = Any
@@ -121,13 +121,14 @@ def gaussian_orthogonal_random_matrix(key: Array, num_features: int, dim: int, *
         raise ValueError(f"scaling must be 0 or 1, got {scaling!r}")
     num_blocks = -(-num_features // dim)
 
-    # The original splits sequentially (rng, sub = split(rng)) once per block; a scan reproduces
-    # that key chain, and the blocks are then drawn and factorised in one batched call.
-    def next_key(rng, _):
+    # The original splits sequentially (rng, sub = split(rng)) once per block; a Python loop
+    # reproduces that key chain with no while loop (an accelerator runs a loop's control from the
+    # host, and a redraw is on the training path), then one batched call draws and factorises.
+    rng, subkeys = key, []
+    for _ in range(num_blocks):
         rng, sub = jax.random.split(rng)
-        return rng, sub
-
-    _, subkeys = jax.lax.scan(next_key, key, None, length=num_blocks)
+        subkeys.append(sub)
+    subkeys = jnp.stack(subkeys)
     gauss = jax.vmap(lambda k: jax.random.normal(k, (dim, dim), dtype))(subkeys)
     q, r = jnp.linalg.qr(gauss)
     if fix_signs:
@@ -432,8 +433,8 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
       key_mask: optional `[B, S]` key-padding mask.
       eps: numerical stabiliser (features and denominator guard).
       key_stabiliser: 'max' | 'constant'; None picks 'constant' when causal, else 'max'.
-      causal_impl: 'chunked' | 'recurrent' | 'quadratic' (`la.causal_chunked` / `causal_scan` /
-        `causal_parallel`).
+      causal_impl: 'chunked' | 'recurrent' | 'quadratic' (`linear_attention.causal_chunked` /
+        `causal_scan` / `causal_parallel`).
       chunk_size: chunk length of the chunked form.
 
     Returns:
@@ -457,10 +458,12 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
     if not causal:
         num, den = favor_parallel(phi_q, phi_k, v)
     elif causal_impl == "chunked":
-        num, den, _ = la.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size, mask=key_mask,
-                                        denominator=True)
+        num, den, _ = linear_attention.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size,
+                                                      mask=key_mask, denominator=True)
     elif causal_impl == "recurrent":
-        num, den, _ = la.causal_scan(phi_q, phi_k, v, mask=key_mask, denominator=True)
+        num, den, _ = linear_attention.causal_scan(phi_q, phi_k, v, mask=key_mask,
+                                                   denominator=True)
     else:
-        num, den = la.causal_parallel(phi_q, phi_k, v, mask=key_mask, denominator=True)
+        num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=key_mask,
+                                                    denominator=True)
     return normalize(num, den, guard)

@@ -251,6 +251,20 @@ def check_window_graph_fields(m) -> None:
         fail(f"`num_global` must be 0 when causal=True (a global node would summarise the "
              f"future), got {m.num_global}")
     _check_causal_chunking(m)
+    check_optional_int("chunk_size", m.chunk_size)
+
+
+def check_window_state(m, state: Any, batch: int, head_dims: tuple[int, int]) -> None:
+    """`state` is a `WindowState` of causal `WindowGraphAttention` `m` for `batch` sequences
+    (C, D = `head_dims`): value `[B, w, H, D]`, key `[B, w, H, C]` for GAT v1 only, valid `[B, w]`."""
+    c, d = head_dims
+    want = {"value": (batch, m.window, m.num_heads, d), "valid": (batch, m.window),
+            "key": (batch, m.window, m.num_heads, c) if m.version == "v1" else None}
+    for name, shape in want.items():
+        got = getattr(state, name, None)
+        if (None if got is None else tuple(jnp.shape(got))) != shape:
+            fail(f"`state.{name}` must have shape {shape} (a WindowState of this layer for "
+                 f"{batch} sequences), got {None if got is None else tuple(jnp.shape(got))}")
 
 
 def check_window_graph_method(m, method: str) -> None:

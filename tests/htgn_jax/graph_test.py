@@ -780,6 +780,7 @@ def test_param_snapshot():
 
 _X = np.ones((B, N + NG, WIDTH), np.float32)
 _WIN = WindowGraphAttention(num_heads=H, window=W, num_global=NG)
+_CAUSAL = WindowGraphAttention(num_heads=H, window=W, causal=True)
 _CROSS = CrossGraphAttention(num_heads=H, window=1, num_global=NG)
 _Q = np.ones((B, 5, H, 4), np.float32)
 
@@ -787,6 +788,11 @@ _Q = np.ones((B, 5, H, 4), np.float32)
 @functools.lru_cache(maxsize=None)
 def _win_vars():
     return _init(_WIN, _X)
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_vars():
+    return _init(_CAUSAL, _X)
 
 
 # (match, call): every boundary error of the kernels and layers, raised while tracing.
@@ -832,6 +838,15 @@ BAD_INPUTS = [
      lambda: _WIN.apply(_win_vars(), None, _X[:, 0], method=_WIN.step)),
     ("`chunk_size` chooses the causal form",
      lambda: _init(WindowGraphAttention(num_heads=H, window=W, chunk_size=2), _X)),
+    ("`chunk_size` must be an integer >= 1",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True, chunk_size=0), _X)),
+    (r"`state.value` must have shape \(2, 2, 2, 4\)",
+     lambda: _CAUSAL.apply(_causal_vars(), _CAUSAL.apply(_causal_vars(), B + 1, method="init_state"),
+                           _X[:, 0], method="step")),
+    (r"`state.valid` must have shape \(2, 2\)",
+     lambda: _CAUSAL.apply(_causal_vars(), _X, WindowState(np.zeros((B, W, H, D), np.float32), None,
+                                                           np.zeros((B, W + 1), bool)),
+                           method="scan")),
     ("`dropout_rate`",
      lambda: _init(WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), _X)),
     # Windows are offsets within one sequence: keys and values have the queries' length.

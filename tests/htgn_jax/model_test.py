@@ -484,7 +484,8 @@ def test_decoder_block_parallel_equals_step_decoding(options):
 
         def step(state, inputs):   # the block's step as a pure function: one traced step, not t
             y_t, i = inputs
-            y_t, state = block.apply(variables, y_t, static, cache=state, position=i)
+            y_t, state = block.apply(variables, state, y_t, static, position=i,
+                                     method="step")
             return state, y_t
         _, steps = jax.lax.scan(step, state, (jnp.swapaxes(y, 0, 1), jnp.arange(t, dtype=jnp.int32)))
         return out, aux, jnp.swapaxes(steps, 0, 1)
