@@ -104,7 +104,7 @@ def check_softmax_scan(layer: Any, x: Any, mask: Optional[Any], state: Optional[
 
 def check_kernel_inputs(q: Any, k: Any, v: Optional[Any], mask: Optional[Any]) -> None:
     """q, k `[B, T, H, D]`, v None or `[B, T, H, M]`, mask None or `[B, T]` (any dtype)."""
-    ops._check_projections(q, k, None, v)
+    ops.check_projections(q, k, None, v)
     if mask is not None and tuple(jnp.shape(mask)) != tuple(jnp.shape(q)[:2]):
         raise ValueError(f"mask must have shape [B, T] = {jnp.shape(q)[:2]}, "
                          f"got {jnp.shape(mask)}")
@@ -112,7 +112,7 @@ def check_kernel_inputs(q: Any, k: Any, v: Optional[Any], mask: Optional[Any]) -
 
 def check_cache(cache: Any, q_t: Any, k_t: Any, v_t: Any) -> None:
     """One decoding token against a `KVCache` (key `[B, L, H, D]`, value `[B, L, H, M]`)."""
-    ops._check_projections(q_t, k_t, None, v_t, rank=3)
+    ops.check_projections(q_t, k_t, None, v_t, rank=3)
     if cache.key.shape[0] != q_t.shape[0] or cache.key.shape[2:] != q_t.shape[1:] \
             or cache.value.shape[-1] != v_t.shape[-1]:
         raise ValueError(f"cache key {cache.key.shape} / value {cache.value.shape} do not match "

@@ -1,4 +1,4 @@
-"""Tests of the pure AGF kernels (agf_jax/ops.py): forms, masks, bases, n x n references, grads."""
+"""Tests of the pure AGF kernels (agf_jax.ops and its modules basis, factors, fused, forms): forms, masks, bases, n x n references, grads."""
 import functools
 import math
 
@@ -236,7 +236,7 @@ def _numpy_reference(zu, zv, zs, val, coeffs, mask, alpha, beta):
     s = 1 / (1 + np.exp(-zs))
     p = [np.ones_like(s), 0.5 * ((alpha - beta) + (alpha + beta + 2) * s)]
     for k in range(2, len(coeffs)):
-        a_k, b_k, c_k = ops._jacobi_abc(k, alpha, beta)
+        a_k, b_k, c_k = ops.jacobi_abc(k, alpha, beta)
         p.append((a_k * s + b_k) * p[-1] - c_k * p[-2])
     g = sum(c * pk for c, pk in zip(np.asarray(coeffs, np.float64), p))
     hmat = np.einsum("bthd,bjhd->bhtj", u * g, v)
