@@ -100,16 +100,79 @@ def _merge(left, right):
     return m, w1 * z1 + w2 * z2, w1[..., None] * n1 + w2[..., None] * n2
 
 
+def _merge_from_empty(left, right):
+    """`_merge` where either side may be the empty prefix (m = -inf, z = 0, N = 0)."""
+    m1, z1, n1 = left
+    m2, z2, n2 = right
+    m = jnp.maximum(m1, m2)
+    ref = jnp.where(m == -jnp.inf, 0.0, m)      # two empty sides: exp(-inf) = 0, not exp(NaN)
+    w1 = jnp.exp(m1 - ref)
+    w2 = jnp.exp(m2 - ref)
+    return m, w1 * z1 + w2 * z2, w1[..., None] * n1 + w2[..., None] * n2
+
+
+def _check_chunk_size(chunk_size) -> None:
+    assert isinstance(chunk_size, int) and chunk_size >= 1, f"chunk_size {chunk_size!r}"
+
+
+class _Chunks(NamedTuple):
+    """Inputs of a chunked form, padded to n * C tokens: a, zv `[B, nC, H, D]`, val `[B, nC, H, M]`,
+    state `AGFState` (float32), poisoned `[B, T, H]` (outputs at or after a non-finite valid input)."""
+    a: Array
+    zv: Array
+    val: Array
+    state: AGFState
+    poisoned: Array
+
+
+def _chunk_inputs(zu, zv, zs, val, coeffs, *, chunk_size, basis, alpha, beta, mask,
+                  state) -> _Chunks:
+    check_projections(zu, zv, zs, val)
+    _check_chunk_size(chunk_size)
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    zv = masked_logits(zv, mask)
+    val = masked_values(val, mask).astype(a.dtype)
+    # The intra-chunk sum multiplies the future weights (exactly 0) with the future values, and
+    # 0 * NaN = NaN: a non-finite Z_V or Val at a valid position is replaced here and every output
+    # at or after it is set to NaN below, which is what the recurrence gives.
+    bad = ~(jnp.all(jnp.isfinite(zv), axis=-1) & jnp.all(jnp.isfinite(val), axis=-1))   # [B, T, H]
+    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
+    zv = jnp.where(bad[..., None], -MASK_OFFSET, zv)
+    val = jnp.where(bad[..., None], 0.0, val)
+    b, t, h, d = a.shape
+    if state is None:
+        state = init_state(b, h, d, val.shape[-1], a.dtype)
+    _check_state(state, a, val)
+    state = AGFState(*(s.astype(a.dtype) for s in state))
+    pad = -(-t // chunk_size) * chunk_size - t
+    if pad:
+        # Padded tokens: Z_V = -inf (weight exactly 0, max unchanged), A = 0, Val = 0.
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        a = jnp.pad(a, widths)
+        val = jnp.pad(val, widths)
+        zv = jnp.pad(zv, widths, constant_values=-jnp.inf)
+    return _Chunks(a, zv, val, state, poisoned)
+
+
+def _poison(y: Array, state: AGFState, poisoned: Array) -> tuple[Array, AGFState]:
+    """Trims y to T tokens; NaN at and after a non-finite valid input, and in such a final state."""
+    y = y[:, :poisoned.shape[1]]
+    last = poisoned[:, -1]                                                            # [B, H]
+    state = AGFState(jnp.where(last[..., None, None], jnp.nan, state.num),
+                     jnp.where(last[..., None], jnp.nan, state.den),
+                     jnp.where(last[..., None], jnp.nan, state.max))
+    return jnp.where(poisoned[..., None], jnp.nan, y), state
+
+
 def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, chunk_size: int,
                 basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
                 mask: Optional[Array] = None,
                 state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
-    """Causal AGF in chunks of C tokens: O(T C D + T D M) time, a carried O(D M) state per head.
+    """Causal AGF in chunks of C tokens, in the form that suits the platform it runs on.
 
-    Within a chunk every row t uses its own running maximum M_t = max(m_prev, max_{j<=t} Z_V[j]),
-    so all exponentials are <= 1 and every denominator is >= 1 (exactly stable, no underflow of the
-    early rows); the previous chunks enter through the carried state rescaled by exp(m_prev - M_t).
-    T need not be a multiple of C: the tail is padded with tokens of weight exactly 0.
+    The CPU runs `agf_chunked_scan` (a `lax.scan` over the chunks, one chunk's temporaries at a
+    time); GPUs and TPUs run `agf_chunked_parallel` (every chunk at once, no loop: an accelerator
+    runs a while loop's control from the host, microseconds per chunk). Both give the same numbers.
 
     Args:
         zu, zv, zs: `[B, T, H, D]`.
@@ -126,30 +189,32 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
     check_projections(zu, zv, zs, val)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
-    zv = masked_logits(zv, mask)
-    val = masked_values(val, mask).astype(a.dtype)
-    # The intra-chunk sum multiplies the future weights (exactly 0) with the future values, and
-    # 0 * NaN = NaN: a non-finite Z_V or Val at a valid position is replaced here and every output
-    # at or after it is set to NaN below, which is what the recurrence gives.
-    bad = ~(jnp.all(jnp.isfinite(zv), axis=-1) & jnp.all(jnp.isfinite(val), axis=-1))   # [B, T, H]
-    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
-    zv = jnp.where(bad[..., None], -MASK_OFFSET, zv)
-    val = jnp.where(bad[..., None], 0.0, val)
-    b, t, h, d = a.shape
-    if state is None:
-        state = init_state(b, h, d, val.shape[-1], a.dtype)
-    _check_state(state, a, val)
-    state = AGFState(*(s.astype(a.dtype) for s in state))
-    c = chunk_size
-    n_chunks = -(-t // c)
-    pad = n_chunks * c - t
-    if pad:
-        # Padded tokens: Z_V = -inf (weight exactly 0, max unchanged), A = 0, Val = 0.
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        a = jnp.pad(a, widths)
-        val = jnp.pad(val, widths)
-        zv = jnp.pad(zv, widths, constant_values=-jnp.inf)
+    kw = dict(chunk_size=chunk_size, basis=basis, alpha=alpha, beta=beta)
+    return jax.lax.platform_dependent(
+        zu, zv, zs, val, coeffs, mask, state,
+        cpu=lambda *x: agf_chunked_scan(*x[:5], mask=x[5], state=x[6], **kw),
+        default=lambda *x: agf_chunked_parallel(*x[:5], mask=x[5], state=x[6], **kw))
+
+
+def agf_chunked_scan(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+                     chunk_size: int, basis: str = "jacobi", alpha: Optional[float] = None,
+                     beta: Optional[float] = None, mask: Optional[Array] = None,
+                     state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+    """Causal AGF as a `lax.scan` over chunks of C tokens: O(T C D + T D M) time, a carried O(D M)
+    state per head, and one chunk's `[B, C, C, H, D]` weights alive at a time (the CPU form).
+
+    Within a chunk every row t uses its own running maximum M_t = max(m_prev, max_{j<=t} Z_V[j]),
+    so all exponentials are <= 1 and every denominator is >= 1 (exactly stable, no underflow of the
+    early rows); the previous chunks enter through the carried state rescaled by exp(m_prev - M_t).
+    T need not be a multiple of C: the tail is padded with tokens of weight exactly 0.
+
+    Arguments and result as in `agf_chunked`.
+    """
+    a, zv, val, state, poisoned = _chunk_inputs(zu, zv, zs, val, coeffs, chunk_size=chunk_size,
+                                                basis=basis, alpha=alpha, beta=beta, mask=mask,
+                                                state=state)
+    b, c = a.shape[0], chunk_size
+    n_chunks = a.shape[1] // c
 
     def to_chunks(x):  # [B, n*C, ...] -> [n, B, C, ...]
         return jnp.moveaxis(x.reshape((b, n_chunks, c) + x.shape[2:]), 1, 0)
@@ -176,12 +241,67 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
         return new, y
 
     state, ys = jax.lax.scan(body, state, (to_chunks(a), to_chunks(zv), to_chunks(val)))
-    y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])[:, :t]
-    last = poisoned[:, -1]                                                            # [B, H]
-    state = AGFState(jnp.where(last[..., None, None], jnp.nan, state.num),
-                     jnp.where(last[..., None], jnp.nan, state.den),
-                     jnp.where(last[..., None], jnp.nan, state.max))
-    return jnp.where(poisoned[..., None], jnp.nan, y), state
+    y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])
+    return _poison(y, state, poisoned)
+
+
+def agf_chunked_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+                         chunk_size: int, basis: str = "jacobi", alpha: Optional[float] = None,
+                         beta: Optional[float] = None, mask: Optional[Array] = None,
+                         state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+    """Causal AGF with every chunk of C tokens at once: no loop over chunks or tokens (the GPU/TPU form).
+
+    The same numbers as `agf_chunked_scan`, in the state-passing form of chunked linear attention
+    (Mamba2's SSD minimal form, fla's chunk kernels), with the running maximum of the online softmax
+    in place of a decay. With n = T / C chunks, per chunk i and head:
+
+        m_i = max_C Z_V,  z_i = sum_C exp(Z_V - m_i),  N_i = sum_C exp(Z_V - m_i) (x) Val  (one einsum);
+        the state before chunk i, (m, z, N)_{<i}, is the exclusive prefix of the associative
+        log-sum-exp merge (m, z, N) + (m', z', N') = (M, e^{m-M} z + e^{m'-M} z', e^{m-M} N + e^{m'-M} N'),
+        M = max(m, m'), over the chunk axis (`lax.associative_scan`), after the carried `state`;
+
+    then each row uses its own running maximum exactly as `agf_chunked_scan` does, so every
+    exponential is <= 1. All products are batched over batch, chunks and heads.
+
+    Memory: every chunk's intermediates are alive at once. The intra-chunk weights are
+    `[B, T/C, C, C, H, D]` float32, 4 B T C H D bytes (B = 1, T = 16K, C = 64, 8 heads of 64:
+    2 GiB), and the per-chunk states `[B, T/C, H, D, M]` float32, 4 B H T D M / C bytes (32 MiB
+    there), plus the associative scan's temporaries of about the states' size; the scan form holds
+    one chunk of each. The weights grow with C, the states with T / C.
+
+    Arguments and result as in `agf_chunked`.
+    """
+    a, zv, val, state, poisoned = _chunk_inputs(zu, zv, zs, val, coeffs, chunk_size=chunk_size,
+                                                basis=basis, alpha=alpha, beta=beta, mask=mask,
+                                                state=state)
+    b, tc, h, d = a.shape
+    c = chunk_size
+    n = tc // c
+    a, zv, val = (x.reshape((b, n, c) + x.shape[2:]) for x in (a, zv, val))   # [B, n, C, H, *]
+    # Each chunk's own partial sums, relative to its maximum (finite: every chunk holds a token
+    # that is not tail padding).
+    cm = jnp.max(zv, axis=2)                                                   # [B, n, H, D]
+    e = jnp.exp(zv - cm[:, :, None])
+    chunk = (cm, jnp.sum(e, axis=2), jnp.einsum("bnchd,bnchm->bnhdm", e, val))
+    prefix = jax.lax.associative_scan(_merge, chunk, axis=1)                   # through chunk i
+    empty = (jnp.full_like(cm[:, :1], -jnp.inf), jnp.zeros_like(cm[:, :1]),
+             jnp.zeros_like(chunk[2][:, :1]))
+    before = tuple(jnp.concatenate([x0, x], axis=1) for x0, x in zip(empty, prefix))  # [B, n+1]
+    carried = tuple(x[:, None] for x in (state.max, state.den, state.num))
+    m_prev, den_prev, num_prev = _merge_from_empty(carried, before)           # before chunk i
+    final = AGFState(num=num_prev[:, -1], den=den_prev[:, -1], max=m_prev[:, -1])
+    m_prev, den_prev, num_prev = m_prev[:, :n], den_prev[:, :n], num_prev[:, :n]
+    # Within a chunk, as in agf_chunked_scan: row t's maximum M_t, its weights exp(Z_V[j] - M_t).
+    row_max = jnp.maximum(m_prev[:, :, None], jax.lax.cummax(zv, axis=2))     # [B, n, C, H, D]
+    logits = zv[:, :, None] - row_max[:, :, :, None]                          # [B, n, t, j, H, D]
+    tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None, None]
+    p = jnp.exp(jnp.where(tril, logits, -jnp.inf))
+    carry_scale = jnp.exp(m_prev[:, :, None] - row_max)                       # 0 for an empty one
+    den = den_prev[:, :, None] * carry_scale + jnp.sum(p, axis=3)             # >= 1
+    w = a / den
+    y = (jnp.einsum("bnthd,bnhdm->bnthm", w * carry_scale, num_prev)
+         + jnp.einsum("bnthd,bntjhd,bnjhm->bnthm", w, p, val))
+    return _poison(y.reshape((b, tc) + y.shape[3:]), final, poisoned)
 
 
 def _step_core(state: AGFState, a_t: Array, zv_t: Array, val_t: Array) -> tuple[AGFState, Array]:

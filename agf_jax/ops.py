@@ -33,7 +33,9 @@ for stability: O(D M) per head, O(T D M) for the whole sequence. U, s and g are 
 no change. At the last position V^(T) equals the non-causal V, so the final causal output equals
 the non-causal one. Four forms compute the same numbers: `agf_parallel(causal=True)`
 (associative scan over the online-softmax monoid), `agf_chunked` (exact intra-chunk sums with
-per-row maxima plus a carried state), `agf_recurrent` (`jax.lax.scan`) and `agf_step`.
+per-row maxima plus the state of the previous chunks: `agf_chunked_scan` carries it through a
+`lax.scan` on the CPU, `agf_chunked_parallel` computes every chunk's state at once on GPUs and
+TPUs), `agf_recurrent` (`jax.lax.scan`) and `agf_step`.
 
 *Regulariser in causal mode (design choice, documented here once).* `orthogonality_loss` is the same
 function in both modes: U is token-local, and V is taken as the whole-sequence softmax, which is
@@ -69,15 +71,16 @@ from agf_jax.basis import (BASES, JACOBI_DEFAULT_ALPHA, JACOBI_DEFAULT_BETA, bas
 from agf_jax.factors import (MASK_OFFSET, AGFFactors, agf_factors, as_float, check_mask,
                              check_projections, left_factor, masked_logits, masked_values,
                              orthogonality_loss, valid_mask)
-from agf_jax.forms import (AGFState, agf_attention_matrix, agf_chunked, agf_parallel, agf_recurrent,
-                           agf_step, init_state)
+from agf_jax.forms import (AGFState, agf_attention_matrix, agf_chunked, agf_chunked_parallel,
+                           agf_chunked_scan, agf_parallel, agf_recurrent, agf_step, init_state)
 from agf_jax.fused import agf_with_orthogonality
 
 # `agf_jax.softmax` imports this private name.
 _float = as_float
 
 __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET", "AGFFactors",
-           "AGFState", "agf_attention_matrix", "agf_chunked", "agf_factors", "agf_parallel",
+           "AGFState", "agf_attention_matrix", "agf_chunked",
+           "agf_chunked_parallel", "agf_chunked_scan", "agf_factors", "agf_parallel",
            "agf_recurrent", "agf_step", "agf_with_orthogonality", "as_float", "basis_and_derivative_iter",
            "basis_iter", "check_mask", "check_projections", "filter_coefficients", "graph_filter",
            "init_state", "jacobi_abc", "left_factor", "masked_logits", "masked_values",
