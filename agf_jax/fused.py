@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
-from agf_jax.factors import MASK_OFFSET, as_float, check_mask, check_projections
+from agf_jax.factors import (MASK_OFFSET, agf_factors, as_float, check_mask, check_projections,
+                             masked_values, orthogonality_loss)
 from zoo_core import layout
 
 Array = jax.Array
@@ -61,6 +62,23 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
         reg = reg + r
     h, d = jnp.shape(zu)[2:]
     return jnp.stack(out, axis=2), reg / (h * d * d)
+
+
+def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+                                 basis: str = "jacobi", alpha: Optional[float] = None,
+                                 beta: Optional[float] = None, mask: Optional[Array] = None,
+                                 count_padding: bool = True) -> tuple[Array, Array]:
+    """`agf_with_orthogonality`'s numbers from the plain maths, differentiated by autodiff.
+
+    O = (U * g) (V^T Val) batched over heads, and `orthogonality_loss`; no custom backward, no
+    optimisation barrier, no variadic reduce. The plain form a model selects with
+    `plain=('agf_backward',)`, to time the hand-written backward against it. Arguments and result
+    as in `agf_with_orthogonality`.
+    """
+    f = agf_factors(zu, zv, zs, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask)
+    kv = jnp.einsum("bthd,bthm->bhdm", f.v, masked_values(val, mask).astype(f.v.dtype))
+    o = jnp.einsum("bthd,bhdm->bthm", f.u * f.g, kv)
+    return o, orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
 
 
 def _agf_head_forward(zu, zv, zs, val, coeffs, valid, basis, count_padding):

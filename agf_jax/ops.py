@@ -73,7 +73,7 @@ from agf_jax.factors import (MASK_OFFSET, AGFFactors, agf_factors, as_float, che
                              orthogonality_loss, valid_mask)
 from agf_jax.forms import (AGFState, agf_attention_matrix, agf_chunked, agf_chunked_parallel,
                            agf_chunked_scan, agf_parallel, agf_recurrent, agf_step, init_state)
-from agf_jax.fused import agf_with_orthogonality
+from agf_jax.fused import agf_with_orthogonality, agf_with_orthogonality_plain
 
 # `agf_jax.softmax` imports this private name.
 _float = as_float
@@ -81,7 +81,8 @@ _float = as_float
 __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET", "AGFFactors",
            "AGFState", "agf_attention_matrix", "agf_chunked",
            "agf_chunked_parallel", "agf_chunked_scan", "agf_factors", "agf_parallel",
-           "agf_recurrent", "agf_step", "agf_with_orthogonality", "as_float", "basis_and_derivative_iter",
+           "agf_recurrent", "agf_step", "agf_with_orthogonality",
+           "agf_with_orthogonality_plain", "as_float", "basis_and_derivative_iter",
            "basis_iter", "check_mask", "check_projections", "filter_coefficients", "graph_filter",
            "init_state", "jacobi_abc", "left_factor", "masked_logits", "masked_values",
            "orthogonality_loss", "polynomial_basis", "resolve_basis", "valid_mask"]
