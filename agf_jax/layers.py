@@ -83,19 +83,30 @@ class _Attention(nn.Module):
     kernel_init: Initializer = torch_linear_kernel_init()
     bias_init: Initializer = nn.initializers.zeros_init()
     out_bias_init: Optional[Initializer] = None
+    plain: tuple[str, ...] = ()
+
+    # Parts a layer can compute in their plain form (`plain`): 'dense' flax's DenseGeneral for
+    # the projections (not the 2-D matmuls of `layout.DenseGeneral`), 'dropout' flax's Dropout.
+    PLAIN = ("dense", "dropout")
+
+    def _dense_cls(self) -> type:
+        return nn.DenseGeneral if "dense" in self.plain else layout.DenseGeneral
+
+    def _dropout(self) -> nn.Module:
+        return (nn.Dropout if "dropout" in self.plain else Dropout)(self.dropout_rate)
 
     def _projection(self, name: str) -> nn.Module:
-        return layout.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
-                               param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                               bias_init=self.bias_init, name=name)
+        return self._dense_cls()(features=(self.num_heads, self.head_dim), dtype=self.dtype,
+                                 param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                                 bias_init=self.bias_init, name=name)
 
     @nn.compact
     def _out(self, o: Array, width: int) -> Array:
         # A DenseGeneral over (H, D) -> E', declared in this one compact method (called from every
         # form) because E' defaults to the input width, unknown in setup().
-        return layout.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
-                               param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                               bias_init=self.out_bias_init or self.bias_init, name="out")(o)
+        return self._dense_cls()(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
+                                 param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                                 bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 
     def _compute_dtype(self, x: Array):
         return self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
@@ -147,6 +158,9 @@ class AGFAttention(_Attention):
         out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
+        plain: names from `AGFAttention.PLAIN` computed in their plain form, with the same
+            parameters and values: 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout),
+            'agf_backward' (autodiff of the plain non-causal maths); for timing the zoo's forms.
 
     The causal forms keep AGF's own kernels rather than `zoo_core.linear_attention`: AGF normalises
     each of the D features by its own prefix sum under a running maximum (an online softmax), which
@@ -163,6 +177,10 @@ class AGFAttention(_Attention):
     ortho_count_padding: bool = False
     theta_init: Initializer = nn.initializers.zeros_init()
 
+    # 'agf_backward': the non-causal output and regulariser by autodiff of the plain maths
+    # (`ops.agf_with_orthogonality_plain`), not the hand-written backward.
+    PLAIN = _Attention.PLAIN + ("agf_backward",)
+
     def setup(self):
         validation.check_agf_fields(self)
         self.query, self.key = self._projection("query"), self._projection("key")
@@ -171,7 +189,7 @@ class AGFAttention(_Attention):
             self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
         if self.learn_c0:
             self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
-        self.dropout = Dropout(self.dropout_rate)
+        self.dropout = self._dropout()
 
     def coefficients(self) -> Array:
         """Effective filter coefficients c_0..c_K, `[K+1]` float32."""
@@ -208,10 +226,12 @@ class AGFAttention(_Attention):
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
         if not self.causal:
-            # The output and the regulariser in one pass (a hand-written backward pass).
-            o, ortho = ops.agf_with_orthogonality(zu, zv, zs, val, c, mask=mask,
-                                                  count_padding=self.ortho_count_padding,
-                                                  **self._basis_kwargs())
+            # The output and the regulariser in one pass (a hand-written backward pass, or
+            # autodiff of the plain maths with plain=('agf_backward',)).
+            fused = (ops.agf_with_orthogonality_plain if "agf_backward" in self.plain
+                     else ops.agf_with_orthogonality)
+            o, ortho = fused(zu, zv, zs, val, c, mask=mask, count_padding=self.ortho_count_padding,
+                             **self._basis_kwargs())
         else:
             if self.chunk_size is not None:
                 o, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size, mask=mask,
@@ -294,6 +314,7 @@ class SoftmaxAttention(_Attention):
         max_length: causal only: the `KVCache` slots of `init_state` (required there).
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
+        plain: 'dense' and/or 'dropout', as in `AGFAttention`.
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.
@@ -303,7 +324,7 @@ class SoftmaxAttention(_Attention):
         validation.check_softmax_fields(self)
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
-        self.dropout = Dropout(self.dropout_rate)
+        self.dropout = self._dropout()
 
     def _finish(self, o: Array, x: Array) -> Array:
         return self._out(o.astype(self._compute_dtype(x)), x.shape[-1])

@@ -73,11 +73,25 @@ AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight"
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": layout.gelu, "relu": nn.relu}
 
+# Parts a model can compute in their plain form (the `plain` field), each with the same parameters
+# and values, so that a bfloat16 step can be timed with one of its zoo forms swapped out:
+#   'embed'        flax's Embed (its lookup's backward a scatter-add in the compute dtype), not
+#                  `layout.Embed` (that scatter-add in float32);
+#   'layer_norm'   flax's LayerNorm (autodiff), not `layout.LayerNorm` (a hand-written backward);
+#   'add_to_each'  x + table[None] (autodiff), not `layout.add_to_each` (a dot for the table's grad);
+#   'dense'        flax's Dense / DenseGeneral, not `layout`'s 2-D matmul forms (also in attention);
+#   'dropout'      flax's Dropout (its own random bits), not `zoo_core.dropout.Dropout`;
+#   'agf_backward' autodiff of AGF's plain maths, not the hand-written backward of
+#                  `ops.agf_with_orthogonality` (its optimisation barrier and variadic reduce).
+PLAIN_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
+
 
 def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
     """Builds the attention layer of a block from the owner's fields, with PyTorch's inits."""
+    layer_cls = AGFAttention if owner.attention == "agf" else SoftmaxAttention
     init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
                 bias_init=torch_linear_bias_init(owner.d_model),
+                plain=tuple(p for p in owner.plain if p in layer_cls.PLAIN),
                 out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
     checks.check_choice("attention", owner.attention, ATTENTIONS)
     if owner.attention == "agf":
@@ -99,13 +113,24 @@ def merge_aux(auxes: Sequence[dict]) -> dict:
 
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
-    return layout.Dense(features, dtype=m.dtype, param_dtype=m.param_dtype,
-                        kernel_init=torch_linear_kernel_init(),
-                        bias_init=torch_linear_bias_init(fan_in), name=name)
+    cls = nn.Dense if "dense" in m.plain else layout.Dense
+    return cls(features, dtype=m.dtype, param_dtype=m.param_dtype,
+               kernel_init=torch_linear_kernel_init(), bias_init=torch_linear_bias_init(fan_in),
+               name=name)
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:
-    return layout.LayerNorm(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
+    cls = nn.LayerNorm if "layer_norm" in m.plain else layout.LayerNorm
+    return cls(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
+
+
+def _dropout(m) -> nn.Module:
+    return (nn.Dropout if "dropout" in m.plain else Dropout)(m.dropout_rate)
+
+
+def _embed(m, num: int, init) -> nn.Embed:
+    cls = nn.Embed if "embed" in m.plain else layout.Embed
+    return cls(num, m.d_model, embedding_init=init, dtype=m.dtype, param_dtype=m.param_dtype)
 
 
 def _aux(aux: dict, weight: float) -> dict:
@@ -140,6 +165,7 @@ class _BlockFields(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
+    plain: tuple[str, ...] = ()
 
 
 def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
@@ -166,7 +192,7 @@ class LRABlock(_BlockFields, kw_only=True):
         self.mlp_norm = _layer_norm(self, "mlp_norm")
         self.mlp_in = _dense(self.mlp_dim, self.d_model, self, "mlp_in")
         self.mlp_out = _dense(self.d_model, self.mlp_dim, self, "mlp_out")
-        self.dropout = Dropout(self.dropout_rate)
+        self.dropout = _dropout(self)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
@@ -190,21 +216,19 @@ class LRAEncoder(_BlockFields, kw_only=True):
 
     def setup(self):
         emb_init = nn.initializers.normal(stddev=0.02)
-        self.token_embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=emb_init,
-                                    dtype=self.dtype, param_dtype=self.param_dtype)
-        self.pos_embed = nn.Embed(self.max_len, self.d_model, embedding_init=emb_init,
-                                  dtype=self.dtype, param_dtype=self.param_dtype)
+        self.token_embed = _embed(self, self.vocab_size, emb_init)
+        self.pos_embed = _embed(self, self.max_len, emb_init)
         self.blocks = [_child(self, LRABlock, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
-        self.dropout = Dropout(self.dropout_rate)
+        self.dropout = _dropout(self)
 
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
         # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/layout.py).
-        x = layout.add_to_each(self.token_embed(ids),
-                               self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
+        add = (lambda x, table: x + table[None]) if "add_to_each" in self.plain else layout.add_to_each
+        x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
         auxes = []
@@ -239,6 +263,8 @@ class _LRABase(_BlockFields, kw_only=True):
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
+        plain: names from `PLAIN_FORMS`: parts computed in their plain form (same parameters and
+            values), to time a step with one of the zoo's forms swapped out.
     """
     num_classes: int
     vocab_size: int
@@ -337,7 +363,7 @@ class UEABlock(_BlockFields, kw_only=True):
         self.ffn_in = _dense(self.mlp_dim, self.d_model, self, "ffn_in")
         self.ffn_out = _dense(self.d_model, self.mlp_dim, self, "ffn_out")
         self.ffn_norm = _layer_norm(self, "ffn_norm")
-        self.dropout = Dropout(self.dropout_rate)
+        self.dropout = _dropout(self)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
@@ -392,6 +418,8 @@ class UEAClassifier(_BlockFields, kw_only=True):
         pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
+        plain: names from `PLAIN_FORMS`: parts computed in their plain form (same parameters and
+            values), to time a step with one of the zoo's forms swapped out.
     """
     num_classes: int
     feat_dim: int
@@ -417,7 +445,7 @@ class UEAClassifier(_BlockFields, kw_only=True):
                        for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
         self.output = _dense(self.num_classes, self.max_len * self.d_model, self, "output")
-        self.dropout = Dropout(self.dropout_rate)
+        self.dropout = _dropout(self)
 
     def __call__(self, batch: dict, *, train: bool = False):
         validation.check_uea_batch(batch, self.max_len, self.feat_dim)
@@ -474,6 +502,7 @@ def _check_options(kind: str, args: dict) -> None:
     checks.check_choice("attention", get("attention"), ATTENTIONS)
     checks.check_rate("dropout_rate", get("dropout_rate"))
     checks.check_rate("attention_dropout", get("attention_dropout"))
+    validation.check_plain(get("plain"), PLAIN_FORMS)
     given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
     if get("attention") == "softmax" and given:
         checks.fail(f"{given} apply only to attention='agf' (got attention='softmax')")
@@ -518,6 +547,8 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         # so that overriding d_model or num_heads alone stays consistent.
         args.pop("head_dim", None)
     args.update(kwargs)
+    if isinstance(args.get("plain"), list):   # a config's sequence; module fields are hashable
+        args["plain"] = tuple(args["plain"])
     missing = [f.name for f in dataclasses.fields(KINDS[kind])
                if f.name not in ("parent", "name") and f.default is dataclasses.MISSING
                and f.name not in args]

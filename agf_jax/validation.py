@@ -25,8 +25,19 @@ from zoo_core import checks
 # ---------------------------------------------------------------------------------------------
 
 
+def check_plain(plain: Any, choices: tuple[str, ...]) -> None:
+    """`plain` is a tuple of distinct names from `choices` (the parts computed in their plain form)."""
+    if not isinstance(plain, tuple):
+        checks.fail(f"`plain` must be a tuple of names from {choices}, got {plain!r}")
+    for name in plain:
+        checks.check_choice("plain", name, choices)
+    if len(set(plain)) != len(plain):
+        checks.fail(f"`plain` names a part twice: {plain}")
+
+
 def _check_common_fields(layer: Any) -> None:
-    """The fields both attention layers have: H, D, chunk_size (causal only), dropout_rate."""
+    """The fields both attention layers have: H, D, chunk_size (causal only), dropout_rate, plain."""
+    check_plain(layer.plain, layer.PLAIN)
     checks.check_int("num_heads", layer.num_heads, 1)
     checks.check_int("head_dim", layer.head_dim, 1)
     checks.check_optional_int("chunk_size", layer.chunk_size)
@@ -104,7 +115,7 @@ def check_softmax_scan(layer: Any, x: Any, mask: Optional[Any], state: Optional[
 
 def check_kernel_inputs(q: Any, k: Any, v: Optional[Any], mask: Optional[Any]) -> None:
     """q, k `[B, T, H, D]`, v None or `[B, T, H, M]`, mask None or `[B, T]` (any dtype)."""
-    ops._check_projections(q, k, None, v)
+    ops.check_projections(q, k, None, v)
     if mask is not None and tuple(jnp.shape(mask)) != tuple(jnp.shape(q)[:2]):
         raise ValueError(f"mask must have shape [B, T] = {jnp.shape(q)[:2]}, "
                          f"got {jnp.shape(mask)}")
@@ -112,7 +123,7 @@ def check_kernel_inputs(q: Any, k: Any, v: Optional[Any], mask: Optional[Any]) -
 
 def check_cache(cache: Any, q_t: Any, k_t: Any, v_t: Any) -> None:
     """One decoding token against a `KVCache` (key `[B, L, H, D]`, value `[B, L, H, M]`)."""
-    ops._check_projections(q_t, k_t, None, v_t, rank=3)
+    ops.check_projections(q_t, k_t, None, v_t, rank=3)
     if cache.key.shape[0] != q_t.shape[0] or cache.key.shape[2:] != q_t.shape[1:] \
             or cache.value.shape[-1] != v_t.shape[-1]:
         raise ValueError(f"cache key {cache.key.shape} / value {cache.value.shape} do not match "

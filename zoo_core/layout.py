@@ -7,6 +7,10 @@ about 100x slower than a dot with a ones vector computes the same sum (measured:
 a float32 `[32, 2000, 64]` 63 ms, `einsum('b,bte->te', ones, g)` 0.6 ms, 2 cores; the same sum to
 the last bit there). So the backward here is that dot; the forward stays the plain broadcast add.
 
+`Embed` is flax's layer of the same name with the lookup in the table's own dtype and the cast
+after it, so that in a bfloat16 model the lookup's backward (a scatter-add of every token's gradient
+into the table's few rows) accumulates in float32, not in bfloat16.
+
 `Dense` and `DenseGeneral` are flax's layers of the same names (same fields, parameters and
 values) computed as two-dimensional matmuls, whose gradients XLA's CPU backend runs without
 transposing copies of the activations; `heads` splits the head axis for per-head dots. `gelu` is
@@ -159,6 +163,27 @@ class Dense(nn.Dense):
         if bias is not None:
             y = y + bias.reshape(1, -1)
         return y.reshape(inputs.shape[:-1] + (self.features,))
+
+
+class Embed(nn.Embed):
+    """`flax.linen.Embed` (same fields, parameters and values) that gathers rows of the table in its
+    parameter dtype and casts them to `dtype` afterwards: ids `[...]` int -> `[..., features]`.
+
+    The gradient of a gather is a scatter-add into the table. Flax casts the table to `dtype` first,
+    so a bfloat16 model's scatter-add runs in bfloat16: on a GPU, XLA emits a bfloat16 atomic add as
+    a compare-and-swap loop, which serialises when many tokens share few rows (ListOps: 64,000
+    tokens x 64 features into 16 rows). Here it accumulates in float32. Rounding a gathered row is
+    rounding the table's row, so the values are the same bit for bit.
+    """
+
+    def __call__(self, inputs: Array) -> Array:
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Input type must be an integer or unsigned integer.")
+        table = jnp.asarray(self.embedding)
+        out_dtype = self.dtype if self.dtype is not None else table.dtype
+        if self.num_embeddings == 1:
+            return jnp.broadcast_to(table, inputs.shape + (self.features,)).astype(out_dtype)
+        return jnp.take(table, inputs, axis=0).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -1,4 +1,4 @@
-"""Tests of the pure AGF kernels (agf_jax/ops.py): forms, masks, bases, n x n references, grads."""
+"""Tests of the pure AGF kernels (agf_jax.ops and its modules basis, factors, fused, forms): forms, masks, bases, n x n references, grads."""
 import functools
 import math
 
@@ -9,6 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 from agf_jax import ops
+from zoo_core import testing
 from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close
 
 B, H, D, M = 2, 2, 4, 3
@@ -36,6 +37,10 @@ def _mask(t):
 # Jitted forms: one compile per shape (eager lax.scan would retrace its closure on every call).
 parallel = jax.jit(functools.partial(ops.agf_parallel, **BASIS), static_argnames=("causal",))
 chunked = jax.jit(functools.partial(ops.agf_chunked, **BASIS), static_argnames=("chunk_size",))
+# The two forms agf_chunked chooses between per platform, called directly (the CPU runs the first).
+chunked_forms = {name: jax.jit(functools.partial(fn, **BASIS), static_argnames=("chunk_size",))
+                 for name, fn in (("scan", ops.agf_chunked_scan),
+                                  ("parallel", ops.agf_chunked_parallel))}
 recurrent = jax.jit(functools.partial(ops.agf_recurrent, **BASIS))
 _step = jax.jit(functools.partial(ops.agf_step, **BASIS))
 _masked_logits = jax.jit(ops.masked_logits)
@@ -74,9 +79,10 @@ def test_causal_forms_agree(t, chunks, masked):
     np.testing.assert_allclose(y_step, y_par, **F32_SIMPLE)
     assert_trees_close(s_step, s_rec, **F32_SIMPLE)
     for c in chunks:
-        y_chk, s_chk = chunked(zu, zv, zs, val, COEFFS, chunk_size=c, mask=mask)
-        np.testing.assert_allclose(y_chk, y_par, **F32_SIMPLE, err_msg=f"chunk_size={c}")
-        assert_trees_close(s_chk, s_rec, **F32_SIMPLE)
+        for name, form in chunked_forms.items():
+            y_chk, s_chk = form(zu, zv, zs, val, COEFFS, chunk_size=c, mask=mask)
+            np.testing.assert_allclose(y_chk, y_par, **F32_SIMPLE, err_msg=f"{name}, C={c}")
+            assert_trees_close(s_chk, s_rec, **F32_SIMPLE)
 
 
 def test_causal_last_position_equals_noncausal():
@@ -99,9 +105,11 @@ def test_split_sequence_state_carry():
     b = [x[:, rest] for x in (zu, zv, zs, val)]
     # Any form continues any other's state: chunked -> chunked, chunked -> recurrent / step.
     y_a, s_a = chunked(*a, COEFFS, chunk_size=3, mask=ones[:, first])
-    y_b, s_b = chunked(*b, COEFFS, chunk_size=3, mask=ones[:, rest], state=s_a)
-    np.testing.assert_allclose(np.concatenate([y_a, y_b], 1), y_full, **F32_SIMPLE)
-    assert_trees_close(s_b, s_full, **F32_SIMPLE)
+    for name, form in chunked_forms.items():
+        y_b, s_b = form(*b, COEFFS, chunk_size=3, mask=ones[:, rest], state=s_a)
+        np.testing.assert_allclose(np.concatenate([y_a, y_b], 1), y_full, **F32_SIMPLE,
+                                   err_msg=name)
+        assert_trees_close(s_b, s_full, **F32_SIMPLE)
     y_c, _ = recurrent(*b, COEFFS, mask=ones[:, rest], state=s_a)
     np.testing.assert_allclose(y_c, y_full[:, rest], **F32_SIMPLE)
     y_d, s_d = _step_loop(*b, COEFFS, state=s_a)
@@ -117,11 +125,79 @@ def test_causality():
     future = [np.concatenate([a[:, :t0 + 1], b[:, t0 + 1:]], 1) for a, b in zip((zu, zv, zs, val),
                                                                                  new)]
     for fn in (lambda *a: parallel(*a, COEFFS, mask=ones, causal=True),
-               lambda *a: chunked(*a, COEFFS, chunk_size=4, mask=ones)[0]):
+               lambda *a: chunked_forms["scan"](*a, COEFFS, chunk_size=4, mask=ones)[0],
+               lambda *a: chunked_forms["parallel"](*a, COEFFS, chunk_size=4, mask=ones)[0]):
         y1 = np.asarray(fn(zu, zv, zs, val))
         y2 = np.asarray(fn(*future))
         np.testing.assert_allclose(y2[:, :t0 + 1], y1[:, :t0 + 1], **F32_SIMPLE)
         assert not np.allclose(y2[:, t0 + 1:], y1[:, t0 + 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize("poison", [np.nan, 1e30], ids=["nan", "1e30"])
+def test_chunked_forms_ignore_bad_padding_and_agree_on_a_bad_valid_token(poison):
+    # Padding holding NaN / 1e30 changes no valid output; the same at a valid position (t0) leaves the
+    # outputs before it unchanged and makes both chunked forms give the recurrence's NaNs after it.
+    t, t0 = 16, 6
+    zu, zv, zs, val = _inputs(t, seed=18)
+    mask = _mask(t)
+    n = int(mask[1].sum())
+    padded = [x.copy() for x in (zu, zv, zs, val)]
+    for x in padded:
+        x[1, n:] = poison
+    future = [x.copy() for x in (zu, zv, zs, val)]
+    future[1][0, t0] = poison                      # Z_V of sample 0 at valid position t0
+    future[3][0, t0 + 2] = poison                  # and a value further on
+    for name, form in chunked_forms.items():
+        y, s = form(zu, zv, zs, val, COEFFS, chunk_size=5, mask=mask)
+        y_p, s_p = form(*padded, COEFFS, chunk_size=5, mask=mask)
+        assert_trees_close((y_p[0], y_p[1, :n], s_p), (y[0], y[1, :n], s), **F32_SIMPLE)
+        y_f, _ = form(*future, COEFFS, chunk_size=5, mask=mask)
+        np.testing.assert_allclose(y_f[0, :t0], y[0, :t0], **F32_SIMPLE, err_msg=name)
+        np.testing.assert_allclose(y_f[1], y[1], **F32_SIMPLE, err_msg=name)
+    want = chunked_forms["scan"](*future, COEFFS, chunk_size=5, mask=mask)
+    got = chunked_forms["parallel"](*future, COEFFS, chunk_size=5, mask=mask)
+    assert_trees_close(got, want, **F32_SIMPLE)        # NaNs at the same places
+    if poison != poison:
+        assert np.all(np.isnan(np.asarray(got[0])[0, t0:]))
+
+
+def _causal_layer_and_args(chunk_size):
+    from agf_jax.layers import AGFAttention
+    layer = AGFAttention(num_heads=2, head_dim=4, causal=True, chunk_size=chunk_size, order=3,
+                         **BASIS)
+    x = jnp.zeros((2, 64, 8), jnp.float32)
+    mask = jnp.ones((2, 64), bool)
+    return layer, layer.init(jax.random.key(0), x, mask=mask), x, mask
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_accelerator_programs_of_the_chunked_form_have_no_loop(platform):
+    # An accelerator runs a while loop's control from the host; the chunked training form of
+    # causal AGF and the causal layer's training step export without one. The CPU keeps its scan.
+    zu, zv, zs, val = _inputs(64, seed=19)
+    mask = _mask(64)
+
+    def form_and_grad(zu, zv, zs, val, coeffs, mask):
+        def loss(*a):
+            return jnp.sum(ops.agf_chunked(*a, chunk_size=8, mask=mask, **BASIS)[0] ** 2)
+        return loss(zu, zv, zs, val, coeffs), jax.grad(loss, argnums=(0, 1, 2, 3, 4))(
+            zu, zv, zs, val, coeffs)
+
+    args = (zu, zv, zs, val, COEFFS, mask)
+    assert testing.while_loops(testing.exported_program(form_and_grad, *args,
+                                                        platform=platform)) == 0
+    assert testing.while_loops(testing.exported_program(form_and_grad, *args,
+                                                        platform="cpu")) > 0
+    layer, params, x, lmask = _causal_layer_and_args(8)
+
+    def layer_step(params, x, mask):
+        def loss(params):
+            y, aux = layer.apply(params, x, mask=mask)
+            return jnp.sum(y ** 2) + aux["loss/orthogonality"]
+        return jax.value_and_grad(loss)(params)
+
+    assert testing.while_loops(testing.exported_program(layer_step, params, x, lmask,
+                                                        platform=platform)) == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -151,15 +227,20 @@ def test_padding_invariance(causal):
 def test_mask_float_and_bool_agree_and_v_rows_zero():
     zu, zv, zs, val = _inputs(7, seed=9)
     mask = _mask(7)
-    # One program per mask dtype (eagerly each op compiles on its own).
+    # The mask enters the maths only through the select of masked_logits: bit for bit the same
+    # logits for a bool, a 0/1 float and a nonzero-is-valid mask, on any platform.
+    logits = _masked_logits(zv, mask)
+    np.testing.assert_array_equal(_masked_logits(zv, mask.astype(np.float32)), logits)
+    np.testing.assert_array_equal(_masked_logits(zv, mask * np.float32(2.5)), logits)
+    # The factors of each mask dtype are separate programs: their softmax sums may be reduced in
+    # another order (a GPU tiles a reduction by its inputs' dtypes), so they agree to rounding.
     factors = jax.jit(functools.partial(ops.agf_factors, **BASIS))
     f_bool = factors(zu, zv, zs, COEFFS, mask=mask)
     f_float = factors(zu, zv, zs, COEFFS, mask=mask.astype(np.float32))
-    np.testing.assert_array_equal(f_bool.v, f_float.v)
-    f_nonzero = factors(zu, zv, zs, COEFFS, mask=mask * np.float32(2.5))   # nonzero = valid
-    np.testing.assert_array_equal(f_bool.v, f_nonzero.v)
+    assert_trees_close(f_float, f_bool, **F32_SIMPLE)
     v, u = np.asarray(f_bool.v), np.asarray(f_bool.u)
     assert float(np.max(np.abs(v[1, 5:]))) == 0.0       # padded rows of V are exactly 0
+    assert float(np.max(np.abs(np.asarray(f_float.v)[1, 5:]))) == 0.0
     np.testing.assert_allclose(np.sum(v, axis=1), 1.0, **F32_SIMPLE)
     np.testing.assert_allclose(np.sum(u, axis=-1), 1.0, **F32_SIMPLE)
 
@@ -236,7 +317,7 @@ def _numpy_reference(zu, zv, zs, val, coeffs, mask, alpha, beta):
     s = 1 / (1 + np.exp(-zs))
     p = [np.ones_like(s), 0.5 * ((alpha - beta) + (alpha + beta + 2) * s)]
     for k in range(2, len(coeffs)):
-        a_k, b_k, c_k = ops._jacobi_abc(k, alpha, beta)
+        a_k, b_k, c_k = ops.jacobi_abc(k, alpha, beta)
         p.append((a_k * s + b_k) * p[-1] - c_k * p[-2])
     g = sum(c * pk for c, pk in zip(np.asarray(coeffs, np.float64), p))
     hmat = np.einsum("bthd,bjhd->bhtj", u * g, v)
@@ -301,11 +382,16 @@ def test_check_grads_float64(x64):
         return ops.agf_chunked(zu, zv, zs, val, ops.filter_coefficients(theta), chunk_size=3,
                                mask=mask, **BASIS)[0]
 
+    def causal_chunk_parallel(zu, zv, zs, val, theta):
+        return ops.agf_chunked_parallel(zu, zv, zs, val, ops.filter_coefficients(theta),
+                                        chunk_size=3, mask=mask, **BASIS)[0]
+
     def causal_rec(zu, zv, zs, val, theta):
         return ops.agf_recurrent(zu, zv, zs, val, ops.filter_coefficients(theta), **BASIS)[0]
 
     def all_forms(*args):   # one function: one set of compiles for the four forms
-        return tuple(fn(*args) for fn in (noncausal, causal_par, causal_chunk, causal_rec))
+        return tuple(fn(*args) for fn in (noncausal, causal_par, causal_chunk,
+                                          causal_chunk_parallel, causal_rec))
 
     check_grads(jax.jit(all_forms), (zu, zv, zs, val, theta), order=1, modes=("rev",), **F64)
 

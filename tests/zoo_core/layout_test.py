@@ -1,4 +1,5 @@
 """zoo_core.layout: the same values and gradients as the plain forms."""
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +132,20 @@ def test_layer_norm_refuses_what_it_does_not_compute():
         layout.LayerNorm(reduction_axes=(0, 1)).init(jax.random.key(0), x, mask=x > 0)
     with pytest.raises(ValueError, match=r"\['force_float32_reductions'\]"):
         layout.LayerNorm(force_float32_reductions=False).init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_embed_is_flax_embed_with_the_lookup_in_the_table_dtype(dtype):
+    ids = jnp.array([[0, 3, 3, 1], [2, 2, 0, 3]], jnp.int32)
+    ours, theirs = layout.Embed(4, 5, dtype=dtype), nn.Embed(4, 5, dtype=dtype)
+    v = ours.init(jax.random.key(0), ids)
+    assert jax.tree.map(jnp.shape, theirs.init(jax.random.key(0), ids)) == jax.tree.map(jnp.shape, v)
+    y, y_flax = ours.apply(v, ids), theirs.apply(v, ids)
+    assert y.dtype == y_flax.dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_flax, np.float32))
+    w = jax.random.normal(jax.random.key(1), y.shape)
+    grad = lambda m: jax.grad(lambda p: jnp.sum(m.apply(p, ids).astype(jnp.float32) * w))(v)  # noqa: E731
+    np.testing.assert_allclose(grad(ours)["params"]["embedding"],
+                               grad(nn.Embed(4, 5))["params"]["embedding"], rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="integer"):
+        ours.apply(v, ids.astype(jnp.float32))
