@@ -338,9 +338,11 @@ class SoftmaxAttention(_Attention):
             o = softmax_ops.softmax_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask,
                                             dropout=self._dropout_fn(deterministic))
         else:
+            # No dropout function when none applies, so that a GPU takes the fused attention.
+            active = not deterministic and self.dropout_rate > 0.0
             o = softmax_ops.softmax_parallel(
                 q, k, v, mask=mask, causal=self.causal,
-                dropout=lambda w, _: self.dropout(w, deterministic=deterministic))
+                dropout=(lambda w, _: self.dropout(w, deterministic=False)) if active else None)
         return self._finish(o, x), {}
 
     def init_state(self, batch_size: int) -> KVCache:

@@ -197,3 +197,22 @@ def test_a_gpu_host_without_cudnn_falls_back_to_the_xla_form(masked, monkeypatch
     got = jax.jit(lambda *a: sm.softmax_fused(*a, mask=mask, causal=True))(q, k, v)
     valid = np.ones((B, 8), bool) if mask is None else mask
     np.testing.assert_allclose(*(_valid_rows({"": o}, valid)[""] for o in (got, want)), **BF16)
+
+
+
+def test_the_layer_without_dropout_takes_the_fused_path_on_a_gpu():
+    # In bf16 the fused path's attention dots keep bf16 operands; the XLA form's are float32.
+    from agf_jax.layers import SoftmaxAttention
+
+    layer = SoftmaxAttention(num_heads=2, head_dim=8, dropout_rate=0.1, dtype=jnp.bfloat16)
+    x = np.ones((2, 16, 16), np.float32)
+    params = layer.init(jax.random.PRNGKey(0), x)
+    rngs = {"dropout": jax.random.PRNGKey(1)}
+
+    def dots(deterministic):
+        def apply(p, x):
+            return layer.apply(p, x, deterministic=deterministic, rngs=rngs)[0]
+        return _logit_dots(exported_program(apply, params, x, platform="cuda"))
+
+    assert not any("f32" in ops for ops in dots(True)), dots(True)
+    assert any("f32" in ops for ops in dots(False)), dots(False)   # dropout keeps the XLA form
