@@ -9,10 +9,11 @@ Each `--config` (a config file with its optional ':args', as the training comman
 data prepared into `--data_dir` by the trainer's `prepare_data` (a first run generates it), then the
 training split is read as training reads it, from the batch size and seed of the config. For each
 path (`memory`: decoded once into arrays and batched by index; `stream`: read record by record through
-grain, the path for splits over the in-memory bound) the time to the first batch is recorded, then
-`--warmup` batches are taken and the batches of `--seconds` are counted, the paths interleaved in
-`--rounds` rounds. The load average is printed and recorded before and after each config: the rates
-fall with the load, so compare rows measured under the same load.
+grain, the path for splits over the in-memory bound and for the first batches while a split decodes)
+the decode time (memory) and the time to the first batch are recorded, then `--warmup` batches are
+taken and the batches of `--seconds` are counted, the paths interleaved in `--rounds` rounds. The load
+average is printed and recorded before and after each config: the rates fall with the load, so compare
+rows measured under the same load.
 """
 from __future__ import annotations
 
@@ -58,9 +59,18 @@ def _load() -> list[float]:
 
 
 def time_path(source, config, path: str, *, warmup: int, seconds: float) -> dict[str, Any]:
-    """Batches/s of one path: time to the first batch, then `warmup` batches, then `seconds` of batches."""
-    from zoo_core.data import pipeline
+    """Batches/s of one path: the decode (memory), the time to the first batch, then `warmup` batches,
+    then `seconds` of batches. The memory path is timed on the decoded split (training streams the
+    batches of the first seconds while it decodes)."""
+    from zoo_core.data import arrays, pipeline
 
+    t0 = time.perf_counter()
+    if path == "memory":
+        source = arrays.load(source)
+        if source is None:
+            raise ValueError(f"{config.data.name}'s split is over the in-memory bound ({arrays.memory_limit()} "
+                             f"bytes, ${arrays.ENV_LIMIT})")
+    decode_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     it = pipeline.train_batches(source, global_batch_size=config.batch_size, seed=config.seed,
                                 in_memory=path == "memory")
@@ -74,7 +84,7 @@ def time_path(source, config, path: str, *, warmup: int, seconds: float) -> dict
         count += 1
     if hasattr(it, "close"):
         it.close()
-    return dict(first_batch_s=round(first_s, 4), batches=count, seconds=round(elapsed, 4),
+    return dict(decode_s=round(decode_s, 4), first_batch_s=round(first_s, 4), batches=count, seconds=round(elapsed, 4),
                 batches_per_s=round(count / elapsed, 2))
 
 
@@ -98,6 +108,7 @@ def measure(spec: str, *, data_dir: str, paths, warmup: int, seconds: float, rou
     for path, rs in runs.items():
         batches, secs = sum(r["batches"] for r in rs), sum(r["seconds"] for r in rs)
         record["paths"][path] = dict(batches_per_s=round(batches / secs, 2), batches=batches, seconds=round(secs, 3),
+                                     decode_s=[r["decode_s"] for r in rs],
                                      first_batch_s=[r["first_batch_s"] for r in rs],
                                      round_batches_per_s=[r["batches_per_s"] for r in rs])
     record["load_after"] = _load()
@@ -143,8 +154,9 @@ def main(argv=None) -> dict[str, Any]:
             record = measure(spec, data_dir=data_dir, paths=args.paths, warmup=args.warmup, seconds=args.seconds,
                              rounds=args.rounds, tiny=args.tiny)
             records.append(record)
-            rates = ", ".join(f"{p} {r['batches_per_s']:.0f} batches/s (first batch {max(r['first_batch_s']):.2f} s)"
-                              for p, r in record["paths"].items())
+            rates = ", ".join(f"{p} {r['batches_per_s']:.0f} batches/s" + (
+                f" (decoded in {max(r['decode_s']):.2f} s)" if p == "memory" else "")
+                for p, r in record["paths"].items())
             print(f"{spec}: {record['examples']} examples, batch {record['batch_size']}: {rates}; "
                   f"load average {record['load_before']} -> {record['load_after']}", flush=True)
     result = dict(meta=dict(argv=sys.argv[1:] if argv is None else list(argv), cpu_count=os.cpu_count(),

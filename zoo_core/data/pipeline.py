@@ -21,6 +21,7 @@ import queue
 import threading
 from typing import Any, Callable, Iterator
 
+from absl import logging
 import grain
 import numpy as np
 
@@ -58,10 +59,10 @@ def train_batches(source, *, global_batch_size: int, seed: int, process_index: i
                   in_memory: bool = True) -> Iterator[dict[str, np.ndarray]]:
     """Endless iterator of this process's share of every global training batch, from `start_step` on.
 
-    With `in_memory`, a split within the bound (`arrays.memory_limit()`) is decoded once into arrays, by
-    the read-ahead thread, and batched by index (`arrays.ArraySource.take`, the order from
-    `shuffle.Order`); a larger one is read record by record through grain. Both give the same batch at
-    every step, bit for bit.
+    With `in_memory`, a split within the bound (`arrays.memory_limit()`) is decoded once into arrays in a
+    background thread and then batched by index (`arrays.ArraySource.take`, the order from
+    `shuffle.Order`); until it is decoded, and for a larger split, batches are read record by record
+    through grain. Both give the same batch at every step, bit for bit, so the switch changes nothing.
 
     Args:
       source: a random-access data source (`builder.as_data_source(split)`), or an `arrays.ArraySource`.
@@ -79,22 +80,31 @@ def train_batches(source, *, global_batch_size: int, seed: int, process_index: i
     if n < global_batch_size:
         raise ValueError(f"batch_size {global_batch_size} exceeds the {n} training examples")
     rows = _local_rows(global_batch_size, process_index, process_count)
-    streamed = lambda: _streamed_batches(source, global_batch_size=global_batch_size, seed=seed, rows=rows,
-                                         start_step=start_step, prefetch=prefetch)
+    streamed = lambda first: _streamed_batches(source, global_batch_size=global_batch_size, seed=seed, rows=rows,
+                                               start_step=first, prefetch=prefetch)
     if not in_memory:
-        return streamed()
+        return streamed(start_step)
 
     def batches(stop: threading.Event):
-        # Runs in the read-ahead thread: decoding the split overlaps what the caller does meanwhile
-        # (compiling the step, when the iterator is made first).
-        held = arrays_lib.load(source, stop=stop.is_set)
+        # Runs in the read-ahead thread. Until the split is decoded (by one more thread) the batches are
+        # streamed, so the first comes at once; the same step's batch is equal either way.
+        decoded: dict[str, Any] = {}
+        done = _start(lambda: decoded.update(held=arrays_lib.load(source, stop=stop.is_set)), stop)
+        step, stream = start_step, None
+        while not done.is_set():
+            if stream is None:
+                stream = streamed(step)
+            yield next(stream)
+            step += 1
         if stop.is_set():
             return
+        held = decoded.get("held")   # absent when the decode failed (its error is logged)
         if held is None:
-            yield from streamed()
+            yield from streamed(step) if stream is None else stream
             return
+        del stream
         order = shuffle.Order(n, seed)
-        for step in itertools.count(start_step):
+        for step in itertools.count(step):
             yield held.take(order.positions(step * global_batch_size, (step + 1) * global_batch_size)[rows])
 
     return _ReadAhead(batches, prefetch)
@@ -120,11 +130,9 @@ class _ReadAhead:
     def __init__(self, make: Callable[[threading.Event], Iterator[Any]], depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_fill, args=(make, self._queue, self._stop), daemon=True,
-                                        name="zoo-read-ahead")
-        _LIVE.add((self._thread, self._stop))
-        self._thread.start()
         self._error: BaseException | None = None
+        queue_, stop = self._queue, self._stop   # the thread must not hold `self`
+        _start(lambda: _fill(make, queue_, stop), stop)
 
     def __iter__(self):
         return self
@@ -157,11 +165,31 @@ _LIVE: set[tuple[threading.Thread, threading.Event]] = set()
 
 
 @atexit.register
-def _stop_read_ahead(timeout_s: float = 60.0):
+def _stop_threads(timeout_s: float = 60.0):
     for _, stop in list(_LIVE):
         stop.set()
     for thread, _ in list(_LIVE):
         thread.join(timeout_s)
+
+
+def _start(target: Callable[[], Any], stop: threading.Event) -> threading.Event:
+    """Runs `target` in a daemon thread that exit stops (`stop`) and waits for; returns the event set
+    when it returns. An exception is logged."""
+    done = threading.Event()
+
+    def run():
+        try:
+            target()
+        except Exception:  # noqa: BLE001 - logged; the caller sees that nothing was made
+            logging.exception("the data reading thread failed")
+        finally:
+            _LIVE.discard((threading.current_thread(), stop))
+            done.set()
+
+    thread = threading.Thread(target=run, daemon=True, name="zoo-data")
+    _LIVE.add((thread, stop))
+    thread.start()
+    return done
 
 
 def _fill(make, out: queue.Queue, stop: threading.Event):
@@ -175,7 +203,6 @@ def _fill(make, out: queue.Queue, stop: threading.Event):
     finally:
         if hasattr(items, "close"):   # a generator: ends what it reads from (grain's iterator) here
             items.close()
-        _LIVE.discard((threading.current_thread(), stop))
 
 
 def _raising(error: Exception) -> Iterator[Any]:

@@ -20,7 +20,7 @@ _M32 = 0xFFFFFFFF
 
 
 def seed_seq_keys(seed: int, count: int) -> list[int]:
-    """`std::seed_seq{seed}.generate(count words)`: the round keys grain derives from a seed (C++ [rand.util.seedseq])."""
+    """`std::seed_seq{seed}.generate(count words)`: grain's round keys of a seed (C++ [rand.util.seedseq])."""
     v = [seed & _M32]
     s, n = len(v), count
     b = [0x8B8B8B8B] * n

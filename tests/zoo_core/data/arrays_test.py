@@ -3,6 +3,7 @@ bit for bit and dtype for dtype, for each dataset kind of the main configs (thei
 after a resume offset and per process; eval batches too; the memory bound and its fallback."""
 import importlib
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -42,6 +43,23 @@ def test_in_memory_batches_equal_the_streamed_ones_at_every_step(prepared, batch
     _assert_same_batches(take(0, steps), streamed)
     for start in (1, len(train) // batch_size, steps - 3):   # resumed runs
         _assert_same_batches(take(start, steps - start), streamed[start:])
+
+
+def test_batches_switch_from_streamed_to_held_when_the_split_is_decoded(prepared, monkeypatch):
+    train, _ = prepared
+    release, real_load, taken = threading.Event(), arrays.load, []
+    monkeypatch.setattr(arrays, "load", lambda source, **kw: release.wait(60) and real_load(source, **kw))
+    real_take = arrays.ArraySource.take
+    monkeypatch.setattr(arrays.ArraySource, "take", lambda self, i: taken.append(len(i)) or real_take(self, i))
+    steps = 2 * len(train) // 8
+    it = pipeline.train_batches(train, global_batch_size=8, seed=2, start_step=5, prefetch=1)
+    got = [next(it) for _ in range(6)]   # streamed: the decode waits
+    assert taken == []
+    release.set()
+    got += [next(it) for _ in range(steps)]
+    assert taken, "never switched to the held split"
+    _assert_same_batches(got, list(itertools.islice(pipeline.train_batches(
+        train, global_batch_size=8, seed=2, start_step=5, in_memory=False), steps + 6)))
 
 
 def test_process_shards_of_the_in_memory_path(prepared):

@@ -25,8 +25,10 @@ def test_tiny_run_writes_a_record_per_config(tmp_path):
     for record in result["records"]:
         assert record["tiny"] is True and record["examples"] >= record["batch_size"] > 0
         assert set(record["paths"]) == {"memory", "stream"}
-        for rate in record["paths"].values():
+        for path, rate in record["paths"].items():
             assert rate["batches"] > 0 and rate["batches_per_s"] > 0 and rate["seconds"] >= 0.1
+            assert all(s > 0 for s in rate["first_batch_s"]) and len(rate["decode_s"]) == 1
+            assert (rate["decode_s"][0] > 0) == (path == "memory")
         assert len(record["load_before"]) == len(record["load_after"]) == 3
         assert f"{record['config']}: {record['examples']} examples" in proc.stdout
     assert "load average" in proc.stdout
@@ -47,4 +49,5 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
 def test_a_config_that_does_not_exist_is_named():
     with pytest.raises(ValueError, match="no config module 'configs.agf.nothing'"):
         bench_pipeline.load_config("configs/agf/nothing.py", tiny=True)
-    assert bench_pipeline.load_config("configs/samovar/synthetic_var.py:kind=lintrans", tiny=True).model.kind == "lintrans"
+    config = bench_pipeline.load_config("configs/samovar/synthetic_var.py:kind=lintrans", tiny=True)
+    assert config.model.kind == "lintrans" and config.total_steps == 2   # the argument and the smoke variant
