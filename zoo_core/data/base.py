@@ -13,6 +13,18 @@ import tensorflow_datasets as tfds
 C = TypeVar("C", bound=tfds.core.BuilderConfig)
 
 
+class DatasetInfo(tfds.core.DatasetInfo):
+    """`tfds.core.DatasetInfo` for a dataset made here (generated or read from local files).
+
+    A builder of an unprepared dataset asks its info to `initialize_from_bucket`, which makes a
+    `tmp*tfds` folder in the system temp folder before it looks for the dataset on TFDS's bucket and
+    never removes it. Nothing made here is on the bucket, so there is nothing to look for.
+    """
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 def absolute_path_option(options: dict[str, Any], key: str, *, keep_prefix: str = "") -> dict[str, Any]:
     """`options` with options[key] made an absolute path ('' -> None: configs spell "not given" as '').
 

@@ -85,7 +85,7 @@ class Digits(tfds.core.GeneratorBasedBuilder):
     BUILDER_CONFIGS = [DigitsConfig(name="default")]
 
     def _info(self):
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict({

@@ -319,7 +319,7 @@ class Forecasting(tfds.core.GeneratorBasedBuilder):
     BUILDER_CONFIGS = [ForecastingConfig(name="default")]
 
     def _info(self):
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict({

@@ -252,7 +252,7 @@ class LraListops(tfds.core.GeneratorBasedBuilder):
 
     def _info(self):
         c = self.builder_config
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict({

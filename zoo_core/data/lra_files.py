@@ -185,7 +185,7 @@ class _LraFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         return {split: self._generate_examples(path) for split, path in paths.items()}
 
     def _info_with(self, features: dict, **metadata):
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self, description=__doc__, features=tfds.features.FeaturesDict(features),
             metadata=tfds.core.MetadataDict(num_classes=self.NUM_CLASSES, **metadata))
 

@@ -266,7 +266,7 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
         c = self.builder_config
         s_max, t_max = max_lengths(c.direction, c.max_numbers_per_example)
         src, tgt = vocab_sizes(c.direction)
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict({

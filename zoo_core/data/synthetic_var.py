@@ -165,7 +165,7 @@ class SyntheticVar(tfds.core.GeneratorBasedBuilder):
     def _info(self):
         c = self.builder_config
         p_max = max_order(c.protocol)
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict({

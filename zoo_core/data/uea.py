@@ -342,7 +342,7 @@ class Uea(tfds.core.GeneratorBasedBuilder):
         # source files are then not needed), else from the files themselves.
         metadata = self._prepared_metadata() or self._load().metadata
         length, channels = metadata["max_length"], metadata["num_channels"]
-        return tfds.core.DatasetInfo(
+        return base.DatasetInfo(
             builder=self,
             description=__doc__,
             features=tfds.features.FeaturesDict({
