@@ -52,6 +52,8 @@ except ImportError:  # pragma: no cover
     psutil = None
 
 from zoo_core import checks
+from zoo_core.costs import compile_timed as _compile
+from zoo_core.costs import compiled_memory, cost_of, flops_of as _flops_of, memory_of  # noqa: F401 (public)
 
 _GIB = 1024**3
 # Default fraction of free memory a single benchmark may claim (estimate from XLA's buffer
@@ -90,13 +92,6 @@ def _time_compiled(compiled: Callable, args: Sequence[Any], warmup: int,
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t0)
     return dict(median_s=statistics.median(times), min_s=min(times), all_s=times)
-
-
-def _compile(fn: Callable, args: Sequence[Any]) -> tuple[Any, float]:
-    """Lowers and compiles `jax.jit(fn)` for `args` (arrays or `jax.ShapeDtypeStruct`s)."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - t0
 
 
 def time_jitted(fn: Callable, *args: Any, warmup: int = 1, repeats: int = 5) -> dict[str, Any]:
@@ -171,41 +166,6 @@ def reference_bandwidth(n_bytes: int = 256 * 2**20, *, warmup: int = 1, repeats:
         best = min(best, time.perf_counter() - t0)
     del x
     return 2.0 * 4 * n / best / 1e9
-
-
-def _cost_dict(compiled: Any) -> dict[str, float]:
-    try:
-        cost = compiled.cost_analysis()
-    except (NotImplementedError, RuntimeError):
-        return {}
-    if isinstance(cost, (list, tuple)):  # older jax returned one dict per computation
-        cost = cost[0] if cost else None
-    return dict(cost or {})
-
-
-def cost_of(fn: Callable, *args: Any, compiled: Any = None) -> dict[str, float | None]:
-    """XLA's cost analysis of `jax.jit(fn).lower(*args).compile()` (or of `compiled`).
-
-    Args:
-      fn: a function of arrays (jitted or not), ignored when `compiled` is given.
-      *args: arrays or `jax.ShapeDtypeStruct`s.
-      compiled: an already compiled executable (`jax.jit(f).lower(...).compile()`), or a lowering
-        (`jax.jit(f).lower(...)`: XLA's count before optimisation, no compile).
-
-    Returns:
-      dict(flops, bytes_accessed, transcendentals): per call, None where the backend does not count
-      (e.g. custom calls such as cuDNN attention count 0 FLOPs).
-    """
-    if compiled is None:
-        compiled, _ = _compile(fn, args)
-    cost = _cost_dict(compiled)
-
-    def get(key):
-        v = cost.get(key)
-        return float(v) if v is not None and v > 0 else None
-
-    return dict(flops=get("flops"), bytes_accessed=get("bytes accessed"),
-                transcendentals=get("transcendentals"))
 
 
 def default_bandwidth_bytes() -> int:
@@ -406,49 +366,6 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
 # ----------------------------------------------------------------------------------------------
 # Memory.
 
-_MEMORY_FIELDS = dict(argument_bytes="argument_size_in_bytes", output_bytes="output_size_in_bytes",
-                      temp_bytes="temp_size_in_bytes", alias_bytes="alias_size_in_bytes",
-                      generated_code_bytes="generated_code_size_in_bytes")
-
-
-def memory_of(compiled: Any) -> dict[str, int | None]:
-    """`compiled_memory`'s dict for an already compiled executable (`jit(f).lower(...).compile()`)."""
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):  # some backends do not implement it
-        stats = None
-    out: dict[str, int | None] = {k: None for k in _MEMORY_FIELDS}
-    out["total_bytes"] = None
-    if stats is None:
-        return out
-    for key, attr in _MEMORY_FIELDS.items():
-        value = getattr(stats, attr, None)
-        out[key] = None if value is None else int(value)
-    # Aliased (donated) buffers are counted both as argument and output: subtract them once.
-    # `peak_memory_in_bytes` is not used: on CPU it leaves out the temp buffers.
-    parts = [out[k] for k in ("argument_bytes", "output_bytes", "temp_bytes")]
-    if None not in parts:
-        out["total_bytes"] = (sum(parts) + (out["generated_code_bytes"] or 0)
-                              - (out["alias_bytes"] or 0))
-    return out
-
-
-def compiled_memory(fn: Callable, *args: Any) -> dict[str, int | None]:
-    """XLA's memory analysis of `jax.jit(fn).lower(*args).compile()`, without running it.
-
-    Args:
-      fn: a function of arrays.
-      *args: arrays or `jax.ShapeDtypeStruct`s (nothing is allocated for the latter).
-
-    Returns:
-      dict of ints (or all None when the backend does not report): argument_bytes, output_bytes,
-      temp_bytes, alias_bytes, generated_code_bytes and total_bytes = argument + output + temp +
-      generated code - alias, the estimate of the executable's peak footprint.
-    """
-    compiled, _ = _compile(fn, args)
-    return memory_of(compiled)
-
-
 def reset_peak_rss() -> bool:
     """Resets the process's peak-RSS mark (Linux `/proc/self/clear_refs`); False if unsupported."""
     try:
@@ -583,17 +500,6 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _flops_of(compiled: Any) -> float | None:
-    try:
-        cost = compiled.cost_analysis()
-    except (NotImplementedError, RuntimeError):
-        return None
-    if isinstance(cost, (list, tuple)):  # older jax returned one dict per computation
-        cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops and flops > 0 else None
 
 
 def materialize(args: Any, seed: int = 0) -> Any:

@@ -44,7 +44,7 @@ from jax.flatten_util import ravel_pytree
 from zoo_core import checkpoint as ckpt_lib
 from zoo_core import data as data_lib
 from zoo_core import metrics as metrics_lib
-from zoo_core import checks, optim, sharding, tasks
+from zoo_core import checks, costs, optim, sharding, tasks
 from zoo_core.data import pipeline
 
 PARALLEL_MODES = ("jit", "pmap")
@@ -862,13 +862,12 @@ class _Steps:
 
 def step_flops(steps: _Steps, state, batch) -> float | None:
     """FLOPs of one train step over all devices, from XLA's cost analysis of the step's lowering
-    (`bench.cost_of`; no compile), None where the backend counts none.
+    (`costs.cost_of`; no compile), None where the backend counts none.
 
     With micro-batches the lowered step is the one without them (`_Steps.whole`): the cost analysis
     counts the body of the micro-batch loop once, which would undercount the step by their number.
     """
-    from zoo_core import bench
-    flops = bench.cost_of(None, compiled=(steps.whole or steps.train).lower(state, batch))["flops"]
+    flops = costs.flops_of((steps.whole or steps.train).lower(state, batch))
     # pmap lowers the per-device computation; a jitted step's lowering is the global one.
     return None if flops is None else flops * (jax.device_count() if steps.pmapped else 1)
 
