@@ -185,7 +185,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
     except KeyboardInterrupt as e:
-        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (trainer._Terminate); this is one
+        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run_guard.Terminate); this is one
         # outside it (preparing data, compiling) or a second Ctrl-C inside it. Nothing is half-written
         # either way: checkpoints are written atomically and a dataset being prepared is removed.
         name = getattr(e, "signal_name", "Ctrl-C")

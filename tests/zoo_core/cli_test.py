@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 
 from tests.environment import command_env
-from zoo_core import main, models, trainer
+from zoo_core import main, models, run_log, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = "tests/zoo_core/cli_configs/toy.py"
@@ -510,7 +510,7 @@ def test_log_lines_go_through_tqdm_while_the_bar_is_shown(monkeypatch):
     root = py_logging.getLogger()
     root.addHandler(handler)
     try:
-        restore = trainer._log_through_tqdm()
+        restore = run_log.log_through_tqdm()
         root.warning("step 3 eval: eval/accuracy=0.5")
         restore()
     finally:

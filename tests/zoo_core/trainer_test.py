@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from configs.core import synthetic
 from tests.environment import command_env
 from zoo_core import metrics as metrics_lib
-from zoo_core import models, optim, sharding, tasks, trainer
+from zoo_core import loop, models, optim, run_guard, run_log, sharding, tasks, trainer
+from zoo_core.data import pipeline
 from zoo_core.testing import assert_trees_close
 
 
@@ -374,7 +375,7 @@ def test_a_run_at_total_steps_says_so_and_compiles_nothing(data_dir, tmp_path, c
     c = _config(data_dir)
     trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     before = sorted(os.listdir(tmp_path / "checkpoints"))
-    monkeypatch.setattr(trainer, "_compile_steps", lambda *a: pytest.fail("compiled a finished run"))
+    monkeypatch.setattr(loop, "compile_steps", lambda *a: pytest.fail("compiled a finished run"))
     caplog.set_level(logging.INFO)
     assert trainer.train_and_evaluate(c, str(tmp_path), models.Model) == {}
     assert f"has reached total_steps={c.total_steps}: nothing to train" in caplog.text
@@ -386,7 +387,7 @@ def test_a_workdir_in_use_by_another_run_is_refused(data_dir, tmp_path):
     holds the workdir's lock, the other is refused naming it; the lock goes with its holder."""
     c = _config(data_dir, total_steps=4)
     trainer.train_and_evaluate(c, str(tmp_path), models.Model)
-    held = trainer._lock_workdir(str(tmp_path))      # stands for a second process (flock: per open file)
+    held = run_guard.lock_workdir(str(tmp_path))      # stands for a second process (flock: per open file)
     try:
         with pytest.raises(trainer.ConfigError, match=rf"is in use by a run still going \(pid {os.getpid()} on "):
             trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), models.Model)
@@ -535,7 +536,7 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
     """
     c = _config(data_dir, total_steps=12, log_every_steps=100, eval_every_steps=0, checkpoint_every_steps=0)
     step_metrics, pending = [], []
-    real_jit, real_batches = jax.jit, trainer.pipeline.train_batches
+    real_jit, real_batches = jax.jit, pipeline.train_batches
 
     def recording_jit(fun, *args, **kwargs):
         compiled = real_jit(fun, *args, **kwargs)
@@ -555,8 +556,8 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
                                for m in step_metrics))
             yield batch
 
-    monkeypatch.setattr(trainer.jax, "jit", recording_jit)
-    monkeypatch.setattr(trainer.pipeline, "train_batches", watched)
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    monkeypatch.setattr(pipeline, "train_batches", watched)
     trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: SlowStep())
     assert len(step_metrics) == 12 and len(pending) >= 12
     assert max(pending) <= 1, pending
@@ -651,7 +652,7 @@ def test_logged_train_metrics_are_weighted_by_examples_or_tokens():
                 "train/learning_rate": jnp.float32(1.0)},
                {"train/token_accuracy": jnp.float32(0.0), "weight/train/token_accuracy": jnp.float32(1.0),
                 "train/learning_rate": jnp.float32(0.0)}]
-    assert trainer._mean_metrics(history) == {"train/token_accuracy": 0.75, "train/learning_rate": 0.5}
+    assert run_log.mean_metrics(history) == {"train/token_accuracy": 0.75, "train/learning_rate": 0.5}
 
 
 def test_a_model_whose_outputs_do_not_fit_the_task_fails_at_setup(data_dir, tmp_path):
