@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover
 
 from zoo_core import checks
 from zoo_core.costs import compile_timed as _compile
-from zoo_core.costs import compiled_memory, cost_of, flops_of as _flops_of, memory_of  # noqa: F401 (public)
+from zoo_core.costs import compiled_memory, cost_of, flops_of as _flops_of, memory_of  # noqa: F401 (compiled_memory: public)
 
 _GIB = 1024**3
 # Default fraction of free memory a single benchmark may claim (estimate from XLA's buffer

@@ -3,7 +3,6 @@ checkpoint and early stopping, checkpoint, signal).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Iterable, Mapping
@@ -19,7 +18,7 @@ from zoo_core.evaluation import evaluate_params
 from zoo_core.resume import check_resume
 from zoo_core.run_guard import Terminate, lock_workdir
 from zoo_core.run_log import log_run, log_through_tqdm, mean_metrics
-from zoo_core.run_setup import RunSetup, Steps, build_setup, check_setup, compile_steps, restore_or_init, step_flops
+from zoo_core.run_setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
 from zoo_core.setup_checks import check_workdir
 
 
@@ -184,11 +183,10 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
       NonFiniteError: the loss or gradient became non-finite (the message names the step).
     """
     evaluators = list(evaluators)
-    check_setup(config, build_model, has_evaluators=bool(evaluators))
+    s = check_setup(config, build_model, has_evaluators=bool(evaluators))
     check_workdir(workdir)
-    changes = check_resume(json.loads(config.to_json_best_effort()), workdir,
-                           allow_config_change=allow_config_change)
-    s = build_setup(config, build_model, has_evaluators=bool(evaluators))
+    changes = check_resume(s.config_dict, workdir, allow_config_change=allow_config_change)
+    s.prepare()   # the data: minutes for some data sets, so after the cheap checks above
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:   # e.g. under /proc, which os.access calls writable

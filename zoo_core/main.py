@@ -170,10 +170,9 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
                   "config.data.eval_split)")
         # The evaluators only check their options here (they build their data and programs at the
         # first evaluation), so their mistakes come before the data is built; they may add metric
-        # names (eval/bleu), which check_setup allows.
+        # names (eval/bleu), which the setup check allows.
         evaluators = _evaluators(evaluators_fn, config)
-        trainer.check_setup(config, build_model, has_evaluators=evaluators_fn is not None)
-        trainer.check_workdir(workdir)
+        # Checks the setup, the workdir and the resume before the data is built or anything is written.
         trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
                                    allow_config_change=_ALLOW_CONFIG_CHANGE.value)
     except trainer.ConfigError as e:

@@ -13,12 +13,15 @@ from zoo_core import data as data_lib
 from zoo_core.data import pipeline
 
 
-def prepare_data(config) -> tuple[Any, Any]:
-    """Builds the dataset on first use (process 0 first, the others wait), returns (train, eval) sources."""
+def prepare_data(config, *, builder=None) -> tuple[Any, Any]:
+    """Builds the dataset on first use (process 0 first, the others wait), returns (train, eval) sources.
+
+    `builder`: the dataset's builder for `config.data` if one was made already (`data.check_options`).
+    """
     d = config.data
     data_dir = pipeline.resolve_data_dir(d.data_dir)
     make_builder = lambda: data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
-    builder = make_builder()
+    builder = make_builder() if builder is None else builder
     failure = None
     if jax.process_index() == 0:
         from zoo_core.data import base as data_base

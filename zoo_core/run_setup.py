@@ -1,6 +1,11 @@
-"""A run's setup: the checks that need no data (`check_setup`), the model, task, optimiser and data built
-and checked (`build_setup`), the state restored or initialised (`restore_or_init`) and the compiled steps
-(`compile_steps`), which the training loop and the benchmarks (`zoo_core.bench.train_step_setup`) share.
+"""A run's setup, each piece built once and checked as it is built.
+
+`check_setup` builds what needs no prepared data (the optimiser and schedule, the task, the model, the
+data builder with its options checked) and, where the dataset declares its feature shapes in advance,
+traces the model on them; `RunSetup.prepare` then prepares the data and traces the model on a real
+example. Between the two, the training loop checks the workdir and the resume (`zoo_core.loop`).
+`restore_or_init` gives the state and `compile_steps` the compiled steps, which the training loop and
+the benchmarks (`zoo_core.bench.train_step_setup`) share.
 """
 from __future__ import annotations
 
@@ -24,22 +29,93 @@ from zoo_core.setup_checks import (check_classes, check_eval_metrics, example_fr
 from zoo_core.steps import TrainState, eval_step, init_state, train_step
 
 
-def check_setup(config, build_model: Callable[..., Any] | None = None, *, has_evaluators: bool = False) -> None:
+@dataclasses.dataclass
+class RunSetup:
+    """What a run is made of, built and checked before anything is written.
+
+    Made by `check_setup` (no data prepared); `prepare` fills in the data sources, the example and the
+    abstract state.
+    """
+    config: Any
+    config_dict: dict
+    model: Any                 # None when check_setup was given no build_model
+    task: Any
+    tx: Any
+    schedule: Any
+    builder: Any               # the dataset's builder, unprepared until `prepare`
+    rng: jax.Array
+    has_evaluators: bool
+    train_source: Any = None
+    eval_source: Any = None
+    example: dict | None = None           # one example [1, ...] of the eval pipeline's numeric features
+    abstract: TrainState | None = None    # the state's shapes and dtypes
+    # (example shapes, abstract state) traced on the features the dataset declares before it is prepared
+    _declared: tuple | None = None
+
+    def prepare(self) -> "RunSetup":
+        """Prepares the data (the builder made by `check_setup`), then checks the model on a real example:
+        its initialisation, an eval step with checkpoint.best_metric among its metrics, and a classifier's
+        class count. Every config error surfaces here, before any compile and before the workdir is made
+        or the config is logged (as one ConfigError). Returns self."""
+        config = self.config
+        if self.model is None:
+            raise ValueError("RunSetup.prepare needs the model: give check_setup a build_model")
+        pcount, pindex = jax.process_count(), jax.process_index()
+        try:
+            train_source, eval_source = prepare_data(config, builder=self.builder)
+            if len(train_source) < config.batch_size:   # found here, not after the first compile
+                raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training "
+                                 f"examples of {config.data.name}")
+            example = sharding.numeric(next(pipeline.eval_batches(
+                eval_source, global_batch_size=config.eval_batch_size, process_index=pindex,
+                process_count=pcount)))
+            example = jax.tree_util.tree_map(lambda x: x[:1], example)
+            if self._declared is not None and self._declared[0] == _shapes(example):
+                abstract = self._declared[1]   # traced and checked on these very shapes by check_setup
+            else:
+                abstract = jax.eval_shape(functools.partial(init_state, model=self.model, tx=self.tx), self.rng,
+                                          example)
+                check_eval_metrics(config.checkpoint.best_metric, self.model, self.task, abstract.params, example,
+                                   has_evaluators=self.has_evaluators)
+            check_classes(config, self.model, abstract.params, example, train_source)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            raise config_error(e) from e
+        self.train_source, self.eval_source, self.example, self.abstract = (train_source, eval_source, example,
+                                                                            abstract)
+        return self
+
+    def init_state(self, replicated) -> TrainState:
+        """A fresh state (`init_state` on the example) made directly in the `replicated` sharding."""
+        init = functools.partial(init_state, model=self.model, tx=self.tx)
+        return jax.jit(init, out_shardings=replicated)(self.rng, self.example)
+
+
+def _shapes(tree) -> Any:
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def check_setup(config, build_model: Callable[..., Any] | None = None, *,
+                has_evaluators: bool = False) -> RunSetup:
     """Every check that needs no prepared data and no compile, in the order a user would fix them.
 
-    The config's ranges (`validate_config`), the optimiser and schedule (built, which is cheap), the task,
-    the model's constructor (`build_model(**config.model)`, which validates its fields), the data
-    options and paths (`data.check_options`: a file where a directory is expected and the reverse, an
-    unknown option), and, when the dataset declares fixed feature shapes before it is prepared, the
-    model's initialisation and an eval step on them (shapes only) with checkpoint.best_metric among
-    its metrics (skipped with `has_evaluators`, which add metric names). Nothing is written.
+    The config's ranges (`validate_config`), the optimiser and schedule, the task, the model's
+    constructor (`build_model(**config.model)`, which validates its fields), the data options and paths
+    (`data.check_options`: a file where a directory is expected and the reverse, an unknown option), and,
+    when the dataset declares fixed feature shapes before it is prepared, the model's initialisation and
+    an eval step on them (shapes only) with checkpoint.best_metric among its metrics (skipped with
+    `has_evaluators`, which add metric names). Nothing is written.
+
+    Returns:
+      The `RunSetup` with what was built; `prepare()` it to train.
 
     Raises:
       ConfigError: one line naming the field or file and what is expected.
     """
     try:
         validate_config(config)
-        tx, _ = optim.make_optimizer(config)
+        tx, schedule = optim.make_optimizer(config)
         task = tasks.make_task(config)
         model = make_model(build_model, config) if build_model is not None else None
         options = config.data.options.to_dict()
@@ -48,68 +124,26 @@ def check_setup(config, build_model: Callable[..., Any] | None = None, *, has_ev
         if isinstance(num_train, int) and 0 < num_train < config.batch_size:
             raise ValueError(f"batch_size {config.batch_size} exceeds the {num_train} training examples "
                              f"(data.options.num_train) of {config.data.name}")
+        rng = jax.random.PRNGKey(config.seed)
         example = example_from_features(builder)
+        declared = None
         if model is not None and example is not None:
-            key = (config.to_json_best_effort(), id(build_model), has_evaluators)
-            if key not in _SHAPES_CHECKED:
-                abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx),
-                                          jax.random.PRNGKey(0), example)
-                check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
-                                   has_evaluators=has_evaluators)
-                _SHAPES_CHECKED.clear()
-                _SHAPES_CHECKED.add(key)
+            abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
+            check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
+                               has_evaluators=has_evaluators)
+            declared = (_shapes(example), abstract)
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
         raise config_error(e) from e
-
-
-_SHAPES_CHECKED: set = set()   # the last config whose shapes check_setup traced (the CLI checks twice)
-
-
-@dataclasses.dataclass
-class RunSetup:
-    """What a run is made of, built and checked before anything is written (`_setup`)."""
-    config: Any
-    config_dict: dict
-    model: Any
-    task: Any
-    tx: Any
-    schedule: Any
-    train_source: Any
-    eval_source: Any
-    rng: jax.Array
-    example: dict
-    abstract: TrainState
-
-
-def build_setup(config, build_model: Callable[..., Any], *, has_evaluators: bool) -> RunSetup:
-    """Prepares the data and builds the model, task and optimiser; every config error surfaces here,
-    before any compile and before the workdir is made or the config is logged (as one ConfigError)."""
-    pcount, pindex = jax.process_count(), jax.process_index()
-    rng = jax.random.PRNGKey(config.seed)
-    try:
-        train_source, eval_source = prepare_data(config)
-        if len(train_source) < config.batch_size:   # found here, not after the first compile
-            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training examples "
-                             f"of {config.data.name}")
-        model = build_model(**config.model.to_dict())
-        task = tasks.make_task(config)
-        tx, schedule = optim.make_optimizer(config)
-        example = sharding.numeric(next(pipeline.eval_batches(
-            eval_source, global_batch_size=config.eval_batch_size, process_index=pindex, process_count=pcount)))
-        example = jax.tree_util.tree_map(lambda x: x[:1], example)
-        abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
-        check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
-                           has_evaluators=has_evaluators)
-        check_classes(config, model, abstract.params, example, train_source)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError, KeyError, OSError) as e:
-        raise config_error(e) from e
     return RunSetup(config=config, config_dict=json.loads(config.to_json_best_effort()), model=model, task=task,
-                    tx=tx, schedule=schedule, train_source=train_source, eval_source=eval_source, rng=rng,
-                    example=example, abstract=abstract)
+                    tx=tx, schedule=schedule, builder=builder, rng=rng, has_evaluators=has_evaluators,
+                    _declared=declared)
+
+
+def build_setup(config, build_model: Callable[..., Any], *, has_evaluators: bool = False) -> RunSetup:
+    """`check_setup(...).prepare()`: the whole setup, checked, with the data prepared."""
+    return check_setup(config, build_model, has_evaluators=has_evaluators).prepare()
 
 
 def restore_or_init(s: RunSetup, workdir: str, replicated) -> tuple[ckpt_lib.Checkpoints, TrainState, int]:
@@ -128,9 +162,8 @@ def restore_or_init(s: RunSetup, workdir: str, replicated) -> tuple[ckpt_lib.Che
     if jax.process_index() == 0:   # only now: a mismatching workdir keeps its own config.json
         metrics_lib.write_json(os.path.join(workdir, "config.json"), s.config_dict)
     if restored is None:
-        init = functools.partial(init_state, model=s.model, tx=s.tx)
         logging.info("no checkpoint in %s: starting from scratch", workdir)
-        return checkpoints, jax.jit(init, out_shardings=replicated)(s.rng, s.example), 0
+        return checkpoints, s.init_state(replicated), 0
     start, state = restored
     logging.info("resumed from the checkpoint at step %d", start)
     return checkpoints, state, start
@@ -139,7 +172,7 @@ def restore_or_init(s: RunSetup, workdir: str, replicated) -> tuple[ckpt_lib.Che
 @dataclasses.dataclass
 class Steps:
     """The compiled steps and how batches and states move between host and devices."""
-    train: Callable[..., Any]      # (state, batch) -> (state, metrics); the state is donated
+    train: Callable[..., Any]      # (state, batch) -> (state, metrics); the state is donated (by default)
     eval: Callable[..., Any]       # (params, batch, step index) -> metric sums
     to_device: Callable[[Any], Any]
     host_state: Callable[[Any], Any]   # the single (unreplicated) copy of a state
@@ -161,8 +194,11 @@ def step_flops(steps: Steps, state, batch) -> float | None:
     return None if flops is None else flops * (jax.device_count() if steps.pmapped else 1)
 
 
-def compile_steps(s: RunSetup, mesh, replicated) -> Steps:
-    """`train_step` and `eval_step` jitted once: over the 'data' mesh (mode 'jit') or pmapped."""
+def compile_steps(s: RunSetup, mesh, replicated, *, donate: bool = True) -> Steps:
+    """`train_step` and `eval_step` jitted once: over the 'data' mesh (mode 'jit') or pmapped.
+
+    `donate`: the train step donates its state (the loop's choice; a benchmark may keep it).
+    """
     accum = int(s.config.optim.grad_accum_steps)
     step_kw = dict(model=s.model, tx=s.tx, task=s.task, schedule=s.schedule)
     jitted = s.config.parallel.mode == "jit"
@@ -175,7 +211,7 @@ def compile_steps(s: RunSetup, mesh, replicated) -> Steps:
         return jax.pmap(functools.partial(train_step, axis_name="batch", accum_steps=accum_steps, **step_kw),
                         axis_name="batch", donate_argnums=donate_argnums)
 
-    steps = dict(train=train(accum, True), whole=None if accum == 1 else train(1, False))
+    steps = dict(train=train(accum, donate), whole=None if accum == 1 else train(1, False))
     if jitted:
         return Steps(
             **steps, eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),

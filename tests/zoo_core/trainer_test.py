@@ -667,3 +667,21 @@ def test_a_model_whose_outputs_do_not_fit_the_task_fails_at_setup(data_dir, tmp_
     with pytest.raises(trainer.ConfigError):
         trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: WrongRank())
     assert not (tmp_path / "checkpoints").exists() or not os.listdir(tmp_path / "checkpoints")
+
+
+def test_a_run_builds_its_model_task_optimiser_and_data_builder_once(data_dir, tmp_path, monkeypatch):
+    """The setup checks what it builds and keeps it: nothing is built for a check and built again."""
+    from zoo_core import data as data_lib
+    calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
+    monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
+    monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
+    trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), counted("model", models.Model))
+    assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
