@@ -177,8 +177,8 @@ class Steps:
     to_device: Callable[[Any], Any]
     host_state: Callable[[Any], Any]   # the single (unreplicated) copy of a state
     pmapped: bool
-    # The same step without micro-batches (`train` itself when grad_accum_steps is 1), only ever
-    # lowered: XLA's cost analysis counts a loop body once, so the FLOPs are read from this one.
+    # The same step without micro-batches (None when grad_accum_steps is 1), with the same donation,
+    # only ever lowered: XLA's cost analysis counts a loop body once, so the costs are read from this one.
     whole: Callable[..., Any] = None
 
 
@@ -211,7 +211,7 @@ def compile_steps(s: RunSetup, mesh, replicated, *, donate: bool = True) -> Step
         return jax.pmap(functools.partial(train_step, axis_name="batch", accum_steps=accum_steps, **step_kw),
                         axis_name="batch", donate_argnums=donate_argnums)
 
-    steps = dict(train=train(accum, donate), whole=None if accum == 1 else train(1, False))
+    steps = dict(train=train(accum, donate), whole=None if accum == 1 else train(1, donate))
     if jitted:
         return Steps(
             **steps, eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),
