@@ -4,7 +4,15 @@ from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A configuration mistake found before compiling (the CLI prints its one line and exits 2)."""
+    """A configuration mistake found before compiling (the CLI prints its one line and exits 2).
+
+    `command_line`: the message as the training command words it, where it names a remedy that the
+    command spells as a flag (`--allow_config_change`) and Python as an argument; else the message.
+    """
+
+    def __init__(self, message: str = "", *, command_line: str | None = None):
+        super().__init__(message)
+        self.command_line = command_line or message
 
 
 def config_error(e: Exception) -> ConfigError:

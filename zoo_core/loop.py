@@ -1,5 +1,5 @@
 """The training loop: `train_and_evaluate` and the hooks of `Loop` after every step (log, eval with the best
-checkpoint and early stopping, checkpoint, signal).
+checkpoint and early stopping, checkpoint, signal), and the run's closing summary line (`closing_summary`).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class Loop:
         self.last_eval: dict[str, float] = {}
         self.t0, self.steps_since = time.time(), 0
         self.flops: float | None = None   # of one train step, once the first one has run
+        self.step = start                 # the last step taken
 
     def patience_spent(self, step: int) -> bool:
         """Early stopping: checkpoint.patience evaluations in a row without a new best."""
@@ -148,6 +149,7 @@ def train_loop(loop: Loop, state, train_iter) -> None:
             if step == loop.start + 1:
                 loop.flops = step_flops(steps, state, batch)
             in_flight = metrics
+            loop.step = step
             loop.after_step(metrics)
             loop.log(state, step)
             if loop.eval(state, step):
@@ -159,7 +161,7 @@ def train_loop(loop: Loop, state, train_iter) -> None:
 
 def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                        evaluators: Iterable[Callable[..., Mapping[str, float]]] = (),
-                       allow_config_change: bool = False) -> dict[str, float]:
+                       allow_config_change: bool = False, print_summary: bool = False) -> dict[str, float]:
     """Trains `build_model(**config.model)` on `config.data` and evaluates it; resumes from `workdir`.
 
     Args:
@@ -173,6 +175,7 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         fields that change what is trained (see `check_resume`); the differences are logged and
         config.json is replaced. Without it such a resume is refused (`SAFE_ON_RESUME` fields, and a
         longer total_steps under a step-free schedule, are always allowed).
+      print_summary: also print the run's closing summary line (`closing_summary`, always logged) on stdout.
 
     Returns:
       The last eval metrics ({} when there was nothing left to train: the run had reached
@@ -193,14 +196,33 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         raise ConfigError(f"workdir {workdir!r} cannot be made: {e.strerror}") from None
     lock = lock_workdir(workdir)
     try:
-        return _train_in(s, workdir, changes, evaluators, allow_config_change=allow_config_change)
+        result, summary = _train_in(s, workdir, changes, evaluators, allow_config_change=allow_config_change)
     finally:
         if lock is not None:
             lock.close()   # releases the lock (so does the process ending, however it ends)
+    logging.info("%s", summary)
+    if print_summary and jax.process_index() == 0:
+        print(summary, flush=True)
+    return result
 
 
-def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *, allow_config_change: bool) -> dict:
-    """`train_and_evaluate` once the workdir is checked, made and locked."""
+def closing_summary(config, steps_done: int, checkpoints: ckpt_lib.Checkpoints) -> str:
+    """The run's closing line: the steps done, the best checkpoint's metric where one is kept, and where
+    the checkpoints are."""
+    parts = [f"end of run: {steps_done} of {config.total_steps} steps"]
+    metric, best = config.checkpoint.best_metric, checkpoints.best_step
+    if metric and best is not None:
+        parts.append(f"best {metric}={checkpoints.best_value:.6g} at step {best} in "
+                     f"{os.path.join(checkpoints.workdir, 'best')}")
+    last = checkpoints.last.latest_step()
+    parts.append(f"latest checkpoint (step {last}) in {os.path.join(checkpoints.workdir, 'checkpoints')}"
+                 if last is not None else f"no checkpoint in {checkpoints.workdir}")
+    return "; ".join(parts)
+
+
+def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *,
+              allow_config_change: bool) -> tuple[dict, str]:
+    """`train_and_evaluate` once the workdir is checked, made and locked: (last eval metrics, summary line)."""
     config = s.config
     log_run(s, workdir, changes, allow_config_change=allow_config_change)
     mesh = sharding.make_mesh()
@@ -209,8 +231,9 @@ def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *, allo
     if start >= config.total_steps:   # its last evaluation came before its last checkpoint
         logging.info("the run in %s has reached total_steps=%d: nothing to train (a larger "
                      "--config.total_steps trains on; --eval_only scores a checkpoint)", workdir, config.total_steps)
+        summary = closing_summary(config, start, checkpoints)
         checkpoints.close()
-        return {}
+        return {}, summary
     steps = compile_steps(s, mesh, replicated)
     if steps.pmapped:
         state = sharding.replicate_for_pmap(jax.device_get(state))
@@ -220,8 +243,9 @@ def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *, allo
     if loop.patience_spent(start):
         logging.info("the run stopped early at step %d (no new best %s in %d evaluations): nothing to do",
                      start, config.checkpoint.best_metric, config.checkpoint.patience)
+        summary = closing_summary(config, start, checkpoints)
         checkpoints.close()
-        return {}
+        return {}, summary
     loop.writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
     if start == 0:
         loop.writer.write_text("config", f"```\n{config}\n```")
@@ -236,6 +260,7 @@ def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *, allo
         restore_logging = log_through_tqdm()
     try:
         train_loop(loop, state, train_iter)
+        summary = closing_summary(config, loop.step, checkpoints)
     finally:
         if loop.progress is not None:
             restore_logging()
@@ -243,4 +268,4 @@ def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *, allo
         loop.writer.flush()
         loop.writer.close()
         checkpoints.close()
-    return loop.last_eval
+    return loop.last_eval, summary

@@ -10,6 +10,9 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--help` lists them
 (an error in the config file itself, an empty --workdir, a config of another architecture included) end
 the run with one line on stderr and exit status 2, before anything is compiled.
 
+A training run ends with one summary line on stdout (also logged): the steps done, the best checkpoint's
+metric and value (with checkpoint.best_metric) and where the checkpoints are.
+
 Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
 a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
 report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json.
@@ -55,13 +58,13 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "change what is trained (model, optim, schedule, data, seed, batch_size, ...); without it such a resume "
     "is refused naming the fields. The differences are logged and config.json is replaced. Fields that only "
     "change logging, evaluation or checkpointing (and a longer total_steps under a constant or "
-    "warmup_rsqrt schedule) may always change: zoo_core.trainer.SAFE_ON_RESUME")
+    "warmup_rsqrt schedule) may always change: zoo_core.resume.SAFE_ON_RESUME")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir",
     os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zoo_jax", "xla")),
     "JAX's persistent compilation cache: a rerun of the same config loads the compiled steps instead "
-    "of compiling them (UEA JapaneseVowels train step: 6.9 -> 1.6 s). Default: $JAX_COMPILATION_CACHE_DIR "
+    "of compiling them. Default: $JAX_COMPILATION_CACHE_DIR "
     "if set, else ~/.cache/zoo_jax/xla. Empty: no cache")
 
 
@@ -126,7 +129,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
-    from zoo_core import sharding, trainer
+    from zoo_core import errors, evaluation, loop, sharding
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
@@ -153,16 +156,16 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
             _fail(str(e))
         if _EVAL_ONLY.value:
             if _EVAL_SPLIT.value is not None:
-                config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
+                config = evaluation.with_eval_split(config, _EVAL_SPLIT.value)
             evaluators = _evaluators(evaluators_fn, config)
             try:
-                result = trainer.evaluate_checkpoint(config, workdir, build_model,
-                                                     which=_CHECKPOINT.value or "best", evaluators=evaluators)
-            except trainer.ConfigError as e:
+                result = evaluation.evaluate_checkpoint(config, workdir, build_model,
+                                                        which=_CHECKPOINT.value or "best", evaluators=evaluators)
+            except errors.ConfigError as e:
                 # The split came from the flag: name it, not the config field it was written into.
                 if _EVAL_SPLIT.value is None or not str(e).startswith("data.eval_split "):
                     raise
-                raise trainer.ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
+                raise errors.ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
             print(json.dumps(result, sort_keys=True))
             return
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
@@ -172,16 +175,17 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         # first evaluation), so their mistakes come before the data is built; they may add metric
         # names (eval/bleu), which the setup check allows.
         evaluators = _evaluators(evaluators_fn, config)
-        # Checks the setup, the workdir and the resume before the data is built or anything is written.
-        trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
-                                   allow_config_change=_ALLOW_CONFIG_CHANGE.value)
-    except trainer.ConfigError as e:
-        _fail(str(e))
+        # Checks the setup, the workdir and the resume before the data is built or anything is written;
+        # prints the run's closing summary line at its end.
+        loop.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
+                                allow_config_change=_ALLOW_CONFIG_CHANGE.value, print_summary=True)
+    except errors.ConfigError as e:
+        _fail(e.command_line)
     except FileNotFoundError as e:
         if not _EVAL_ONLY.value:
             raise
         _fail(str(e).splitlines()[0])
-    except trainer.NonFiniteError as e:
+    except errors.NonFiniteError as e:
         _fail(str(e), status=3)
     except KeyboardInterrupt as e:
         # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run_guard.Terminate); this is one
@@ -208,18 +212,18 @@ def _stop_on_sigterm(signum, frame):
 def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence[Any]:
     """The architecture's extra evaluators. Building one only reads and checks its config options
     (the data and programs come at the first evaluation), so its ValueError is a config mistake."""
-    from zoo_core import trainer
+    from zoo_core import errors
     try:
         evaluators = evaluators_fn(config) if evaluators_fn is not None else ()
     except ValueError as e:
-        raise trainer.ConfigError(str(e).splitlines()[0]) from None
+        raise errors.ConfigError(str(e).splitlines()[0]) from None
     # `test_split` is read by an evaluator that reports a split (its `split` attribute), never by the
     # trainer itself: where no evaluator reads it, it would be silently ignored.
     split = config.get("test_split", "")
     if split and not any(getattr(e, "split", None) == split for e in evaluators):
-        raise trainer.ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
-                                  f"(SAMoVAR's are); score the split after training with --eval_only "
-                                  f"--eval_split={split}")
+        raise errors.ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
+                                 f"(SAMoVAR's are); score the split after training with --eval_only "
+                                 f"--eval_split={split}")
     return evaluators
 
 

@@ -112,9 +112,11 @@ def check_resume(config_dict: dict, workdir: str, *, allow_config_change: bool =
     if refused and not allow_config_change:
         shown = ", ".join(_describe(k, a, b) for k in refused[:6])
         more = f" and {len(refused) - 6} more" if len(refused) > 6 else ""
-        raise ConfigError(f"the run in {workdir} was trained with another config: {shown}{more}; resume it "
-                          f"with its own config, use a new --workdir, or pass --allow_config_change "
-                          f"(train_and_evaluate(allow_config_change=True)) to continue with the new values")
+        problem = f"the run in {workdir} was trained with another config: {shown}{more}; resume it with its own config"
+        raise ConfigError(f"{problem}, use a new workdir, or call train_and_evaluate(allow_config_change=True) to "
+                          f"continue with the new values",
+                          command_line=f"{problem}, use a new --workdir, or pass --allow_config_change to continue "
+                                       f"with the new values")
     return [_describe(k, a, b) for k in refused + allowed]
 
 

@@ -355,7 +355,7 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
                             "--config.model.hidden=64", "--config.seed=3", "--config.optim.name=adam"], capfd)
     _assert_refused(status, out, err, "was trained with another config: model.hidden: 32 -> 64, "
                                       "optim.learning_rate: 0.003 -> 0.1, optim.name: 'adamw' -> 'adam', seed: 0 -> 3")
-    assert "--allow_config_change" in err
+    assert "--allow_config_change" in err and "train_and_evaluate(" not in err   # the flag, not the Python API
     assert (work / "config.json").read_text() == stored and _snapshot(work) == before
     # A smoke-sized run on a full run's workdir is refused the same way (batch sizes differ).
     status, out, err = cli(["--config", "configs/core/synthetic.py", "--workdir", work,
@@ -623,3 +623,13 @@ def test_the_compiled_steps_go_to_the_persistent_cache(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert cache.is_dir() and any(cache.iterdir()), "nothing was written to the compilation cache"
+
+
+def test_a_training_run_ends_with_one_summary_line_on_stdout(env, tmp_path, capfd):
+    work = tmp_path / "run"
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work,
+                            f"--config.data.data_dir={env / 'data'}"], capfd)
+    assert status == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("end of run: "), out
+    assert "best eval/accuracy=" in lines[0] and f"in {work / 'best'}; latest checkpoint" in lines[0], lines[0]

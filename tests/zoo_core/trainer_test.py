@@ -596,8 +596,12 @@ def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_pat
     listing = sorted(os.listdir(tmp_path))
     wider = _config(data_dir, total_steps=4, eval_every_steps=0, checkpoint_every_steps=2,
                     **{"model.hidden": c.model.hidden * 2})
-    with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64"):
+    with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64") as refused:
         trainer.train_and_evaluate(wider, str(tmp_path), models.Model)
+    # Python is told the argument, the command line (main.py) the flag.
+    assert "train_and_evaluate(allow_config_change=True)" in str(refused.value)
+    command_line = refused.value.command_line
+    assert "--allow_config_change" in command_line and "train_and_evaluate" not in command_line
     # Allowed, the change still cannot restore the checkpoint: refused, and no empty best/ is left.
     with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
         trainer.train_and_evaluate(wider, str(tmp_path), models.Model, allow_config_change=True)
@@ -685,3 +689,22 @@ def test_a_run_builds_its_model_task_optimiser_and_data_builder_once(data_dir, t
     monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
     trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), counted("model", models.Model))
     assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
+
+
+def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoints(data_dir, tmp_path, capsys,
+                                                                                    caplog):
+    c = _config(data_dir, total_steps=4, eval_every_steps=2, checkpoint_every_steps=2)
+    caplog.set_level(logging.INFO)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
+    printed = capsys.readouterr().out.strip().splitlines()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [(r[c.checkpoint.best_metric], -r["step"]) for r in rows if c.checkpoint.best_metric in r]
+    metric, step = max(evals)   # best_mode 'max'; the first of equal values is kept
+    step = -step
+    want = (f"end of run: 4 of 4 steps; best {c.checkpoint.best_metric}={metric:.6g} at step {step} in "
+            f"{tmp_path / 'best'}; latest checkpoint (step 4) in {tmp_path / 'checkpoints'}")
+    assert printed == [want]
+    assert want in caplog.text
+    # A finished run says the same when called again, with nothing left to train.
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
+    assert capsys.readouterr().out.strip().splitlines() == [want]
