@@ -312,14 +312,14 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
     if args.clear_xla_flags:
         env.pop("XLA_FLAGS", None)
     from configs.agf import uea
-    from zoo_core import trainer
+    from zoo_core import loop
 
     c = uea.get_config("dataset=JapaneseVowels" + (",smoke" if args.tiny else ""))
     steps_per_epoch = int(c.log_every_steps)
     total = steps_per_epoch * args.epochs if not args.tiny else int(c.total_steps)
     with c.unlocked():
         c.total_steps = total
-    eval_steps = {s for s in range(1, total + 1) if trainer.is_eval_step(c, s)}
+    eval_steps = {s for s in range(1, total + 1) if loop.is_eval_step(c, s)}
     runs: dict[str, list[dict[str, Any]]] = dict(official=[], ours=[])
     rec["load_before"] = loadavg()
     for r in range(args.uea_rounds):
