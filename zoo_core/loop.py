@@ -161,7 +161,8 @@ def train_loop(loop: Loop, state, train_iter) -> None:
 
 def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
                        evaluators: Iterable[Callable[..., Mapping[str, float]]] = (),
-                       allow_config_change: bool = False, print_summary: bool = False) -> dict[str, float]:
+                       allow_config_change: bool = False, print_summary: bool = False,
+                       setup: RunSetup | None = None) -> dict[str, float]:
     """Trains `build_model(**config.model)` on `config.data` and evaluates it; resumes from `workdir`.
 
     Args:
@@ -176,6 +177,8 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         config.json is replaced. Without it such a resume is refused (`SAFE_ON_RESUME` fields, and a
         longer total_steps under a step-free schedule, are always allowed).
       print_summary: also print the run's closing summary line (`closing_summary`, always logged) on stdout.
+      setup: `check_setup(config, build_model, has_evaluators=bool(evaluators))` when the caller made it
+        already (the command line checks the setup before anything else); None: made here.
 
     Returns:
       The last eval metrics ({} when there was nothing left to train: the run had reached
@@ -186,7 +189,12 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
       NonFiniteError: the loss or gradient became non-finite (the message names the step).
     """
     evaluators = list(evaluators)
-    s = check_setup(config, build_model, has_evaluators=bool(evaluators))
+    if setup is None:
+        setup = check_setup(config, build_model, has_evaluators=bool(evaluators))
+    elif setup.config is not config or setup.has_evaluators != bool(evaluators):
+        raise ValueError("setup must be check_setup(config, build_model, has_evaluators=bool(evaluators)) "
+                         "of this config and these evaluators")
+    s = setup
     check_workdir(workdir)
     changes = check_resume(s.config_dict, workdir, allow_config_change=allow_config_change)
     s.prepare()   # the data: minutes for some data sets, so after the cheap checks above

@@ -6,6 +6,7 @@ must be reported in seconds, before its dataset is built. Also: resuming with a 
 naming the keys, safe changes are allowed and logged, `--allow_config_change` overrides, and an edited
 source file is prepared again.
 """
+import functools
 import json
 import logging as py_logging
 import os
@@ -633,3 +634,25 @@ def test_a_training_run_ends_with_one_summary_line_on_stdout(env, tmp_path, capf
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("end of run: "), out
     assert "best eval/accuracy=" in lines[0] and f"in {work / 'best'}; latest checkpoint" in lines[0], lines[0]
+
+
+def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, tmp_path, capfd, monkeypatch):
+    """The command checks the setup before the workdir and hands what it built to the trainer."""
+    from zoo_core import data as data_lib, optim, tasks
+    calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0}
+
+    def counted(name, fn):
+        @functools.wraps(fn)   # the command reads the factory's module
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
+    monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
+    monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                            f"--config.data.data_dir={env / 'data'}", "--config.total_steps=2"], capfd,
+                           build_model=counted("model", models.Model))
+    assert status == 0, err[-3000:]
+    assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}

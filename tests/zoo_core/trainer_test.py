@@ -708,3 +708,15 @@ def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoin
     # A finished run says the same when called again, with nothing left to train.
     trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
     assert capsys.readouterr().out.strip().splitlines() == [want]
+
+
+def test_a_setup_checked_for_another_config_is_refused(data_dir, tmp_path):
+    c = _config(data_dir, total_steps=2)
+    setup = trainer.check_setup(c, models.Model)
+    with pytest.raises(ValueError, match="setup must be check_setup"):
+        trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), models.Model, setup=setup)
+    with pytest.raises(ValueError, match="setup must be check_setup"):
+        trainer.train_and_evaluate(c, str(tmp_path), models.Model, setup=setup, evaluators=[lambda *a, **k: {}])
+    assert not os.path.exists(tmp_path / "checkpoints")
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model, setup=setup)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
