@@ -20,7 +20,8 @@ This module is the trainer's public face; each concern lives in its own module:
   `build_setup`), the state restored or initialised, and the compiled steps (`compile_steps`).
 * `zoo_core.resume`: which config changes a resumed run may make (`check_resume`, `SAFE_ON_RESUME`).
 * `zoo_core.loop`: `train_and_evaluate` and the loop's hooks (log, eval with the best checkpoint and
-  early stopping after `checkpoint.patience` evaluations without a new best, checkpoint, signal).
+  early stopping after `checkpoint.patience` evaluations without a new best, checkpoint, signal), and
+  the run's closing summary line.
 * `zoo_core.evaluation`: `evaluate_checkpoint`, `evaluate_params`, `load_params`.
 * `zoo_core.run_guard` (SIGTERM / Ctrl-C, the workdir lock) and `zoo_core.run_log` (what a run logs).
 * `zoo_core.errors`: `ConfigError`, `NonFiniteError`.
