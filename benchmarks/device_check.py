@@ -234,10 +234,10 @@ def phase_scaling(args, clock: Clock, out_dir: pathlib.Path) -> dict[str, Any]:
 def _estimate_reference_s(step_s: float, config) -> float:
     """Seconds for the whole run: the steps, the evaluations (a forward pass costs about a third of a
     training step per example) and REFERENCE_OVERHEAD_S."""
-    from zoo_core import trainer
+    from zoo_core import loop
 
     total = int(config.total_steps)
-    n_evals = trainer.evals_between(config, 0, total)
+    n_evals = loop.evals_between(config, 0, total)
     n_eval = int(config.data.options.get("num_validation", 2000) or 2000)
     eval_s = n_evals * (n_eval / config.batch_size) * step_s / 3
     return total * step_s + eval_s + REFERENCE_OVERHEAD_S

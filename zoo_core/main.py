@@ -10,6 +10,9 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--help` lists them
 (an error in the config file itself, an empty --workdir, a config of another architecture included) end
 the run with one line on stderr and exit status 2, before anything is compiled.
 
+A training run ends with one summary line on stdout (also logged): the steps done, the best checkpoint's
+metric and value (with checkpoint.best_metric) and where the checkpoints are.
+
 Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
 a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
 report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json.
@@ -25,9 +28,7 @@ CPU devices: JAX's CPU backend starts with `config.parallel.cpu_devices` devices
 """
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -38,6 +39,8 @@ from typing import Any, Callable, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from zoo_core import flag_errors
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
                                           lock_config=True)
@@ -55,13 +58,13 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "change what is trained (model, optim, schedule, data, seed, batch_size, ...); without it such a resume "
     "is refused naming the fields. The differences are logged and config.json is replaced. Fields that only "
     "change logging, evaluation or checkpointing (and a longer total_steps under a constant or "
-    "warmup_rsqrt schedule) may always change: zoo_core.trainer.SAFE_ON_RESUME")
+    "warmup_rsqrt schedule) may always change: zoo_core.resume.SAFE_ON_RESUME")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir",
     os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zoo_jax", "xla")),
     "JAX's persistent compilation cache: a rerun of the same config loads the compiled steps instead "
-    "of compiling them (UEA JapaneseVowels train step: 6.9 -> 1.6 s). Default: $JAX_COMPILATION_CACHE_DIR "
+    "of compiling them. Default: $JAX_COMPILATION_CACHE_DIR "
     "if set, else ~/.cache/zoo_jax/xla. Empty: no cache")
 
 
@@ -170,14 +173,16 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
                   "config.data.eval_split)")
         # The evaluators only check their options here (they build their data and programs at the
         # first evaluation), so their mistakes come before the data is built; they may add metric
-        # names (eval/bleu), which check_setup allows.
+        # names (eval/bleu), which the setup check allows.
         evaluators = _evaluators(evaluators_fn, config)
-        trainer.check_setup(config, build_model, has_evaluators=evaluators_fn is not None)
-        trainer.check_workdir(workdir)
+        setup = trainer.check_setup(config, build_model, has_evaluators=bool(evaluators))
+        # Then the workdir and the resume, before the data is built or anything is written; prints the
+        # run's closing summary line at its end.
         trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
-                                   allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+                                   allow_config_change=_ALLOW_CONFIG_CHANGE.value, print_summary=True,
+                                   setup=setup)
     except trainer.ConfigError as e:
-        _fail(str(e))
+        _fail(e.command_line)
     except FileNotFoundError as e:
         if not _EVAL_ONLY.value:
             raise
@@ -185,7 +190,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
     except KeyboardInterrupt as e:
-        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (trainer._Terminate); this is one
+        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run_guard.Terminate); this is one
         # outside it (preparing data, compiling) or a second Ctrl-C inside it. Nothing is half-written
         # either way: checkpoints are written atomically and a dataset being prepared is removed.
         name = getattr(e, "signal_name", "Ctrl-C")
@@ -259,29 +264,6 @@ def _fail(message: str, status: int = 2) -> None:
     sys.exit(status)
 
 
-def _last_line(message: str) -> str:
-    """The line of a multi-line message that names the problem (a traceback's final line)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    if len(lines) > 1 and "Traceback (most recent call last):" in message:
-        return f"{lines[0]} {lines[-1]}"     # 'flag --config=F: Error whilst parsing ...' + the exception
-    return lines[-1] if lines else ""
-
-
-def _innermost(e: BaseException) -> BaseException:
-    """The first exception of the chain (`__cause__` / `__context__`) that led to `e`."""
-    seen = {id(e)}
-    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
-        seen.add(id(nxt))
-        e = nxt
-    return e
-
-
-def _first_line(message: str) -> str:
-    """'flag --config=F' of absl's 'flag --config=F: <error>' message."""
-    line = message.strip().splitlines()[0] if message.strip() else ""
-    return line.split(": ", 1)[0]
-
-
 _HELP = ("--help", "-help", "-h", "-?", "--helpshort")
 
 
@@ -296,62 +278,6 @@ def _print_help() -> None:
     print("\n".join(lines))
 
 
-def _config_argument(argv: Sequence[str]) -> str:
-    """The value of --config in `argv` ('' when absent), for messages about a file that did not load."""
-    for i, arg in enumerate(argv):
-        if arg in ("--config", "-config") and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(("--config=", "-config=")):
-            return arg.split("=", 1)[1]
-    return ""
-
-
-def _config_code_error(e: BaseException, argv: Sequence[str]) -> str | None:
-    """'<file>, line <n>: <Type>: <message>' when `e` was raised by the config file's own code (a bug
-    or a syntax error in it, or a file that is not Python), else None."""
-    given = _config_argument(argv).partition(":")[0]
-    path = os.path.abspath(given)
-    if isinstance(e, SyntaxError) and e.filename and os.path.abspath(e.filename) == path:
-        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
-    tb, where = e.__traceback__, None
-    while tb is not None:
-        if os.path.abspath(tb.tb_frame.f_code.co_filename) == path:
-            where = tb.tb_lineno
-        tb = tb.tb_next
-    if where is None:
-        return None
-    return f"{given}, line {where}: {type(e).__name__}: {e}"
-
-
-def _suggestion(name: str, overrides: Sequence[str], argv: Sequence[str]) -> str:
-    """'; fields of config.<parent> like it: a, b' for an unknown override `name` that ml_collections
-    found no close match for (it misses e.g. model.dropout -> dropout_rate, attention_dropout)."""
-    file, colon, args = _config_argument(argv).partition(":")
-    try:   # the flag holds no value after a failed parse: load the file again, as ml_collections does
-        spec = importlib.util.spec_from_file_location("_zoo_config_for_suggestions", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        config = module.get_config(args) if colon else module.get_config()
-    except Exception:   # the file itself does not load: nothing to suggest from
-        return ""
-    for override in overrides:
-        keys_given = override[len("--config."):].split(".")
-        if name not in keys_given:
-            continue
-        above = keys_given[:keys_given.index(name)]
-        parent = config
-        for key in above:
-            parent = parent.get(key) if hasattr(parent, "get") else None
-        if not hasattr(parent, "keys"):
-            return ""
-        keys = sorted(parent.keys())
-        like = [k for k in keys if name.lower() in k.lower() or k.lower() in name.lower()]
-        like += [k for k in difflib.get_close_matches(name, keys, n=3, cutoff=0.6) if k not in like]
-        where = ".".join(["config", *above])
-        return f"; fields of {where} like it: {', '.join(like)}" if like else f"; {where} has: {', '.join(keys)}"
-    return ""
-
-
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's parser, with config mistakes (unknown key, bad value, broken file) reduced to one line."""
     if any(arg in _HELP for arg in argv[1:]):
@@ -359,35 +285,18 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(0)
     try:
         rest = flags.FLAGS(argv)
-    except flags.Error as e:
-        inner = _innermost(e)
-        if isinstance(inner, UnicodeError):
-            # A binary file read as text by the config (e.g. a CSV's header): absl's re-raise of the
-            # decode error loses the message ("function takes exactly 5 arguments").
-            _fail(f"bad flag: {_first_line(str(e))}: a file the config reads is not UTF-8 text "
-                  f"({type(inner).__name__}: {inner}); expected a text file such as a CSV")
-        _fail(f"bad flag: {_last_line(str(e))}")
-    except OSError as e:   # a config file that does not load, met while registering its override flags
-        _fail(f"bad flag: --config {_config_argument(argv)}: {_last_line(str(e))}")
     except Exception as e:
-        if (where := _config_code_error(e, argv)) is not None:
-            _fail(f"bad flag: --config {_config_argument(argv)}: the config file raised an error at {where}")
-        if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
+        message = flag_errors.flag_error(e, argv)
+        if message is None:
             raise
-        # ml_collections reports an unknown --config.a.b override as AttributeError("'b'").
-        detail = str(e.args[0] if e.args else e).replace("\\n", "; ").replace("\n", "; ")
-        detail = " ".join(detail.replace("\\", "").replace("'", "").replace('"', "").split())
-        bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-        if "Did you mean" not in detail:
-            detail += _suggestion(detail, bad, argv)
-        _fail(f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})")
+        _fail(message)
     # A config file that cannot be loaded (e.g. a wrong path) is not a parse error for ml_collections:
     # the flag holds a placeholder that raises OSError on first use. Surface it here as one line.
     if _CONFIG.value is not None:
         try:
             _CONFIG.value.get("seed")
         except OSError as e:
-            _fail(f"bad flag: --config {_config_argument(argv)}: {_last_line(str(e))}")
+            _fail(f"bad flag: --config {flag_errors.config_argument(argv)}: {flag_errors.last_line(str(e))}")
     return rest
 
 

@@ -238,3 +238,31 @@ def test_train_step_setup_costs_the_whole_step_with_micro_batches(tmp_path):
 
     whole, micro = cost(1), cost(4)
     assert whole["flops"] > 0 and micro == whole
+
+
+def test_train_step_setup_times_the_step_the_trainer_runs(tmp_path, monkeypatch):
+    """The benchmark's step comes from the trainer's own setup (`run_setup.compile_steps`), and it lowers
+    to the very program that `train_and_evaluate` compiles and runs for the same config."""
+    from configs.core import synthetic
+    from zoo_core import loop, models, run_setup, trainer
+
+    c = synthetic.get_config("smoke")
+    with c.unlocked():
+        c.data.data_dir = str(tmp_path / "data")
+        c.total_steps, c.eval_every_steps, c.checkpoint_every_steps = 1, 0, 0
+    made = []
+
+    def recording(compile_steps):
+        def compile_and_record(*args, **kwargs):
+            made.append(compile_steps(*args, **kwargs))
+            return made[-1]
+        return compile_and_record
+
+    monkeypatch.setattr(run_setup, "compile_steps", recording(run_setup.compile_steps))
+    timed = bench.train_step_setup(c, models.Model)
+    assert len(made) == 1 and timed["step"] is made[0].train
+    monkeypatch.setattr(loop, "compile_steps", recording(loop.compile_steps))
+    trainer.train_and_evaluate(c, str(tmp_path / "run"), models.Model)
+    assert len(made) == 2
+    state, batch = timed["state"], timed["batch"]
+    assert made[1].train.lower(state, batch).as_text() == timed["step"].lower(state, batch).as_text()

@@ -6,6 +6,7 @@ must be reported in seconds, before its dataset is built. Also: resuming with a 
 naming the keys, safe changes are allowed and logged, `--allow_config_change` overrides, and an edited
 source file is prepared again.
 """
+import functools
 import json
 import logging as py_logging
 import os
@@ -19,7 +20,7 @@ import pytest
 from absl import flags
 
 from tests.environment import command_env
-from zoo_core import main, models, trainer
+from zoo_core import main, models, run_log, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = "tests/zoo_core/cli_configs/toy.py"
@@ -355,7 +356,7 @@ def test_resume_with_a_changed_training_field_is_refused_naming_the_keys(env, tm
                             "--config.model.hidden=64", "--config.seed=3", "--config.optim.name=adam"], capfd)
     _assert_refused(status, out, err, "was trained with another config: model.hidden: 32 -> 64, "
                                       "optim.learning_rate: 0.003 -> 0.1, optim.name: 'adamw' -> 'adam', seed: 0 -> 3")
-    assert "--allow_config_change" in err
+    assert "--allow_config_change" in err and "train_and_evaluate(" not in err   # the flag, not the Python API
     assert (work / "config.json").read_text() == stored and _snapshot(work) == before
     # A smoke-sized run on a full run's workdir is refused the same way (batch sizes differ).
     status, out, err = cli(["--config", "configs/core/synthetic.py", "--workdir", work,
@@ -510,7 +511,7 @@ def test_log_lines_go_through_tqdm_while_the_bar_is_shown(monkeypatch):
     root = py_logging.getLogger()
     root.addHandler(handler)
     try:
-        restore = trainer._log_through_tqdm()
+        restore = run_log.log_through_tqdm()
         root.warning("step 3 eval: eval/accuracy=0.5")
         restore()
     finally:
@@ -623,3 +624,35 @@ def test_the_compiled_steps_go_to_the_persistent_cache(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert cache.is_dir() and any(cache.iterdir()), "nothing was written to the compilation cache"
+
+
+def test_a_training_run_ends_with_one_summary_line_on_stdout(env, tmp_path, capfd):
+    work = tmp_path / "run"
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work,
+                            f"--config.data.data_dir={env / 'data'}"], capfd)
+    assert status == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("end of run: "), out
+    assert "best eval/accuracy=" in lines[0] and f"in {work / 'best'}; latest checkpoint" in lines[0], lines[0]
+
+
+def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, tmp_path, capfd, monkeypatch):
+    """The command checks the setup before the workdir and hands what it built to the trainer."""
+    from zoo_core import data as data_lib, optim, tasks
+    calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0}
+
+    def counted(name, fn):
+        @functools.wraps(fn)   # the command reads the factory's module
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
+    monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
+    monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                            f"--config.data.data_dir={env / 'data'}", "--config.total_steps=2"], capfd,
+                           build_model=counted("model", models.Model))
+    assert status == 0, err[-3000:]
+    assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}

@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from configs.core import synthetic
 from tests.environment import command_env
 from zoo_core import metrics as metrics_lib
-from zoo_core import models, optim, sharding, tasks, trainer
+from zoo_core import loop, models, optim, run_guard, run_log, sharding, tasks, trainer
+from zoo_core.data import pipeline
 from zoo_core.testing import assert_trees_close
 
 
@@ -374,7 +375,7 @@ def test_a_run_at_total_steps_says_so_and_compiles_nothing(data_dir, tmp_path, c
     c = _config(data_dir)
     trainer.train_and_evaluate(c, str(tmp_path), models.Model)
     before = sorted(os.listdir(tmp_path / "checkpoints"))
-    monkeypatch.setattr(trainer, "_compile_steps", lambda *a: pytest.fail("compiled a finished run"))
+    monkeypatch.setattr(loop, "compile_steps", lambda *a: pytest.fail("compiled a finished run"))
     caplog.set_level(logging.INFO)
     assert trainer.train_and_evaluate(c, str(tmp_path), models.Model) == {}
     assert f"has reached total_steps={c.total_steps}: nothing to train" in caplog.text
@@ -386,7 +387,7 @@ def test_a_workdir_in_use_by_another_run_is_refused(data_dir, tmp_path):
     holds the workdir's lock, the other is refused naming it; the lock goes with its holder."""
     c = _config(data_dir, total_steps=4)
     trainer.train_and_evaluate(c, str(tmp_path), models.Model)
-    held = trainer._lock_workdir(str(tmp_path))      # stands for a second process (flock: per open file)
+    held = run_guard.lock_workdir(str(tmp_path))      # stands for a second process (flock: per open file)
     try:
         with pytest.raises(trainer.ConfigError, match=rf"is in use by a run still going \(pid {os.getpid()} on "):
             trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), models.Model)
@@ -535,7 +536,7 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
     """
     c = _config(data_dir, total_steps=12, log_every_steps=100, eval_every_steps=0, checkpoint_every_steps=0)
     step_metrics, pending = [], []
-    real_jit, real_batches = jax.jit, trainer.pipeline.train_batches
+    real_jit, real_batches = jax.jit, pipeline.train_batches
 
     def recording_jit(fun, *args, **kwargs):
         compiled = real_jit(fun, *args, **kwargs)
@@ -555,8 +556,8 @@ def test_at_most_one_training_step_is_in_flight(data_dir, tmp_path, monkeypatch)
                                for m in step_metrics))
             yield batch
 
-    monkeypatch.setattr(trainer.jax, "jit", recording_jit)
-    monkeypatch.setattr(trainer.pipeline, "train_batches", watched)
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    monkeypatch.setattr(pipeline, "train_batches", watched)
     trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: SlowStep())
     assert len(step_metrics) == 12 and len(pending) >= 12
     assert max(pending) <= 1, pending
@@ -595,8 +596,12 @@ def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_pat
     listing = sorted(os.listdir(tmp_path))
     wider = _config(data_dir, total_steps=4, eval_every_steps=0, checkpoint_every_steps=2,
                     **{"model.hidden": c.model.hidden * 2})
-    with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64"):
+    with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64") as refused:
         trainer.train_and_evaluate(wider, str(tmp_path), models.Model)
+    # Python is told the argument, the command line (main.py) the flag.
+    assert "train_and_evaluate(allow_config_change=True)" in str(refused.value)
+    command_line = refused.value.command_line
+    assert "--allow_config_change" in command_line and "train_and_evaluate" not in command_line
     # Allowed, the change still cannot restore the checkpoint: refused, and no empty best/ is left.
     with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
         trainer.train_and_evaluate(wider, str(tmp_path), models.Model, allow_config_change=True)
@@ -651,7 +656,7 @@ def test_logged_train_metrics_are_weighted_by_examples_or_tokens():
                 "train/learning_rate": jnp.float32(1.0)},
                {"train/token_accuracy": jnp.float32(0.0), "weight/train/token_accuracy": jnp.float32(1.0),
                 "train/learning_rate": jnp.float32(0.0)}]
-    assert trainer._mean_metrics(history) == {"train/token_accuracy": 0.75, "train/learning_rate": 0.5}
+    assert run_log.mean_metrics(history) == {"train/token_accuracy": 0.75, "train/learning_rate": 0.5}
 
 
 def test_a_model_whose_outputs_do_not_fit_the_task_fails_at_setup(data_dir, tmp_path):
@@ -666,3 +671,52 @@ def test_a_model_whose_outputs_do_not_fit_the_task_fails_at_setup(data_dir, tmp_
     with pytest.raises(trainer.ConfigError):
         trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: WrongRank())
     assert not (tmp_path / "checkpoints").exists() or not os.listdir(tmp_path / "checkpoints")
+
+
+def test_a_run_builds_its_model_task_optimiser_and_data_builder_once(data_dir, tmp_path, monkeypatch):
+    """The setup checks what it builds and keeps it: nothing is built for a check and built again."""
+    from zoo_core import data as data_lib
+    calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
+    monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
+    monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
+    trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), counted("model", models.Model))
+    assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
+
+
+def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoints(data_dir, tmp_path, capsys,
+                                                                                    caplog):
+    c = _config(data_dir, total_steps=4, eval_every_steps=2, checkpoint_every_steps=2)
+    caplog.set_level(logging.INFO)
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
+    printed = capsys.readouterr().out.strip().splitlines()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    evals = [(r[c.checkpoint.best_metric], -r["step"]) for r in rows if c.checkpoint.best_metric in r]
+    metric, step = max(evals)   # best_mode 'max'; the first of equal values is kept
+    step = -step
+    want = (f"end of run: 4 of 4 steps; best {c.checkpoint.best_metric}={metric:.6g} at step {step} in "
+            f"{tmp_path / 'best'}; latest checkpoint (step 4) in {tmp_path / 'checkpoints'}")
+    assert printed == [want]
+    assert want in caplog.text
+    # A finished run says the same when called again, with nothing left to train.
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
+    assert capsys.readouterr().out.strip().splitlines() == [want]
+
+
+def test_a_setup_checked_for_another_config_is_refused(data_dir, tmp_path):
+    c = _config(data_dir, total_steps=2)
+    setup = trainer.check_setup(c, models.Model)
+    with pytest.raises(ValueError, match="setup must be check_setup"):
+        trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), models.Model, setup=setup)
+    with pytest.raises(ValueError, match="setup must be check_setup"):
+        trainer.train_and_evaluate(c, str(tmp_path), models.Model, setup=setup, evaluators=[lambda *a, **k: {}])
+    assert not os.path.exists(tmp_path / "checkpoints")
+    trainer.train_and_evaluate(c, str(tmp_path), models.Model, setup=setup)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]

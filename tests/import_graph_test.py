@@ -1,0 +1,127 @@
+"""The repository's module graph: no import circle among the first-party modules, and no module of
+zoo_core/ or benchmarks/ over 650 lines.
+
+Every first-party module is parsed with `ast` (nothing is imported): an edge A -> B for each
+`import B`, `from B import x` and `from P import B` (a submodule B of P) anywhere in A, a function-level
+import included, since a deferred import is still a circle between two modules' concerns. A package's
+`__init__` that imports its own submodules is no circle with them: `from P import m` is an edge to P.m.
+"""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("zoo_core", "agf_jax", "samovar_jax", "htgn_jax", "configs", "benchmarks")
+MAX_LINES = 650
+SIZE_CHECKED = ("zoo_core", "benchmarks")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """{dotted module name: path} of every first-party .py file."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The first-party modules `name` imports."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:   # relative: resolved against this module's package
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from P import m` imports the submodule P.m where there is one, else the name m of P.
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+        else:
+            continue
+        for target in targets:
+            # The module itself, or the nearest first-party package above it (`import a.b.c` runs a, a.b).
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), as a path
+    a -> b -> ... -> a."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(set(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for component in components:
+        start = min(component)
+        path, seen = [start], {start}
+        while True:   # walk inside the component until a module repeats
+            nxt = min(w for w in graph[path[-1]] if w in component)
+            if nxt in seen:
+                cycles.append(path[path.index(nxt):] + [nxt])
+                break
+            path.append(nxt)
+            seen.add(nxt)
+    return cycles
+
+
+def test_the_graph_sees_the_imports_it_should():
+    graph = _graph()
+    assert "zoo_core.costs" in graph["zoo_core.bench"] and "zoo_core.costs" in graph["zoo_core.run_setup"]
+    assert "zoo_core.run_setup" in graph["zoo_core.bench"]   # the benchmark's step is the trainer's
+    assert "zoo_core.main" in graph["agf_jax.train"]
+    assert "zoo_core.data.pipeline" in graph["zoo_core.loop"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_first_party_modules():
+    cycles = _cycles(_graph())
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_of_zoo_core_or_benchmarks_exceeds_650_lines():
+    too_long = {}
+    for package in SIZE_CHECKED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_LINES:
+                too_long[str(path.relative_to(ROOT))] = lines
+    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"

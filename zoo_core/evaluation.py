@@ -1,0 +1,140 @@
+"""Evaluation: `evaluate_params` over a split, `evaluate_checkpoint` (a saved checkpoint on any split, nothing
+trained) and `load_params` (a run's model and parameters, for notebooks and decoding).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+from absl import logging
+import jax
+import numpy as np
+
+from zoo_core import checkpoint as ckpt_lib
+from zoo_core import metrics as metrics_lib, sharding, tasks
+from zoo_core.data import pipeline
+from zoo_core.errors import ConfigError, config_error
+from zoo_core.prepare import prepare_data
+from zoo_core.resume import check_eval_config
+from zoo_core.setup_checks import validate_config
+from zoo_core.steps import eval_step, eval_step_index, step_kwargs
+
+
+def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, model, to_device,
+                    pmapped: bool = False, evaluators: Iterable[Callable[..., Mapping[str, float]]] = (),
+                    host_params=None) -> dict[str, float]:
+    """{'eval/<metric>': value} of `params` (after `steps_done` updates) over `eval_source`, plus evaluators.
+
+    `p_eval` is the compiled `eval_step`; under pmap (`pmapped`) `params` are replicated and `host_params`
+    is the single copy the host-side evaluators get.
+    """
+    pindex, pcount = jax.process_index(), jax.process_count()
+    index = np.int32(eval_step_index(steps_done))
+    totals: dict[str, list[float]] = {}
+    for batch in pipeline.eval_batches(eval_source, global_batch_size=config.eval_batch_size,
+                                       process_index=pindex, process_count=pcount,
+                                       max_examples=config.eval_max_examples or None):
+        sums = jax.device_get(p_eval(params, to_device(batch), index))
+        if pmapped:
+            sums = sharding.unreplicate(sums)
+        for k, (v, n) in sums.items():
+            acc = totals.setdefault(k, [0.0, 0.0])
+            acc[0] += float(v)
+            acc[1] += float(n)
+    result = {f"eval/{k}": v / max(n, 1e-12) for k, (v, n) in totals.items()}
+    host_params = params if host_params is None else host_params
+    for evaluator in evaluators:
+        found = evaluator(host_params, model, config, **step_kwargs(model, int(index)))
+        result.update({f"eval/{k}": float(v) for k, v in found.items()})
+    return result
+
+
+def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *, which: str = "best",
+                        split: str | None = None,
+                        evaluators: Iterable[Callable[..., Mapping[str, float]]] = ()) -> dict[str, float]:
+    """Evaluates a saved checkpoint of a run on one split; nothing is trained or changed in the run.
+
+    Writes the result to `workdir/eval_<which>_<split>.json` (with the checkpoint's step) and returns it.
+
+    Args:
+      config: the run's config (the same model and data options as the training run).
+      workdir: the training run's directory.
+      build_model: the architecture's `Model` factory.
+      which: 'best' (the best checkpoint by config.checkpoint.best_metric) or 'latest'.
+      split: the split to evaluate; None = config.data.eval_split. The evaluators must have been made
+        for a config with this split (`with_eval_split`).
+      evaluators: extra host-side evaluations, as in `train_and_evaluate`.
+
+    Returns:
+      {'eval/<metric>': value, ...} and 'step', the checkpoint's step.
+
+    Raises:
+      ConfigError: a bad `which`, an unknown split, a model other than the run's (`check_eval_config`)
+        or a config problem (one line).
+      FileNotFoundError: no such checkpoint in workdir.
+    """
+    if which not in ("best", "latest"):
+        raise ConfigError(f"which must be 'best' or 'latest', got {which!r}")
+    if split is not None:
+        config = with_eval_split(config, split)
+    # Before the data is built (minutes for some data sets): an empty or mistyped workdir fails at once.
+    folder = "best" if which == "best" else "checkpoints"
+    ckpt_lib.require_checkpoints(workdir, folder)
+    check_eval_config(json.loads(config.to_json_best_effort()), workdir)
+    try:
+        validate_config(config)
+        _, eval_source = prepare_data(config)
+        model = build_model(**config.model.to_dict())
+        task = tasks.make_task(config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise config_error(e) from e
+    mesh = sharding.make_mesh()
+    replicated = sharding.replicated(mesh)
+    # Restored straight into the global replicated sharding: each process reads its own shards.
+    _, params, step = load_params(workdir, build_model, config, which=folder, target_sharding=replicated)
+    p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
+    result = evaluate_params(params, step, p_eval=p_eval, eval_source=eval_source, config=config, model=model,
+                             to_device=lambda b: sharding.global_batch(b, mesh), evaluators=evaluators)
+    result["step"] = int(step)
+    name = f"eval_{which}_{config.data.eval_split}.json"
+    if jax.process_index() == 0:
+        metrics_lib.write_json(os.path.join(workdir, name), result)
+    logging.info("%s checkpoint (step %d) on %s: %s", which, step, config.data.eval_split,
+                 ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items()) if k != "step"))
+    return result
+
+
+def with_eval_split(config, split: str):
+    """A copy of `config` whose data.eval_split is `split`."""
+    if not isinstance(split, str) or not split:
+        raise ConfigError(f"the evaluation split must be a non-empty name, got {split!r}")
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.data.eval_split = split
+    return config
+
+
+def load_params(workdir: str, build_model: Callable[..., Any], config, *, which: str = "checkpoints",
+                target_sharding: jax.sharding.Sharding | None = None):
+    """The run's model and the parameters of its newest checkpoint in workdir/<which> (notebooks, decoding).
+
+    The restore itself is `checkpoint.restore_params`.
+
+    The checkpoint may come from any topology (8 accelerators, 2 processes): the state is restored
+    against its own stored shapes and dtypes in `target_sharding`, by default this process's first local
+    device, so a laptop reads a TPU run's checkpoint.
+
+    Args:
+      workdir, build_model, config: the run's directory, `Model` factory and config.
+      which: 'checkpoints' (the newest) or 'best'.
+      target_sharding: where every array goes (e.g. a replicated `NamedSharding` over all processes);
+        None means `jax.local_devices()[0]`.
+
+    Returns:
+      (model, params, step).
+    """
+    model = build_model(**config.model.to_dict())
+    params, step = ckpt_lib.restore_params(workdir, which=which, target_sharding=target_sharding)
+    return model, params, step
