@@ -17,7 +17,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 BASES = ("jacobi", "chebyshev", "legendre", "monomial")
-# Defaults of the reference PolyConvFrame (spec §4).
+# Defaults of the reference PolyConvFrame (agf.md §4).
 JACOBI_DEFAULT_ALPHA = 1.0
 JACOBI_DEFAULT_BETA = 0.2
 
@@ -62,7 +62,7 @@ def resolve_basis(basis: str, alpha: Optional[float] = None, beta: Optional[floa
 
 
 def jacobi_abc(k: int, a: float, b: float) -> tuple[float, float, float]:
-    """Coefficients of P_k = (A x + B) P_{k-1} - C P_{k-2} for Jacobi (a, b), k >= 2 (spec §2.4)."""
+    """Coefficients of P_k = (A x + B) P_{k-1} - C P_{k-2} for Jacobi (a, b), k >= 2 (agf.md §2.4)."""
     s = 2 * k + a + b
     big_a = s * (s - 1) / (2 * k * (k + a + b))
     big_b = (s - 1) * (a * a - b * b) / (2 * k * (k + a + b) * (s - 2))
@@ -112,7 +112,7 @@ def basis_and_derivative_iter(x: Array, order: int, basis: str, alpha, beta):
 
 def polynomial_basis(x: Array, order: int, *, basis: str = "jacobi", alpha: Optional[float] = None,
                      beta: Optional[float] = None) -> Array:
-    """Evaluates P_0..P_K elementwise (spec §2.4); x is used as is (not mapped to [-1, 1]).
+    """Evaluates P_0..P_K elementwise (agf.md §2.4); x is used as is (not mapped to [-1, 1]).
 
     Args:
         x: any shape `[...]`.
@@ -128,7 +128,7 @@ def polynomial_basis(x: Array, order: int, *, basis: str = "jacobi", alpha: Opti
 
 
 def filter_coefficients(theta: Optional[Array], theta_0: Optional[Array] = None) -> Array:
-    """Effective coefficients c_0..c_K of the filter (spec §2.4).
+    """Effective coefficients c_0..c_K of the filter (agf.md §2.4).
 
     c_k = tanh(theta_k) for k >= 1. c_0 is the frozen constant 1 when `theta_0` is None (LRA, and
     UEA with `fixI`), else tanh(theta_0) (UEA without `fixI`: the filter is 0 at init).
@@ -156,7 +156,7 @@ def filter_coefficients(theta: Optional[Array], theta_0: Optional[Array] = None)
 
 def graph_filter(s: Array, coeffs: Array, *, basis: str = "jacobi", alpha: Optional[float] = None,
                  beta: Optional[float] = None) -> Array:
-    """g = sum_k c_k P_k(s), elementwise, without materialising the K+1 basis values (spec §2.3).
+    """g = sum_k c_k P_k(s), elementwise, without materialising the K+1 basis values (agf.md §2.3).
 
     Args:
         s: `[...]` singular values in (0, 1).

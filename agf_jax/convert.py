@@ -389,7 +389,7 @@ def module_from_meta(meta: Mapping[str, Any]):
         return "lra_attention", AGFAttention(
             num_heads=h, head_dim=d, order=int(cfg["K"]), learn_c0=False,
             ortho_scale=float(cfg["reg"]),   # required like the other keys: no silent default
-            ortho_count_padding=True,        # the reference regulariser (spec §2.5)
+            ortho_count_padding=True,        # the reference regulariser (agf.md §2.5)
             **_basis_args(cfg["poly_type"], cfg.get("alpha"), cfg.get("beta")))
     if "AttentionLayer" in cls:
         _expect(args, "attn_type", ("svd", "softmax"), cls)

@@ -16,7 +16,7 @@ from zoo_core import layout
 
 Array = jax.Array
 
-# The reference masks V by subtracting 1e9 from padded logits (spec §2.2); we do the same so that
+# The reference masks V by subtracting 1e9 from padded logits (agf.md §2.2); we do the same so that
 # fully padded sequences behave like the reference (uniform over the padded tokens).
 MASK_OFFSET = 1e9
 
@@ -115,7 +115,7 @@ class AGFFactors(NamedTuple):
 def agf_factors(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
                 alpha: Optional[float] = None, beta: Optional[float] = None,
                 mask: Optional[Array] = None) -> AGFFactors:
-    """Computes U, V, s and g (spec §2.2-2.3), for analysis and the explicit reference.
+    """Computes U, V, s and g (agf.md §2.2-2.3), for analysis and the explicit reference.
 
     Args:
         zu, zv, zs: `[B, T, H, D]` projections.
@@ -136,7 +136,7 @@ def agf_factors(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = 
 
 def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
                        count_padding: bool = True) -> Array:
-    """Per-sample orthogonality regulariser on the post-softmax factors (spec §2.5, pitfall 5).
+    """Per-sample orthogonality regulariser on the post-softmax factors (agf.md §2.5, pitfall 5).
 
     ortho_b = mean_{H,D,D} |U^T U - I| + mean_{H,D,D} |V^T V - I|, where U^T U = sum_t U_t U_t^T.
     V uses the masked sequence softmax, so padded rows of V are exactly 0. In causal mode the same

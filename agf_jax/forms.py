@@ -55,7 +55,7 @@ def _check_state(state: AGFState, a: Array, val: Array, time_axis: bool = True):
 def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
                  basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
                  mask: Optional[Array] = None, causal: bool = False) -> Array:
-    """AGF attention over a whole sequence, O(T D M) per head (spec §2.2-2.3).
+    """AGF attention over a whole sequence, O(T D M) per head (agf.md §2.2-2.3).
 
     Non-causal: O = (U * g) (V^T Val), exactly the reference. Causal (extension, see module
     docstring): V is normalised over each prefix; computed with an associative scan of the

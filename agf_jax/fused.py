@@ -26,7 +26,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
                            count_padding: bool = True) -> tuple[Array, Array]:
     """`(agf_parallel(...), orthogonality_loss(...))` of the non-causal layer in one pass.
 
-    The training form of the non-causal layer (spec §2.2-2.6): the same numbers as the two
+    The training form of the non-causal layer (agf.md §2.2-2.6): the same numbers as the two
     reference functions, computed one head at a time (`zoo_core.layout.heads`) by a function with
     a hand-written backward pass (`jax.custom_vjp`). Per head, with A = U * g, kv = V^T Val:
 

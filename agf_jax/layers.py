@@ -8,8 +8,8 @@ Both layers follow the zoo's layer contract (README "Layer contract"):
   deterministic=True) -> (y, state)` and `step(state, x_t, *, position=None) -> (y_t, state)`;
 * `chunk_size` chooses the form of a causal `__call__`: None = parallel, C = chunked.
 
-`AGFAttention` owns the four projections of spec §2.1 (W_U, W_V, W_Sigma, W_val), the output
-projection and the K+1 filter parameters theta (spec §2.4); the maths is in `agf_jax.ops` (and
+`AGFAttention` owns the four projections of agf.md §2.1 (W_U, W_V, W_Sigma, W_val), the output
+projection and the K+1 filter parameters theta (agf.md §2.4); the maths is in `agf_jax.ops` (and
 `agf_jax.softmax` for the baseline). One parameter tree serves every form.
 
 Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
@@ -124,7 +124,7 @@ class _Attention(nn.Module):
 
 
 class AGFAttention(_Attention):
-    """Attentive Graph Filter self-attention (spec §2), with an optional causal extension.
+    """Attentive Graph Filter self-attention (agf.md §2), with an optional causal extension.
 
     Shapes: x `[B, T, E]` -> y `[B, T, E']` (E' = `out_features` or E).
 
@@ -132,7 +132,7 @@ class AGFAttention(_Attention):
         num_heads: H.
         head_dim: D, the width of the singular vectors and of the per-head values.
         out_features: output width E' (default: the input width E).
-        basis: 'jacobi' | 'chebyshev' | 'legendre' | 'monomial' (spec §2.4).
+        basis: 'jacobi' | 'chebyshev' | 'legendre' | 'monomial' (agf.md §2.4).
         order: polynomial order K >= 0 (K+1 coefficients).
         alpha: Jacobi alpha (only for basis='jacobi'; default 1.0).
         beta: Jacobi beta (only for basis='jacobi'; default 0.2).
@@ -142,7 +142,7 @@ class AGFAttention(_Attention):
             multiplies by `reg` inside; UEA uses 1 and applies eta in the loss).
         ortho_count_padding: False (default): padded rows of U are removed from the regulariser,
             so padding cannot change it; True: the reference's regulariser, whose U Gram counts
-            padded tokens (spec §2.5; the reference models and the converter set it).
+            padded tokens (agf.md §2.5; the reference models and the converter set it).
         causal: prefix-normalised V (an extension the paper does not have; see `agf_jax.ops`).
         chunk_size: causal only: None = the parallel (associative-scan) form of `__call__`, an int
             C >= 1 = the chunked form. Its intra-chunk work is C * D exponentials per token and head

@@ -1,10 +1,10 @@
 """AGF models of the reference harnesses (Wi, Choi, Park, IJCAI 2025; code jeongwhanchoi/agf).
 
-* `LRAClassifier` / `LRARetrieval`: `AGF_LRA` (Nystromformer/Primalformer LRA harness, spec §3.1):
+* `LRAClassifier` / `LRARetrieval`: `AGF_LRA` (Nystromformer/Primalformer LRA harness, agf.md §3.1):
     learned token + position embeddings, pre-LN blocks, final LN times the mask, MEAN pooling over
     all T positions (padding counts as zeros), Linear-ReLU-Linear head; retrieval is a
     weight-shared dual encoder with the head on [x0, x1, x0*x1, x0-x1].
-* `UEAClassifier`: `AGF_UEA` (Flowformer/mvts_transformer lineage, spec §3.2): Linear input
+* `UEAClassifier`: `AGF_UEA` (Flowformer/mvts_transformer lineage, agf.md §3.2): Linear input
     projection times sqrt(d_model), learnable positional table, post-LN blocks with a 1x1-conv FFN,
     final LN, activation, padding mask, flatten [B, T*E] -> Linear.
 
@@ -20,7 +20,7 @@ encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder me
 aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
     'loss/orthogonality': scalar, mean over the batch of 'orthogonality/per_sample' (already
         weighted; the shared trainer adds it to the task loss). The reference averages over layers
-        (spec §2.5), so this is weight / L times the encoder's summed 'loss/orthogonality'; it is
+        (agf.md §2.5), so this is weight / L times the encoder's summed 'loss/orthogonality'; it is
         computed from the per-sample values in the reference's order (the training loss is the
         same, bit for bit, as before the layer contract).
     'orthogonality/per_sample': [B], weighted mean over layers: the reference's `loss_ortho` (LRA,
@@ -54,11 +54,11 @@ from zoo_core.dropout import Dropout
 
 Array = jax.Array
 
-# Sizes only; the AGF hyperparameters of each task go in the configs (spec §3 tables).
+# Sizes only; the AGF hyperparameters of each task go in the configs (agf.md §3 tables).
 VARIANTS: dict[str, dict[str, int]] = {
-    # AGF_LRA shared settings: D=64, hidden 128, 2 heads x 32, 2 layers (spec §3.1).
+    # AGF_LRA shared settings: D=64, hidden 128, 2 heads x 32, 2 layers (agf.md §3.1).
     "lra": dict(d_model=64, mlp_dim=128, num_heads=2, head_dim=32, num_layers=2),
-    # AGF_UEA options.py defaults: d_model 512, 8 heads (d=64), d_ff 2048, 2 layers (spec §3.2).
+    # AGF_UEA options.py defaults: d_model 512, 8 heads (d=64), d_ff 2048, 2 layers (agf.md §3.2).
     "uea": dict(d_model=512, mlp_dim=2048, num_heads=8, head_dim=64, num_layers=2),
     # Smoke tests and CPU notebooks.
     "tiny": dict(d_model=16, mlp_dim=32, num_heads=2, head_dim=8, num_layers=2),
@@ -95,7 +95,7 @@ def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Mo
                 out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
     checks.check_choice("attention", owner.attention, ATTENTIONS)
     if owner.attention == "agf":
-        # The reference regulariser counts padded rows of U (spec §2.5): kept for parity.
+        # The reference regulariser counts padded rows of U (agf.md §2.5): kept for parity.
         return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
                             order=owner.order, alpha=owner.alpha, beta=owner.beta,
                             learn_c0=learn_c0, ortho_scale=ortho_scale, ortho_count_padding=True,
@@ -176,7 +176,7 @@ def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------
-# LRA (pre-LN encoder, spec §3.1).
+# LRA (pre-LN encoder, agf.md §3.1).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -343,7 +343,7 @@ class LRARetrieval(_LRABase, kw_only=True):
 
 
 # ---------------------------------------------------------------------------------------------
-# UEA (post-LN encoder, spec §3.2).
+# UEA (post-LN encoder, agf.md §3.2).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -356,7 +356,7 @@ class UEABlock(_BlockFields, kw_only=True):
     activation: str = "gelu"
 
     def setup(self):
-        # UEA: the layer's regulariser is unweighted; eta is applied by the model (spec §6).
+        # UEA: the layer's regulariser is unweighted; eta is applied by the model (agf.md §6).
         self.attention_layer = _attention(self, ortho_scale=1.0, learn_c0=self.learn_c0,
                                           name="attention")
         self.attention_norm = _layer_norm(self, "attention_norm")
@@ -367,7 +367,7 @@ class UEABlock(_BlockFields, kw_only=True):
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
-        the reference UEA attention is never masked, padding is zero input (spec §2.2)."""
+        the reference UEA attention is never masked, padding is zero input (agf.md §2.2)."""
         y, aux = self.attention_layer(x, mask=mask, deterministic=deterministic)
         x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
         h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)

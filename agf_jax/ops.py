@@ -9,7 +9,7 @@ numbers below refer to the project spec `agf.md`, which was checked against the 
 Notation (shape letters of the zoo): B batch, T sequence, H heads, D head width of the singular
 vectors, M value head width, K polynomial order.
 
-Non-causal AGF, per head (spec §2.2-2.3):
+Non-causal AGF, per head (agf.md §2.2-2.3):
 
         U = softmax_D(Z_U)                     left singular vectors, each token's row sums to 1
         V = softmax_T(Z_V - 1e9 (1 - mask))    right singular vectors, each column sums to 1 over T
@@ -18,7 +18,7 @@ Non-causal AGF, per head (spec §2.2-2.3):
         O = (U * g) (V^T Val)                  O(T D M); the implicit T x T matrix is never formed
 
 with the implicit attention matrix H_tj = sum_k U_tk g_tk V_jk (token-specific spectrum diag(g_t)).
-The orthogonality regulariser (spec §2.5, pitfall 5) is, per sample,
+The orthogonality regulariser (agf.md §2.5, pitfall 5) is, per sample,
 mean_{H,D,D} |U^T U - I| + mean_{H,D,D} |V^T V - I|.
 
 **Causal AGF (an extension; the paper and the reference code do not have it).** For
@@ -52,7 +52,7 @@ valid position and sets every output at or after it to NaN, as the recurrence gi
 give the reference's numbers bit for bit.
 
 All attention maths runs in float32 (float64 stays float64) whatever the input dtype, as the
-reference does under AMP (spec §2.3, pitfall 8); outputs are returned in that float type and callers
+reference does under AMP (agf.md §2.3, pitfall 8); outputs are returned in that float type and callers
 cast back.
 
 The code lives in one module per concern, and every name is importable from here:

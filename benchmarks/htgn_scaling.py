@@ -78,7 +78,7 @@ def make_case(case: str, n: int, args, projection):
         bias = jax.ShapeDtypeStruct((h, k_offsets), dtype)
 
         def loss(target, source, attn, rel_bias):
-            # GATv2: the source projection is both the score key and the message (spec §3.4).
+            # GATv2: the source projection is both the score key and the message (htgn.md §3.4).
             out, _ = graph_ops.window_graph_attention(
                 target, source, source, attn, window=args.window, num_global=g, causal=causal,
                 rel_bias=rel_bias, global_bias=jnp.zeros((h,), dtype) if g else None)

@@ -1,6 +1,6 @@
 """Matmul throughput of this machine (GFLOP/s) for a few sizes and dtypes.
 
-The measured peak is what every scaling benchmark's `frac_peak` is relative to (platform spec §7:
+The measured peak is what every scaling benchmark's `frac_peak` is relative to (platform.md §7:
 about 200 GFLOP/s float32 on an idle 2-core CPU, half that under load).
 
 Run from the repo root:

@@ -8,13 +8,13 @@ run: `python -m htgn_jax.train --config ... --workdir W --eval_only --eval_split
   -> encoder tokens within w_x of c_i = round(rho i), plus the encoder globals) as dense boolean
   matrices, for pictures only (the model never builds them).
 * `graph_attention_maps`: the attention coefficients alpha of every graph layer of a trained model
-  on a batch (GATv2/GAT, spec §3.1), as dense `[B, H, rows, cols]` maps. The layers return only
+  on a batch (GATv2/GAT, htgn.md §3.1), as dense `[B, H, rows, cols]` maps. The layers return only
   their KL terms, so the coefficients are recomputed from each layer's own inputs by
   intercepting its `__call__` (`flax.linen.intercept_methods`) and calling the layer's public
   `attention_weights`, which runs the same code path as `__call__`.
 * `favor_error_curve`: mean absolute error of FAVOR+ (Performer Lemma 1 positive orthogonal
-  features, spec §2.2-2.3) against exact softmax attention as the number of features m grows
-  (spec §5.14 test 3 as a curve).
+  features, htgn.md §2.2-2.3) against exact softmax attention as the number of features m grows
+  (htgn.md §5.14 test 3 as a curve).
 """
 from __future__ import annotations
 
@@ -69,14 +69,14 @@ def cross_graph_adjacency(mask: Array, memory_mask: Array, centres: Array, *, wi
 
 def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
                            causal: bool = False, grid_width: int | None = None) -> np.ndarray:
-    """Dense adjacency of the window + global graph over `[globals ; tokens]` (spec §5.3).
+    """Dense adjacency of the window + global graph over `[globals ; tokens]` (htgn.md §5.3).
 
     Args:
       length: N tokens.
       window: radius w.
       num_global: g global nodes (0 when causal).
       causal: offsets -w..0 (decoder).
-      grid_width: None, or W for the 2-D stencil over a raster grid of patches (spec §5.12).
+      grid_width: None, or W for the 2-D stencil over a raster grid of patches (htgn.md §5.12).
 
     Returns:
       bool `[g + N, g + N]`: entry (i, j) is True when node i attends to node j.
@@ -93,7 +93,7 @@ def window_graph_adjacency(length: int, *, window: int, num_global: int = 0,
 
 def cross_graph_adjacency_matrix(target_length: int, source_length: int, *, window: int,
                                  num_global: int = 0, rho: float = 1.0) -> np.ndarray:
-    """Dense Cross-Graph adjacency (spec §5.5): decoder i -> encoder `[globals ; tokens]`.
+    """Dense Cross-Graph adjacency (htgn.md §5.5): decoder i -> encoder `[globals ; tokens]`.
 
     Args:
       target_length: T decoder nodes.

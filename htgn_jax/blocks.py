@@ -1,4 +1,4 @@
-"""HTGN blocks (spec §5.1, §5.6, §5.8): encoder hybrid block, decoder hybrid + Cross-Graph block,
+"""HTGN blocks (htgn.md §5.1, §5.6, §5.8): encoder hybrid block, decoder hybrid + Cross-Graph block,
 and the encoder stack, configured by one frozen `BlockConfig`.
 
 Every residual branch is `x + DropPath_l(Dropout(f(LN(x))))` (Pre-LN), or x <- LN(x + branch(x))
@@ -14,7 +14,7 @@ with `norm='post'`; DropPath rate p_l = drop_path * l / (L - 1):
   `DecoderState` and `DecoderMemory` (`init_cache`; O(1) attention work per token).
 
 Blocks and the encoder return `(y, aux)`, their layers' aux merged (`merge_aux`: equal keys summed).
-The graph layers report the KL term of spec §5.7 as 'kl_sum' and 'kl_count'; the model forms the
+The graph layers report the KL term of htgn.md §5.7 as 'kl_sum' and 'kl_count'; the model forms the
 loss once from the sums over all layers.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from zoo_core.remat import call_block
 
 Array = jax.Array
 
-LN_EPS = 1e-6                          # spec §5.6
+LN_EPS = 1e-6                          # htgn.md §5.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +48,10 @@ class BlockConfig:
         period (`FavorAttention`).
       window, num_global: WinGAT radius w and the g leading global nodes of the encoder.
       grid_width: None (1-D window), or W: encoder tokens are image patches in raster order with
-        rows of W and the WinGAT stencil is 2-D of radius w (spec §5.12).
+        rows of W and the WinGAT stencil is 2-D of radius w (htgn.md §5.12).
       cross_window, rho: Cross-Graph radius w_x and centre ratio (c_i = round(rho * i)).
-      use_graph_conv, use_hrpe, gat_version: ablation switches (spec §5.13).
-      kl_tau, kl_mode: the KL term's prior and mode (spec §5.7).
+      use_graph_conv, use_hrpe, gat_version: ablation switches (htgn.md §5.13).
+      kl_tau, kl_mode: the KL term's prior and mode (htgn.md §5.7).
       dropout_rate: dropout on residual branches and inside the FFN.
       attention_dropout: dropout on the graph-attention probabilities.
       norm: 'pre' | 'post'.
@@ -127,7 +127,7 @@ def merge_aux(*auxes: dict) -> dict:
 
 
 def drop_path_rate(p_max: float, layer: int, num_layers: int) -> float:
-    """p_l = p_max * l / (L - 1), l = 0..L-1 (spec §5.8); 0 for a one-layer stack."""
+    """p_l = p_max * l / (L - 1), l = 0..L-1 (htgn.md §5.8); 0 for a one-layer stack."""
     return 0.0 if num_layers < 2 else p_max * layer / (num_layers - 1)
 
 
@@ -186,7 +186,7 @@ class _Block(nn.Module):
 
 
 class EncoderBlock(_Block):
-    """Encoder hybrid block (spec §5.1): FAVOR+ self-attention -> WinGAT -> FFN.
+    """Encoder hybrid block (htgn.md §5.1): FAVOR+ self-attention -> WinGAT -> FFN.
 
     Shapes: x `[B, L, d]` with L = g + N (`[globals ; tokens]`), mask `[B, L]`.
 
@@ -240,7 +240,7 @@ class EncoderBlock(_Block):
 
 
 class DecoderBlock(_Block):
-    """Decoder hybrid + Cross-Graph block (spec §5.1): causal FAVOR+ -> causal WinGAT -> FAVOR+
+    """Decoder hybrid + Cross-Graph block (htgn.md §5.1): causal FAVOR+ -> causal WinGAT -> FAVOR+
     cross-attention -> Cross-Graph GAT -> FFN, one wiring for the parallel and decoding paths.
 
     Attributes:
@@ -429,7 +429,7 @@ class Encoder(nn.Module):
             glb = jnp.broadcast_to(self.global_tokens.astype(tokens.dtype)[None], (b, g, c.d_model))
             x = jnp.concatenate([glb, tokens], axis=1)
         if c.use_hrpe:
-            # RoPE: globals at position 0, tokens at their index (spec §5.1 step 1).
+            # RoPE: globals at position 0, tokens at their index (htgn.md §5.1 step 1).
             positions = jnp.concatenate([jnp.zeros((g,), jnp.int32), jnp.arange(n, dtype=jnp.int32)])
         mask = with_globals(mask, g)
         auxes = []

@@ -3,7 +3,7 @@
 Two step functions share one search loop (a jitted `jax.lax.while_loop` over at most `max_len`
 tokens that stops as soon as every sequence has emitted EOS):
 
-* cached (`use_cache=True`, spec §5.4 "Decoding"): per decoder layer the FAVOR+ causal state
+* cached (`use_cache=True`, htgn.md §5.4 "Decoding"): per decoder layer the FAVOR+ causal state
   (S `[B, H, M, d_h]`, z `[B, H, M]`), the rolling cache of the last w projected states of the
   causal window GAT, and the cross-attention cache Z_M = phi(K_M)^T V_M, t_M = phi(K_M)^T 1 and
   Cross-Graph memory projections, computed once per source. Every generated token costs O(1)

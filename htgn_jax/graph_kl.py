@@ -1,4 +1,4 @@
-"""The KL smoothness term of HTGN's graph attention (spec §5.7), as pure `jnp` functions.
+"""The KL smoothness term of HTGN's graph attention (htgn.md §5.7), as pure `jnp` functions.
 
 For every valid receiving node i and head h, KL(alpha_i || pi_i) with pi uniform over N(i) (or the
 distance prior `kl_tau`), or with kl_mode='neighbour' KL(alpha_i || alpha_{i-1}) between
@@ -21,7 +21,7 @@ Array = jax.Array
 
 def attention_kl(probs: Array, log_probs: Array, valid: Array,
                  prior_logits: Array | None = None) -> tuple[Array, Array]:
-    """KL(alpha_i || pi_i) over the valid neighbours of i, summed over rows (spec §5.7).
+    """KL(alpha_i || pi_i) over the valid neighbours of i, summed over rows (htgn.md §5.7).
 
     Uniform prior (`prior_logits` None): KL = sum_j alpha_ij log alpha_ij + log |N(i)|. Otherwise
     pi_i = softmax of `prior_logits` over N(i) and KL = sum_j alpha_ij (log alpha_ij - log pi_ij).
@@ -54,7 +54,7 @@ KL_MODES = ("prior", "neighbour")
 
 
 def check_kl(kl_tau: Any, kl_mode: Any, num_slots: int | None = None) -> None:
-    """Checks the KL options (spec §5.7); the models call it too, before any layer is built.
+    """Checks the KL options (htgn.md §5.7); the models call it too, before any layer is built.
 
     `num_slots`: neighbours per token row (K + g); with one, both alternatives are constant.
     """
@@ -73,7 +73,7 @@ def check_kl(kl_tau: Any, kl_mode: Any, num_slots: int | None = None) -> None:
 
 def neighbour_kl(probs: Array, log_probs: Array, valid: Array,
                  pair_ok: np.ndarray | None = None) -> tuple[Array, Array]:
-    """KL(alpha_i || alpha_{i-1}) of consecutive rows, slots aligned (spec §5.7 `kl_mode`).
+    """KL(alpha_i || alpha_{i-1}) of consecutive rows, slots aligned (htgn.md §5.7 `kl_mode`).
 
     Slot k of row i and of row i-1 is the same relative offset (or the same global node), so the
     term pulls the attention pattern to change slowly along the sequence. The two rows are

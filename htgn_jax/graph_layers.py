@@ -11,7 +11,7 @@ parameters only. Contract (README "Layer contract"):
   -> (y, aux)`; decoding: `prepare_memory(memory, *, memory_mask=None) -> CrossGraphCache` once,
   then `step(cache, x_t, *, position) -> (y_t, cache)`.
 
-aux = {'kl_sum', 'kl_count'}: the unweighted KL smoothness term of spec §5.7 as a sum and a count
+aux = {'kl_sum', 'kl_count'}: the unweighted KL smoothness term of htgn.md §5.7 as a sum and a count
 of (row, head) terms, so that a model can form the mean over all its layers (sums add up across
 layers; the loss is formed once, by the model). Padded positions of x and memory are replaced by
 0 with `jnp.where` before the projections (NaN-safe masking).
@@ -213,7 +213,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     """Windowed GATv2 (or GAT, dot-product) graph attention with global nodes; causal variant.
 
     Node layout of `x`: `[B, L, d]` = `[globals (num_global) ; tokens (N)]`; the model prepends the
-    g learned global vectors (spec §5.1). Parameters (stable names): `target/kernel` `[d, H, D]`
+    g learned global vectors (htgn.md §5.1). Parameters (stable names): `target/kernel` `[d, H, D]`
     (W_t, v2 and dot), `source/kernel` `[d, H, D]` (W_s, also the message projection),
     `attn/vector` `[H, D]` (v2) or `attn_target/vector`, `attn_source/vector` `[H, D]` (v1; dot
     has no attention vector), `rel_bias`
@@ -232,11 +232,11 @@ class WindowGraphAttention(_GraphAttentionBase):
       grid_width: None, or W for image patches in raster order: the window is then the 2-D
         stencil of radius w (`window_offsets`); not with causal.
       version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
-        product, UniMP style); the last two are ablations (spec §5.13).
-      use_relative_bias: learned per-head per-offset logit bias (HRPE (c), spec §5.2).
+        product, UniMP style); the last two are ablations (htgn.md §5.13).
+      use_relative_bias: learned per-head per-offset logit bias (HRPE (c), htgn.md §5.2).
       negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
-      kl_tau: None (the KL term's uniform prior, spec §5.7) or tau > 0 of the distance prior
+      kl_tau: None (the KL term's uniform prior, htgn.md §5.7) or tau > 0 of the distance prior
         pi_i(j) proportional to exp(-dist / tau) (spec `kl_prior = "distance"`; dist = |j - i|,
         or max(|dr|, |dc|) on a grid, 1 to a global node).
       kl_mode: 'prior' (KL to the prior above) or 'neighbour' (KL(alpha_i || alpha_{i-1}),
@@ -273,7 +273,7 @@ class WindowGraphAttention(_GraphAttentionBase):
 
         Returns:
           y `[B, L, F]` (zero at padded nodes) and aux {'kl_sum', 'kl_count'}: the KL term (to the
-          prior over heads and valid nodes, or between consecutive rows, per kl_mode; spec §5.7;
+          prior over heads and valid nodes, or between consecutive rows, per kl_mode; htgn.md §5.7;
           unweighted) as a sum over its `kl_count` terms.
         """
         if self.causal and self.chunk_size is not None:
@@ -386,7 +386,7 @@ class WindowGraphAttention(_GraphAttentionBase):
 
 
 class CrossGraphAttention(_GraphAttentionBase):
-    """Cross-Graph attention (spec §5.5): decoder node i -> encoder window at c_i + globals.
+    """Cross-Graph attention (htgn.md §5.5): decoder node i -> encoder window at c_i + globals.
 
     c_i = clip(round(rho * i), 0, N_b - 1), with N_b the valid encoder token count per example.
     `memory` is the encoder output `[B, g + N, d_m]` = `[globals ; tokens]` (right-padded tokens).

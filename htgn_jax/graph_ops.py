@@ -5,44 +5,44 @@ HTGN's graph convolution (spec `htgn.md` §3.4, §5.3, §5.5, §5.7) is attentio
 stencil graph*: every token i is linked to the tokens i+o for the offsets o in {-w..w} (the window,
 self included) and to g global nodes; every global node is linked to every node. Neighbours are
 gathered by shifted static slices of a zero-padded copy (an "unfold" to `[B, N, K, ...]`), so
-no `[N, N]` buffer is ever built and time and memory are O(B N (2w+1+g) d) (spec §5.11). For
-image patches in raster order (`grid_width` W, spec §5.12) the stencil is 2-D instead: the
+no `[N, N]` buffer is ever built and time and memory are O(B N (2w+1+g) d) (htgn.md §5.11). For
+image patches in raster order (`grid_width` W, htgn.md §5.12) the stencil is 2-D instead: the
 (2w+1)^2 offsets dr W + dc, |dr|, |dc| <= w, with the slots that would cross a row end masked.
 
-Scoring (spec §3.1):
+Scoring (htgn.md §3.1):
   * GATv2 (Brody, Alon & Yahav, ICLR 2022, the "dynamic" scoring function):
         e_ij = a_h^T LeakyReLU_0.2(W_t h_i + W_s h_j) + b_h[j - i]
-  * GAT v1 (Velickovic et al., ICLR 2018, eqs. (1)-(3)), the ablation `gat=v1` (spec §5.13):
+  * GAT v1 (Velickovic et al., ICLR 2018, eqs. (1)-(3)), the ablation `gat=v1` (htgn.md §5.13):
         e_ij = LeakyReLU_0.2(a_t,h^T W h_i + a_s,h^T W h_j) + b_h[j - i]
     It is computed as GATv2 on one-channel score features (a_t^T W h_i, a_s^T W h_j) with a = 1,
     so both versions share one kernel (`neighbour_attention`).
-  * Dot product (UniMP / "TransformerConv" scoring, spec §3.4 notes), the ablation `gat=dot`:
+  * Dot product (UniMP / "TransformerConv" scoring, htgn.md §3.4 notes), the ablation `gat=dot`:
         e_ij = <W_t h_i, W_s h_j> / sqrt(D) + b_h[j - i]
     The kernels take it when the attention vector `attn` is None.
   * alpha_i = softmax over the valid neighbours N(i); out_i = sum_j alpha_ij W_s h_j (GAT eq. (4)
-    without the nonlinearity: the FFN follows, spec §3.4 step 7).
-  * b_h[o] is the in-window learned relative bias of HRPE (spec §5.2 (c)): one scalar per head
+    without the nonlinearity: the FFN follows, htgn.md §3.4 step 7).
+  * b_h[o] is the in-window learned relative bias of HRPE (htgn.md §5.2 (c)): one scalar per head
     and offset, plus one scalar per head for the token -> global edges.
 
-Global nodes (spec §5.1, §5.3): the encoder sequence is `[globals ; tokens]`, i.e. the model
+Global nodes (htgn.md §5.1, §5.3): the encoder sequence is `[globals ; tokens]`, i.e. the model
 prepends g learned global vectors, and every function here treats positions `[:num_global]` of
 its node axis as the global nodes. A token attends to its window and to all globals; a global
 attends to every node (tokens and globals), with no relative bias. Causal (decoder) graphs have
-no globals (spec §3.4 "Causal version", §5.10): a global would summarise the future.
+no globals (htgn.md §3.4 "Causal version", §5.10): a global would summarise the future.
 
 Padding: `mask` is True for real nodes. A padded node neither sends nor receives: its row of
 alpha is all zeros, its output is zero, and its KL term is left out. The masked softmax never
 forms exp(-inf) on a row with no valid entries, so fully masked rows give 0, not NaN, and their
 gradients are finite.
 
-Cross-Graph (spec §5.5): decoder node i attends to the encoder tokens c_i-w_x .. c_i+w_x with
+Cross-Graph (htgn.md §5.5): decoder node i attends to the encoder tokens c_i-w_x .. c_i+w_x with
     c_i = clip(round(rho * i), 0, N_b - 1)
 (rho a scalar hyperparameter, round half to even as Python's `round`, N_b the number of valid
 encoder tokens of that example, i.e. right-padded memory), plus the g encoder globals. The
 offset bias is b_h[j - c_i]. It never uses the target length, so it is the same at training
 and decoding time.
 
-KL smoothness term (spec §5.7): for every valid receiving node i and head h,
+KL smoothness term (htgn.md §5.7): for every valid receiving node i and head h,
     KL(alpha_i || uniform over N(i)) = sum_j alpha_ij log alpha_ij + log |N(i)|,
 summed and counted here (`kl_sum`, `kl_count`); `kl = kl_sum / kl_count` is the per-layer mean
 the model weights by lambda_KL (mean over layers, heads and valid nodes). The spec's alternative
@@ -112,10 +112,10 @@ def clean(x: Array, mask: Array) -> Array:
 
 def window_offsets(window: int, causal: bool = False,
                    grid_width: int | None = None) -> tuple[int, ...]:
-    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (spec §3.4).
+    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (htgn.md §3.4).
 
     With `grid_width` W (tokens in row-major raster order, rows of W): the 2-D stencil of radius w
-    (spec §5.12 image-patch preset), one slot per (dr, dc) in [-w, w]^2, dr-major, at raster
+    (htgn.md §5.12 image-patch preset), one slot per (dr, dc) in [-w, w]^2, dr-major, at raster
     offset dr * W + dc; `grid_column_ok` marks the slots that stay in the token's row band. For
     W <= 2w two slots can share an offset; for any token at most one of them is valid.
     """
@@ -212,7 +212,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
       negative_slope: LeakyReLU slope of GAT/GATv2; None means 0.2. Dot-product scoring has none,
         so it must stay None then.
-      dropout_rate: dropout on alpha (spec §5.6), used only when `dropout_rng` is given.
+      dropout_rate: dropout on alpha (htgn.md §5.6), used only when `dropout_rng` is given.
       dropout_rng: PRNG key, or None for no dropout.
       prior_logits: `[K]` KL prior logits (see `attention_kl`), or None for the uniform prior.
 
@@ -304,12 +304,12 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            dropout_rng: Array | None = None, kl_tau: float | None = None,
                            kl_mode: str = "prior",
                            grid_width: int | None = None) -> tuple[Array, dict[str, Array]]:
-    """Windowed GATv2 (or GAT, dot product) with global nodes (spec §3.4), O(B L (K+g) H C).
+    """Windowed GATv2 (or GAT, dot product) with global nodes (htgn.md §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
     i+o, o in `window_offsets(window, causal, grid_width)`, and to all globals; each global attends
     to all L nodes (no bias). Edges touching padded nodes are dropped. With `grid_width` the
-    tokens are image patches in raster order and the stencil is 2-D (spec §5.12).
+    tokens are image patches in raster order and the stencil is 2-D (htgn.md §5.12).
 
     Args:
       query: target-side score features `[B, L, H, C]`.
@@ -335,7 +335,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
       rows; columns = window offsets then globals), `global_probs` `[B, g, H, L]` (g > 0 only),
-      and `kl_sum`, `kl_count` (spec §5.7): over all rows for kl_mode='prior', over pairs of
+      and `kl_sum`, `kl_count` (htgn.md §5.7): over all rows for kl_mode='prior', over pairs of
       consecutive token rows for 'neighbour'.
     """
     check_int("window", window, 0)
@@ -387,7 +387,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     if not g:
         return out_tok, aux
 
-    # Global rows: dense over all L nodes, O(g L) (spec §3.4 step 6).
+    # Global rows: dense over all L nodes, O(g L) (htgn.md §3.4 step 6).
     keys_g = jnp.broadcast_to(key[:, None], (b, g) + key.shape[1:])
     vals_g = jnp.broadcast_to(value[:, None], (b, g) + value.shape[1:])
     valid_g = mask[:, None, :] & mask[:, :g, None]
@@ -402,7 +402,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
 
 
 def cross_graph_centres(positions: Array, rho: float, memory_lengths: Array) -> Array:
-    """Window centres c_i = clip(round(rho * i), 0, N_b - 1) (spec §5.5).
+    """Window centres c_i = clip(round(rho * i), 0, N_b - 1) (htgn.md §5.5).
 
     Args:
       positions: decoder indices i, `[T]` or `[B, T]` int.
@@ -436,7 +436,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
 
     Cost O(B T (2w+1+g) H C): neighbours are gathered with `c_i + o` index arrays (clamped, and
-    masked when outside the example's valid tokens), never a `[T, N]` matrix (spec §5.5).
+    masked when outside the example's valid tokens), never a `[T, N]` matrix (htgn.md §5.5).
 
     Args:
       query: decoder score features `[B, T, H, C]`.
@@ -445,7 +445,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
       attn: `[H, C]`, or None for dot-product scoring.
       window: w_x >= 0.
       num_global: g encoder globals at the front of the memory.
-      rho: centre ratio (hyperparameter, spec §5.5), >= 0.
+      rho: centre ratio (hyperparameter, htgn.md §5.5), >= 0.
       mask: `[B, T]` decoder mask (True = real); None means all real.
       memory_mask: `[B, L]` memory mask; tokens must be right-padded (N_b = its token count).
       positions: decoder indices i, `[T]` or `[B, T]`; None means 0..T-1. Decoding passes the

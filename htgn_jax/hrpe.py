@@ -1,4 +1,4 @@
-"""HRPE at linear cost: rotary encodings and closed-form spectral node encodings (HTGN spec §5.2).
+"""HRPE at linear cost: rotary encodings and closed-form spectral node encodings (htgn.md §5.2).
 
 The HTGN card's HRPE builds a pairwise P_ij, an O(N^2 d) tensor that no kernel feature map can
 factorise. The spec replaces it with (a) rotary position encodings applied to q and k *before*
@@ -23,7 +23,7 @@ Normalisation: for the path the encodings are exactly the cosines/sines above, e
 for the Laplacian cosines, (N + 1)/2 for the adjacency sines; `adjacency_graph_pe` (eigh of an
 arbitrary graph) scales its columns to N/2; modes that do not exist for a short path (k >= N for the
 Laplacian, k > N for the adjacency) are zero columns. The constant Laplacian mode k = 0 is
-dropped. Global nodes get no spectral PE (spec §5.2: they only shift the token eigenvalues).
+dropped. Global nodes get no spectral PE (htgn.md §5.2: they only shift the token eigenvalues).
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def _path_modes(n: Array, length: Array, num_pe: int, basis: str, xp=jnp) -> Arr
 
 def path_graph_pe(length: int, num_pe: int, *, basis: str = "laplacian",
                   dtype: Any = jnp.float32) -> Array:
-    """Closed-form spectral encodings of the path graph on `length` nodes (spec §5.2 (b)).
+    """Closed-form spectral encodings of the path graph on `length` nodes (htgn.md §5.2 (b)).
 
     Args:
       length: N, number of nodes (tokens).
@@ -149,7 +149,7 @@ def path_graph_pe(length: int, num_pe: int, *, basis: str = "laplacian",
 
 def masked_path_graph_pe(mask: Array, num_pe: int, *, basis: str = "laplacian",
                          dtype: Any = jnp.float32) -> Array:
-    """Length-aware path encodings for a padded batch (spec §5.2: encoder uses the true length).
+    """Length-aware path encodings for a padded batch (htgn.md §5.2: encoder uses the true length).
 
     Example b gets the encodings of a path over its L_b = sum(mask[b]) real tokens, taken in
     order (node index = number of real tokens before it, so left, right or interleaved padding
@@ -205,7 +205,7 @@ def grid_graph_pe(height: int, width: int, num_pe: int, *, dtype: Any = jnp.floa
     """Spectral encodings of image patches on an H x W grid (row-major raster order).
 
     u_(a,b)(r, c) = cos(pi a (r + 1/2) / H) cos(pi b (c + 1/2) / W), the K modes of lowest
-    eigenvalue excluding (0, 0) (spec §5.2). Each column is scaled to squared norm H W / 2.
+    eigenvalue excluding (0, 0) (htgn.md §5.2). Each column is scaled to squared norm H W / 2.
 
     Returns:
       `[H * W, K]`.

@@ -1,7 +1,7 @@
-"""Flax (Linen) layers of HTGN: FAVOR+ self/cross attention with rotary HRPE (spec §5.1, §5.4).
+"""Flax (Linen) layers of HTGN: FAVOR+ self/cross attention with rotary HRPE (htgn.md §5.1, §5.4).
 
-The maths lives in `htgn_jax.ops` (FAVOR+, Performer, Choromanski et al. 2021, spec §2) and
-`htgn_jax.hrpe` (RoPE before the feature map, spec §5.2 (a)); the layers only own parameters and
+The maths lives in `htgn_jax.ops` (FAVOR+, Performer, Choromanski et al. 2021, htgn.md §2) and
+`htgn_jax.hrpe` (RoPE before the feature map, htgn.md §5.2 (a)); the layers only own parameters and
 call those pure functions. One parameter tree serves every entry point:
 
 * `__call__(x, *, mask, deterministic, feature_step, positions) -> (y, aux)`: non-causal, or causal
@@ -9,10 +9,10 @@ call those pure functions. One parameter tree serves every entry point:
 * `init_state`, `scan`, `step`: the causal recurrence (token `lax.scan`) and one-token decoding
   with the state `LinearState(num = S, den = z)` of `zoo_core.linear_attention`;
 * `cross`, `cross_cache`, `cross_step`: FAVOR+ cross-attention (queries from x, keys/values from
-  an encoder memory), as the decoder's third sub-layer (spec §5.1 step 3), and its decoding
-  cache Z_M = phi(K_M)^T V_M, t_M = phi(K_M)^T 1 (spec §5.4), so each decoding step is O(M D).
+  an encoder memory), as the decoder's third sub-layer (htgn.md §5.1 step 3), and its decoding
+  cache Z_M = phi(K_M)^T V_M, t_M = phi(K_M)^T 1 (htgn.md §5.4), so each decoding step is O(M D).
 
-Random features (design, spec §2.4 / §5.4). Omega `[M, D]` is a pure function of a fixed seed and
+Random features (design, htgn.md §2.4 / §5.4). Omega `[M, D]` is a pure function of a fixed seed and
 the training step, `ops.draw_projection(PRNGKey(projection_seed), feature_step, redraw_every=k)`: the
 layer redraws every k steps deterministically (same seed and step, same matrix), and nothing is
 learned or stored in the optimiser state. It is shared by the heads; layers share it when they
@@ -27,7 +27,7 @@ is kept in the non-trainable collection `random_features` ('projection'):
   frozen between redraws, so this is the same matrix the last training steps used).
 
 `deterministic=False` (training) with `redraw_every > 0` requires `feature_step`, so that a forgotten
-counter cannot silently disable the redraw. FAVOR+ has no dropout (spec §5.6), so `deterministic`
+counter cannot silently disable the redraw. FAVOR+ has no dropout (htgn.md §5.6), so `deterministic`
 has no other effect. `feature_step` is the training context, accepted by every feature map so that a
 model can pass it uniformly; it changes nothing where there is nothing to redraw ('relu', 'elu',
 'exact', or `redraw_every=0`).
@@ -54,7 +54,7 @@ from zoo_core.linear_attention import LinearState
 Array = Any
 Initializer = Callable[..., Array]
 
-DEFAULT_NUM_FEATURES = 256  # m of the base preset (spec §5.4); the presets pass their own (VARIANTS)
+DEFAULT_NUM_FEATURES = 256  # m of the base preset (htgn.md §5.4); the presets pass their own (VARIANTS)
 
 
 def flat_init(init: Initializer, n_in: int) -> Initializer:
@@ -95,7 +95,7 @@ def without_padding(x: Array, mask: Array | None) -> Array:
 
 
 class FavorAttention(nn.Module):
-    """Multi-head FAVOR+ attention with rotary HRPE (spec §5.4). Shapes: x `[B, T, E]`.
+    """Multi-head FAVOR+ attention with rotary HRPE (htgn.md §5.4). Shapes: x `[B, T, E]`.
 
     Attributes:
       num_heads: H.

@@ -23,7 +23,7 @@ mean over tokens.
 Ablations (§5.13), as fields: `use_graph_conv=False` (Performer encoder-decoder), `use_hrpe=False`
 (no RoPE, no spectral PE, no window bias; learned absolute position embeddings instead),
 `num_global=0`, `kl_weight=0`, `kl_tau` (the distance KL prior) and `kl_mode='neighbour'`
-(spec §5.7), `gat_version='v1'|'v2'|'dot'`, `feature_map` ('softmax' FAVOR+, 'relu', 'elu',
+(htgn.md §5.7), `gat_version='v1'|'v2'|'dot'`, `feature_map` ('softmax' FAVOR+, 'relu', 'elu',
 'exact'). `attention='softmax'` is the vanilla Transformer baseline on the same code: exact softmax
 attention (`ops.exact_softmax_attention`), graph layers and HRPE off by default.
 
@@ -45,7 +45,7 @@ KL(alpha_i || alpha_{i-1}) per (head, consecutive pair) with kl_mode='neighbour'
 
 Random features: Omega is `FavorAttention`'s deterministic draw, one for all self-attention
 layers and one (seed + 1) for all cross-attention layers, unless `per_layer_features=True`. With
-`redraw_every = k > 0` (spec §2.4, §5.4: k = 1000) the model `uses_step`: every public method
+`redraw_every = k > 0` (htgn.md §2.4, §5.4: k = 1000) the model `uses_step`: every public method
 takes `step=` (the training-step index, passed down to the layers as `feature_step=`) and the
 draw in force is Omega(step // k), a pure function of the seed and the step; the shared trainer
 passes the update's
@@ -76,7 +76,7 @@ from zoo_core.remat import call_block
 
 Array = jax.Array
 
-# Sizes (spec §5.12). Keys not used by a kind are dropped for it (e.g. cross_window, chunk_size
+# Sizes (htgn.md §5.12). Keys not used by a kind are dropped for it (e.g. cross_window, chunk_size
 # for the classifier). `num_layers` is the depth of each stack (L_e = L_d for seq2seq).
 VARIANTS: dict[str, dict[str, Any]] = {
     # tiny-cpu: d=64, H=4, m=32, L_e=L_d=2, d_ff=128, w=4, g=2, w_x=4, K_pe=8, DropPath 0, C=16.
@@ -86,7 +86,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "base": dict(d_model=512, num_heads=8, num_features=256, num_layers=6, mlp_dim=2048, window=8,
                  num_global=4, cross_window=8, num_pe=16, drop_path=0.1, chunk_size=64),
     # image-patch encoder for the 8x8 digits (4x4 grid of 2x2 patches; 2-D stencil r=1, the
-    # 8-neighbourhood, spec §5.12).
+    # 8-neighbourhood, htgn.md §5.12).
     "digits": dict(d_model=64, num_heads=4, num_features=32, num_layers=2, mlp_dim=128, window=1,
                    num_global=1, num_pe=8, drop_path=0.0, image_size=8, patch_size=2),
     # Test size.
@@ -97,7 +97,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def _aux(m, aux: dict) -> dict[str, Array]:
     """The model's aux: 'loss/kl' = kl_weight * L_KL and 'graph/kl' = L_KL, the mean over every
-    graph layer's (row, head) terms (spec §5.7), formed once from the summed 'kl_sum'/'kl_count'."""
+    graph layer's (row, head) terms (htgn.md §5.7), formed once from the summed 'kl_sum'/'kl_count'."""
     zero = jnp.zeros((), jnp.float32)
     kl = aux.get("kl_sum", zero) / jnp.maximum(aux.get("kl_count", zero), 1.0)
     return {"loss/kl": jnp.asarray(m.kl_weight, jnp.float32) * kl, "graph/kl": kl}
@@ -142,7 +142,7 @@ class _HTGNModel(nn.Module, kw_only=True):
 
 
 class Seq2Seq(_HTGNModel, kw_only=True):
-    """HTGN encoder-decoder for translation (spec §5.1), or the vanilla Transformer baseline.
+    """HTGN encoder-decoder for translation (htgn.md §5.1), or the vanilla Transformer baseline.
 
     batch: 'inputs' int [B, S], 'targets' int [B, T], optional 'inputs_mask' bool [B, S].
     outputs: {'logits': float32 [B, T, target_vocab_size]}; aux: see the module docstring.
@@ -161,14 +161,14 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       rho: Cross-Graph centre ratio (mean source length / mean target length).
       cross_graph_layers: 'all' | 'last' decoder blocks with Cross-Graph attention.
       num_pe: K_pe spectral encodings; pe_basis: 'laplacian' | 'adjacency'.
-      use_graph_conv, use_hrpe, gat_version, kl_weight: ablation switches (spec §5.13).
+      use_graph_conv, use_hrpe, gat_version, kl_weight: ablation switches (htgn.md §5.13).
       kl_tau: None for the KL term's uniform prior, or tau > 0 of the spec's alternative
         `kl_prior = "distance"`, pi_i(j) proportional to exp(-dist / tau) with dist = |j - i|
-        (max(|dr|, |dc|) on the classifier's grid, 1 to a global node; spec §5.7).
+        (max(|dr|, |dc|) on the classifier's grid, 1 to a global node; htgn.md §5.7).
       kl_mode: 'prior' (KL(alpha_i || pi_i)) or 'neighbour' (KL(alpha_i || alpha_{i-1}) of
-        consecutive rows aligned by offset, `graph_kl.neighbour_kl`; spec §5.7).
+        consecutive rows aligned by offset, `graph_kl.neighbour_kl`; htgn.md §5.7).
       dropout_rate: embeddings, residual branches and FFN; attention_dropout: GAT probabilities.
-      drop_path: p_max of the DropPath schedule (spec §5.8).
+      drop_path: p_max of the DropPath schedule (htgn.md §5.8).
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+.
       per_layer_features: a FAVOR+ projection per layer (default: one shared by all layers).
@@ -227,7 +227,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
             self.target_embed = nn.Embed(self.target_vocab_size, name="target_embed", **emb)
         dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         if self.use_hrpe:
-            # h = W_in [E(x) sqrt(d) ; U] + b_in, W_in [(d + K_pe), d] (spec §5.2 (b)).
+            # h = W_in [E(x) sqrt(d) ; U] + b_in, W_in [(d + K_pe), d] (htgn.md §5.2 (b)).
             self.encoder_input = nn.Dense(d, name="encoder_input", **dense)
             self.decoder_input = nn.Dense(d, name="decoder_input", **dense)
         else:
@@ -366,13 +366,13 @@ class Seq2Seq(_HTGNModel, kw_only=True):
 
 
 class Classifier(_HTGNModel, kw_only=True):
-    """HTGN encoder-only image classifier (spec §5.1 "Classification", §5.12 image-patch).
+    """HTGN encoder-only image classifier (htgn.md §5.1 "Classification", §5.12 image-patch).
 
     The image `[B, H, W, C]` is cut into non-overlapping p x p patches in raster order (N =
     (H/p)(W/p) tokens); with HRPE each patch vector is concatenated with the 2-D grid spectral
     encodings (`hrpe.grid_graph_pe`) and projected to d ('patch_embed'); without HRPE a learned
     position table ('pos_embed') is added. The WinGAT graph is the 2-D stencil of radius `window`
-    on the W_p x W_p patch grid (spec §5.12; `window=1`: the 8-neighbourhood and self), plus the
+    on the W_p x W_p patch grid (htgn.md §5.12; `window=1`: the 8-neighbourhood and self), plus the
     globals. pool='cls' reads global 0, 'mean' averages the tokens; head: Dense.
 
     batch: 'image' (or 'inputs') float [B, H, W, C]. outputs: {'logits': float32 [B, K]}.
@@ -445,7 +445,7 @@ KINDS: dict[str, type] = {"seq2seq": Seq2Seq, "classifier": Classifier}
 SOFTMAX_BASELINE_DEFAULTS = {"use_graph_conv": False, "use_hrpe": False, "kl_weight": 0.0}
 SOFTMAX_BASELINE_KIND_DEFAULTS = {"seq2seq": {"num_global": 0}, "classifier": {}}
 
-# Model kwargs that name an ablation (spec §5.13), for the configs.
+# Model kwargs that name an ablation (htgn.md §5.13), for the configs.
 ABLATIONS: dict[str, dict[str, Any]] = {
     "none": {},
     "no_graph": {"use_graph_conv": False, "kl_weight": 0.0},

@@ -1,10 +1,10 @@
-"""FAVOR+ linear attention as pure `jnp` functions (Performer; HTGN spec §2, §5.4).
+"""FAVOR+ linear attention as pure `jnp` functions (Performer; htgn.md §2, §5.4).
 
 Reference: Choromanski et al., "Rethinking Attention with Performers", ICLR 2021
 (arXiv:2009.14794): attention as D^-1 A V with A = exp(Q K^T / sqrt(D)) replaced by
 phi(Q) phi(K)^T, bidirectional and unidirectional (prefix sums) (§2.1-2.2, Fig. 1); the positive
 random features of the softmax kernel (Lemma 1, §2.3); orthogonal random features (§2.4). The
-spec's equations are HTGN spec §2.2 (features), §2.5 (non-causal form and denominator guard) and
+spec's equations are htgn.md §2.2 (features), §2.5 (non-causal form and denominator guard) and
 §2.6 (causal forms). Algorithmically the functions follow
 google-research/google-research `performer/fast_attention/jax/fast_attention.py` (the goldens in
 `tests/testdata/performer/` were recorded from it), rewritten for this project.
@@ -26,13 +26,13 @@ Forms (all take the *features*, so every form is tested against every other with
 Masking is NaN-safe: padded keys and values are removed with `jnp.where` (never by multiplying
 with 0), so a padded position holding NaN or 1e30 changes no valid output.
 
-Stabilisers (spec §5.4):
+Stabilisers (htgn.md §5.4):
 
 * queries: per-token max over the features (cancels between numerator and denominator);
 * keys, `key_stabiliser='max'`: stop_gradient of the max over features and *valid* key positions,
   one scalar per (batch, head). With no mask this is the original's stabiliser (used for the
   golden parity tests, causal case included), but in a causal model it lets future keys leak into
-  past outputs through `eps` (spec §2.5);
+  past outputs through `eps` (htgn.md §2.5);
 * keys, `key_stabiliser='constant'` (our extension, the causal default): a data-independent
   constant c = min(M_w, 40), M_w = max_i ||w_i||^2 / 2. M_w bounds w^T x - ||x||^2/2 for every x
   (complete the square), so exp() <= exp(M_w - c). c depends on Omega only, so every form stays
@@ -53,7 +53,7 @@ constructor (QR row blocks, rows rescaled by chi_D norms for `scaling=0`); with 
 a PRNG key gives the original's matrix. By default it adds the Haar sign correction of the QR
 factor (our fix of a bias of the original, see the function's docstring; it also makes the
 matrix independent of the backend's QR sign convention). `draw_projection(key, feature_step,
-redraw_every=k)` is the redraw design (spec §2.4): a pure function of a PRNG key and the
+redraw_every=k)` is the redraw design (htgn.md §2.4): a pure function of a PRNG key and the
 training-step counter, Omega = G(fold_in(key, feature_step // k)), so a layer redraws every k steps
 deterministically (same key and step -> same matrix, under jit or not) and evaluation is frozen
 by passing the last training step (or none). k = 0 means never redraw (draw index 0 forever).
@@ -212,7 +212,7 @@ def _check_mask(mask: Array | None, x: Array, name: str) -> None:
 def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
                             mask: Array | None = None, eps: float = 1e-6,
                             key_stabiliser: str = "max") -> Array:
-    """Positive random features of the softmax kernel exp(q^T k / sqrt(D)) (Lemma 1; spec §2.2).
+    """Positive random features of the softmax kernel exp(q^T k / sqrt(D)) (Lemma 1; htgn.md §2.2).
 
     phi(x)_i = (exp(w_i^T x' - ||x'||^2/2 - stab) + eps') / sqrt(M), with x' = x D^(-1/4), so that
     E[phi(q)^T phi(k)] is proportional to exp(q^T k / sqrt(D)). `stab` and `eps'` are described in
@@ -324,7 +324,7 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
 
 
 # --------------------------------------------------------------------------------------------
-# Linear-attention forms on features (Eqs. 5-6; spec §2.5, §2.6)
+# Linear-attention forms on features (Eqs. 5-6; htgn.md §2.5, §2.6)
 # --------------------------------------------------------------------------------------------
 
 
@@ -364,7 +364,7 @@ def favor_parallel(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
 
 def cross_cache(phi_k: Array, v: Array) -> LinearState:
     """Z = phi(K)^T V `[B, H, M, Dv]`, t = phi(K)^T 1 `[B, H, M]` (the decoding cache of a
-    non-causal attention over a fixed memory, spec §5.4), as a `LinearState`."""
+    non-causal attention over a fixed memory, htgn.md §5.4), as a `LinearState`."""
     v = v.astype(acc_dtype(v, phi_k))
     return LinearState(jnp.einsum("bshm,bshd->bhmd", phi_k, v), jnp.sum(phi_k, axis=1))
 

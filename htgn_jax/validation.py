@@ -33,7 +33,7 @@ HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
 
 
 def _kl_options_set(a: dict) -> list[str]:
-    """The KL alternatives (spec §5.7) set away from the plain uniform prior."""
+    """The KL alternatives (htgn.md §5.7) set away from the plain uniform prior."""
     return [name for name, default in (("kl_tau", None), ("kl_mode", "prior"))
             if a.get(name, default) != default]
 
@@ -67,7 +67,7 @@ def check_common(a: dict) -> None:
         fail(f"{_kl_options_set(a)[0]} shapes the KL term, but kl_weight={a['kl_weight']!r} turns "
              f"it off")
     if a["attention_dropout"] and not a["use_graph_conv"]:
-        fail("attention_dropout acts on the graph-attention probabilities (spec §5.6), but "
+        fail("attention_dropout acts on the graph-attention probabilities (htgn.md §5.6), but "
              "use_graph_conv=False")
     check_int("redraw_every", a["redraw_every"], 0)
     if a["redraw_every"] and (a["attention"] != "favor" or a["feature_map"] != "softmax"):

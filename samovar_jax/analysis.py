@@ -39,7 +39,7 @@ Array = jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
-# Effective lag matrices (spec §3)
+# Effective lag matrices (samovar.md §3)
 # ---------------------------------------------------------------------------------------------
 
 def _layer_lags(q: Array, v: Array, key_kernels: Optional[Array]) -> Array:
@@ -67,7 +67,7 @@ def _layer_lags(q: Array, v: Array, key_kernels: Optional[Array]) -> Array:
 def lag_matrices(q: Array, v: Array, *, key_kernels: Optional[Array] = None,
                  structural: Optional[Array] = None, shortcut_inside: bool = False,
                  include_shortcut: bool = True, per_layer: bool = False) -> Array:
-    """Effective VAR lag matrices Gamma_{t,j} of the VAR chain (spec §3).
+    """Effective VAR lag matrices Gamma_{t,j} of the VAR chain (samovar.md §3).
 
     Args:
       q: [L, ..., T, H, D] per-layer queries (from `Model.var_terms` or `VARChain.project`).
@@ -162,7 +162,7 @@ def model_lag_matrices(model, params, batch: dict, *, include_shortcut: bool = T
 
 
 # ---------------------------------------------------------------------------------------------
-# Temporal influence paths (poster; spec §3)
+# Temporal influence paths (poster; samovar.md §3)
 # ---------------------------------------------------------------------------------------------
 
 def temporal_path_weights(q: Array, v: Array) -> Array:
@@ -200,12 +200,12 @@ def num_temporal_paths(lag: int, depth: int) -> int:
 
 
 def total_num_paths(lag: int, layers: int) -> int:
-    """Paths summed over depths 1..l plus the shortcut (spec §3): 1 + sum_m C(lag + m - 1, m - 1)."""
+    """Paths summed over depths 1..l plus the shortcut (samovar.md §3): 1 + sum_m C(lag + m - 1, m - 1)."""
     return 1 + sum(num_temporal_paths(lag, m) for m in range(1, layers + 1))
 
 
 # ---------------------------------------------------------------------------------------------
-# VAR coefficient recovery on synthetic VAR data (spec §10)
+# VAR coefficient recovery on synthetic VAR data (samovar.md §10)
 # ---------------------------------------------------------------------------------------------
 
 def jacobian_var_coefficients(forecast_fn: Callable[[Array], Array], inputs: Array, num_lags: int, *,
@@ -294,7 +294,7 @@ def var_attention_maps(model, params, batch: dict) -> Array:
     """Per-layer attention scores of the VAR chain of a SAMoVAR / FixedVAR `Model` (eval mode).
 
     Layer m attends with its query q^(m) to the key k^(m-1): x0 for m = 1, else the previous layer's
-    output o^(m-1) (times W_k^(m) in the "w/ W_k" ablation), spec §2.6:
+    output o^(m-1) (times W_k^(m) in the "w/ W_k" ablation), samovar.md §2.6:
     a^(m)_{t,s} = 1[s<=t] q^(m)_t . k^(m-1)_s, per head, over all tokens (exogenous at even t).
 
     Args:

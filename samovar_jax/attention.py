@@ -10,9 +10,9 @@ padded and future positions (NaN or 1e30 included) out of every valid, past outp
 
 * `LinearAttention`: bare causal linear attention, query/key/value/out projections, no norm and no
   residual (a drop-in attention layer); state `LinearState`.
-* `LinTransBlock`: one LinTrans layer (spec §7), pre-norm `LinearAttention` + residual, then the
+* `LinTransBlock`: one LinTrans layer (samovar.md §7), pre-norm `LinearAttention` + residual, then the
   pre-norm MLP block; state `LinearState`.
-* `VARChain`: the VAR attention stack of SAMoVAR / FixedVAR (spec §2.6): q, v from x0, key of layer
+* `VARChain`: the VAR attention stack of SAMoVAR / FixedVAR (samovar.md §2.6): q, v from x0, key of layer
   m = output of layer m-1; state `VARChainState`.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ class _OutProjection(nn.Module):
 
 
 class LinearAttention(nn.Module):
-    """Causal linear attention without normaliser (LinTrans, spec §7; `Autoregressive.LinearAttention`):
+    """Causal linear attention without normaliser (LinTrans, samovar.md §7; `Autoregressive.LinearAttention`):
     `y_t = out(sum_{s<=t} (q_t . k_s) v_s)` per head, with `q = query(x)`, `k = key(Dropout(x))`,
     `v = value(x)`; no scale, no feature map, no norm, no residual.
 
@@ -96,7 +96,7 @@ class LinearAttention(nn.Module):
       chunk_size: None = `__call__` uses the parallel form; an int C >= 1 = the chunked form.
       dropout_rate: dropout on the key projection's input (as the reference; the block drops the output).
       kernel_init, out_kernel_init: initialisers of the q/k/v and of the out kernels (N(0, 0.02^2),
-        spec §5; LinTrans uses 0.02 / sqrt(2 l) for `out`); biases start at 0.
+        samovar.md §5; LinTrans uses 0.02 / sqrt(2 l) for `out`); biases start at 0.
       dtype: compute dtype (None: promote inputs and parameters); sums and states stay float32.
       param_dtype: parameter dtype.
     """
@@ -160,7 +160,7 @@ class LinearAttention(nn.Module):
 
 
 class LinTransBlock(nn.Module):
-    """One LinTrans layer (spec §7): `h = x + Dropout(attention(attention_norm(x)))`, then the
+    """One LinTrans layer (samovar.md §7): `h = x + Dropout(attention(attention_norm(x)))`, then the
     pre-norm residual MLP `h + Dropout(mlp(mlp.norm(h)))`.
 
     Reference: `transformer.pns[i]` (-> `attention_norm`), `transformer.attn[i].q1 / k1 / v1 / c_proj`
@@ -257,7 +257,7 @@ class _ProjectedQV(nn.Module):
 
 
 class _FixedQV(nn.Module):
-    """One FixedVAR layer (`transformer.attn[m].fixed_q / fixed_v`, spec §8): free per-(channel,
+    """One FixedVAR layer (`transformer.attn[m].fixed_q / fixed_v`, samovar.md §8): free per-(channel,
     token) queries and values, tables `query` / `value` [C_t, max_tokens, H, D], 0.02 N(0,1) init."""
     num_channels: int
     max_tokens: int
@@ -282,7 +282,7 @@ class _FixedQV(nn.Module):
 
 class VARChain(nn.Module):
     """The VAR attention stack of SAMoVAR / FixedVAR (`Transformer` with `use_AR_structure=True`,
-    spec §2.6) around `ops.var_chain_*`.
+    samovar.md §2.6) around `ops.var_chain_*`.
 
     Queries and values of every layer come from the first-layer input x0: projected and per-head
     RMS-normalised (`qv_source='projection'`, SAMoVAR) or read from per-(channel, position) tables

@@ -7,11 +7,11 @@ project spec `samovar.md` (which follows the released code, LJC-FVNR/Structural-
 
 Layers:
 
-* `RMSNorm` (gain [E], eps 1e-5) and `MultiHeadRMSNorm` (gain [H, D], eps 1e-8) (spec §1).
-* `MLPBlock`: pre-norm residual MLP `h + Dropout(W2 GELU(W1 RMSNorm(h)))` (spec §2.5).
-* `ARXTokenizer`: exogenous/endogenous token pairs of every patch (spec §2.3).
-* `ARXEmbedding`: additive position / channel / type embeddings (spec §2.4; LinTrans §7).
-* `StructuralMatrix`: the LU-parameterised invertible per-head matrix D (spec §2.7).
+* `RMSNorm` (gain [E], eps 1e-5) and `MultiHeadRMSNorm` (gain [H, D], eps 1e-8) (samovar.md §1).
+* `MLPBlock`: pre-norm residual MLP `h + Dropout(W2 GELU(W1 RMSNorm(h)))` (samovar.md §2.5).
+* `ARXTokenizer`: exogenous/endogenous token pairs of every patch (samovar.md §2.3).
+* `ARXEmbedding`: additive position / channel / type embeddings (samovar.md §2.4; LinTrans §7).
+* `StructuralMatrix`: the LU-parameterised invertible per-head matrix D (samovar.md §2.7).
 
 The causal attention layers (`LinearAttention`, `LinTransBlock`, `VARChain`) are in
 `samovar_jax.attention`.
@@ -36,13 +36,13 @@ from zoo_core.dropout import Dropout
 
 Array = jax.Array
 
-# spec §5: every nn.Linear weight N(0, 0.02^2), bias 0; embeddings N(0, 0.02^2).
+# samovar.md §5: every nn.Linear weight N(0, 0.02^2), bias 0; embeddings N(0, 0.02^2).
 normal002 = nn.initializers.normal(0.02)
 
 
 def dense(features: int, *, name: str, dtype, param_dtype, use_bias: bool = True, std: float = 0.02):
     """`zoo_core.layout.Dense` (flax's Dense as a 2-D matmul) with the reference init: kernel
-    N(0, std^2), bias 0 (spec §5)."""
+    N(0, std^2), bias 0 (samovar.md §5)."""
     return layout.Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std),
                     bias_init=nn.initializers.zeros, dtype=dtype, param_dtype=param_dtype, name=name)
 
@@ -99,7 +99,7 @@ class MultiHeadRMSNorm(nn.Module):
 
 
 class MLPBlock(nn.Module):
-    """Pre-norm residual MLP (spec §2.5): `h + Dropout(fc_out(GELU_erf(fc_in(RMSNorm(h)))))`.
+    """Pre-norm residual MLP (samovar.md §2.5): `h + Dropout(fc_out(GELU_erf(fc_in(RMSNorm(h)))))`.
 
     Reference: `transformer.lns[i]` (-> `norm`) and `transformer.mlps[i].c_fc` / `.c_proj`
     (-> `fc_in` / `fc_out`); both linears have a bias, GELU is the exact erf form.
@@ -108,7 +108,7 @@ class MLPBlock(nn.Module):
       width: E.
       hidden: MLP width (4E in the reference).
       dropout_rate: rate of the output dropout.
-      out_init_std: init std of `fc_out` (0.02 / sqrt(2 l) in the reference, spec §5).
+      out_init_std: init std of `fc_out` (0.02 / sqrt(2 l) in the reference, samovar.md §5).
     """
     width: int
     hidden: int
@@ -131,7 +131,7 @@ class MLPBlock(nn.Module):
 
 
 class ARXTokenizer(nn.Module):
-    """ARX tokeniser (`MultiSegmentTokenizer.tokenize`, spec §2.3).
+    """ARX tokeniser (`MultiSegmentTokenizer.tokenize`, samovar.md §2.3).
 
     For target channel c and patch i: endogenous token `en = RMSNorm_en(s_{c,i} W_tok^T + b)`;
     exogenous token: channels mixed at every step of the patch (`u = s W_exC^T + b`, all C channels,
@@ -190,13 +190,13 @@ class ARXTokenizer(nn.Module):
 
 
 class ARXEmbedding(nn.Module):
-    """Additive embeddings of the ARX tokens (spec §2.4 for SAMoVAR/FixedVAR, §7 for LinTrans).
+    """Additive embeddings of the ARX tokens (samovar.md §2.4 for SAMoVAR/FixedVAR, §7 for LinTrans).
 
     `with_types=True` (SAMoVAR, FixedVAR): `E[c, t] = position[t // 2] + channel[c, t] + type[t % 2]
     + channel_type[c, t % 2]` (the position table has `max_tokens` rows of which only the first half
     is used, as in the reference). `with_types=False` (LinTrans): `E[c, t] = position[t] +
     channel[c, t]`. Parameters: `position` [max_tokens, E], `channel` [C_t, max_tokens, E] and, with
-    types, `type` [2, E], `channel_type` [C_t, 2, E]; all N(0, 0.02^2) at init (spec §5).
+    types, `type` [2, E], `channel_type` [C_t, 2, E]; all N(0, 0.02^2) at init (samovar.md §5).
 
     Attributes:
       num_targets: C_t.
@@ -248,9 +248,9 @@ class ARXEmbedding(nn.Module):
 
 
 class StructuralMatrix(nn.Module):
-    """Invertible per-head structural matrix D = L U (`BatchedInvertibleMatrix`, spec §2.7).
+    """Invertible per-head structural matrix D = L U (`BatchedInvertibleMatrix`, samovar.md §2.7).
 
-    One parameter `theta` [H, D, D] (`generate_S.LU`), init `N(0,1) sqrt(0.02 / sqrt(D))` (spec §5):
+    One parameter `theta` [H, D, D] (`generate_S.LU`), init `N(0,1) sqrt(0.02 / sqrt(D))` (samovar.md §5):
     L = I + strict_lower(theta), U = strict_upper(theta) + diag(softplus(diag theta)).
 
     Attributes:

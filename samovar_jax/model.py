@@ -41,9 +41,9 @@ KINDS = FORECASTER_KINDS + ("dlinear",)
 # `width=0` is the reference's automatic width 32 * floor(sqrt(C)) (C = input channels for
 # SAMoVAR/FixedVAR, C_t for LinTrans); `num_heads=0` is its fallback width // 16 (not for LinTrans).
 VARIANTS: dict[str, dict[str, Any]] = {
-    # samovar.sh / baseline settings of the benchmarks (spec §6, §9): d = 32 floor(sqrt(C)), 8 heads, 3 layers.
+    # samovar.sh / baseline settings of the benchmarks (samovar.md §6, §9): d = 32 floor(sqrt(C)), 8 heads, 3 layers.
     "paper": dict(width=0, num_heads=8, num_layers=3, mlp_ratio=4, dropout=0.1),
-    # The synthetic VAR experiment (spec §10, Fig. 4 notebook): d 32, 2 heads, 3 layers.
+    # The synthetic VAR experiment (samovar.md §10, Fig. 4 notebook): d 32, 2 heads, 3 layers.
     "synthetic": dict(width=32, num_heads=2, num_layers=3, mlp_ratio=4, dropout=0.1),
     # Smoke tests and CPU debugging.
     "tiny": dict(width=16, num_heads=2, num_layers=2, mlp_ratio=2, dropout=0.0),
@@ -113,7 +113,7 @@ class Forecaster(nn.Module):
     `aux = {'loss/ar': next-patch MSE times ar_loss_weight (train only, if the weight is > 0),
     'ar_mse': unweighted next-patch MSE, 'next_patch': [B, C_t, N, P] normalised next-patch
     predictions}`. The shared trainer adds every `aux['loss/*']`, giving the reference's total loss
-    `forecast MSE + ar_loss` (spec §2.9); as in the reference, validation uses the forecast MSE only.
+    `forecast MSE + ar_loss` (samovar.md §2.9); as in the reference, validation uses the forecast MSE only.
 
     Attributes (`None` means "the default for this kind"):
       num_channels: C, input series (required).
@@ -220,7 +220,7 @@ class Forecaster(nn.Module):
         # Configs give dtypes as strings ('bfloat16'); the layers get numpy dtypes.
         kw = dict(dtype=None if self.dtype is None else jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
         d = r.width
-        out_std = 0.02 / math.sqrt(2 * r.num_layers)                        # spec §5 (c_proj)
+        out_std = 0.02 / math.sqrt(2 * r.num_layers)                        # samovar.md §5 (c_proj)
         self.tokenizer = layers.ARXTokenizer(self.patch_len, self.num_channels, r.num_targets, d,
                                              self.univariate, **kw, name="tokenizer")
         self.embedding = layers.ARXEmbedding(r.num_targets, 2 * r.max_patches, d,
@@ -265,7 +265,7 @@ class Forecaster(nn.Module):
         return x[:, -self.input_len:]
 
     def normalise(self, x: Array) -> tuple[Array, Array, Array]:
-        """Instance normalisation and patching (spec §2.1-2.2).
+        """Instance normalisation and patching (samovar.md §2.1-2.2).
 
         Args:
           x: [B, L_I, C] raw window.
@@ -293,7 +293,7 @@ class Forecaster(nn.Module):
         return positions if self.kind == "fixedvar" else None
 
     def _embed(self, segments: Array, start, *, train: bool) -> tuple[Array, Array]:
-        """Tokens + embeddings + pre-norm, channels folded (spec §2.3-2.4).
+        """Tokens + embeddings + pre-norm, channels folded (samovar.md §2.3-2.4).
 
         Args:
           segments: [B, C, n, P] normalised patches; start: patch index of the first one (int or traced).
@@ -308,7 +308,7 @@ class Forecaster(nn.Module):
         return h.reshape(b * c, t, d), positions
 
     def _mixture(self, x0_endo: Array, outputs) -> Array:
-        """Key shortcut and structural matrix (spec §2.7): x0 and the layers' outputs -> z.
+        """Key shortcut and structural matrix (samovar.md §2.7): x0 and the layers' outputs -> z.
 
         Args:
           x0_endo: [B', n, E] at the endogenous tokens.
@@ -487,7 +487,7 @@ class Forecaster(nn.Module):
     # ------------------------------------------------------------------ analysis hooks
 
     def var_terms(self, batch: dict) -> dict:
-        """Operands of the VAR reading (spec §3) for `samovar_jax.analysis` (eval mode, no dropout).
+        """Operands of the VAR reading (samovar.md §3) for `samovar_jax.analysis` (eval mode, no dropout).
 
         Returns:
           dict with 'x0' [B, C_t, T, H, D] VAR observations, 'q', 'v' [L, B, C_t, T, H, D],

@@ -10,7 +10,7 @@ length or series channels (said where used), N patches, P patch length.
 
 Contents:
 
-* The VAR attention chain of SAMoVAR (spec §2.6, §4): queries and values from the first-layer input
+* The VAR attention chain of SAMoVAR (samovar.md §2.6, §4): queries and values from the first-layer input
   x0, key of layer m = output of layer m-1 (key of layer 1 = x0), optionally through a key matrix
   W_k (the "w/ W_k" ablation). Each layer is the zoo's causal linear attention without normaliser,
   `o_t = sum_{s<=t} (q_t . k_s) v_s` (`zoo_core.linear_attention`, denominator=False), in four forms:
@@ -19,9 +19,9 @@ Contents:
   per layer) and `var_chain_step`, with `var_chain_init_state`. Padding masks and non-finite values are handled by
   the shared kernels with `jnp.where` (NaN-safe: no future or padded position reaches a past or valid
   output, in any form and through the whole chain).
-* The LU-parameterised structural matrix D = L U (spec §2.7): `structural_matrix`,
+* The LU-parameterised structural matrix D = L U (samovar.md §2.7): `structural_matrix`,
   `structural_matrix_inverse` (two triangular solves).
-* RMS normalisation (spec §1), instance normalisation and patching (spec §2.1-2.2).
+* RMS normalisation (samovar.md §1), instance normalisation and patching (samovar.md §2.1-2.2).
 
 Precision: the attention sums have no normaliser and grow with T, so they accumulate in at least
 float32 (`zoo_core.linear_attention.acc_dtype`), and the chain passes each layer's output to the next
@@ -40,14 +40,14 @@ Array = jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
-# Normalisation, instance normalisation and patching (spec §1, §2.1, §2.2)
+# Normalisation, instance normalisation and patching (samovar.md §1, §2.1, §2.2)
 # ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """RMSNorm over the last axis(es) of `scale`'s rank-1 layout: `x / sqrt(mean(x^2) + eps) * scale`.
 
     As in the reference, the normalisation itself is computed in float32 and cast back to x's dtype
-    before the gain is applied (spec §1).
+    before the gain is applied (samovar.md §1).
 
     Args:
       x: [..., F] activations.
@@ -65,7 +65,7 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
 
 
 def instance_norm_stats(x: Array, patch_len: int, mean_mode: str = "last_patch") -> tuple[Array, Array]:
-    """Per-window, per-channel statistics of the reference's "RevIN" (no affine part; spec §2.1).
+    """Per-window, per-channel statistics of the reference's "RevIN" (no affine part; samovar.md §2.1).
 
     Args:
       x: [B, L_I, C] raw input window.
@@ -88,7 +88,7 @@ def instance_norm_stats(x: Array, patch_len: int, mean_mode: str = "last_patch")
 
 
 def patchify(x: Array, patch_len: int) -> Array:
-    """Left-pads with zeros to a multiple of P and cuts into patches (spec §2.2).
+    """Left-pads with zeros to a multiple of P and cuts into patches (samovar.md §2.2).
 
     Args:
       x: [B, L, C] (normalised) series; the padding is added after normalisation, so it is zero in
@@ -112,14 +112,14 @@ def unpatchify(patches: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# The VAR attention chain (spec §2.6, §3, §4) on the shared causal linear-attention kernels
+# The VAR attention chain (samovar.md §2.6, §3, §4) on the shared causal linear-attention kernels
 # ---------------------------------------------------------------------------------------------
 
 def _key_map(o: Array, key_kernel: Optional[Array]) -> Array:
     """Next layer's key from a layer output: identity (SAMoVAR, W_k = I) or `o_flat @ W_k`.
 
     o: [..., H, D]; key_kernel: None or [E, E] (Flax kernel layout [in, out], E = H*D). A full W_k
-    mixes heads; with W_k = I heads never mix inside the key chain (spec §2.6).
+    mixes heads; with W_k = I heads never mix inside the key chain (samovar.md §2.6).
     """
     if key_kernel is None:
         return o
@@ -175,7 +175,7 @@ def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[A
                        dropout_mask: Optional[Array] = None, mask: Optional[Array] = None) -> Array:
     """Masked form of the VAR chain: `zoo_core.linear_attention.causal_parallel` once per layer.
 
-    For m = 1..L (spec §2.6): `k^(0) = x0`,
+    For m = 1..L (samovar.md §2.6): `k^(0) = x0`,
     `o^(m)_t = sum_{s<=t} <q^(m)_t, k^(m-1)_s> v^(m)_s` per head, `o^(m) <- dropout(o^(m))`,
     `k^(m) = o^(m)` (or `o^(m) W_k^(m+1)` in the "w/ W_k" ablation, where also `k^(0) = x0 W_k^(1)`).
 
@@ -211,7 +211,7 @@ def _chunked_layer(chunk_size, mask, form=la.causal_chunked):
 def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: Optional[Array] = None,
                       key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
                       mask: Optional[Array] = None) -> tuple[Array, Array]:
-    """Chunked form: `zoo_core.linear_attention.causal_chunked` once per layer (spec §4).
+    """Chunked form: `zoo_core.linear_attention.causal_chunked` once per layer (samovar.md §4).
 
     The form of each layer is chosen per platform by `causal_chunked`: on accelerators it is
     `var_chain_chunked_batched`'s (all heads and chunks in the same einsums, no loop, a program that
@@ -297,7 +297,7 @@ def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array]
 def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
                    key_kernels: Optional[Array] = None,
                    dropout_mask_t: Optional[Array] = None) -> tuple[Array, Array]:
-    """One token through all L layers (spec §4, "recurrent"), `causal_step` per layer.
+    """One token through all L layers (samovar.md §4, "recurrent"), `causal_step` per layer.
 
     With `k = x0_t`, for m = 1..L: `S^(m) += k v^(m)_t^T`, `o^(m)_t = q^(m)_t S^(m)`, `k = o^(m)_t`.
     This works token by token because layer m at time t needs only layer m-1's outputs at times <= t.
@@ -320,7 +320,7 @@ def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
 
 
 # ---------------------------------------------------------------------------------------------
-# Structural matrix D = L U (spec §2.7)
+# Structural matrix D = L U (samovar.md §2.7)
 # ---------------------------------------------------------------------------------------------
 
 def lu_factors(theta: Array) -> tuple[Array, Array]:

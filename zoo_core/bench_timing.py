@@ -80,7 +80,7 @@ def reference_matmul(n: int = 2048, dtype: Any = jnp.float32, *, warmup: int = 1
                      repeats: int = 5) -> float:
     """Measures the machine's matmul throughput right now, in GFLOP/s.
 
-    GFLOP/s = 2 n^3 / (best of `repeats` times), as in platform spec §7 (about 200 f32 on an idle
+    GFLOP/s = 2 n^3 / (best of `repeats` times), as in platform.md §7 (about 200 f32 on an idle
     2-core CPU, about half that under load). On a GPU use a larger `n` (e.g. 8192): 2048 is
     dominated by launch overhead there.
 

@@ -1,6 +1,6 @@
 """The parts of the HTGN configs they share, written into a config by `set_recipe` and `set_favor`.
 
-`set_recipe` sets the training recipe of the HTGN spec §5.9: linear warm-up then inverse-sqrt decay,
+`set_recipe` sets the training recipe of the htgn.md §5.9: linear warm-up then inverse-sqrt decay,
 AdamW (b1 0.9, b2 0.98, eps 1e-9, weight decay 0.01, none on biases, norms and embeddings) or LAMB /
 Ranger (lookahead(RAdam), k=6, alpha=0.5), global-norm clipping at 1.0. `set_favor` the FAVOR+
 redraw and the ablation fields. Every file follows configs/common.py's style (parse with `htgn_args`,

@@ -116,7 +116,7 @@ def test_forward_matches_ops_and_init_filters():
     layer = AGFAttention(num_heads=H, head_dim=D, order=3, basis="legendre")
     v = _init_fn(layer)(jax.random.key(1), X)
     apply = _jit(layer)
-    # theta = 0 and frozen c_0: g == 1, i.e. plain U (V^T Val) (spec §2.4).
+    # theta = 0 and frozen c_0: g == 1, i.e. plain U (V^T Val) (agf.md §2.4).
     f = apply(v, X, mask=MASK, method="factors")
     assert np.all(np.asarray(f["g"]) == 1.0)
     v = _with_theta(v)
@@ -150,7 +150,7 @@ def test_ortho_scale_padding_rule_and_theta_gradients():
     _, aux1 = _jit(AGFAttention(num_heads=H, head_dim=D, order=3))(v, X)
     np.testing.assert_allclose(aux["loss/orthogonality"], 0.25 * np.asarray(aux1["loss/orthogonality"]),
                                **F32_SIMPLE)
-    # ortho_count_padding=True is the reference regulariser (padded U rows count, spec §2.5).
+    # ortho_count_padding=True is the reference regulariser (padded U rows count, agf.md §2.5).
     # (eager on both sides: they are compared bit for bit)
     ref = AGFAttention(num_heads=H, head_dim=D, order=3, ortho_count_padding=True)
     f = ref.apply(v, X, mask=MASK, method="factors")

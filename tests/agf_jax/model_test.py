@@ -182,7 +182,7 @@ def test_blocks_and_encoders_merge_aux(kind):
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_biases_follow_pytorch_linear_init(kind):
-    """Every Linear bias is U(+-1/sqrt(fan_in)) as torch.nn.Linear (spec §2.7); norms start at 0."""
+    """Every Linear bias is U(+-1/sqrt(fan_in)) as torch.nn.Linear (agf.md §2.7); norms start at 0."""
     fields, batch = CASES[kind]
     m = Model(kind=kind, **fields, head_dim=5)            # H*D = 10 != d_model = 16: two fan-ins
     params = m.init(jax.random.key(0), batch)["params"]

@@ -307,7 +307,7 @@ def test_filter_coefficients():
 
 
 def _numpy_reference(zu, zv, zs, val, coeffs, mask, alpha, beta):
-    """Independent float64 NumPy AGF with the explicit T x T matrix (spec §2.2-2.3)."""
+    """Independent float64 NumPy AGF with the explicit T x T matrix (agf.md §2.2-2.3)."""
     zu, zv, zs, val = (np.asarray(a, np.float64) for a in (zu, zv, zs, val))
     u = np.exp(zu - zu.max(-1, keepdims=True))
     u /= u.sum(-1, keepdims=True)

@@ -49,7 +49,7 @@ def test_window_graph_adjacency_counts_and_causality():
 
 
 def test_grid_stencil_adjacency_is_the_2d_neighbourhood():
-    """grid_width: the (2w+1)^2 stencil on the raster grid (spec §5.12), nothing across row ends."""
+    """grid_width: the (2w+1)^2 stencil on the raster grid (htgn.md §5.12), nothing across row ends."""
     adj = analysis.window_graph_adjacency(12, window=1, num_global=1, grid_width=4)  # 3 x 4 grid
     tok = adj[1:, 1:]
     np.testing.assert_array_equal(tok.sum(1).reshape(3, 4),
@@ -142,7 +142,7 @@ def test_favor_error_curve_decreases_with_features():
     assert curve["mean_abs_error"].shape == (2, 2)
     err = curve["mean_abs_error"].mean(1)
     assert err[1] < 0.5 * err[0]
-    assert err[1] < 0.05                       # spec §5.14 test 3 scale (0.003 at m=256, d=8)
+    assert err[1] < 0.05                       # htgn.md §5.14 test 3 scale (0.003 at m=256, d=8)
     causal = analysis.favor_error_curve([256], length=32, head_dim=4, num_draws=1, causal=True,
                                        input_scale=0.5)
     assert causal["relative_error"][0, 0] < 0.2

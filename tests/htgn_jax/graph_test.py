@@ -56,7 +56,7 @@ def _features(version, seed, length, dtype=jnp.float32):
 
 
 def _edge_list_attention(q, k, v, attn, adj, bias=None, negative_slope=0.2):
-    """The second oracle of spec §3.4: GAT over an explicit edge list with segment_max/segment_sum.
+    """The second oracle of htgn.md §3.4: GAT over an explicit edge list with segment_max/segment_sum.
 
     q `[B, Lq, H, C]`, k `[B, Lk, H, C]`, v `[B, Lk, H, D]`, adj `[B, Lq, Lk]` (numpy), bias
     `[H, Lq, Lk]` or `[B, H, Lq, Lk]` or None; attn None means dot-product scoring.
@@ -140,7 +140,7 @@ def _cross_edges(mask, memory_mask, rel_bias, global_bias, *, window, num_global
 @pytest.mark.parametrize("case", ["v1", "v2", "dot", "causal", "grid", "cross"])
 def test_kernels_match_the_edge_list_oracle(case):
     """Window, causal, grid and Cross-Graph kernels against segment ops on an edge list built from
-    first principles (spec §3.4's second oracle)."""
+    first principles (htgn.md §3.4's second oracle)."""
     version = case if case in ("v1", "dot") else "v2"
     if case == "cross":
         t, wx, length = 6, 1, N + NG
@@ -210,7 +210,7 @@ def _dense_kl(probs, adj, dist=None, tau=None):
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_kl_distance_prior_matches_dense(causal):
     """kl_tau: pi_i(j) ~ exp(-|j - i| / tau) on token rows, distance 1 to a global node, global
-    rows uniform (spec §5.7 `kl_prior = "distance"`)."""
+    rows uniform (htgn.md §5.7 `kl_prior = "distance"`)."""
     g = 0 if causal else NG
     length, tau = N + g, 1.5
     q, k, v, attn = _features("v2", 60, length)
@@ -367,7 +367,7 @@ def test_window_matches_dense(version, num_global, padded):
 @pytest.mark.parametrize("grid_width, num_global, wg, tokens, pad", [
     (3, NG, 1, 9, 0), (2, 0, 1, 8, 0), (4, 1, 2, 10, 3)])
 def test_grid_stencil_matches_dense(grid_width, num_global, wg, tokens, pad):
-    """grid_width (spec §5.12): the 2-D stencil of radius w over raster-ordered patches, against
+    """grid_width (htgn.md §5.12): the 2-D stencil of radius w over raster-ordered patches, against
     the dense oracle whose adjacency compares rows and columns. W = 2 < 2w + 1 makes two slots
     share an offset (only one is valid for any token); the last case has w = 2, a partial last
     row and 3 padded tokens in example 1."""

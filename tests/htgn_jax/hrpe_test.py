@@ -1,4 +1,4 @@
-"""Tests of htgn_jax.hrpe: rotary and spectral node encodings (HTGN spec §5.2, §5.14)."""
+"""Tests of htgn_jax.hrpe: rotary and spectral node encodings (htgn.md §5.2, §5.14)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""Tests of htgn_jax.layers.FavorAttention (HTGN spec §5.4, §5.14 items 2, 9, 10)."""
+"""Tests of htgn_jax.layers.FavorAttention (htgn.md §5.4, §5.14 items 2, 9, 10)."""
 import functools
 
 import jax

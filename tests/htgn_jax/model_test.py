@@ -1,4 +1,4 @@
-"""Tests of htgn_jax.model (HTGN spec §5.1, §5.7, §5.8, §5.13, §5.14 items 2, 9, 10)."""
+"""Tests of htgn_jax.model (htgn.md §5.1, §5.7, §5.8, §5.13, §5.14 items 2, 9, 10)."""
 import dataclasses
 import functools
 
@@ -105,7 +105,7 @@ def test_seq2seq_shapes_finite_and_weighted_kl():
 
 
 def test_distance_kl_prior_changes_only_the_kl_term():
-    """kl_tau (spec §5.7 kl_prior='distance'): same parameters and logits, another KL; as tau grows
+    """kl_tau (htgn.md §5.7 kl_prior='distance'): same parameters and logits, another KL; as tau grows
     the prior tends to the uniform one."""
     model, params = _init()
     _, aux = _forward(model)(params, _batch())
@@ -123,7 +123,7 @@ def test_distance_kl_prior_changes_only_the_kl_term():
 
 
 def test_neighbour_kl_mode_changes_only_the_kl_term():
-    """kl_mode='neighbour' (spec §5.7): same parameters and logits, KL between consecutive rows."""
+    """kl_mode='neighbour' (htgn.md §5.7): same parameters and logits, KL between consecutive rows."""
     model, params = _init()
     _, aux = _forward(model)(params, _batch())
     rows = Model(**SEQ, kl_mode="neighbour")
@@ -143,7 +143,7 @@ def test_kl_alternatives_skip_a_one_slot_cross_graph():
 
 
 def test_decoder_is_causal_bit_for_bit():
-    """Perturbing future target tokens leaves earlier logits identical (spec §5.14 item 2)."""
+    """Perturbing future target tokens leaves earlier logits identical (htgn.md §5.14 item 2)."""
     model, params = _init()
     batch = _batch()
     changed = dict(batch, targets=batch["targets"].copy())
@@ -157,7 +157,7 @@ def test_decoder_is_causal_bit_for_bit():
 
 
 def test_encoder_is_invariant_to_appended_padding():
-    """Real tokens' memory does not change when pads are appended (spec §5.14 item 9)."""
+    """Real tokens' memory does not change when pads are appended (htgn.md §5.14 item 9)."""
     model, params = _init()
     inputs = _batch()["inputs"][:, :5]
     inputs[1, 4] = 2
@@ -184,7 +184,7 @@ def test_train_mode_dropout_drop_path_and_zero_kl_weight():
 
 
 def test_feature_redraw_follows_the_step_and_is_required_exactly_when_used():
-    """redraw_every=k: the draw is Omega(step // k) (spec §2.4); draw 0 is the fixed model's."""
+    """redraw_every=k: the draw is Omega(step // k) (htgn.md §2.4); draw 0 is the fixed model's."""
     # Two blocks: the step-0 program and the fixed model's are two programs, compared bit for bit; at
     # this size they round alike.
     fixed, params = _init(num_layers=2)
@@ -219,7 +219,7 @@ def test_classifier_shapes_and_aux():
 
 
 # ------------------------------------------------------------------------------------------
-# Parameter trees: snapshot and ablation switches (spec §5.13)
+# Parameter trees: snapshot and ablation switches (htgn.md §5.13)
 # ------------------------------------------------------------------------------------------
 
 SNAPSHOT = {
@@ -439,7 +439,7 @@ def test_bad_images_raise():
 
 
 # ------------------------------------------------------------------------------------------
-# No O(N^2) memory (spec §5.11)
+# No O(N^2) memory (htgn.md §5.11)
 # ------------------------------------------------------------------------------------------
 
 

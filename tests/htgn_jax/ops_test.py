@@ -1,4 +1,4 @@
-"""Tests of the FAVOR+ kernels in htgn_jax.ops (HTGN spec §2, §5.4, §5.14 items 1-3)."""
+"""Tests of the FAVOR+ kernels in htgn_jax.ops (htgn.md §2, §5.4, §5.14 items 1-3)."""
 import functools
 
 import jax
@@ -167,7 +167,7 @@ def test_causal_constant_stabiliser_is_exactly_causal():
         y2 = np.asarray(run(q2, k2, v2, "constant", impl))
         np.testing.assert_array_equal(y1[:, :cut], y2[:, :cut], err_msg=impl)
         assert not np.allclose(y1[:, cut:], y2[:, cut:])
-    # The original's data-dependent key max leaks the future into the past (spec §2.5).
+    # The original's data-dependent key max leaks the future into the past (htgn.md §2.5).
     l1 = np.asarray(run(q, k, v, "max", "chunked"))
     l2 = np.asarray(run(q2, k2, v2, "max", "chunked"))
     assert not np.array_equal(l1[:, :cut], l2[:, :cut])

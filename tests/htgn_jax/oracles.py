@@ -1,4 +1,4 @@
-"""Dense O(L^2) references of the HTGN graph attention: test oracles only (spec §3.4 "Oracles for
+"""Dense O(L^2) references of the HTGN graph attention: test oracles only (htgn.md §3.4 "Oracles for
 tests"). The adjacency builders live in `htgn_jax.analysis` (its pictures use them too)."""
 import jax
 import jax.numpy as jnp

@@ -65,7 +65,7 @@ def test_structural_matrix_inverse_option():
     x = _x((B, H, 4), 6)
     y = layers.StructuralMatrix(H, 4).apply(v, x)
     np.testing.assert_allclose(y, np.einsum("bhd,hde->bhe", x, d), **F32_SIMPLE)
-    # spec §5 init: D ~ softplus(~0) I = 0.69 I plus small terms.
+    # samovar.md §5 init: D ~ softplus(~0) I = 0.69 I plus small terms.
     np.testing.assert_allclose(np.diagonal(d, axis1=1, axis2=2), np.log(2.0), atol=0.3)
 
 

@@ -72,7 +72,7 @@ def test_param_snapshot_all_kinds():
 
 
 @pytest.mark.parametrize("kind, heads, input_len, patch_len, channels, want", [
-    # spec §6 measured counts minus the parameters without effect (transformer.pns.*: l*d for
+    # samovar.md §6 measured counts minus the parameters without effect (transformer.pns.*: l*d for
     # SAMoVAR/FixedVAR; transformer.layer_attn: d*2l + 2l for LinTrans).
     ("samovar", 2, 64, 1, 2, 45_095 - 3 * 32),
     ("lintrans", 2, 64, 1, 2, 50_701 - (32 * 6 + 6)),

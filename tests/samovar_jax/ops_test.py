@@ -31,7 +31,7 @@ def _chain_inputs(t, seed=0, dtype=jnp.float32):
 
 
 def _naive_chain(x0, q, v, wk=None, mask=None):
-    """Direct transcription of spec §2.6 with explicit double loops (float64 numpy)."""
+    """Direct transcription of samovar.md §2.6 with explicit double loops (float64 numpy)."""
     x0, q, v = (np.asarray(a, np.float64) for a in (x0, q, v))
     k = x0
     outs = []
