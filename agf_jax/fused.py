@@ -117,11 +117,9 @@ def _agf_head_backward(basis, count_padding, res, cotangents):
     du = da * g + du_reg
     dzu = u * (du - jnp.sum(du * u, axis=-1, keepdims=True))
     dg = da * u
-    # The basis is recomputed from s behind a barrier, and the K+1 sums dc_k = sum dA * U * P_k(s)
-    # are one variadic reduce (over D, then the [B, T] partial sums). Without the barrier XLA
-    # merged these P_k(s) with the forward's and wrote each to memory for both passes, and it
-    # ran the K+1 sums as K+1 reductions that each re-read dG and P_k. AGF ListOps step (2 CPU
-    # devices, interleaved): 0.618 -> 0.538 s, XLA's bytes 8.49 -> 7.45 GB.
+    # The basis is recomputed from s behind a barrier (else XLA merges these P_k(s) with the
+    # forward's and writes each to memory), and the K+1 sums dc_k = sum dA * U * P_k(s) are one
+    # variadic reduce, so dG and P_k are read once rather than K+1 times.
     s = jax.lax.optimization_barrier(s)
     dg_ds, terms = None, []
     for k, (p, dp) in enumerate(basis_and_derivative_iter(

@@ -108,7 +108,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.mode = "jit"           # jit (NamedSharding over a 'data' mesh) | pmap (legacy)
     # The CPU devices the training command starts JAX with (0: one per core that divides the batch):
     # data parallelism over the cores, worth it where the step is mostly elementwise work
-    # (zoo_core.sharding.cpu_device_count says why and what was measured). No effect on accelerators.
+    # (zoo_core.sharding.cpu_device_count says why). No effect on accelerators.
     c.parallel.cpu_devices = 1        # (safe on resume)
 
     c.data = ml_collections.ConfigDict()

@@ -106,8 +106,7 @@ def reference_bandwidth(n_bytes: int = 256 * 2**20, *, warmup: int = 1, repeats:
     Times a jitted, donated `x + 1` over a float32 array of `n_bytes` (one read and one write of the
     whole array: 2 * n_bytes moved per call); best of `repeats`. The buffer is donated so the write
     lands in pages already mapped: a fresh output of this size is page-faulted on every call on a
-    CPU (measured: 5.6 GB/s that way against 44 GB/s donated, 2 cores), which would time the
-    kernel's page zeroing rather than the memory. The array must be much larger than the
+    CPU, which would time the kernel's page zeroing rather than the memory. The array must be much larger than the
     last-level cache (default 256 MiB; on a GPU use 1-4 GiB).
 
     Returns:
