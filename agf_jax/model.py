@@ -525,7 +525,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
             kind='uea_classifier' the variant's head_dim is not used: unless passed explicitly,
             head_dim = d_model // num_heads as in the reference.
         **kwargs: the fields of the selected class (see `model_kwargs(kind)` and the class
-            docstrings); None leaves a field unset and dtypes may be named (`checks.model_fields`).
+            docstrings); None leaves a field unset and dtypes may be named (`checks.constructor_kwargs`).
 
     Returns:
         An unbound Linen module; `apply(variables, batch, train=...)` -> ({'logits'}, aux).
@@ -534,7 +534,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         ValueError: unknown kind/variant/kwarg, a missing or invalid option, or an AGF-only kwarg
             with attention='softmax'.
     """
-    kwargs = checks.model_fields(kwargs)
+    kwargs = checks.constructor_kwargs(kwargs)
     allowed = model_kwargs(kind)
     if variant is not None:
         checks.check_choice("variant", variant, VARIANTS)

@@ -7,7 +7,7 @@ One composition style for every config file: `get_config(arg)` parses its `:args
 starts from `base_config()`, lets the shared helpers of its folder write their part into it
 (`set_*(c, ...)`; e.g. configs/agf/common.py, configs/htgn/common.py), applies `smoke(c)` for `:smoke`,
 and ends with `finish(c, VARIANTS, build=Model)`, which writes the model's size preset into explicit
-fields (`decode_variant`), then every other constructor field of the model (`model_fields`), and
+fields (`decode_variant`), then every other constructor field of the model (`complete_model_fields`), and
 locks the config. Every model and data option is then a field of the config, so
 `--config.model.<field>=...` and `--config.data.options.<option>=...` reach it.
 
@@ -218,7 +218,7 @@ def _placeholder_type(hint: Any) -> type:
     return hint if hint in (bool, int, float, str) else object
 
 
-def model_fields(model: ml_collections.ConfigDict, build: Callable[..., Any]) -> ml_collections.ConfigDict:
+def complete_model_fields(model: ml_collections.ConfigDict, build: Callable[..., Any]) -> ml_collections.ConfigDict:
     """Writes every constructor field of the model `build(**model)` makes that `model` lacks.
 
     A field is written with the value the model takes anyway (its default, or the kind's, e.g. the
@@ -257,13 +257,13 @@ def finish(c: ml_collections.ConfigDict, variants: Mapping[str, Mapping[str, Any
       c: the config.
       variants: the architecture's VARIANTS table (c.model.variant is decoded with it).
       build: the architecture's `Model` factory; every other field of the model it builds is then
-        written too (`model_fields`), so that each is a config field.
+        written too (`complete_model_fields`), so that each is a config field.
       **decode_kwargs: for `decode_variant`.
     """
     if variants is not None:
         decode_variant(c.model, variants, **decode_kwargs)
     if build is not None:
-        model_fields(c.model, build)
+        complete_model_fields(c.model, build)
     if c.data.name:
         data_options(c)
     c.lock()

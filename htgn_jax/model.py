@@ -71,7 +71,7 @@ from htgn_jax import hrpe, validation
 from htgn_jax.blocks import (BlockConfig, DecoderBlock, Encoder, drop_path_rate, merge_aux,
                              with_globals)
 from htgn_jax.validation import ATTENTIONS  # noqa: F401  (the configs read it from here)
-from zoo_core.checks import fail, model_fields
+from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.remat import call_block
 
 Array = jax.Array
@@ -481,7 +481,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
       **kwargs: fields of the selected class (see `model_kwargs(kind)` and the class docstrings).
         With attention='softmax', use_graph_conv, use_hrpe and kl_weight default to False,
         False, 0, and for kind='seq2seq' num_global to 0 (the vanilla Transformer baseline).
-        None leaves a field unset and dtypes may be named (`zoo_core.checks.model_fields`).
+        None leaves a field unset and dtypes may be named (`zoo_core.checks.constructor_kwargs`).
 
     Returns:
       An unbound Linen module: `apply(variables, batch, train=...)` -> ({'logits'}, aux).
@@ -489,7 +489,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
     Raises:
       ValueError: unknown kind, variant or kwarg, or an invalid value (named), before any compile.
     """
-    kwargs = model_fields(kwargs)
+    kwargs = constructor_kwargs(kwargs)
     allowed = model_kwargs(kind)
     if variant is not None and variant not in VARIANTS:
         fail(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from samovar_jax import ops
 from samovar_jax.layers import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
 from zoo_core import checks, layout
-from zoo_core import linear_attention as la
+from zoo_core import linear_attention
 from zoo_core.dropout import Dropout, keep_mask
 from zoo_core.linear_attention import LinearState
 
@@ -129,7 +129,7 @@ class LinearAttention(nn.Module):
 
     def init_state(self, batch_size: int) -> LinearState:
         """Zero state: num [B, H, D, D] float32, den None."""
-        return la.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
+        return linear_attention.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
 
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
@@ -137,9 +137,9 @@ class LinearAttention(nn.Module):
         checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
         if self.chunk_size is None:
-            num, _ = la.causal_parallel(q, k, v, mask=mask)
+            num, _ = linear_attention.causal_parallel(q, k, v, mask=mask)
         else:
-            num, _, _ = la.causal_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask)
+            num, _, _ = linear_attention.causal_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask)
         return self._out(num, x), {}
 
     def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
@@ -147,7 +147,7 @@ class LinearAttention(nn.Module):
         """Token recurrence from `state` (zeros if None): x [B, T, E] -> (y [B, T, E_out], final state)."""
         checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
-        num, _, state = la.causal_scan(q, k, v, state=state, mask=mask)
+        num, _, state = linear_attention.causal_scan(q, k, v, state=state, mask=mask)
         return self._out(num, x), state
 
     def step(self, state: LinearState, x_t: Array, *, position=None) -> tuple[Array, LinearState]:
@@ -155,7 +155,7 @@ class LinearAttention(nn.Module):
         _no_position(position)
         checks.check_rank("x_t", x_t, 2, "[B, E]")
         q, k, v = self._qkv(x_t, True)
-        num, _, state = la.causal_step(state, q, k, v)
+        num, _, state = linear_attention.causal_step(state, q, k, v)
         return self._out(num, x_t), state
 
 

@@ -62,7 +62,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
       variant: a key of `VARIANTS` (width, num_heads, num_layers, mlp_ratio, dropout) for the SAMoVAR
         kinds; explicit kwargs override it; None = `Forecaster`'s defaults (the 'paper' sizes).
       **kwargs: fields of the selected class (see its docstring); None leaves a field unset and
-        dtypes may be named (`zoo_core.checks.model_fields`).
+        dtypes may be named (`zoo_core.checks.constructor_kwargs`).
 
     Returns:
       An unbound Linen module: `apply(variables, batch, train=...)` -> ({'forecast'}, aux).
@@ -70,7 +70,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
     Raises:
       ValueError: unknown kind, variant or kwarg, or an invalid value (named), before any tracing.
     """
-    kwargs = checks.model_fields(kwargs)
+    kwargs = checks.constructor_kwargs(kwargs)
     checks.check_choice("kind", kind, KINDS)
     cls = baselines.DLinear if kind == "dlinear" else Forecaster
     if variant is not None:

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention as la
+from zoo_core import linear_attention
 
 Array = jax.Array
 
@@ -59,7 +59,7 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     Returns:
       [..., F] normalised x in the promoted dtype of (x, scale).
     """
-    xf = x.astype(la.acc_dtype(x))
+    xf = x.astype(linear_attention.acc_dtype(x))
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return y.astype(x.dtype) * scale
 
@@ -160,7 +160,7 @@ def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state, stack=True):
     outs, states = [], []
     for m in range(len(q)):
         key = _key_map(k, None if key_kernels is None else key_kernels[m])
-        o, s = layer_fn(q[m], key, v[m], None if state is None else la.LinearState(state[m], None))
+        o, s = layer_fn(q[m], key, v[m], None if state is None else linear_attention.LinearState(state[m], None))
         if dropout_mask is not None:
             o = o * dropout_mask[m].astype(o.dtype)
         outs.append(o.astype(x0.dtype))
@@ -197,10 +197,10 @@ def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[A
 
 def _masked_layer(mask):
     """`_chain`'s layer function of the masked form (no state)."""
-    return lambda qm, km, vm, _: (la.causal_parallel(qm, km, vm, mask=mask)[0], None)
+    return lambda qm, km, vm, _: (linear_attention.causal_parallel(qm, km, vm, mask=mask)[0], None)
 
 
-def _chunked_layer(chunk_size, mask, form=la.causal_chunked):
+def _chunked_layer(chunk_size, mask, form=linear_attention.causal_chunked):
     """`_chain`'s layer function of a chunked form (carries each layer's state)."""
     def fn(qm, km, vm, s):
         num, _, s = form(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
@@ -240,7 +240,7 @@ def var_chain_chunked_batched(x0: Array, q: Array, v: Array, chunk_size: int, *,
     Args and Returns: as in `var_chain_chunked`.
     """
     _check_chain(x0, q, v, key_kernels, dropout_mask)
-    return _chain(_chunked_layer(chunk_size, mask, la.causal_chunked_batched), x0, q, v, key_kernels,
+    return _chain(_chunked_layer(chunk_size, mask, linear_attention.causal_chunked_batched), x0, q, v, key_kernels,
                   dropout_mask, state)
 
 
@@ -289,7 +289,7 @@ def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array]
     _check_chain(x0, q, v, key_kernels, dropout_mask)
 
     def fn(qm, km, vm, s):
-        num, _, s = la.causal_scan(qm, km, vm, state=s, mask=mask)
+        num, _, s = linear_attention.causal_scan(qm, km, vm, state=s, mask=mask)
         return num, s
     return _chain(fn, x0, q, v, key_kernels, dropout_mask, state)
 
@@ -313,7 +313,7 @@ def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
       (new state [L, B, H, D, D], o_t [L, B, H, D]) in the scan-carry order.
     """
     def fn(qm, km, vm, s):
-        num, _, s = la.causal_step(s, qm, km, vm)
+        num, _, s = linear_attention.causal_step(s, qm, km, vm)
         return num, s
     o, state = _chain(fn, x0_t, q_t, v_t, key_kernels, dropout_mask_t, state)
     return state, o

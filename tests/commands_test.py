@@ -105,8 +105,8 @@ def _entry(module: str):
     """(build_model, evaluators_fn) of a `python -m <module>` training entry point."""
     package = module.split(".")[0]
     if package == "zoo_core":
-        from zoo_core import models
-        return models.Model, None
+        from zoo_core import mlp_classifier
+        return mlp_classifier.Model, None
     if package == "agf_jax":
         from agf_jax import model
         return model.Model, None

@@ -10,7 +10,7 @@ from zoo_core import optim, tasks, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILDERS = {
-    "core": ("zoo_core.models", "Model"),
+    "core": ("zoo_core.mlp_classifier", "Model"),
     "agf": ("agf_jax.model", "Model"),
     "samovar": ("samovar_jax.model", "Model"),
     "htgn": ("htgn_jax.model", "Model"),
@@ -98,7 +98,7 @@ def test_every_model_field_is_written_and_builds_the_same_model(module, arg, mon
     after = build(**c.model.to_dict())
     fields = [f.name for f in dataclasses.fields(after) if f.name not in ("parent", "name")]
     assert set(fields) <= set(c.model), sorted(set(fields) - set(c.model))
-    monkeypatch.setattr(common, "model_fields", lambda model, build: model)
+    monkeypatch.setattr(common, "complete_model_fields", lambda model, build: model)
     before = build(**module.get_config(arg).model.to_dict())
     norm = lambda name, v: jnp.dtype(v) if name.endswith("dtype") and v is not None else v   # noqa: E731
     assert type(before) is type(after)

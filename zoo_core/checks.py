@@ -24,7 +24,7 @@ def fail(msg: str) -> None:
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
-def model_fields(kwargs: dict[str, Any]) -> dict[str, Any]:
+def constructor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`config.model` as constructor kwargs, for the `Model(**config.model)` factories.
 
     A None value marks a field the config leaves unset (an ml_collections placeholder): it is dropped,

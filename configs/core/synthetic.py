@@ -6,7 +6,7 @@
 Expected: eval/accuracy above 0.9 after the default 200 steps.
 """
 from configs import common
-from zoo_core import models
+from zoo_core import mlp_classifier
 
 
 def get_config(arg=None):
@@ -29,4 +29,4 @@ def get_config(arg=None):
     c.model.num_classes = 4
     if args.smoke:
         common.smoke(c)
-    return common.finish(c, build=models.Model)
+    return common.finish(c, build=mlp_classifier.Model)

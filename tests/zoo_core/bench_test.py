@@ -226,7 +226,7 @@ def test_train_step_setup_costs_the_whole_step_with_micro_batches(tmp_path):
     """XLA's cost analysis counts the micro-batch loop's body once; the step's cost is that of the
     same step on the whole batch."""
     from configs.core import synthetic
-    from zoo_core import models
+    from zoo_core import mlp_classifier
 
     def cost(accum):
         c = synthetic.get_config("smoke")
@@ -234,7 +234,7 @@ def test_train_step_setup_costs_the_whole_step_with_micro_batches(tmp_path):
             c.data.data_dir = str(tmp_path)
             c.batch_size = 8
             c.optim.grad_accum_steps = accum
-        return bench.train_step_setup(c, models.Model)["cost"]
+        return bench.train_step_setup(c, mlp_classifier.Model)["cost"]
 
     whole, micro = cost(1), cost(4)
     assert whole["flops"] > 0 and micro == whole
@@ -244,7 +244,7 @@ def test_train_step_setup_times_the_step_the_trainer_runs(tmp_path, monkeypatch)
     """The benchmark's step comes from the trainer's own setup (`run_setup.compile_steps`), and it lowers
     to the very program that `train_and_evaluate` compiles and runs for the same config."""
     from configs.core import synthetic
-    from zoo_core import loop, models, run_setup, trainer
+    from zoo_core import loop, mlp_classifier, run_setup, trainer
 
     c = synthetic.get_config("smoke")
     with c.unlocked():
@@ -259,10 +259,10 @@ def test_train_step_setup_times_the_step_the_trainer_runs(tmp_path, monkeypatch)
         return compile_and_record
 
     monkeypatch.setattr(run_setup, "compile_steps", recording(run_setup.compile_steps))
-    timed = bench.train_step_setup(c, models.Model)
+    timed = bench.train_step_setup(c, mlp_classifier.Model)
     assert len(made) == 1 and timed["step"] is made[0].train
     monkeypatch.setattr(loop, "compile_steps", recording(loop.compile_steps))
-    trainer.train_and_evaluate(c, str(tmp_path / "run"), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path / "run"), mlp_classifier.Model)
     assert len(made) == 2
     state, batch = timed["state"], timed["batch"]
     assert made[1].train.lower(state, batch).as_text() == timed["step"].lower(state, batch).as_text()

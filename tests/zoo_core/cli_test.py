@@ -20,7 +20,7 @@ import pytest
 from absl import flags
 
 from tests.environment import command_env
-from zoo_core import main, models, run_log, trainer
+from zoo_core import main, mlp_classifier, run_log, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = "tests/zoo_core/cli_configs/toy.py"
@@ -35,7 +35,7 @@ def _snapshot(path) -> list[str]:
     return sorted(out)
 
 
-def cli(argv, capfd, build_model=models.Model, evaluators_fn=None):
+def cli(argv, capfd, build_model=mlp_classifier.Model, evaluators_fn=None):
     """Runs `python -m zoo_core.train <argv>` in this process (with another architecture's `Model` and
     evaluators: its train command); returns (exit status, stdout, stderr)."""
     for name in [n for n in flags.FLAGS if n.startswith("config.")]:
@@ -236,7 +236,7 @@ def test_a_repository_config_given_to_another_architectures_command_names_the_ri
     from agf_jax.model import Model
 
     for config, build, want in [("configs/htgn/number_words.py:smoke", Model, "htgn_jax"),
-                                ("configs/agf/lra_listops.py:smoke", models.Model, "agf_jax")]:
+                                ("configs/agf/lra_listops.py:smoke", mlp_classifier.Model, "agf_jax")]:
         status, out, err = cli(["--config", config, "--workdir", tmp_path / "run"], capfd, build_model=build)
         path = config.partition(":")[0]
         _assert_refused(status, out, err, f"{path} is a config for {want}: run it with python -m {want}.train "
@@ -653,6 +653,6 @@ def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, 
     monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
     status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
                             f"--config.data.data_dir={env / 'data'}", "--config.total_steps=2"], capfd,
-                           build_model=counted("model", models.Model))
+                           build_model=counted("model", mlp_classifier.Model))
     assert status == 0, err[-3000:]
     assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from configs.core import synthetic
 from tests.environment import command_env
 from zoo_core import metrics as metrics_lib
-from zoo_core import loop, models, optim, run_guard, run_log, sharding, tasks, trainer
+from zoo_core import loop, mlp_classifier, optim, run_guard, run_log, sharding, tasks, trainer
 from zoo_core.data import pipeline
 from zoo_core.testing import assert_trees_close
 
@@ -86,7 +86,7 @@ def test_seq2seq_task_weights_tokens_not_sentences():
 
 
 def _setup(c, batch):
-    model = models.Model(**c.model)
+    model = mlp_classifier.Model(**c.model)
     tx, schedule = optim.make_optimizer(c)
     init = functools.partial(trainer.init_state, model=model, tx=tx)
     state = init(jax.random.PRNGKey(0), jax.tree_util.tree_map(lambda x: x[:1], batch))
@@ -212,7 +212,7 @@ def test_step_flops_count_every_micro_batch(data_dir, tmp_path, mode):
     def flops_per_step(accum, workdir):
         c = _config(data_dir, total_steps=2, batch_size=8, log_every_steps=1, eval_every_steps=0,
                     **{"optim.grad_accum_steps": accum, "parallel.mode": mode})
-        trainer.train_and_evaluate(c, str(workdir), models.Model)
+        trainer.train_and_evaluate(c, str(workdir), mlp_classifier.Model)
         train = [r for r in metrics_lib.read_jsonl(str(workdir / "metrics.jsonl")) if "train/total_loss" in r]
         return {round(r["train/gflops_per_second"] / r["train/steps_per_second"], 9) for r in train}
 
@@ -249,7 +249,7 @@ def test_train_step_does_not_retrace(data_dir):
 def test_train_and_evaluate_learns_and_writes_artifacts(data_dir, tmp_path):
     c = _config(data_dir, total_steps=60, batch_size=16, eval_batch_size=16, eval_max_examples=0,
                 log_every_steps=20, eval_every_steps=30, checkpoint_every_steps=20, **{"optim.learning_rate": 1e-2})
-    result = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    result = trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert result["eval/accuracy"] > 0.8
     records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
     losses = [r["train/total_loss"] for r in records if "train/total_loss" in r]
@@ -263,13 +263,13 @@ def test_train_and_evaluate_learns_and_writes_artifacts(data_dir, tmp_path):
     assert json.load(open(tmp_path / "config.json"))["total_steps"] == 60
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
     # Running again finds the final checkpoint and trains no further.
-    again = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    again = trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert again == {}
 
 
 def test_pmap_mode_trains(data_dir, tmp_path):
     c = _config(data_dir, **{"parallel.mode": "pmap"})
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert os.listdir(tmp_path / "checkpoints") == ["2"]
 
 
@@ -280,7 +280,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
 
         @nn.compact
         def __call__(self, batch, *, train=False):
-            out, aux = models.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
+            out, aux = mlp_classifier.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
             counter = self.param("counter", nn.initializers.zeros, ())
             # counter moves by -lr * d(loss)/d(counter) = -lr * 1 per step: crosses -3.5e-3 at step 4.
             nan = jnp.where(counter < -3.5e-3, jnp.nan, 0.0)
@@ -316,7 +316,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
 def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value, message):
     c = _config(data_dir, **{field: value})
     with pytest.raises(trainer.ConfigError, match=message):
-        trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+        trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert not os.path.exists(tmp_path / "checkpoints" / "2")
 
 
@@ -331,7 +331,7 @@ class StepProbe(nn.Module):
     @nn.compact
     def __call__(self, batch, *, train=False, step=None):
         assert step is not None, "the trainer must pass step to a model that uses_step"
-        out, aux = models.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
+        out, aux = mlp_classifier.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
         return out, {**aux, "loss/step": jax.lax.stop_gradient(jnp.asarray(step, jnp.float32))}
 
 
@@ -373,11 +373,11 @@ def test_evals_between_counts_the_eval_steps(data_dir):
 
 def test_a_run_at_total_steps_says_so_and_compiles_nothing(data_dir, tmp_path, caplog, monkeypatch):
     c = _config(data_dir)
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     before = sorted(os.listdir(tmp_path / "checkpoints"))
     monkeypatch.setattr(loop, "compile_steps", lambda *a: pytest.fail("compiled a finished run"))
     caplog.set_level(logging.INFO)
-    assert trainer.train_and_evaluate(c, str(tmp_path), models.Model) == {}
+    assert trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model) == {}
     assert f"has reached total_steps={c.total_steps}: nothing to train" in caplog.text
     assert sorted(os.listdir(tmp_path / "checkpoints")) == before
 
@@ -386,15 +386,15 @@ def test_a_workdir_in_use_by_another_run_is_refused(data_dir, tmp_path):
     """Two runs on one workdir would interleave their checkpoints and metrics.jsonl lines: while one
     holds the workdir's lock, the other is refused naming it; the lock goes with its holder."""
     c = _config(data_dir, total_steps=4)
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     held = run_guard.lock_workdir(str(tmp_path))      # stands for a second process (flock: per open file)
     try:
         with pytest.raises(trainer.ConfigError, match=rf"is in use by a run still going \(pid {os.getpid()} on "):
-            trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), models.Model)
+            trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), mlp_classifier.Model)
         assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
     finally:
         held.close()
-    trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), models.Model)
+    trainer.train_and_evaluate(_config(data_dir, total_steps=6), str(tmp_path), mlp_classifier.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4", "6"]
 
 
@@ -404,38 +404,38 @@ def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_pa
     c = _config(data_dir, total_steps=20, log_every_steps=2, eval_every_steps=2, checkpoint_every_steps=0,
                 **{"optim.learning_rate": 1e-30, "checkpoint.best_metric": "eval/loss",
                    "checkpoint.best_mode": "min", "checkpoint.patience": 2})
-    result = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    result = trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert result and sorted(os.listdir(tmp_path / "best")) == ["2"]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records if "eval/loss" in r] == [2, 4, 6]
-    assert trainer.train_and_evaluate(c, str(tmp_path), models.Model) == {}
+    assert trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model) == {}
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     c.checkpoint.patience = 3                      # more patience: the run goes on from step 6
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6", "8"]
     # Checkpoints gone, best/ left: the old best's step (2) is no reason to stop before training.
     shutil.rmtree(tmp_path / "checkpoints")
     c.checkpoint.patience = 2
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["6"]
     # Another best metric on resume: the stored best cannot be compared, so the run trains on; the
     # first eval after resuming (step 8) is the new best and two more without one stop it at 12.
     c.checkpoint.best_metric, c.checkpoint.best_mode = "eval/accuracy", "max"
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "6"]
     assert sorted(os.listdir(tmp_path / "best")) == ["8"]
     c.checkpoint.best_metric = ""
     with pytest.raises(trainer.ConfigError, match="checkpoint.patience stops on evaluations without"):
-        trainer.train_and_evaluate(c, str(tmp_path / "other"), models.Model)
+        trainer.train_and_evaluate(c, str(tmp_path / "other"), mlp_classifier.Model)
 
 
 _LOAD_ON_ONE_DEVICE = """
 import sys, jax, numpy as np
 from configs.core import synthetic
-from zoo_core import models, trainer
+from zoo_core import mlp_classifier, trainer
 c = synthetic.get_config("smoke")
-_, params, step = trainer.load_params(sys.argv[1], models.Model, c)
+_, params, step = trainer.load_params(sys.argv[1], mlp_classifier.Model, c)
 assert jax.device_count() == 1 and step == 2
 np.savez(sys.argv[2], **{"/".join(map(str, k)): np.asarray(v) for k, v in
                          jax.tree_util.tree_flatten_with_path(params)[0]})
@@ -445,8 +445,8 @@ np.savez(sys.argv[2], **{"/".join(map(str, k)): np.asarray(v) for k, v in
 def test_load_params_reads_a_checkpoint_of_another_topology(data_dir, tmp_path):
     """Saved replicated over 2 devices here, read back in a 1-device process (a notebook)."""
     c = _config(data_dir)
-    trainer.train_and_evaluate(c, str(tmp_path / "run"), models.Model)
-    _, params, step = trainer.load_params(str(tmp_path / "run"), models.Model, c)
+    trainer.train_and_evaluate(c, str(tmp_path / "run"), mlp_classifier.Model)
+    _, params, step = trainer.load_params(str(tmp_path / "run"), mlp_classifier.Model, c)
     root = pathlib.Path(__file__).resolve().parents[2]
     env = command_env()
     subprocess.run([sys.executable, "-c", _LOAD_ON_ONE_DEVICE, str(tmp_path / "run"),
@@ -460,30 +460,30 @@ def test_load_params_reads_a_checkpoint_of_another_topology(data_dir, tmp_path):
 
 
 def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
-    assert trainer.step_kwargs(models.MLPClassifier(hidden=4, num_classes=2), 3) == {}
+    assert trainer.step_kwargs(mlp_classifier.MLPClassifier(hidden=4, num_classes=2), 3) == {}
     assert trainer.step_kwargs(StepProbe(), 3) == {"step": 3}
 
 
 def test_evaluate_checkpoint_scores_the_best_checkpoint_on_another_split(data_dir, tmp_path):
     c = _config(data_dir, total_steps=40, batch_size=16, eval_batch_size=16, eval_max_examples=0,
                 log_every_steps=20, eval_every_steps=20, checkpoint_every_steps=20, **{"optim.learning_rate": 1e-2})
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     evals = [r for r in metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/accuracy" in r]
     best = max(evals, key=lambda r: r["eval/accuracy"])
     # The same split again reproduces the logged eval of the best step exactly.
-    again = trainer.evaluate_checkpoint(c, str(tmp_path), models.Model, which="best")
+    again = trainer.evaluate_checkpoint(c, str(tmp_path), mlp_classifier.Model, which="best")
     assert again["step"] == best["step"]
     np.testing.assert_allclose(again["eval/accuracy"], best["eval/accuracy"], rtol=1e-6)
     np.testing.assert_allclose(again["eval/loss"], best["eval/loss"], rtol=1e-5)
     assert json.load(open(tmp_path / f"eval_best_{c.data.eval_split}.json"))["step"] == best["step"]
     other = "train" if c.data.eval_split != "train" else "validation"
-    latest = trainer.evaluate_checkpoint(c, str(tmp_path), models.Model, which="latest", split=other)
+    latest = trainer.evaluate_checkpoint(c, str(tmp_path), mlp_classifier.Model, which="latest", split=other)
     assert latest["step"] == 40 and 0.0 <= latest["eval/accuracy"] <= 1.0
     assert os.path.exists(tmp_path / f"eval_latest_{other}.json")
     with pytest.raises(trainer.ConfigError, match="which"):
-        trainer.evaluate_checkpoint(c, str(tmp_path), models.Model, which="newest")
+        trainer.evaluate_checkpoint(c, str(tmp_path), mlp_classifier.Model, which="newest")
     with pytest.raises(FileNotFoundError):
-        trainer.evaluate_checkpoint(c, str(tmp_path / "empty"), models.Model)
+        trainer.evaluate_checkpoint(c, str(tmp_path / "empty"), mlp_classifier.Model)
 
 
 def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_path):
@@ -492,10 +492,10 @@ def test_resume_with_torch_one_cycle_and_cycled_beta1_is_exact(data_dir, tmp_pat
                 **{"schedule.name": "one_cycle", "schedule.anneal": "linear", "schedule.pct_start": 0.25,
                    "schedule.cycle_momentum": True})
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    trainer.train_and_evaluate(c, str(full), models.Model)
+    trainer.train_and_evaluate(c, str(full), mlp_classifier.Model)
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "40")
-    trainer.train_and_evaluate(c, str(resumed), models.Model)
+    trainer.train_and_evaluate(c, str(resumed), mlp_classifier.Model)
     assert (resumed / "checkpoints" / "40").exists()    # trained steps 21..40 again after the restore
     logged = [r["step"] for r in metrics_lib.read_jsonl(str(resumed / "metrics.jsonl")) if "train/loss" in r]
     assert logged == sorted(set(logged)) and logged[-1] == 40   # steps 21..40 once, not twice
@@ -519,7 +519,7 @@ class SlowStep(nn.Module):
 
     @nn.compact
     def __call__(self, batch, *, train=False):
-        out, aux = models.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
+        out, aux = mlp_classifier.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
         if train:
             m = jnp.eye(256) + 1e-3 * jnp.mean(out["logits"])
             m = jax.lax.fori_loop(0, 50, lambda _, a: jnp.tanh(a @ a), m)
@@ -569,7 +569,7 @@ def test_a_checkpoint_with_per_parameter_optimiser_state_is_refused_and_kept(dat
     import optax
     from zoo_core import checkpoint as ckpt_lib
     c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     ckpts = ckpt_lib.Checkpoints(str(tmp_path), keep=3)
     saved = ckpts.last.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
                                                           config=ocp.args.JsonRestore()))
@@ -580,9 +580,9 @@ def test_a_checkpoint_with_per_parameter_optimiser_state_is_refused_and_kept(dat
     ckpts.close()
     c.total_steps = 4
     with pytest.raises(trainer.ConfigError, match=r"step 2 .* optimiser state in another layout"):
-        trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+        trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert os.listdir(tmp_path / "checkpoints") == ["2"] and not (tmp_path / "damaged").exists()
-    _, params, step = trainer.load_params(str(tmp_path), models.Model, c)
+    _, params, step = trainer.load_params(str(tmp_path), mlp_classifier.Model, c)
     assert step == 2 and jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(saved.state["params"])
 
 
@@ -590,34 +590,34 @@ def test_a_workdir_of_another_model_is_refused_and_left_intact(data_dir, tmp_pat
     """A config change that reshapes the state must not count as damage (which would move the run's
     checkpoints aside and restart it from step 0)."""
     c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     before = json.load(open(tmp_path / "config.json"))
     shutil.rmtree(tmp_path / "best")   # an empty best/ (no eval yet): a refused run must not make it again
     listing = sorted(os.listdir(tmp_path))
     wider = _config(data_dir, total_steps=4, eval_every_steps=0, checkpoint_every_steps=2,
                     **{"model.hidden": c.model.hidden * 2})
     with pytest.raises(trainer.ConfigError, match=r"another config: model.hidden: 32 -> 64") as refused:
-        trainer.train_and_evaluate(wider, str(tmp_path), models.Model)
+        trainer.train_and_evaluate(wider, str(tmp_path), mlp_classifier.Model)
     # Python is told the argument, the command line (main.py) the flag.
     assert "train_and_evaluate(allow_config_change=True)" in str(refused.value)
     command_line = refused.value.command_line
     assert "--allow_config_change" in command_line and "train_and_evaluate" not in command_line
     # Allowed, the change still cannot restore the checkpoint: refused, and no empty best/ is left.
     with pytest.raises(trainer.ConfigError, match=r"step 2 .* another model or config \(params/.* is"):
-        trainer.train_and_evaluate(wider, str(tmp_path), models.Model, allow_config_change=True)
+        trainer.train_and_evaluate(wider, str(tmp_path), mlp_classifier.Model, allow_config_change=True)
     assert os.listdir(tmp_path / "checkpoints") == ["2"] and not (tmp_path / "damaged").exists()
     assert sorted(os.listdir(tmp_path)) == listing
     assert json.load(open(tmp_path / "config.json")) == before
     # The same config still resumes from it.
     c.total_steps = 4
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
 
 
 def test_a_split_slice_is_a_valid_eval_split(data_dir, tmp_path):
     c = _config(data_dir, eval_max_examples=0)
     c.data.eval_split = f"{c.data.eval_split}[:50%]"
-    result = trainer.train_and_evaluate(c, str(tmp_path), models.Model)
+    result = trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
     assert 0.0 <= result["eval/accuracy"] <= 1.0
 
 
@@ -687,7 +687,7 @@ def test_a_run_builds_its_model_task_optimiser_and_data_builder_once(data_dir, t
     monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
     monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
     monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
-    trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), counted("model", models.Model))
+    trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), counted("model", mlp_classifier.Model))
     assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
 
 
@@ -695,7 +695,7 @@ def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoin
                                                                                     caplog):
     c = _config(data_dir, total_steps=4, eval_every_steps=2, checkpoint_every_steps=2)
     caplog.set_level(logging.INFO)
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model, print_summary=True)
     printed = capsys.readouterr().out.strip().splitlines()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     evals = [(r[c.checkpoint.best_metric], -r["step"]) for r in rows if c.checkpoint.best_metric in r]
@@ -706,17 +706,17 @@ def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoin
     assert printed == [want]
     assert want in caplog.text
     # A finished run says the same when called again, with nothing left to train.
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model, print_summary=True)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model, print_summary=True)
     assert capsys.readouterr().out.strip().splitlines() == [want]
 
 
 def test_a_setup_checked_for_another_config_is_refused(data_dir, tmp_path):
     c = _config(data_dir, total_steps=2)
-    setup = trainer.check_setup(c, models.Model)
+    setup = trainer.check_setup(c, mlp_classifier.Model)
     with pytest.raises(ValueError, match="setup must be check_setup"):
-        trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), models.Model, setup=setup)
+        trainer.train_and_evaluate(_config(data_dir, total_steps=2), str(tmp_path), mlp_classifier.Model, setup=setup)
     with pytest.raises(ValueError, match="setup must be check_setup"):
-        trainer.train_and_evaluate(c, str(tmp_path), models.Model, setup=setup, evaluators=[lambda *a, **k: {}])
+        trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model, setup=setup, evaluators=[lambda *a, **k: {}])
     assert not os.path.exists(tmp_path / "checkpoints")
-    trainer.train_and_evaluate(c, str(tmp_path), models.Model, setup=setup)
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model, setup=setup)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]

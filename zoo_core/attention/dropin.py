@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention as la
+from zoo_core import linear_attention
 from zoo_core.attention import registry
 from zoo_core.checks import check_tokens
 
@@ -27,7 +27,7 @@ def _global_linear(inner: nn.Module, x_q: Array, x_kv: Array, mask: Optional[Arr
     split = lambda y: y.reshape(y.shape[:-1] + (inner.num_heads, -1))  # noqa: E731
     q = split(inner.query(x_q))
     k = split(inner.key(inner.key_dropout(x_kv, deterministic=deterministic)))
-    num, _ = la.noncausal(q, k, split(inner.value(x_kv)), mask=mask, query_mask=query_mask)
+    num, _ = linear_attention.noncausal(q, k, split(inner.value(x_kv)), mask=mask, query_mask=query_mask)
     dtype = inner.dtype if inner.dtype is not None else jnp.promote_types(x_q.dtype, inner.param_dtype)
     return inner.out(num.astype(dtype).reshape(num.shape[:-2] + (-1,)),
                      inner.out_features or x_q.shape[-1])

@@ -47,9 +47,9 @@ class MLPClassifier(nn.Module):
 
 def Model(**kwargs) -> nn.Module:  # noqa: N802
     """`MLPClassifier(**config.model)`; None leaves a field unset and dtypes may be named
-    (`checks.model_fields`). Raises ValueError naming an unknown field."""
+    (`checks.constructor_kwargs`). Raises ValueError naming an unknown field."""
     fields = {f.name for f in dataclasses.fields(MLPClassifier)} - {"parent", "name"}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
         checks.fail(f"unknown Model kwargs: {unknown}; allowed: {sorted(fields)}")
-    return MLPClassifier(**checks.model_fields(kwargs))
+    return MLPClassifier(**checks.constructor_kwargs(kwargs))
