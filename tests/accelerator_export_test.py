@@ -1,0 +1,62 @@
+"""The programs a GPU or TPU would run, read on the CPU through `jax.export` (no accelerator needed).
+
+Every main config's train step (the trainer's own, `bench.train_step_setup`) and every attention's
+training call, non-causal and causal (parallel and chunked), export for cuda and for tpu, and none
+holds a while loop: a loop over chunks or tokens runs its control from the host, one iteration at a
+time, on an accelerator.
+"""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zoo_core import attention, bench, testing
+
+PLATFORMS = ("cuda", "tpu")
+# (config module, its smoke argument, the Model factory's module)
+MAIN_CONFIGS = {
+    "agf_listops": ("configs.agf.lra_listops", "smoke", "agf_jax.model"),
+    "agf_listops_softmax": ("configs.agf.lra_listops", "attention=softmax,smoke", "agf_jax.model"),
+    "samovar_fig4": ("configs.samovar.synthetic_var", "smoke", "samovar_jax.model"),
+    "htgn_number_words": ("configs.htgn.number_words", "smoke", "htgn_jax.model"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAIN_CONFIGS))
+def test_main_train_steps_export_without_loops(name):
+    module, arg, model_module = MAIN_CONFIGS[name]
+    config = importlib.import_module(module).get_config(arg)
+    s = bench.train_step_setup(config, importlib.import_module(model_module).Model, donate=False)
+    for platform in PLATFORMS:
+        program = testing.exported_program(s["step"], s["state"], s["batch"], platform=platform)
+        assert testing.while_loops(program) == 0, (name, platform)
+
+
+def _forms():
+    for name in attention.names("self"):
+        yield name, dict(causal=False)
+    for name in attention.names("causal"):
+        yield name, dict(causal=True)
+        yield name, dict(causal=True, chunk_size=8)
+
+
+@pytest.mark.parametrize("name,kw", list(_forms()), ids=lambda v: v if isinstance(v, str) else
+                         "-".join(f"{k}{v}" for k, v in sorted(v.items())))
+def test_attention_training_forms_export_without_loops(name, kw):
+    kw = dict(kw)
+    causal = kw.pop("causal")
+    block = attention.make(name, num_heads=2, qkv_features=16, causal=causal, **kw)
+    x = np.random.default_rng(0).normal(size=(2, 32, 16)).astype(np.float32)
+    mask = np.arange(32)[None, :] < np.array([[32], [27]])
+    params = block.init(jax.random.PRNGKey(0), x, mask=mask)
+
+    def loss(p, x, mask):
+        y = block.apply(p, x, mask=mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)},
+                        mutable=["losses"])[0]
+        return jnp.sum(y * y)
+
+    for platform in PLATFORMS:
+        program = testing.exported_program(jax.grad(loss), params, x, mask, platform=platform)
+        assert testing.while_loops(program) == 0, (name, kw, platform)
