@@ -23,10 +23,10 @@ the call ends inside 8 minutes):
   each N and its ratio to the first N (target <= 1.3), causal over non-causal (target <= 2 for AGF).
 - `peers`: `benchmarks/peers.py --device cuda` (official fp32, tf32, amp beside ours) when --agf_src /
   --samovar_src are given (--tiny: our side only).
+- `profile`: a `jax.profiler` trace of a few steps of one config, as profile.tar.gz beside --out.
 - `reference_runs`: AGF ListOps and its softmax control at the reference budget (5,000 steps), the best
   validation checkpoint scored on test, then the five UEA JapaneseVowels seeds; the run's own steps/s
   end to end beside the bare step. With --tiny the smoke configs.
-- `profile`: a `jax.profiler` trace of a few steps of one config, as profile.tar.gz beside --out.
 
 Planning: every item (a config, a test file, a script, a run) has an estimate, from compile and step
 times measured earlier in the run or, before any, from `GUESS_S`; an item whose estimate does not fit
@@ -52,6 +52,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:   # `python benchmarks/device_check.py` as well as `python -m benchmarks.device_check`
     sys.path.insert(0, str(REPO))
 
+# On demand, not 75% of the GPU at the first touch: the tests, scaling and peers subprocesses (torch
+# too) share the device with this process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 from benchmarks import device_phases  # noqa: E402 - after the path above
 from benchmarks.device_phases import GUESS_S, MAIN_CONFIGS, error_record  # noqa: E402,F401 (MAIN_CONFIGS: public)
 from zoo_core import checks  # noqa: E402
@@ -63,13 +67,13 @@ TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "t
               "tests/zoo_core/linear_attention_test.py", "tests/zoo_core/attention_test.py",
               "tests/zoo_core/layout_test.py", "tests/zoo_core/testing_test.py")
 TINY_TEST_FILES = ("tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise",)
-PHASES = ("bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "reference_runs", "profile")
-DEFAULT_PHASES = PHASES[:-1]
+PHASES = ("bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "reference_runs")
+DEFAULT_PHASES = tuple(p for p in PHASES if p != "profile")
 DTYPES = ("float32", "bfloat16")
 BISECT_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
 # Phase budgets in seconds, (--tiny, full): caps; what is left of --budget_s binds first.
-PHASE_BUDGET_S = dict(bounds=(20, 20), steps=(60, 110), bisect_bf16=(60, 110), tests=(60, 100),
-                      scaling=(40, 100), peers=(60, 110), reference_runs=(120, 400), profile=(30, 30))
+PHASE_BUDGET_S = dict(bounds=(20, 15), steps=(60, 110), bisect_bf16=(60, 100), tests=(60, 100),
+                      scaling=(40, 70), peers=(60, 90), reference_runs=(120, 400), profile=(30, 30))
 _factory = device_phases.factory   # benchmarks/memory_options.py builds the same steps
 
 

@@ -41,7 +41,7 @@ def test_tiny_check_plans_and_records_every_phase(tmp_path):
     summary = json.loads(out.read_text())
     ph = summary["phases"]
     assert summary["tiny"] is True and summary["ok"] is False
-    assert list(ph) == ["bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "reference_runs", "profile"]
+    assert list(ph) == ["bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "reference_runs"]
     assert all("wall_s" in p and "budget_s" in p and "started_s" in p for p in ph.values())
     assert ph["bounds"]["peak_gflops"] > 0 and ph["bounds"]["peak_gflops_bf16"] > 0
     # Steps: both dtypes, compile and run time, the bf16 / f32 ratio.
