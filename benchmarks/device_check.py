@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -240,7 +239,8 @@ def _fmt(v, spec=".4g"):
 def report(summary: dict[str, Any]) -> str:
     meta, ph = summary["meta"], summary["phases"]
     lines = [f"device check  {meta['time_utc']}  backend {meta['backend']} ({meta['device_kind']})  jax "
-             f"{meta['jax']}  tiny={summary['tiny']}  wall {summary['wall_s']:.0f} s of budget {summary['budget_s']:.0f} s",
+             f"{meta['jax']}  tiny={summary['tiny']}  wall {summary['wall_s']:.0f} s of budget "
+             f"{summary['budget_s']:.0f} s",
              f"load average before {summary['load_before']} after {summary.get('load_after')}"]
     for name, p in ph.items():
         lines.append(f"phase {name}: {p.get('status')}  wall {_fmt(p.get('wall_s'), '.1f')} s  compile "
@@ -274,7 +274,8 @@ def report(summary: dict[str, Any]) -> str:
         lines.append(f"peers {rec.get('case')}: {rec.get('status')} ratios {rec.get('ratios')} {rec.get('reason', '')}")
     for name, r in ph.get("reference_runs", {}).get("runs", {}).items():
         lines.append(f"run {name}: {r['status']} {r.get('reason', '')} test {r.get('test_metrics')} "
-                     f"train steps/s {_fmt(r.get('train_steps_per_s'), '.3g')} bare {_fmt(r.get('bare_steps_per_s'), '.3g')}")
+                     f"train steps/s {_fmt(r.get('train_steps_per_s'), '.3g')} "
+                     f"bare {_fmt(r.get('bare_steps_per_s'), '.3g')}")
     pr = ph.get("profile", {})
     if pr.get("archive"):
         lines.append(f"profile: {pr['archive']} ({pr.get('archive_bytes')} bytes)")
@@ -295,9 +296,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--phases", default=",".join(DEFAULT_PHASES), help=f"comma-separated subset of {list(PHASES)}")
     p.add_argument("--bisect_bf16", action="store_true", help="add the bisect_bf16 phase to --phases")
     p.add_argument("--profile", action="store_true", help="add the profile phase to --phases")
-    p.add_argument("--steps", type=checks.positive_int, default=None, help="timed steps per record (default 10; --tiny 2)")
+    p.add_argument("--steps", type=checks.positive_int, default=None,
+                   help="timed steps per record (default 10; --tiny 2)")
     p.add_argument("--warmup", type=checks.nonnegative_int, default=2)
-    p.add_argument("--configs", default=None, help="step configs (default all of benchmarks.device_phases.MAIN_CONFIGS)")
+    p.add_argument("--configs", default=None,
+                   help="step configs (default all of benchmarks.device_phases.MAIN_CONFIGS)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="compute dtypes of the steps phase")
     p.add_argument("--bisect_forms", default=",".join(BISECT_FORMS), help="plain forms the bisect swaps in")
     p.add_argument("--tests", default=None, help="comma-separated pytest paths / node ids (default: the subset)")

@@ -332,7 +332,9 @@ def phase_peers(check) -> dict[str, Any]:
         out["records"] = [dict(case=r["case"], status=r["status"], reason=r.get("reason", ""),
                                ours_median_s=(r.get("ours") or {}).get("median_s"),
                                compile_s=(r.get("ours") or {}).get("compile_s"),
-                               official={k: v.get("median_s") for k, v in (r.get("official_by_precision") or {}).items()},
+                               official={k: v.get("median_s")
+                                         for k, v in (r.get("official_by_precision") or {}).items()},
+                               official_errors=r.get("official_errors"),
                                ratios=r.get("ratios_official_over_ours") or (
                                    {"fp32": r["ratio_official_over_ours"]} if "ratio_official_over_ours" in r else {}))
                           for r in data["records"]]
@@ -410,7 +412,14 @@ def phase_reference_runs(check) -> dict[str, Any]:
             rec["bare_steps_per_s"] = step["steps_per_s"]
             estimate = _estimate_run_s(step["median_s"], lra_listops.get_config(config_arg or None), args.tiny)
         else:
-            estimate = GUESS_S["uea_run_tiny" if args.tiny else "uea_run"]
+            done = [r for k, r in out["runs"].items() if k.startswith("uea_") and "rc" in r]
+            if any(r["rc"] != 0 for r in done):
+                rec.update(status="skipped", reason="an earlier JapaneseVowels seed failed (see its tail)")
+                check.write()
+                continue
+            # The seeds' runs are alike: the last one's wall time estimates the next.
+            estimate = done[-1]["wall_s"] + done[-1].get("test_wall_s", 0.0) if done else \
+                GUESS_S["uea_run_tiny" if args.tiny else "uea_run"]
         if not check.fits(rec, estimate):
             check.write()
             continue

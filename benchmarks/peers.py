@@ -22,8 +22,9 @@ Official steps run with `torch.set_num_threads(--threads)` (default 2) in float3
 code's CUDA autocast and GradScaler do nothing there, so they are off). With `--device cuda` (on a GPU
 machine; our side runs on JAX's default backend, the GPU) they run there in each of `--precisions`
 (default fp32, tf32 and amp: fp16 autocast + GradScaler, as the official `run_tasks.py`), every
-precision a side of its own in the same interleaved rounds, each with its ratio to ours. Both sides train on the same
-token ids / series where the shapes allow it (our batch is converted for the official model).
+precision a side of its own in the same interleaved rounds, each with its ratio to ours (a precision
+whose model fails to build is recorded with its error). Both sides train on the same token ids /
+series where the shapes allow it (our batch is converted for the official model).
 Our steps run on the CPU devices that their configs' `parallel.cpu_devices` gives the training command
 (one per core for these four, `zoo_core.sharding.cpu_device_count`); `--cpu_devices N` overrides it, e.g.
 `--cpu_devices 1` for the single-device step. The count is per process, so the selected cases must agree.
@@ -189,8 +190,14 @@ def run_step_case(case: str, args, log) -> dict[str, Any]:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("--device cuda: torch sees no CUDA device (a CPU-only torch wheel?)")
         for precision in args.precisions:
-            side = _official_side(args, precision)
-            sides[side], info = official_step(src, case, ours, args.tiny, args.seed, args.device, precision)
+            try:
+                step, info = official_step(src, case, ours, args.tiny, args.seed, args.device, precision)
+            except Exception as err:  # noqa: BLE001 (one precision's failure must not hide the others)
+                if len(args.precisions) == 1:
+                    raise
+                rec.setdefault("official_errors", {})[precision] = f"{type(err).__name__}: {err}"[:300]
+                continue
+            sides[_official_side(args, precision)] = step
             rec.setdefault("official", info)
     else:
         rec["official"] = dict(skipped=reason)
@@ -201,8 +208,10 @@ def run_step_case(case: str, args, log) -> dict[str, Any]:
     rec["load_after"] = loadavg()
     if src is not None and _official_side(args, args.precisions[0]) != "official":
         # Several precisions: each under its own name; 'official' holds the first (fp32 by default).
-        rec["official_by_precision"] = {p: timing.pop(_official_side(args, p)) for p in args.precisions}
-        timing["official"] = rec["official_by_precision"][args.precisions[0]]
+        rec["official_by_precision"] = {p: timing.pop(_official_side(args, p)) for p in args.precisions
+                                        if _official_side(args, p) in timing}
+        if rec["official_by_precision"]:
+            timing["official"] = next(iter(rec["official_by_precision"].values()))
         rec["ratios_official_over_ours"] = {p: t["median_s"] / timing["ours"]["median_s"]
                                             for p, t in rec["official_by_precision"].items()}
     for name, t in timing.items():
@@ -412,8 +421,8 @@ def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     f"{_fmt(ours.get('epoch_train_s'))} s, eval {_fmt(off.get('eval_s'))} / "
                     f"{_fmt(ours.get('eval_s'))} s; {note}").rstrip("; ")
         if r.get("ratios_official_over_ours"):
-            note = ("off/ours by precision " + ", ".join(f"{p} {v:.2f}" for p, v in r["ratios_official_over_ours"].items())
-                    + f"; {note}").rstrip("; ")
+            by = ", ".join(f"{p} {v:.2f}" for p, v in r["ratios_official_over_ours"].items())
+            note = f"off/ours by precision {by}; {note}".rstrip("; ")
         if r.get("ratio_per_round"):
             note = (f"off/ours per round {min(r['ratio_per_round']):.2f}-{max(r['ratio_per_round']):.2f}; "
                     f"{note}").rstrip("; ")
@@ -477,7 +486,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.precisions = checks.choice_list(p, "--precisions", args.precisions or (
         ",".join(PRECISIONS) if args.device == "cuda" else "fp32"), PRECISIONS)
     if args.device == "cpu" and args.precisions != ["fp32"]:
-        p.error(f"--precisions {','.join(args.precisions)}: only fp32 runs on --device cpu (tf32 and amp are CUDA's)")
+        p.error(f"--precisions {','.join(args.precisions)}: only fp32 runs on --device cpu "
+                "(tf32 and amp are CUDA's)")
     # A source that is given but wrong is a mistake, not a reason to skip: the run would time nothing.
     for case in args.cases:
         which = OFFICIAL_FILES[case][0]

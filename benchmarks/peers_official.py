@@ -133,7 +133,8 @@ def _official_agf_lra(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed:
         anneal_strategy=train_cfg["lr_decay"], total_steps=10**6)
 
     step = _train_step(opt, lambda: model(**batch)["loss"].mean(), device, precision, sched)
-    info = dict(file="AGF_LRA/model_wrapper.py::ModelForSC", device=device, precision=precision, attn_type=attn_type, batch=list(ids.shape),
+    info = dict(file="AGF_LRA/model_wrapper.py::ModelForSC", device=device, precision=precision,
+                attn_type=attn_type, batch=list(ids.shape),
                 max_seq_len=cfg["max_seq_len"], num_params=sum(p.numel() for p in model.parameters()))
     return step, info
 
@@ -181,7 +182,8 @@ def _official_samovar(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed:
         return F.mse_loss(output, xp) + ar_loss
 
     step = _train_step(opt, loss_fn, device, precision)
-    info = dict(file=f"models/{file}::Model", device=device, precision=precision, batch=[batch_size, config.seq_len, config.enc_in],
+    info = dict(file=f"models/{file}::Model", device=device, precision=precision,
+                batch=[batch_size, config.seq_len, config.enc_in],
                 num_params=sum(p.numel() for p in model.parameters()))
     return step, info
 
