@@ -24,6 +24,8 @@ the call ends inside 8 minutes):
 - `peers`: `benchmarks/peers.py --device cuda` (official fp32, tf32, amp beside ours) when --agf_src /
   --samovar_src are given (--tiny: our side only).
 - `profile`: a `jax.profiler` trace of a few steps of one config, as profile.tar.gz beside --out.
+- `throughput`: each main config's training command for `--throughput_steps` steps (no evaluation): its
+  own steps/s end to end beside the bare step (target on a GPU: within 10%).
 - `reference_runs`: AGF ListOps and its softmax control at the reference budget (5,000 steps), the best
   validation checkpoint scored on test, then the five UEA JapaneseVowels seeds; the run's own steps/s
   end to end beside the bare step. With --tiny the smoke configs.
@@ -66,13 +68,14 @@ TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "t
               "tests/zoo_core/linear_attention_test.py", "tests/zoo_core/attention_test.py",
               "tests/zoo_core/layout_test.py", "tests/zoo_core/testing_test.py")
 TINY_TEST_FILES = ("tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise",)
-PHASES = ("bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "reference_runs")
+PHASES = ("bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "throughput", "reference_runs")
 DEFAULT_PHASES = tuple(p for p in PHASES if p != "profile")
 DTYPES = ("float32", "bfloat16")
 BISECT_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
 # Phase budgets in seconds, (--tiny, full): caps; what is left of --budget_s binds first.
 PHASE_BUDGET_S = dict(bounds=(20, 15), steps=(60, 110), bisect_bf16=(60, 100), tests=(60, 100),
-                      scaling=(40, 70), peers=(60, 90), reference_runs=(120, 400), profile=(30, 30))
+                      scaling=(40, 70), peers=(60, 90), profile=(30, 30), throughput=(40, 90),
+                      reference_runs=(120, 400))
 _factory = device_phases.factory   # benchmarks/memory_options.py builds the same steps
 
 
@@ -272,6 +275,10 @@ def report(summary: dict[str, Any]) -> str:
     pe = ph.get("peers", {})
     for rec in pe.get("records", []) or []:
         lines.append(f"peers {rec.get('case')}: {rec.get('status')} ratios {rec.get('ratios')} {rec.get('reason', '')}")
+    for name, r in ph.get("throughput", {}).get("runs", {}).items():
+        lines.append(f"throughput {name}: {r['status']} {r.get('reason', '')} train steps/s "
+                     f"{_fmt(r.get('train_steps_per_s'), '.3g')} bare {_fmt(r.get('bare_steps_per_s'), '.3g')} "
+                     f"ratio {_fmt(r.get('train_over_bare'), '.3f')}")
     for name, r in ph.get("reference_runs", {}).get("runs", {}).items():
         lines.append(f"run {name}: {r['status']} {r.get('reason', '')} test {r.get('test_metrics')} "
                      f"train steps/s {_fmt(r.get('train_steps_per_s'), '.3g')} "
@@ -315,6 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scaling_max_run_s", type=checks.positive_float, default=5.0, help="stop a case past this median")
     p.add_argument("--agf_src", default=os.environ.get("AGF_SRC"), help="official AGF checkout (peers phase)")
     p.add_argument("--samovar_src", default=os.environ.get("SAMOVAR_SRC"), help="official SAMoVAR checkout")
+    p.add_argument("--throughput_steps", type=checks.positive_int, default=1000,
+                   help="steps of each throughput run (--tiny 20)")
     p.add_argument("--uea_seeds", type=checks.nonnegative_int, default=5, help="JapaneseVowels seeds after ListOps")
     p.add_argument("--profile_config", default="agf_listops")
     p.add_argument("--profile_dtype", default="bfloat16", choices=DTYPES)

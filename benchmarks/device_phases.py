@@ -377,6 +377,59 @@ def _best_eval(workdir: pathlib.Path) -> float | None:
     return max(acc) if acc else None
 
 
+def _command_of(name: str, tiny: bool) -> tuple[list[str], Any]:
+    """The training command of a main config (`python -m <package>.train --config <file>:<arg>`) and the
+    config it resolves to."""
+    module, arg, tiny_arg, _ = MAIN_CONFIGS[name]
+    arg = tiny_arg if tiny else arg
+    package = {"agf": "agf_jax", "samovar": "samovar_jax", "htgn": "htgn_jax"}[module.split(".")[1]]
+    path = module.replace(".", "/") + ".py" + (f":{arg}" if arg else "")
+    return [sys.executable, "-m", f"{package}.train", "--config", path], main_config(name, tiny)
+
+
+def phase_throughput(check) -> dict[str, Any]:
+    """Each main config's training command for a few hundred steps (no evaluation, one checkpoint at the
+    end, a smaller generated split): its own steps/s end to end beside the bare step of the steps phase."""
+    args = check.args
+    out: dict[str, Any] = dict(status="ok", runs={})
+    check.summary["phases"]["throughput"] = out
+    steps = check.summary["phases"].get("steps", {}).get("records", {})
+    total, log_every = (20, 5) if args.tiny else (args.throughput_steps, max(args.throughput_steps // 10, 1))
+    for name in args.configs:
+        rec: dict[str, Any] = dict(status="planned", config=name, steps=total)
+        out["runs"][name] = rec
+        step = steps.get(f"{name}/float32", {})
+        if "median_s" not in step:
+            rec.update(status="skipped", reason=f"no step time for {name}/float32 (phase steps)")
+            check.write()
+            continue
+        rec["bare_steps_per_s"] = step["steps_per_s"]
+        overhead = 10.0 if args.tiny else 30.0   # process start, data generation, checkpoint
+        if not check.fits(rec, overhead + step["compile_s"] + 2 * total * step["median_s"]):
+            check.write()
+            continue
+        cmd, config = _command_of(name, args.tiny)
+        workdir = check.work / "throughput" / name
+        workdir.parent.mkdir(parents=True, exist_ok=True)
+        cmd += ["--workdir", str(workdir), f"--config.total_steps={total}", "--config.eval_every_steps=0",
+                "--config.checkpoint_every_steps=0", f"--config.log_every_steps={log_every}"]
+        options = config.data.get("options", None) or {}
+        for key, keep in (("num_train", 100 * int(config.batch_size)), ("num_validation", int(config.eval_batch_size)),
+                          ("num_test", int(config.eval_batch_size))):
+            if options.get(key):
+                cmd.append(f"--config.data.options.{key}={min(int(options[key]), keep)}")
+        rc, wall = _run_logged(cmd, check, workdir.parent / f"{name}.log", check.left())
+        rec.update(status="ok" if rc == 0 else "failed", rc=rc, wall_s=round(wall, 2), command=" ".join(cmd[2:]),
+                   train_steps_per_s=train_rate(workdir))
+        if rec["train_steps_per_s"]:
+            rec["train_over_bare"] = rec["train_steps_per_s"] / rec["bare_steps_per_s"]
+        if rc != 0:
+            rec["tail"] = (workdir.parent / f"{name}.log").read_text(errors="replace")[-1500:]
+            out["status"] = "failed"
+        check.write()
+    return out
+
+
 def _estimate_run_s(step_s: float, config, tiny: bool) -> float:
     """The steps, the evaluations (a forward pass: about a third of a training step per example) and
     REFERENCE_OVERHEAD_S."""
@@ -488,4 +541,5 @@ def phase_profile(check) -> dict[str, Any]:
 
 
 PHASE_FUNCTIONS = dict(bounds=phase_bounds, steps=phase_steps, bisect_bf16=phase_bisect_bf16, scaling=phase_scaling,
-                       peers=phase_peers, profile=phase_profile, reference_runs=phase_reference_runs)
+                       peers=phase_peers, profile=phase_profile, throughput=phase_throughput,
+                       reference_runs=phase_reference_runs)

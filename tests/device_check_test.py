@@ -41,7 +41,8 @@ def test_tiny_check_plans_and_records_every_phase(tmp_path):
     summary = json.loads(out.read_text())
     ph = summary["phases"]
     assert summary["tiny"] is True and summary["ok"] is False
-    assert list(ph) == ["bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "reference_runs"]
+    assert list(ph) == ["bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "throughput",
+                        "reference_runs"]
     assert all("wall_s" in p and "budget_s" in p and "started_s" in p for p in ph.values())
     assert ph["bounds"]["peak_gflops"] > 0 and ph["bounds"]["peak_gflops_bf16"] > 0
     # Steps: both dtypes, compile and run time, the bf16 / f32 ratio.
@@ -70,6 +71,9 @@ def test_tiny_check_plans_and_records_every_phase(tmp_path):
     # Skipped for budget, with the estimate: never started.
     assert ph["peers"]["status"] == "skipped" and ph["peers"]["skipped_for"] == "budget"
     assert ph["peers"]["estimate_s"] > ph["peers"]["left_s"]
+    # The training command's own steps/s beside the bare step.
+    run = ph["throughput"]["runs"]["agf_listops"]
+    assert run["status"] == "ok" and run["steps"] == 20 and run["train_steps_per_s"] > 0 and run["train_over_bare"] > 0
     runs = ph["reference_runs"]["runs"]
     assert runs["agf_listops_reference"]["skipped_for"] == "budget" and runs["agf_listops_reference"]["estimate_s"] > 2
     assert runs["agf_listops_reference"]["bare_steps_per_s"] > 0
