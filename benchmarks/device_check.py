@@ -175,6 +175,26 @@ def _seen_in_log(text: str) -> dict[str, Any]:
     return seen
 
 
+def pytest_runtest_logreport(report) -> None:
+    """pytest hook (the tests phase loads this module with `-p benchmarks.device_check`): appends each
+    test's outcome, and a failure's message, to $DEVICE_CHECK_TEST_LOG as it happens, so a file killed
+    at its timeout still has its failures' messages."""
+    path = os.environ.get("DEVICE_CHECK_TEST_LOG")
+    if not path or (report.when != "call" and report.passed):
+        return
+    rec = dict(test=report.nodeid, when=report.when, outcome=report.outcome, duration_s=round(report.duration, 3))
+    if report.failed:
+        rec["message"] = report.longreprtext[-1500:]
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _streamed_results(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def phase_tests(check: Check) -> dict[str, Any]:
     args = check.args
     files = args.tests or list(TINY_TEST_FILES if args.tiny else TEST_FILES)
@@ -195,13 +215,16 @@ def phase_tests(check: Check) -> dict[str, Any]:
         timeout = max(min(args.test_file_timeout_s, check.left()), 1)
         xml = junit_dir / f"{i:02d}.xml"
         log = junit_dir / f"{i:02d}.log"
+        streamed = junit_dir / f"{i:02d}.jsonl"
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:xdist", "-p", "no:cacheprovider",
-               f"--junitxml={xml}", target]
+               "-p", "benchmarks.device_check", f"--junitxml={xml}", target]
+        env = check.env(JAX_DEFAULT_MATMUL_PRECISION=args.test_precision, DEVICE_CHECK_TEST_LOG=str(streamed),
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         t0 = time.perf_counter()
         with open(log, "w") as f:
             try:
-                rc = subprocess.run(cmd, cwd=REPO, env=check.env(JAX_DEFAULT_MATMUL_PRECISION=args.test_precision),
-                                    stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         wall = time.perf_counter() - t0
@@ -216,12 +239,18 @@ def phase_tests(check: Check) -> dict[str, Any]:
                 out["counts"][k] += v
         text = log.read_text(errors="replace")
         if rc == "timeout":
-            seen = _seen_in_log(text)
+            # No junit file from a killed pytest: what this module's hook streamed, else the -v log.
+            results = _streamed_results(streamed)
+            seen = {r["test"]: r["outcome"] for r in results} or _seen_in_log(text)
             rec.update(status="timeout", finished=len(seen),
-                       failed_before_kill=[t for t, s in seen.items() if s in ("FAILED", "ERROR")])
-            out["failures"] += [dict(test=t, kind="timeout", message=f"failed before the {timeout:.0f} s timeout "
-                                                                     "(message lost with the kill)", file=target)
-                                for t in rec["failed_before_kill"]]
+                       counts={k: sum(1 for v in seen.values() if v.lower() == k)
+                               for k in ("passed", "failed", "skipped")})
+            messages = {r["test"]: r.get("message", "") for r in results if r["outcome"] == "failed"}
+            failed = [t for t, v in seen.items() if v.lower() in ("failed", "error")]
+            out["failures"] += [dict(test=t, kind="failed before the timeout", file=target,
+                                     message=messages.get(t) or "(message lost with the kill)") for t in failed]
+            for k, v in rec["counts"].items():
+                out["counts"][k] += v
         elif rc != 0:
             rec["status"] = "failed"
             if not xml.exists():

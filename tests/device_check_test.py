@@ -86,6 +86,36 @@ def test_tiny_check_plans_and_records_every_phase(tmp_path):
     assert "FAILED" in proc.stdout and "device check" in proc.stdout
 
 
+FAIL_THEN_HANG = '''
+import time
+
+
+def test_fails_first():
+    assert 2 + 2 == 5, "counting is broken"
+
+
+def test_hangs():
+    time.sleep(120)
+'''
+
+
+def test_a_file_killed_at_its_timeout_keeps_its_failures_messages(tmp_path):
+    from benchmarks import device_check
+
+    hangs = tmp_path / "hangs_test.py"
+    hangs.write_text(FAIL_THEN_HANG)
+    args = types.SimpleNamespace(tests=[str(hangs)], tiny=True, test_precision="highest", test_file_timeout_s=8.0,
+                                 compile_cache=None)
+    check = device_check.Check(args, device_check.Clock(100.0), tmp_path / "work", tmp_path / "dc.json",
+                               dict(phases={}))
+    out = device_check.phase_tests(check)
+    rec = out["files"][str(hangs)]
+    assert rec["status"] == "timeout" and rec["rc"] == "timeout" and rec["counts"]["failed"] == 1
+    (failure,) = out["failures"]
+    assert failure["test"].endswith("hangs_test.py::test_fails_first") and "counting is broken" in failure["message"]
+    assert json.loads((tmp_path / "dc.json").read_text())["phases"]["tests"]["failures"] == out["failures"]
+
+
 def test_junit_results_give_counts_and_each_failure(tmp_path):
     from benchmarks import device_check
 
