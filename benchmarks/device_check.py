@@ -406,13 +406,18 @@ def main(argv=None) -> dict[str, Any]:
         args.compile_cache = str(work / "jax_cache")
     if args.compile_cache == "none":
         args.compile_cache = None
+    cache_error = None
     if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        try:
+            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        except (AttributeError, KeyError, ValueError) as err:   # an option this jax does not know
+            cache_error = f"compilation cache off: jax {jax.__version__} refused its options ({err})"
+            args.compile_cache = None
     summary: dict[str, Any] = dict(meta=bench.machine_meta(), tiny=args.tiny, budget_s=args.budget_s,
                                    argv=sys.argv[1:] if argv is None else list(argv), phases_planned=args.phases,
                                    load_before=list(os.getloadavg()), work_dir=str(work),
-                                   compile_cache=args.compile_cache, phases={})
+                                   compile_cache=args.compile_cache, compile_cache_error=cache_error, phases={})
     check = Check(args, clock, work, out_path, summary)
     ph = summary["phases"]
     functions = dict(tests=phase_tests, **device_phases.PHASE_FUNCTIONS)
@@ -430,7 +435,7 @@ def main(argv=None) -> dict[str, Any]:
             try:
                 ph[name] = functions[name](check)
             except Exception as err:  # noqa: BLE001 (record it, go on with the next phase)
-                ph[name] = error_record(err)
+                ph[name] = dict(ph.get(name) or {}, **error_record(err))   # with the items it had done
         ph[name].update(started_s=round(start, 2), wall_s=round(clock.elapsed() - start, 2), budget_s=budget)
         check.write()   # a partial summary survives a kill
     summary["load_after"] = list(os.getloadavg())
