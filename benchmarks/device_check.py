@@ -1,7 +1,7 @@
 """One-call accelerator check that finishes and diagnoses: tests, steps in f32 and bf16, the bf16 bisect,
 scaling from 16K to 1M tokens, the official PyTorch steps, reference-budget runs and a profile.
 
-    python -m benchmarks.device_check --out "$OUT/device_check.json" --work_dir /tmp/dc   # one GPU, <= 8 min
+    python -m benchmarks.device_check --out "$OUT/device_check.json" --work_dir build/device_work  # one GPU
     python -m benchmarks.device_check --tiny --out /tmp/dc/device_check.json             # CPU smoke (CI)
 
 docs/device.md has the recipe for a lent GPU (the carried wheels, the official checkouts, the command).
@@ -17,18 +17,22 @@ the call ends inside 8 minutes):
   swapped for its plain form (`config.model.plain=(name,)`), then all of them at once; ratio to f32 and
   the compiled program's scatter / while / convert counts.
 - `tests`: the GPU test subset, one pytest subprocess per file with `--junitxml` and a per-file timeout,
-  at `--test_precision` (default 'highest'); failures recorded by name and message after each file.
+  at `--test_precision` (default 'highest'); each outcome and failure message streamed as it happens
+  (this module is also the pytest plugin that writes them), so a file killed at its timeout keeps them.
 - `scaling`: benchmarks/{agf,samovar,htgn}_scaling.py per `--scaling_dtypes`, N = 16K, 64K, 256K, 1M on
   an accelerator (the small N are launch-bound), N = 64, 128 with --tiny; per case the time per token at
   each N and its ratio to the first N (target <= 1.3), causal over non-causal (target <= 2 for AGF).
-- `peers`: `benchmarks/peers.py --device cuda` (official fp32, tf32, amp beside ours) when --agf_src /
-  --samovar_src are given (--tiny: our side only).
+- `peers`: `benchmarks/peers.py --device cuda` (official fp32, tf32, amp beside ours, same run) when
+  --agf_src / --samovar_src are given (--tiny: our side only).
 - `profile`: a `jax.profiler` trace of a few steps of one config, as profile.tar.gz beside --out.
 - `throughput`: each main config's training command for `--throughput_steps` steps (no evaluation): its
   own steps/s end to end beside the bare step (target on a GPU: within 10%).
 - `reference_runs`: AGF ListOps and its softmax control at the reference budget (5,000 steps), the best
   validation checkpoint scored on test, then the five UEA JapaneseVowels seeds; the run's own steps/s
   end to end beside the bare step. With --tiny the smoke configs.
+
+On an accelerator JAX's persistent compilation cache (`--compile_cache`, default <work_dir>/jax_cache) is
+shared with every subprocess, and no process preallocates the GPU's memory.
 
 Planning: every item (a config, a test file, a script, a run) has an estimate, from compile and step
 times measured earlier in the run or, before any, from `GUESS_S`; an item whose estimate does not fit
