@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--setting", default="lra", choices=sorted(SETTINGS),
                    help="head count and width of the AGF_LRA (2 x 32) or AGF_UEA (8 x 64) models")
     p.add_argument("--chunk_size", type=checks.positive_int, default=16, help="chunk length of agf_causal")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the inputs (the filter coefficients stay float32)")
     p.add_argument("--name", default=None, help="output file stem (default agf_scaling[_<setting>])")
     args = bench.parse_scaling_args(p, CASES, argv)
     if args.name is None:
@@ -57,9 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_case(case: str, n: int, heads: int, head_dim: int, chunk_size: int):
+def make_case(case: str, n: int, heads: int, head_dim: int, chunk_size: int, dtype: str = "float32"):
     """(fn, args, info) of one record: the gradient of a scalar loss of the attention core."""
-    spec = jax.ShapeDtypeStruct((1, n, heads, head_dim), jnp.float32)
+    spec = jax.ShapeDtypeStruct((1, n, heads, head_dim), jnp.dtype(dtype))
     info = dict(heads=heads, head_dim=head_dim)
     if case.startswith("softmax"):
         causal = case == "softmax_causal"
@@ -76,13 +78,13 @@ def make_case(case: str, n: int, heads: int, head_dim: int, chunk_size: int):
         if case == "agf":
             # What the non-causal layer trains with: output and regulariser in one pass.
             out, ortho = ops.agf_with_orthogonality(zu, zv, zs, val, c, **kw)
-            return jnp.sum(out) + jnp.sum(ortho)
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(ortho.astype(jnp.float32))
         if case == "agf_causal":
             out, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=chunk_size, **kw)
         else:
             out = ops.agf_parallel(zu, zv, zs, val, c, causal=True, **kw)
         # Training adds the orthogonality regulariser (two more O(N d^2) Gram matrices).
-        return jnp.sum(out) + jnp.sum(ops.orthogonality_loss(zu, zv))
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(ops.orthogonality_loss(zu, zv).astype(jnp.float32))
 
     # A fixed, non-trivial filter (theta is concrete: materialize() passes it through).
     theta = jnp.asarray(np.linspace(-0.8, 0.8, ORDER), jnp.float32)
@@ -97,13 +99,13 @@ def main(argv=None) -> list[bench.Result]:
     heads, head_dim = SETTINGS[args.setting]
 
     def make_fn(case: str, n: int):
-        return make_case(case, n, heads, head_dim, args.chunk_size)
+        return make_case(case, n, heads, head_dim, args.chunk_size, args.dtype)
 
     meta = dict(benchmark="agf_scaling", what="forward+backward of the attention core, batch 1",
-                setting=args.setting, heads=heads, head_dim=head_dim, dtype="float32",
+                setting=args.setting, heads=heads, head_dim=head_dim, dtype=args.dtype,
                 filter=dict(basis="jacobi", order=ORDER, alpha=ALPHA, beta=BETA),
                 chunk_size=args.chunk_size)
-    title = f"AGF vs softmax attention, fwd+bwd, B=1, H={heads}, d={head_dim}, float32"
+    title = f"AGF vs softmax attention, fwd+bwd, B=1, H={heads}, d={head_dim}, {args.dtype}"
     return bench.run_and_report(args, make_fn, name=args.name, meta=meta, title=title)
 
 

@@ -1,78 +1,92 @@
-"""One-call accelerator check: tests, step throughput / MFU, scaling sweep, reference-budget runs.
+"""One-call accelerator check that finishes and diagnoses: tests, steps in f32 and bf16, the bf16 bisect,
+scaling from 16K to 1M tokens, the official PyTorch steps, reference-budget runs and a profile.
 
-    python -m benchmarks.device_check --out benchmarks/results/device_check.json     # one GPU, <= 8 min
-    python -m benchmarks.device_check --tiny --out /tmp/device_check.json            # CPU smoke (CI)
+    python -m benchmarks.device_check --out "$OUT/device_check.json" --work_dir build/device_work  # one GPU
+    python -m benchmarks.device_check --tiny --out /tmp/dc/device_check.json             # CPU smoke (CI)
 
-Phases, in order, each within what is left of `--budget_s` (default 470 s, so the whole check ends
-inside 8 minutes; `--tiny`: 120 s):
+docs/device.md has the recipe for a lent GPU (the carried wheels, the official checkouts, the command).
 
-1. `tests`: the equivalence and golden tests (tests/*/ops_test.py, tests/*/reference_test.py,
-   tests/zoo_core/linear_attention_test.py) in a pytest subprocess on the current default backend
-   (JAX_PLATFORMS is set to this process's backend: tests/conftest.py would otherwise pin the CPU), with
-   float32 matmuls at `--test_precision` (default 'highest': a GPU's TF32 default would fail the
-   float32 tolerances). With --tiny only tests/zoo_core/linear_attention_test.py runs.
-2. `bounds`: the f32 and bf16 matmul peaks and the streaming bandwidth, measured in this process.
-3. `steps`: the shared trainer's jitted train step (`bench.train_step_setup`) on a fixed batch for the
-   three main configs (AGF LRA ListOps, SAMoVAR Fig. 4, HTGN number_words) and the ListOps softmax
-   control: compile time, median s/step, steps/s, XLA's FLOPs and bytes, MFU against the f32 and the
-   bf16 peak, and the roofline fractions. With --tiny the configs' `smoke` variants.
-4. `scaling`: benchmarks/{agf,samovar,htgn}_scaling.py in subprocesses, N = 1K, 2K, ... up to
-   `--max_n` (default 1M; --tiny: N = 64 only), each with its share of `--scaling_budget_s` passed as
-   --budget_s (records past it are skipped, so the JSON is always written); per case the largest N
-   that ran.
-5. `reference_runs`: in the time left, the LRA ListOps softmax control and the AGF ListOps run at the
-   reference budget (5,000 steps each, `python -m agf_jax.train --config configs/agf/lra_listops.py`),
-   each only if its estimate (from phase 3's step time plus evaluations, data generation and compile)
-   fits in what is left; otherwise skipped with the estimate. Never with --tiny.
+Phases, in this order (`--phases`; `--profile` adds the profile), each within its own budget
+(`--<phase>_budget_s`) and within what is left of `--budget_s` (default 450 s: with the process's start
+the call ends inside 8 minutes):
 
-Everything goes into one JSON summary (`--out`), also printed as a short report. A phase that fails is
-recorded with its error and the check goes on; the exit status is 1 if any phase failed.
+- `bounds`: f32 and bf16 matmul peaks and the streaming bandwidth, in this process.
+- `steps`: the shared trainer's jitted train step (`bench.train_step_setup`) for each main config and each
+  `--dtypes` (float32, bfloat16): compile time, median s/step, XLA's cost, MFU, roofline, bf16 / f32.
+- `bisect_bf16`: the AGF ListOps step in f32, in bf16, and in bf16 with each suspect of `--bisect_forms`
+  swapped for its plain form (`config.model.plain=(name,)`), then all of them at once; ratio to f32 and
+  the compiled program's scatter / while / convert counts.
+- `tests`: the GPU test subset, one pytest subprocess per file with `--junitxml` and a per-file timeout,
+  at `--test_precision` (default 'highest'); each outcome and failure message streamed as it happens
+  (this module is also the pytest plugin that writes them), so a file killed at its timeout keeps them.
+- `scaling`: benchmarks/{agf,samovar,htgn}_scaling.py per `--scaling_dtypes`, N = 16K, 64K, 256K, 1M on
+  an accelerator (the small N are launch-bound), N = 64, 128 with --tiny; per case the time per token at
+  each N and its ratio to the first N (target <= 1.3), causal over non-causal (target <= 2 for AGF).
+- `peers`: `benchmarks/peers.py --device cuda` (official fp32, tf32, amp beside ours, same run) when
+  --agf_src / --samovar_src are given (--tiny: our side only).
+- `profile`: a `jax.profiler` trace of a few steps of one config, as profile.tar.gz beside --out.
+- `throughput`: each main config's training command for `--throughput_steps` steps (no evaluation): its
+  own steps/s end to end beside the bare step (target on a GPU: within 10%).
+- `reference_runs`: AGF ListOps and its softmax control at the reference budget (5,000 steps), the best
+  validation checkpoint scored on test, then the five UEA JapaneseVowels seeds; the run's own steps/s
+  end to end beside the bare step. With --tiny the smoke configs.
+
+On an accelerator JAX's persistent compilation cache (`--compile_cache`, default <work_dir>/jax_cache) is
+shared with every subprocess, and no process preallocates the GPU's memory.
+
+Planning: every item (a config, a test file, a script, a run) has an estimate, from compile and step
+times measured earlier in the run or, before any, from `GUESS_S`; an item whose estimate does not fit
+what is left of its phase is skipped with its estimate recorded, never started and killed. The JSON
+summary (`--out`) is rewritten after every item, so a kill loses nothing done. Exit status 1 if any
+phase failed.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import math
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
+import xml.etree.ElementTree as ET
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:   # `python benchmarks/device_check.py` as well as `python -m benchmarks.device_check`
     sys.path.insert(0, str(REPO))
 
-from zoo_core import checks  # noqa: E402 - after the path above
+# On demand, not 75% of the GPU at the first touch: the tests, scaling and peers subprocesses (torch
+# too) share the device with this process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "tests/samovar_jax/ops_test.py",
-              "tests/samovar_jax/reference_test.py", "tests/htgn_jax/ops_test.py",
-              "tests/zoo_core/linear_attention_test.py")
-# --tiny: two quick tests of the shared kernels (the whole subset takes minutes on a 2-core CPU).
-TINY_TEST_FILES = ("tests/zoo_core/linear_attention_test.py::test_step_loop_and_state_carry",
-                   "tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise")
-# name -> (config module, argument, --tiny argument, model factory "module:attr").
-MAIN_CONFIGS = {
-    "agf_listops": ("configs.agf.lra_listops", None, "smoke", "agf_jax.model:Model"),
-    "samovar_fig4": ("configs.samovar.synthetic_var", None, "smoke",
-                     "samovar_jax.train:build_model|samovar_jax.model:Model"),
-    "htgn_number_words": ("configs.htgn.number_words", None, "smoke", "htgn_jax.model:Model"),
-    "agf_listops_softmax": ("configs.agf.lra_listops", "attention=softmax", "attention=softmax,smoke",
-                            "agf_jax.model:Model"),
-}
-SCALING_SCRIPTS = ("agf_scaling", "samovar_scaling", "htgn_scaling")
-PHASES = ("tests", "bounds", "steps", "scaling", "reference_runs")
-# Reference-budget runs: name -> (config argument, the step record whose time estimates the run).
-REFERENCE_RUNS = {
-    "listops_softmax_control": ("attention=softmax", "agf_listops_softmax"),
-    "agf_listops_reference": (None, "agf_listops"),
-}
-REFERENCE_OVERHEAD_S = 150.0   # ListOps generation (~80 s on one core), compiles, checkpoints
+from benchmarks import device_phases  # noqa: E402 - after the path above
+from benchmarks.device_phases import GUESS_S, MAIN_CONFIGS, error_record  # noqa: E402,F401 (MAIN_CONFIGS: public)
+from zoo_core import checks  # noqa: E402
+
+# The GPU test subset: every package's forms-agree, ops and reference tests, and the export tests.
+TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "tests/agf_jax/softmax_test.py",
+              "tests/samovar_jax/ops_test.py", "tests/samovar_jax/reference_test.py",
+              "tests/htgn_jax/ops_test.py", "tests/htgn_jax/graph_causal_test.py",
+              "tests/zoo_core/linear_attention_test.py", "tests/zoo_core/attention_test.py",
+              "tests/zoo_core/layout_test.py", "tests/zoo_core/testing_test.py")
+TINY_TEST_FILES = ("tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise",)
+PHASES = ("bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "throughput", "reference_runs")
+DEFAULT_PHASES = tuple(p for p in PHASES if p != "profile")
+DTYPES = ("float32", "bfloat16")
+BISECT_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
+# Phase budgets in seconds, (--tiny, full): caps; what is left of --budget_s binds first.
+# Cold, the H200 compiles the eight main steps in about 180 s (shared/gpu/README.md).
+PHASE_BUDGET_S = dict(bounds=(20, 15), steps=(60, 170), bisect_bf16=(60, 100), tests=(60, 100),
+                      scaling=(40, 60), peers=(60, 90), profile=(30, 30), throughput=(40, 90),
+                      reference_runs=(120, 400))
+_factory = device_phases.factory   # benchmarks/memory_options.py builds the same steps
+
+
+def _config(name: str, tiny: bool):
+    """A main config (its --tiny variant with `tiny`), as the steps phase times it in float32."""
+    return device_phases.main_config(name, tiny)
 
 
 class Clock:
@@ -87,204 +101,168 @@ class Clock:
         return time.monotonic() - self.start
 
 
-def _factory(spec: str):
-    """The first `module:attr` of a '|'-separated list that exists (the packages' entry points move)."""
-    errors = []
-    for option in spec.split("|"):
-        module, attr = option.split(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            errors.append(f"{option}: {err}")
-    raise ImportError("; ".join(errors))
+class Check:
+    """What every phase shares: the arguments, the clock, the work folder and the summary, which
+    `write` puts on disk (whole, through a rename) after every item."""
 
+    def __init__(self, args, clock: Clock, work: pathlib.Path, out_path: pathlib.Path, summary: dict[str, Any]):
+        self.args, self.clock, self.work, self.out_path, self.summary = args, clock, work, out_path, summary
+        self.phase_deadline = clock.deadline
 
-def _config(name: str, tiny: bool):
-    module, arg, tiny_arg, _ = MAIN_CONFIGS[name]
-    return importlib.import_module(module).get_config(tiny_arg if tiny else arg)
+    def write(self) -> None:
+        self.summary["wall_s"] = self.clock.elapsed()
+        _write(self.out_path, self.summary)
 
+    def left(self) -> float:
+        """Seconds left to the current phase (its budget or the whole check's, whichever ends first)."""
+        return min(self.phase_deadline, self.clock.deadline) - time.monotonic()
 
-def _error(err: BaseException) -> dict[str, Any]:
-    return dict(status="error", error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500],
-                traceback=traceback.format_exc()[-2000:])
+    def fits(self, rec: dict[str, Any], estimate_s: float) -> bool:
+        """Records the estimate; False (and `rec` marked skipped for budget) if it exceeds what is left."""
+        left = self.left()
+        rec["estimate_s"] = round(float(estimate_s), 2)
+        if estimate_s > left:
+            rec.update(status="skipped", skipped_for="budget", left_s=round(left, 2),
+                       reason=f"estimated {estimate_s:.0f} s > {max(left, 0):.0f} s left")
+            return False
+        return True
+
+    @property
+    def accelerator(self) -> bool:
+        import jax
+
+        return jax.default_backend() != "cpu"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a subprocess: this backend, the shared compilation cache."""
+        import jax
+
+        env = dict(os.environ, JAX_PLATFORMS=jax.default_backend(), **extra)
+        if self.args.compile_cache:
+            env.update(JAX_COMPILATION_CACHE_DIR=self.args.compile_cache,
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
+        return env
 
 
 # ----------------------------------------------------------------------------------------------
-# Phases.
+# The tests phase.
 
 
-def phase_tests(args, clock: Clock) -> dict[str, Any]:
-    import jax
-
-    files = args.tests or list(TINY_TEST_FILES if args.tiny else TEST_FILES)
-    timeout = max(min(args.tests_budget_s, clock.left() - 10), 5)
-    env = dict(os.environ, JAX_PLATFORMS=jax.default_backend(),
-               JAX_DEFAULT_MATMUL_PRECISION=args.test_precision)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", *files]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", out[-3000:])}
-    status = "ok" if rc == 0 else ("timeout" if rc == "timeout" else "failed")
-    failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
-    return dict(status=status, rc=rc, wall_s=time.perf_counter() - t0, files=files, counts=counts,
-                failed=failed[:50], backend=jax.default_backend(), matmul_precision=args.test_precision,
-                tail=out[-1500:])
-
-
-def phase_bounds(args) -> dict[str, Any]:
-    import jax.numpy as jnp
-
-    from zoo_core import bench
-
-    if args.tiny:
-        kw = dict(matmul_n=256, bandwidth_bytes=16 * 2**20, repeats=2)
-    else:
-        kw = dict(repeats=5)
-    bounds = bench.machine_bounds(**kw)
-    bounds["peak_gflops_bf16"] = bench.reference_matmul(bounds["matmul_n"], jnp.bfloat16, repeats=kw["repeats"])
-    bounds["status"] = "ok"
-    return bounds
-
-
-def phase_steps(args, clock: Clock, bounds: dict[str, Any]) -> dict[str, Any]:
-    from zoo_core import bench
-
-    out: dict[str, Any] = dict(status="ok", records={})
-    bounds = bounds or {}
-    for name in args.configs:
-        if clock.left() < 20:
-            out["records"][name] = dict(status="skipped", reason="time budget spent")
-            continue
-        try:
-            setup = bench.train_step_setup(_config(name, args.tiny), _factory(MAIN_CONFIGS[name][3]))
-            timing, _ = bench.time_state_step(setup["step"], setup["state"], setup["batch"], warmup=args.warmup,
-                                              repeats=args.steps)
-            roof = bench.roofline(setup["cost"], timing["median_s"], bounds)
-            flops = setup["cost"]["flops"]
-            rec = dict(status="ok", config=f"{MAIN_CONFIGS[name][0]}:{MAIN_CONFIGS[name][2 if args.tiny else 1] or ''}",
-                       batch={k: list(v.shape) for k, v in setup["batch"].items()}, num_params=setup["num_params"],
-                       compile_s=setup["compile_s"], median_s=timing["median_s"], min_s=timing["min_s"],
-                       steps_per_s=1.0 / timing["median_s"], cost=setup["cost"], roofline=roof,
-                       mfu_f32=_mfu(flops, timing["median_s"], bounds.get("peak_gflops")),
-                       mfu_bf16=_mfu(flops, timing["median_s"], bounds.get("peak_gflops_bf16")))
-            del setup
-        except Exception as err:  # noqa: BLE001 (record it, go on with the next config)
-            rec = _error(err)
-            out["status"] = "failed"
-        out["records"][name] = rec
-    return out
-
-
-def _mfu(flops, seconds, peak_gflops):
-    return flops / seconds / 1e9 / peak_gflops if flops and peak_gflops else None
-
-
-def _lengths(max_n: int, tiny: bool) -> list[int]:
-    if tiny:
-        return [64]
-    return [1024 * 2**i for i in range(int(math.log2(max(max_n, 1024) // 1024)) + 1)]
-
-
-def phase_scaling(args, clock: Clock, out_dir: pathlib.Path) -> dict[str, Any]:
-    import jax
-
-    out: dict[str, Any] = dict(status="ok", scripts={})
-    lengths = _lengths(args.max_n, args.tiny)
-    ref_n = 64 if args.tiny else (2048 if jax.default_backend() == "cpu" else 8192)
-    scripts = args.scaling_scripts
-    for i, script in enumerate(scripts):
-        share = min(args.scaling_budget_s, clock.left() - 30) / (len(scripts) - i)
-        if share < 5:
-            out["scripts"][script] = dict(status="skipped", reason="time budget spent")
-            continue
-        cmd = [sys.executable, "-m", f"benchmarks.{script}", "--lengths", ",".join(map(str, lengths)),
-               "--repeats", "1" if args.tiny else "3", "--ref_n", str(ref_n), "--budget_s", f"{share:.0f}",
-               "--max_run_s", str(args.scaling_max_run_s), "--out_dir", str(out_dir)]
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=share + 120)
-            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
-        except subprocess.TimeoutExpired:
-            rc, tail = "timeout", ""
-        rec: dict[str, Any] = dict(status="ok" if rc == 0 else "failed", rc=rc, wall_s=time.perf_counter() - t0,
-                                   budget_s=share, command=" ".join(cmd[1:]))
-        path = out_dir / f"{script}.json"
-        if rc == 0 and path.exists():
-            data = json.loads(path.read_text())
-            cases: dict[str, Any] = {}
-            for r in data["records"]:
-                c = cases.setdefault(r["case"], dict(largest_n=None, median_s=None, gflops=None, gbps=None,
-                                                     stopped=None))
-                if r["status"] == "ok":
-                    c.update(largest_n=r["n"], median_s=r["median_s"], gflops=r["gflops"], gbps=r.get("gbps"))
-                elif c["stopped"] is None:
-                    c["stopped"] = f"n={r['n']}: {r['status']} ({r['reason']})"
-            rec.update(json=str(path), cases=cases)
+def junit_results(path: pathlib.Path) -> dict[str, Any]:
+    """Counts and failures (test id and message) of a pytest --junitxml file."""
+    root = ET.parse(path).getroot()
+    counts = dict(passed=0, failed=0, errors=0, skipped=0)
+    failures = []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        bad = case.find("failure")
+        kind = "failed"
+        if bad is None:
+            bad, kind = case.find("error"), "errors"
+        if bad is not None:
+            counts[kind] += 1
+            text = (bad.get("message") or "") + "\n" + (bad.text or "")
+            failures.append(dict(test=name, kind=kind, message=text.strip()[-1500:]))
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
         else:
-            rec["tail"] = tail
-            out["status"] = "failed"
-        out["scripts"][script] = rec
-    return out
+            counts["passed"] += 1
+    return dict(counts=counts, failures=failures)
 
 
-def _estimate_reference_s(step_s: float, config) -> float:
-    """Seconds for the whole run: the steps, the evaluations (a forward pass costs about a third of a
-    training step per example) and REFERENCE_OVERHEAD_S."""
-    from zoo_core import loop
-
-    total = int(config.total_steps)
-    n_evals = loop.evals_between(config, 0, total)
-    n_eval = int(config.data.options.get("num_validation", 2000) or 2000)
-    eval_s = n_evals * (n_eval / config.batch_size) * step_s / 3
-    return total * step_s + eval_s + REFERENCE_OVERHEAD_S
+def _seen_in_log(text: str) -> dict[str, Any]:
+    """What a killed pytest -v run had finished: test ids and outcomes from its log."""
+    seen = {}
+    for line in text.splitlines():
+        parts = line.split(" ")
+        if len(parts) >= 2 and "::" in parts[0] and parts[1] in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+            seen[parts[0]] = parts[1]
+    return seen
 
 
-def phase_reference_runs(args, clock: Clock, steps: dict[str, Any], out_dir: pathlib.Path) -> dict[str, Any]:
-    from configs.agf import lra_listops
+def pytest_runtest_logreport(report) -> None:
+    """pytest hook (the tests phase loads this module with `-p benchmarks.device_check`): appends each
+    test's outcome, and a failure's message, to $DEVICE_CHECK_TEST_LOG as it happens, so a file killed
+    at its timeout still has its failures' messages."""
+    path = os.environ.get("DEVICE_CHECK_TEST_LOG")
+    if not path or (report.when != "call" and report.passed):
+        return
+    rec = dict(test=report.nodeid, when=report.when, outcome=report.outcome, duration_s=round(report.duration, 3))
+    if report.failed:
+        rec["message"] = report.longreprtext[-1500:]
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
-    out: dict[str, Any] = dict(status="ok", runs={})
-    for name, (arg, step_name) in REFERENCE_RUNS.items():
-        if args.tiny:
-            out["runs"][name] = dict(status="skipped", reason="--tiny: the reference-budget runs only run in a "
-                                                              "full check")
+
+def _streamed_results(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def phase_tests(check: Check) -> dict[str, Any]:
+    args = check.args
+    files = args.tests or list(TINY_TEST_FILES if args.tiny else TEST_FILES)
+    out: dict[str, Any] = dict(status="ok", files={}, failures=[], matmul_precision=args.test_precision,
+                               counts=dict(passed=0, failed=0, errors=0, skipped=0))
+    check.summary["phases"]["tests"] = out
+    guess = GUESS_S["test_file_tiny" if args.tiny else "test_file"]
+    walls: list[float] = []
+    junit_dir = check.work / "junit"
+    junit_dir.mkdir(parents=True, exist_ok=True)
+    for i, target in enumerate(files):
+        rec: dict[str, Any] = dict(status="ok")
+        out["files"][target] = rec
+        estimate = max(walls) if walls else guess
+        if not check.fits(rec, estimate):
+            check.write()
             continue
-        step = steps.get("records", {}).get(step_name, {})
-        if step.get("status") != "ok":
-            out["runs"][name] = dict(status="skipped", reason=f"no step time for {step_name} (phase steps)")
-            continue
-        config = lra_listops.get_config(arg)
-        estimate = _estimate_reference_s(step["median_s"], config)
-        left = clock.left() - 10
-        if estimate > left:
-            out["runs"][name] = dict(status="skipped", estimate_s=estimate, left_s=left,
-                                     reason=f"estimated {estimate:.0f} s > {left:.0f} s left")
-            continue
-        workdir = out_dir / name
-        config_path = "configs/agf/lra_listops.py" + (f":{arg}" if arg else "")
-        cmd = [sys.executable, "-m", "agf_jax.train", "--config", config_path, "--workdir", str(workdir)]
+        timeout = max(min(args.test_file_timeout_s, check.left()), 1)
+        xml = junit_dir / f"{i:02d}.xml"
+        log = junit_dir / f"{i:02d}.log"
+        streamed = junit_dir / f"{i:02d}.jsonl"
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:xdist", "-p", "no:cacheprovider",
+               "-p", "benchmarks.device_check", f"--junitxml={xml}", target]
+        env = check.env(JAX_DEFAULT_MATMUL_PRECISION=args.test_precision, DEVICE_CHECK_TEST_LOG=str(streamed),
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=left)
-            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-1500:]
-        except subprocess.TimeoutExpired:
-            rc, tail = "timeout", ""
-        rec: dict[str, Any] = dict(status="ok" if rc == 0 else "failed", rc=rc, wall_s=time.perf_counter() - t0,
-                                   estimate_s=estimate, command=" ".join(cmd[1:]))
-        metrics = workdir / "metrics.jsonl"
-        if metrics.exists():
-            evals = [json.loads(line) for line in metrics.read_text().splitlines() if '"eval/' in line]
-            if evals:
-                rec["last_eval"] = evals[-1]
-                acc = [e["eval/accuracy"] for e in evals if "eval/accuracy" in e]
-                rec["best_eval_accuracy"] = max(acc) if acc else None
-        if rc != 0:
-            rec["tail"] = tail
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        wall = time.perf_counter() - t0
+        walls.append(wall)
+        rec.update(rc=rc, wall_s=round(wall, 2), timeout_s=round(timeout, 1))
+        if xml.exists():
+            res = junit_results(xml)
+            rec["counts"] = res["counts"]
+            for failure in res["failures"]:
+                out["failures"].append(dict(failure, file=target))
+            for k, v in res["counts"].items():
+                out["counts"][k] += v
+        text = log.read_text(errors="replace")
+        if rc == "timeout":
+            # No junit file from a killed pytest: what this module's hook streamed, else the -v log.
+            results = _streamed_results(streamed)
+            seen = {r["test"]: r["outcome"] for r in results} or _seen_in_log(text)
+            rec.update(status="timeout", finished=len(seen),
+                       counts={k: sum(1 for v in seen.values() if v.lower() == k)
+                               for k in ("passed", "failed", "skipped")})
+            messages = {r["test"]: r.get("message", "") for r in results if r["outcome"] == "failed"}
+            failed = [t for t, v in seen.items() if v.lower() in ("failed", "error")]
+            out["failures"] += [dict(test=t, kind="failed before the timeout", file=target,
+                                     message=messages.get(t) or "(message lost with the kill)") for t in failed]
+            for k, v in rec["counts"].items():
+                out["counts"][k] += v
+        elif rc != 0:
+            rec["status"] = "failed"
+            if not xml.exists():
+                rec["tail"] = text[-1500:]
+        if rec["status"] != "ok":
             out["status"] = "failed"
-        out["runs"][name] = rec
+        check.write()
     return out
 
 
@@ -297,112 +275,182 @@ def _fmt(v, spec=".4g"):
 
 def report(summary: dict[str, Any]) -> str:
     meta, ph = summary["meta"], summary["phases"]
-    lines = [f"device check  {meta['time_utc']}  backend {meta['backend']} ({meta['device_kind']})  tiny={summary['tiny']}"
-             f"  wall {summary['wall_s']:.0f} s of budget {summary['budget_s']:.0f} s",
-             f"load average before {summary['load_before']} after {summary['load_after']}"]
+    lines = [f"device check  {meta['time_utc']}  backend {meta['backend']} ({meta['device_kind']})  jax "
+             f"{meta['jax']}  tiny={summary['tiny']}  wall {summary['wall_s']:.0f} s of budget "
+             f"{summary['budget_s']:.0f} s",
+             f"load average before {summary['load_before']} after {summary.get('load_after')}"]
+    for name, p in ph.items():
+        lines.append(f"phase {name}: {p.get('status')}  wall {_fmt(p.get('wall_s'), '.1f')} s  compile "
+                     f"{_fmt(p.get('compile_s'), '.1f')} s  {p.get('reason') or p.get('error') or ''}")
     t = ph.get("tests", {})
-    lines.append(f"tests: {t.get('status')} {t.get('counts')} in {_fmt(t.get('wall_s'), '.0f')} s "
-                 f"(matmul precision {t.get('matmul_precision')})")
+    if t.get("counts"):
+        lines.append(f"tests: {t['counts']} at matmul precision {t.get('matmul_precision')}")
+        lines += [f"  FAILED {f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"[:200]
+                  for f in t.get("failures", [])[:20]]
     b = ph.get("bounds", {})
-    lines.append(f"bounds: f32 {_fmt(b.get('peak_gflops'), '.1f')} GFLOP/s, bf16 {_fmt(b.get('peak_gflops_bf16'), '.1f')}"
-                 f" GFLOP/s, stream {_fmt(b.get('peak_gbps'), '.1f')} GB/s")
-    lines.append(f"{'step':<22} {'status':>7} {'s/step':>9} {'steps/s':>8} {'compile':>8} {'MFU_f32':>8} "
-                 f"{'MFU_bf16':>8} {'f_bound':>7}")
-    for name, r in ph.get("steps", {}).get("records", {}).items():
-        lines.append(f"{name:<22} {r['status']:>7} {_fmt(r.get('median_s')):>9} {_fmt(r.get('steps_per_s'), '.3g'):>8} "
+    if b.get("status") == "ok":
+        lines.append(f"bounds: f32 {_fmt(b.get('peak_gflops'), '.1f')} GFLOP/s, bf16 "
+                     f"{_fmt(b.get('peak_gflops_bf16'), '.1f')} GFLOP/s, stream {_fmt(b.get('peak_gbps'), '.1f')} GB/s")
+    lines.append(f"{'step':<32} {'status':>7} {'s/step':>9} {'steps/s':>8} {'compile':>8} {'MFU_f32':>8} {'vs f32':>7}")
+    rows = list(ph.get("steps", {}).get("records", {}).items())
+    rows += [(f"bisect {k}", r) for k, r in ph.get("bisect_bf16", {}).get("records", {}).items()]
+    for name, r in rows:
+        lines.append(f"{name:<32} {r['status']:>7} {_fmt(r.get('median_s')):>9} {_fmt(r.get('steps_per_s'), '.3g'):>8} "
                      f"{_fmt(r.get('compile_s'), '.3g'):>8} {_fmt(r.get('mfu_f32'), '.3f'):>8} "
-                     f"{_fmt(r.get('mfu_bf16'), '.3f'):>8} {_fmt((r.get('roofline') or {}).get('frac_bound'), '.2f'):>7}"
-                     f"  {r.get('error') or r.get('reason') or ''}")
-    for script, r in ph.get("scaling", {}).get("scripts", {}).items():
-        cases = ", ".join(f"{c}: N<={v['largest_n']}" for c, v in (r.get("cases") or {}).items())
-        lines.append(f"scaling {script}: {r['status']} {cases or r.get('reason', '')}")
+                     f"{_fmt(r.get('over_f32'), '.3g'):>7}  {r.get('error') or r.get('reason') or ''}")
+    for key, r in ph.get("scaling", {}).get("scripts", {}).items():
+        lines.append(f"scaling {key}: {r['status']} {r.get('reason', '')}")
+        for case, c in (r.get("cases") or {}).items():
+            flat = c.get("max_ratio_to_first")
+            lines.append(f"  {case:<18} N<={c.get('largest_n')}  s/token@N {c.get('s_per_token')}  "
+                         f"max ratio to first N {_fmt(flat, '.3g')}")
+        for pair, ratios in (r.get("causal_over_noncausal") or {}).items():
+            lines.append(f"  {pair}: {ratios}")
+    pe = ph.get("peers", {})
+    for rec in pe.get("records", []) or []:
+        lines.append(f"peers {rec.get('case')}: {rec.get('status')} ratios {rec.get('ratios')} {rec.get('reason', '')}")
+    for name, r in ph.get("throughput", {}).get("runs", {}).items():
+        lines.append(f"throughput {name}: {r['status']} {r.get('reason', '')} train steps/s "
+                     f"{_fmt(r.get('train_steps_per_s'), '.3g')} bare {_fmt(r.get('bare_steps_per_s'), '.3g')} "
+                     f"ratio {_fmt(r.get('train_over_bare'), '.3f')}")
     for name, r in ph.get("reference_runs", {}).get("runs", {}).items():
-        wall = "" if r.get("wall_s") is None else f" wall {r['wall_s']:.0f} s"
-        best = r.get("best_eval_accuracy")
-        best = "" if best is None else f" best eval/accuracy {best:.4f}"
-        lines.append(f"reference run {name}: {r['status']} {r.get('reason', '')}{wall}{best}")
+        lines.append(f"run {name}: {r['status']} {r.get('reason', '')} test {r.get('test_metrics')} "
+                     f"train steps/s {_fmt(r.get('train_steps_per_s'), '.3g')} "
+                     f"bare {_fmt(r.get('bare_steps_per_s'), '.3g')}")
+    pr = ph.get("profile", {})
+    if pr.get("archive"):
+        lines.append(f"profile: {pr['archive']} ({pr.get('archive_bytes')} bytes)")
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run, about a minute)")
-    p.add_argument("--out", default=None, help="JSON summary (default: <work_dir>/device_check.json)")
-    p.add_argument("--work_dir", default=None, help="scaling JSONs and run workdirs (default: a temp folder)")
-    p.add_argument("--budget_s", type=checks.positive_float, default=None,
-                   help="whole check (default 470; --tiny 120)")
-    p.add_argument("--tests_budget_s", type=checks.positive_float, default=None,
-                   help="test phase cap (default 180; --tiny 60)")
-    p.add_argument("--scaling_budget_s", type=checks.positive_float, default=None,
-                   help="scaling phase (default 150; --tiny 30)")
-    p.add_argument("--scaling_max_run_s", type=checks.positive_float, default=20.0,
-                   help="stop a scaling case past this median")
-    p.add_argument("--max_n", type=checks.positive_int, default=2**20, help="largest scaling N (default 1M)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and small budgets (CPU smoke run)")
+    p.add_argument("--out", default=None, help="JSON summary (default: <work_dir>/device_check.json); the "
+                                               "report and the profile archive go beside it")
+    p.add_argument("--work_dir", default=None, help="junit files, scaling JSONs, run workdirs (default: a temp folder)")
+    p.add_argument("--budget_s", type=checks.positive_float, default=None, help="whole check (default 450; --tiny 240)")
+    for phase in PHASES:
+        tiny, full = PHASE_BUDGET_S[phase]
+        p.add_argument(f"--{phase}_budget_s", type=checks.positive_float, default=None,
+                       help=f"cap of phase {phase} (default {full}; --tiny {tiny})")
+    p.add_argument("--phases", default=",".join(DEFAULT_PHASES), help=f"comma-separated subset of {list(PHASES)}")
+    p.add_argument("--bisect_bf16", action="store_true", help="add the bisect_bf16 phase to --phases")
+    p.add_argument("--profile", action="store_true", help="add the profile phase to --phases")
     p.add_argument("--steps", type=checks.positive_int, default=None,
-                   help="timed steps per config (default 10; --tiny 2)")
+                   help="timed steps per record (default 10; --tiny 2)")
     p.add_argument("--warmup", type=checks.nonnegative_int, default=2)
-    p.add_argument("--test_precision", default="highest", choices=("highest", "high", "default"),
-                   help="JAX_DEFAULT_MATMUL_PRECISION of the test phase")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {list(PHASES)}")
+    p.add_argument("--configs", default=None,
+                   help="step configs (default all of benchmarks.device_phases.MAIN_CONFIGS)")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="compute dtypes of the steps phase")
+    p.add_argument("--bisect_forms", default=",".join(BISECT_FORMS), help="plain forms the bisect swaps in")
     p.add_argument("--tests", default=None, help="comma-separated pytest paths / node ids (default: the subset)")
-    p.add_argument("--configs", default=",".join(MAIN_CONFIGS), help=f"step configs, subset of {list(MAIN_CONFIGS)}")
-    p.add_argument("--scaling_scripts", default=",".join(SCALING_SCRIPTS),
-                   help=f"subset of {list(SCALING_SCRIPTS)}")
+    p.add_argument("--test_precision", default="highest", choices=("highest", "high", "default"),
+                   help="JAX_DEFAULT_MATMUL_PRECISION of the tests phase")
+    p.add_argument("--test_file_timeout_s", type=checks.positive_float, default=60.0, help="per test file")
+    p.add_argument("--scaling_scripts", default="agf_scaling,samovar_scaling,htgn_scaling")
+    p.add_argument("--scaling_dtypes", default=",".join(DTYPES))
+    p.add_argument("--lengths", type=checks.positive_ints, default=None,
+                   help="scaling N (default 16K,64K,256K,1M on an accelerator, 1K..64K on a CPU; --tiny 64,128)")
+    p.add_argument("--max_n", type=checks.positive_int, default=2**20, help="largest scaling N (default 1M)")
+    p.add_argument("--scaling_max_run_s", type=checks.positive_float, default=5.0, help="stop a case past this median")
+    p.add_argument("--agf_src", default=os.environ.get("AGF_SRC"), help="official AGF checkout (peers phase)")
+    p.add_argument("--samovar_src", default=os.environ.get("SAMOVAR_SRC"), help="official SAMoVAR checkout")
+    p.add_argument("--throughput_steps", type=checks.positive_int, default=1000,
+                   help="steps of each throughput run (--tiny 20)")
+    p.add_argument("--uea_seeds", type=checks.nonnegative_int, default=5, help="JapaneseVowels seeds after ListOps")
+    p.add_argument("--profile_config", default="agf_listops")
+    p.add_argument("--profile_dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--compile_cache", default=None,
+                   help="JAX's persistent compilation cache, shared with the subprocesses (default on an "
+                        "accelerator: <work_dir>/jax_cache; 'none' turns it off; never on a CPU by default)")
     args = p.parse_args(argv)
+    args.configs = checks.choice_list(p, "--configs", args.configs or ",".join(device_phases.MAIN_CONFIGS),
+                                      device_phases.MAIN_CONFIGS)
+    args.dtypes = checks.choice_list(p, "--dtypes", args.dtypes, DTYPES)
+    args.scaling_dtypes = checks.choice_list(p, "--scaling_dtypes", args.scaling_dtypes, DTYPES)
+    args.bisect_forms = checks.choice_list(p, "--bisect_forms", args.bisect_forms, BISECT_FORMS)
+    args.scaling_scripts = checks.choice_list(p, "--scaling_scripts", args.scaling_scripts,
+                                              device_phases.SCALING_SCRIPTS)
     args.tests = [x for x in args.tests.split(",") if x] if args.tests else None
-    args.configs = checks.choice_list(p, "--configs", args.configs, MAIN_CONFIGS)
-    args.scaling_scripts = checks.choice_list(p, "--scaling_scripts", args.scaling_scripts, SCALING_SCRIPTS)
-    defaults = dict(budget_s=(120, 470), tests_budget_s=(60, 180), scaling_budget_s=(30, 150), steps=(2, 10))
-    for key, (tiny, full) in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, tiny if args.tiny else full)
     args.phases = checks.choice_list(p, "--phases", args.phases, PHASES)
+    for flag in ("bisect_bf16", "profile"):
+        if getattr(args, flag) and flag not in args.phases:
+            args.phases.append(flag)
+    args.phases = [ph for ph in PHASES if ph in args.phases]   # always in the planned order
+    if args.budget_s is None:
+        args.budget_s = 240.0 if args.tiny else 450.0
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 10
+    for phase in PHASES:
+        key = f"{phase}_budget_s"
+        if getattr(args, key) is None:
+            setattr(args, key, float(PHASE_BUDGET_S[phase][0 if args.tiny else 1]))
     checks.check_output_paths(p, args, dirs=["work_dir"], files=["out"])
     return args
+
+
+def _write(path: pathlib.Path, summary: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
     clock = Clock(args.budget_s)
+    import jax
+
     from zoo_core import bench
 
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="device_check_"))
     work.mkdir(parents=True, exist_ok=True)
     out_path = pathlib.Path(args.out) if args.out else work / "device_check.json"
+    if args.compile_cache is None and jax.default_backend() != "cpu":
+        args.compile_cache = str(work / "jax_cache")
+    if args.compile_cache == "none":
+        args.compile_cache = None
+    cache_error = None
+    if args.compile_cache:
+        try:
+            jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        except (AttributeError, KeyError, ValueError) as err:   # an option this jax does not know
+            cache_error = f"compilation cache off: jax {jax.__version__} refused its options ({err})"
+            args.compile_cache = None
     summary: dict[str, Any] = dict(meta=bench.machine_meta(), tiny=args.tiny, budget_s=args.budget_s,
-                                   load_before=list(os.getloadavg()), work_dir=str(work), phases={})
+                                   argv=sys.argv[1:] if argv is None else list(argv), phases_planned=args.phases,
+                                   load_before=list(os.getloadavg()), work_dir=str(work),
+                                   compile_cache=args.compile_cache, compile_cache_error=cache_error, phases={})
+    check = Check(args, clock, work, out_path, summary)
     ph = summary["phases"]
-
-    def run(name, fn, *a):
+    functions = dict(tests=phase_tests, **device_phases.PHASE_FUNCTIONS)
+    for name in PHASES:
         if name not in args.phases:
             ph[name] = dict(status="skipped", reason="not in --phases")
-            return
-        print(f"[{clock.elapsed():6.1f} s] {name} ...", flush=True)
-        try:
-            ph[name] = fn(*a)
-        except Exception as err:  # noqa: BLE001
-            ph[name] = _error(err)
-        ph[name]["phase_s"] = clock.elapsed()
-        _write(out_path, summary)   # a partial summary survives a kill
-
-    run("tests", phase_tests, args, clock)
-    run("bounds", phase_bounds, args)
-    bounds = ph["bounds"] if ph["bounds"].get("status") == "ok" else None
-    run("steps", phase_steps, args, clock, bounds)
-    run("scaling", phase_scaling, args, clock, work / "scaling")
-    run("reference_runs", phase_reference_runs, args, clock, ph.get("steps", {}), work / "runs")
-    summary["wall_s"] = clock.elapsed()
+            continue
+        budget = getattr(args, f"{name}_budget_s")
+        check.phase_deadline = time.monotonic() + budget
+        start = clock.elapsed()
+        print(f"[{start:6.1f} s] {name} (budget {budget:.0f} s, {clock.left():.0f} s left) ...", flush=True)
+        if clock.left() < 1:
+            ph[name] = dict(status="skipped", skipped_for="budget", reason="the whole check's budget is spent")
+        else:
+            try:
+                ph[name] = functions[name](check)
+            except Exception as err:  # noqa: BLE001 (record it, go on with the next phase)
+                ph[name] = dict(ph.get(name) or {}, **error_record(err))   # with the items it had done
+        ph[name].update(started_s=round(start, 2), wall_s=round(clock.elapsed() - start, 2), budget_s=budget)
+        check.write()   # a partial summary survives a kill
     summary["load_after"] = list(os.getloadavg())
     summary["ok"] = all(p.get("status") in ("ok", "skipped") for p in ph.values())
-    _write(out_path, summary)
-    print(report(summary))
+    check.write()
+    text = report(summary)
+    out_path.with_suffix(".txt").write_text(text + "\n")
+    print(text)
     print(f"wrote {out_path}")
     return summary
-
-
-def _write(path: pathlib.Path, summary: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,12 @@ medians), our step's roofline columns (XLA cost analysis against the f32 matmul 
 bandwidth, each the best of the measurements this process makes before the first case and after every
 step case: on a shared host they move by 2x within minutes), and the load average before and after.
 Official steps run with `torch.set_num_threads(--threads)` (default 2) in float32 on the CPU (the LRA
-code's CUDA autocast and GradScaler do nothing there, so they are off). Both sides train on the same
-token ids / series where the shapes allow it (our batch is converted for the official model).
+code's CUDA autocast and GradScaler do nothing there, so they are off). With `--device cuda` (on a GPU
+machine; our side runs on JAX's default backend, the GPU) they run there in each of `--precisions`
+(default fp32, tf32 and amp: fp16 autocast + GradScaler, as the official `run_tasks.py`), every
+precision a side of its own in the same interleaved rounds, each with its ratio to ours (a precision
+whose model fails to build is recorded with its error). Both sides train on the same token ids /
+series where the shapes allow it (our batch is converted for the official model).
 Our steps run on the CPU devices that their configs' `parallel.cpu_devices` gives the training command
 (one per core for these four, `zoo_core.sharding.cpu_device_count`); `--cpu_devices N` overrides it, e.g.
 `--cpu_devices 1` for the single-device step. The count is per process, so the selected cases must agree.
@@ -63,8 +67,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:   # `python benchmarks/peers.py` as well as `python -m benchmarks.peers`
     sys.path.insert(0, str(REPO))
 
-from benchmarks.peers_official import (OFFICIAL_FILES, OFFICIAL_REPOS, check_torch, official_source,  # noqa: E402
-                                       official_step)
+from benchmarks.peers_official import (OFFICIAL_FILES, OFFICIAL_REPOS, PRECISIONS, check_torch,  # noqa: E402
+                                       official_source, official_step)
 from zoo_core import checks  # noqa: E402 - after the path above
 
 STEP_CASES = ("agf_listops", "agf_softmax", "samovar_fig4", "lintrans")
@@ -183,7 +187,18 @@ def run_step_case(case: str, args, log) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(args.threads)
-        sides["official"], rec["official"] = official_step(src, case, ours, args.tiny, args.seed)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: torch sees no CUDA device (a CPU-only torch wheel?)")
+        for precision in args.precisions:
+            try:
+                step, info = official_step(src, case, ours, args.tiny, args.seed, args.device, precision)
+            except Exception as err:  # noqa: BLE001 (one precision's failure must not hide the others)
+                if len(args.precisions) == 1:
+                    raise
+                rec.setdefault("official_errors", {})[precision] = f"{type(err).__name__}: {err}"[:300]
+                continue
+            sides[_official_side(args, precision)] = step
+            rec.setdefault("official", info)
     else:
         rec["official"] = dict(skipped=reason)
         rec["note"] = f"our side only ({reason})"
@@ -191,12 +206,25 @@ def run_step_case(case: str, args, log) -> dict[str, Any]:
     rec["load_before"] = loadavg()
     timing = interleave(sides, warmup=args.warmup, steps=args.steps, rounds=args.rounds, log=log)
     rec["load_after"] = loadavg()
+    if src is not None and _official_side(args, args.precisions[0]) != "official":
+        # Several precisions: each under its own name; 'official' holds the first (fp32 by default).
+        rec["official_by_precision"] = {p: timing.pop(_official_side(args, p)) for p in args.precisions
+                                        if _official_side(args, p) in timing}
+        if rec["official_by_precision"]:
+            timing["official"] = next(iter(rec["official_by_precision"].values()))
+        rec["ratios_official_over_ours"] = {p: t["median_s"] / timing["ours"]["median_s"]
+                                            for p, t in rec["official_by_precision"].items()}
     for name, t in timing.items():
         rec.setdefault(name, {}).update(t)
     if "official" in timing:
         rec["ratio_official_over_ours"] = timing["official"]["median_s"] / timing["ours"]["median_s"]
         rec["ratio_per_round"] = round_ratios(timing)
     return rec
+
+
+def _official_side(args, precision: str) -> str:
+    """The side's name: 'official' for the CPU's one float32 side, else 'official_<precision>'."""
+    return "official" if args.precisions == ["fp32"] and args.device == "cpu" else f"official_{precision}"
 
 
 def round_ratios(timing: dict[str, dict[str, Any]]) -> list[float]:
@@ -392,6 +420,9 @@ def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             note = (f"wall s; epoch train official {_fmt(off.get('epoch_train_s'))} / ours "
                     f"{_fmt(ours.get('epoch_train_s'))} s, eval {_fmt(off.get('eval_s'))} / "
                     f"{_fmt(ours.get('eval_s'))} s; {note}").rstrip("; ")
+        if r.get("ratios_official_over_ours"):
+            by = ", ".join(f"{p} {v:.2f}" for p, v in r["ratios_official_over_ours"].items())
+            note = f"off/ours by precision {by}; {note}".rstrip("; ")
         if r.get("ratio_per_round"):
             note = (f"off/ours per round {min(r['ratio_per_round']):.2f}-{max(r['ratio_per_round']):.2f}; "
                     f"{note}").rstrip("; ")
@@ -442,10 +473,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu_devices", type=checks.nonnegative_int, default=None,
                    help="step cases: run our steps on this many CPU devices instead of their configs' "
                         "parallel.cpu_devices (0: one per core), e.g. 1 to time the single-device step")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the official steps run (ours: JAX's default backend; run on a GPU machine "
+                        "for cuda)")
+    p.add_argument("--precisions", default=None,
+                   help=f"official step precisions, subset of {list(PRECISIONS)} (default: fp32 on the CPU; "
+                        "fp32,tf32,amp with --device cuda)")
     p.add_argument("--no_bounds", action="store_true", help="skip measuring the matmul/bandwidth bounds")
     p.add_argument("--out", default=None, help="write the records and meta as JSON here")
     args = p.parse_args(argv)
     args.cases = checks.choice_list(p, "--cases", args.cases, CASES)
+    args.precisions = checks.choice_list(p, "--precisions", args.precisions or (
+        ",".join(PRECISIONS) if args.device == "cuda" else "fp32"), PRECISIONS)
+    if args.device == "cpu" and args.precisions != ["fp32"]:
+        p.error(f"--precisions {','.join(args.precisions)}: only fp32 runs on --device cpu "
+                "(tf32 and amp are CUDA's)")
     # A source that is given but wrong is a mistake, not a reason to skip: the run would time nothing.
     for case in args.cases:
         which = OFFICIAL_FILES[case][0]
@@ -472,7 +514,8 @@ def main(argv=None) -> dict[str, Any]:
         jax.config.update("jax_num_cpu_devices", next(iter(counts.values())))
 
     log = lambda s: print(s, flush=True)
-    meta = dict(bench.machine_meta(), threads=args.threads, tiny=args.tiny, steps=args.steps, rounds=args.rounds,
+    meta = dict(bench.machine_meta(), threads=args.threads, device=args.device, precisions=args.precisions,
+                tiny=args.tiny, steps=args.steps, rounds=args.rounds,
                 warmup=args.warmup, load_before=loadavg(), agf_src=args.agf_src, samovar_src=args.samovar_src,
                 glibc_tunables=os.environ.get("GLIBC_TUNABLES"))
     # The bounds are measured before the first case and after every step case; the roofline columns

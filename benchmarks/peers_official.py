@@ -2,9 +2,9 @@
 SAMoVAR, built from the user's checkouts (no official code lives in this repository).
 
 `official_source` finds a case's checkout (or says why its official side is skipped), and
-`official_step(src, case, ours, tiny, seed)` returns `(step, info)`: a callable running one training
-step (forward, backward, optimiser) on a fixed batch, the same token ids / series as our step's batch
-where the shapes allow it.
+`official_step(src, case, ours, tiny, seed, device, precision)` returns `(step, info)`: a callable running
+one training step (forward, backward, optimiser) on a fixed batch, the same token ids / series as our
+step's batch where the shapes allow it, on `device` ('cpu' or 'cuda') in `precision` (`PRECISIONS`).
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ OFFICIAL_FILES = {
     "agf_uea_jv": ("agf", "AGF_UEA/main.py"),
 }
 OFFICIAL_REPOS = {"agf": "github:jeongwhanchoi/agf", "samovar": "github:LJC-FVNR/Structural-Aligned-Mixture-of-VAR"}
+# 'fp32': torch's default (TF32 off); 'tf32': TF32 matmuls and convolutions; 'amp': fp16 autocast with a
+# GradScaler, what the official LRA `run_tasks.py` sets for every task (CUDA only).
+PRECISIONS = ("fp32", "tf32", "amp")
 # `best_agf.sh`'s listops line.
 AGF_LISTOPS_FILTER = dict(poly_type="jacobi", K=5, alpha=2.0, beta=-1.0, fixI=True, reg=0.01)
 
@@ -47,7 +50,48 @@ def _load_module(path: pathlib.Path, name: str):
     return module
 
 
-def _official_agf_lra(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int):
+def _grad_scaler():
+    import torch
+
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cuda")
+    return torch.cuda.amp.GradScaler()   # torch < 2.3
+
+
+def _train_step(opt, loss_fn: Callable[[], Any], device: str, precision: str, sched=None) -> Callable[[], None]:
+    """One optimiser step of `loss_fn()` in `precision`; the final `.item()` waits for the device."""
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
+    if precision != "fp32" and device != "cuda":
+        raise ValueError(f"precision {precision!r} needs device 'cuda', got {device!r}")
+    scaler = _grad_scaler() if precision == "amp" else None
+    tf32 = precision == "tf32"
+
+    def step():
+        # Global switches: set on every call, since the precisions' steps alternate in one process.
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        opt.zero_grad()
+        with torch.autocast(device_type=device, dtype=torch.float16, enabled=scaler is not None):
+            loss = loss_fn()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if sched is not None:
+            sched.step()
+        loss.item()
+
+    return step
+
+
+def _official_agf_lra(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int, device: str,
+                      precision: str):
     import numpy as np
     import torch
 
@@ -78,25 +122,19 @@ def _official_agf_lra(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed:
             cfg.update(poly_type="None", K="0", reg=0, alpha=1.0, beta=0.2, fixI=False)
         torch.manual_seed(seed)
         model = model_wrapper.ModelForSC(cfg)
-    model.train()
+    model.to(device).train()
     batch = dict(input_ids_0=torch.from_numpy(ids), mask_0=torch.from_numpy((ids != 0).astype(np.float32)),
                  label=torch.from_numpy(labels))
+    batch = {k: v.to(device) for k, v in batch.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=train_cfg["learning_rate"], betas=(0.9, 0.999), eps=1e-6,
                             weight_decay=train_cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=train_cfg["learning_rate"], pct_start=train_cfg["warmup"] / train_cfg["num_train_steps"],
         anneal_strategy=train_cfg["lr_decay"], total_steps=10**6)
 
-    def step():
-        opt.zero_grad()
-        outputs = model(**batch)
-        loss = outputs["loss"].mean()
-        loss.backward()
-        opt.step()
-        sched.step()
-        loss.item()
-
-    info = dict(file="AGF_LRA/model_wrapper.py::ModelForSC", attn_type=attn_type, batch=list(ids.shape),
+    step = _train_step(opt, lambda: model(**batch)["loss"].mean(), device, precision, sched)
+    info = dict(file="AGF_LRA/model_wrapper.py::ModelForSC", device=device, precision=precision,
+                attn_type=attn_type, batch=list(ids.shape),
                 max_seq_len=cfg["max_seq_len"], num_params=sum(p.numel() for p in model.parameters()))
     return step, info
 
@@ -108,7 +146,8 @@ FIG4_CONFIG = dict(seq_len=64, pred_len=1, label_len=64, enc_in=2, number_of_tar
 LINTRANS_WINDOW = 8   # local_attention_window * pred_len: LinTrans sees the last 8 steps
 
 
-def _official_samovar(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int):
+def _official_samovar(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int, device: str,
+                      precision: str):
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -125,27 +164,26 @@ def _official_samovar(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed:
         batch_size = 4
     torch.manual_seed(seed)
     model = module.Model(config)
-    model.train()
+    model.to(device).train()
     rng = np.random.default_rng(seed)
     x_i = torch.from_numpy(rng.standard_normal((batch_size, config.seq_len, config.enc_in), dtype=np.float32))
     x_p = torch.from_numpy(rng.standard_normal((batch_size, config.pred_len, config.enc_in), dtype=np.float32))
+    x_i, x_p = x_i.to(device), x_p.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
-    def step():
+    def loss_fn():
         # The notebook's model_forward_* (channel-drop augmentation included) and its training loop.
         xi = x_i[:, -LINTRANS_WINDOW:, :] if case == "lintrans" else x_i
         drop_rate = torch.rand(1).item()
-        drop_mask = torch.rand(1, 1, xi.shape[2]) < 1 - drop_rate
+        drop_mask = (torch.rand(1, 1, xi.shape[2]) < 1 - drop_rate).to(device)
         xi = xi.masked_fill(drop_mask, 0)
         xp = x_p.masked_fill(drop_mask, 0)
-        opt.zero_grad()
         output, ar_loss = model(xi)
-        loss = F.mse_loss(output, xp) + ar_loss
-        loss.backward()
-        opt.step()
-        loss.item()
+        return F.mse_loss(output, xp) + ar_loss
 
-    info = dict(file=f"models/{file}::Model", batch=[batch_size, config.seq_len, config.enc_in],
+    step = _train_step(opt, loss_fn, device, precision)
+    info = dict(file=f"models/{file}::Model", device=device, precision=precision,
+                batch=[batch_size, config.seq_len, config.enc_in],
                 num_params=sum(p.numel() for p in model.parameters()))
     return step, info
 
@@ -171,8 +209,9 @@ def check_torch() -> str | None:
     return None
 
 
-def official_step(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int) -> tuple[Callable[[], None], dict]:
-    """(step, info) of the official model of `case` from the checkout `src`; `ours`: our step (its batch
-    is converted for the official model), or None."""
+def official_step(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int, device: str = "cpu",
+                  precision: str = "fp32") -> tuple[Callable[[], None], dict]:
+    """(step, info) of the official model of `case` from the checkout `src` on `device` in `precision`;
+    `ours`: our step (its batch is converted for the official model), or None."""
     build = _official_agf_lra if case.startswith("agf") else _official_samovar
-    return build(src, case, ours, tiny, seed)
+    return build(src, case, ours, tiny, seed, device, precision)

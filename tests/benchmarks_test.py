@@ -1,4 +1,5 @@
-"""Smoke tests of the one-call device check and the peers benchmark (`--tiny`, CPU, subprocesses), and the
+"""Smoke tests of the peers benchmark (`--tiny`, CPU, subprocesses; the device check's are in
+tests/device_check_test.py), and the
 bad arguments of every script (benchmarks, the golden converters, the notebook runner): usage errors,
 parsed in-process.
 
@@ -24,28 +25,6 @@ def _run(args, tmp_path, timeout=600):
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
-
-
-def test_device_check_tiny_writes_its_summary(tmp_path):
-    out = tmp_path / "dc.json"
-    stdout = _run(["benchmarks/device_check.py", "--tiny", "--configs", "agf_listops", "--scaling_scripts",
-                   "agf_scaling", "--budget_s", "400", "--work_dir", str(tmp_path / "work"), "--out", str(out)],
-                  tmp_path)
-    summary = json.loads(out.read_text())
-    assert summary["tiny"] is True and summary["ok"] is True
-    ph = summary["phases"]
-    assert set(ph) == {"tests", "bounds", "steps", "scaling", "reference_runs"}
-    assert ph["tests"]["status"] == "ok" and ph["tests"]["counts"]["passed"] >= 1
-    assert ph["bounds"]["peak_gflops"] > 0 and ph["bounds"]["peak_gflops_bf16"] > 0
-    assert ph["bounds"]["peak_gbps"] > 0
-    step = ph["steps"]["records"]["agf_listops"]
-    assert step["status"] == "ok" and step["median_s"] > 0 and step["steps_per_s"] > 0
-    assert step["cost"]["flops"] > 0 and step["mfu_f32"] > 0 and step["roofline"]["bound"] in ("compute", "memory")
-    scaling = ph["scaling"]["scripts"]["agf_scaling"]
-    assert scaling["status"] == "ok", scaling
-    assert scaling["cases"]["agf"]["largest_n"] == 64
-    assert all(r["status"] == "skipped" and "--tiny" in r["reason"] for r in ph["reference_runs"]["runs"].values())
-    assert "device check" in stdout and "MFU_f32" in stdout
 
 
 def test_peers_tiny_times_our_side_only_without_sources(tmp_path):
@@ -133,7 +112,12 @@ BAD_ARGUMENTS = [
     ("peers", "--cases lintrans,lintrans", "--cases names lintrans more than once"),
     ("peers", "--cases nosuch", "unknown --cases ['nosuch']; choose from ['agf_listops'"),
     ("peers", "--cases ,", "--cases names none of ['agf_listops'"),
-    ("device_check", "--tiny --phases steps,nosuch", "unknown --phases ['nosuch']; choose from ['tests', "),
+    ("device_check", "--tiny --phases steps,nosuch", "unknown --phases ['nosuch']; choose from ['bounds', "),
+    ("device_check", "--tiny --dtypes float16", "unknown --dtypes ['float16']; choose from ['float32'"),
+    ("device_check", "--tiny --bisect_forms embed,nosuch", "unknown --bisect_forms ['nosuch']; choose from ['embed'"),
+    ("device_check", "--tiny --lengths 64,0", "argument --lengths: must be a comma-separated list of integers >= 1"),
+    ("peers", "--precisions fp32,amp", "--precisions fp32,amp: only fp32 runs on --device cpu"),
+    ("peers", "--device cuda --precisions fp16", "unknown --precisions ['fp16']; choose from ['fp32', 'tf32', 'amp']"),
     ("device_check", "--tiny --configs agf_listops,agf_listops", "--configs names agf_listops more than once"),
     ("memory_options", "--tiny --variants f32,fp8", "unknown --variants ['fp8']; choose from ['f32'"),
     ("samovar_scaling", "--cases ,", "--cases names none of"),

@@ -59,7 +59,8 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
     Built by the trainer's own setup: `run_setup.build_setup` (the checks, the model, task, optimiser
     and data, each built once), `RunSetup.init_state` on the 'data' mesh and `run_setup.compile_steps`,
     whose jitted `train_step` is the one `train_and_evaluate` runs; the batch is the first of
-    `pipeline.train_batches`, put on the mesh. The step is always the jit one (parallel.mode 'jit').
+    `pipeline.train_batches` (streamed: `in_memory=False`), put on the mesh. The step is always the jit
+    one (parallel.mode 'jit').
 
     Args:
       config: a resolved config (not changed; a copy is).
@@ -89,9 +90,10 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)
     steps = run_setup.compile_steps(s, mesh, replicated, donate=donate)
+    # One batch: streamed, not a whole split decoded into memory for it.
     host = sharding.numeric(next(pipeline.train_batches(
         s.train_source, global_batch_size=config.batch_size, seed=config.seed, process_index=0,
-        process_count=1, start_step=0)))
+        process_count=1, start_step=0, in_memory=False)))
     batch = steps.to_device(host)
     state = s.init_state(replicated)
     t0 = time.perf_counter()
