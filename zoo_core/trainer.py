@@ -49,7 +49,7 @@ __all__ = [
     "train_step", "uses_feature_step",
 ]
 
-# The training-step index was called `step`, a word now kept for the one-token method.
+# Deprecated names of the training-step index helpers (`step` names only the one-token method).
 _RENAMED = {"uses_step": "uses_feature_step", "step_kwargs": "feature_step_kwargs",
             "eval_step_index": "eval_feature_step"}
 
