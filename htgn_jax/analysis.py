@@ -199,7 +199,7 @@ def _cross_probe(module: CrossGraphAttention, x: Array, memory: Array,
 
 
 def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any], *,
-                         step: Any = None) -> dict[str, dict[str, Any]]:
+                         feature_step: Any = None) -> dict[str, dict[str, Any]]:
     """Attention coefficients of every graph layer of `model` on `batch` (eval mode).
 
     Args:
@@ -207,8 +207,8 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
       params: its parameters.
       batch: the model's batch (Seq2Seq: 'inputs' `[B, S]`, 'targets' `[B, T]`, teacher forced;
         Classifier: 'image').
-      step: the training-step index of the random features, for a model with redraw_every > 0
-        (`zoo_core.trainer.eval_step_index` of the checkpoint's step).
+      feature_step: the training-step index of the random features, for a model with
+        redraw_every > 0 (`zoo_core.trainer.eval_feature_step` of the checkpoint's step).
 
     Returns:
       {layer path (e.g. 'encoder/block_00/graph'): {'kind': 'window' | 'causal_window' |
@@ -220,7 +220,7 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
     """
     static: dict[str, dict[str, Any]] = {}
 
-    def run(params, batch, step):
+    def run(params, batch, feature_step):
         records: dict[str, dict[str, Any]] = {}
 
         def interceptor(next_fun, args, kwargs, context):
@@ -239,7 +239,7 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
 
         with nn.intercept_methods(interceptor):
             model.apply({"params": params}, batch, train=False,
-                        **({} if step is None else {"step": step}))
+                        **({} if feature_step is None else {"feature_step": feature_step}))
         # Python facts (kind, window, g) leave the trace through `static`; arrays are returned.
         for path, r in records.items():
             static[path] = {k: v for k, v in r.items() if not isinstance(v, jax.Array)}
@@ -248,7 +248,7 @@ def graph_attention_maps(model: nn.Module, params: Any, batch: Mapping[str, Any]
 
     # A fresh jit per call (one trace, so `static` is always filled); eager would dispatch
     # hundreds of small ops.
-    arrays = jax.jit(run)(params, dict(batch), step)
+    arrays = jax.jit(run)(params, dict(batch), feature_step)
     records = {path: dict(static[path], **jax.device_get(arrays[path])) for path in static}
     out = {}
     for path, r in records.items():

@@ -18,10 +18,11 @@ outputs are `[B, max_len]` ids = generated tokens up to and including EOS, then 
 are never generated (their log-probabilities are set to a large negative number, without
 renormalising, so beam scores stay the model's log-probabilities).
 
-Random features: a model trained with `redraw_every > 0` (`model.uses_step`) needs `step=`, the
-training-step index whose FAVOR+ features the parameters go with (`zoo_core.trainer.eval_step_index`
-of the checkpoint's step); encoding, the caches and every decoding step use that one draw. The
-model's methods check it (required with redraws, refused without) when the search is traced.
+Random features: a model trained with `redraw_every > 0` (`model.uses_feature_step`) needs
+`feature_step=`, the training-step index whose FAVOR+ features the parameters go with
+(`zoo_core.trainer.eval_feature_step` of the checkpoint's step); encoding, the caches and every
+decoding step use that one draw. The model's methods check it (required with redraws, refused
+without) when the search is traced.
 
 Beam search keeps `beam_size` hypotheses per example. A finished hypothesis (EOS emitted) can only
 be extended by PAD at no cost, so it keeps its score and competes with the open ones. Scores are
@@ -70,19 +71,19 @@ def _log_probs(model, logits: Array) -> Array:
     return logp.at[..., model.pad_id].set(NEG).at[..., model.bos_id].set(NEG)
 
 
-def _step_kw(step) -> dict[str, Any]:
-    return {} if step is None else {"step": step}
+def _feature_step_kw(feature_step) -> dict[str, Any]:
+    return {} if feature_step is None else {"feature_step": feature_step}
 
 
 def _make_stepper(model, params, inputs, inputs_mask, max_len: int, use_cache: bool,
-                  repeat: int = 1, step=None) -> tuple[Callable, Any]:
+                  repeat: int = 1, feature_step=None) -> tuple[Callable, Any]:
     """Encodes once; returns (step(state, token [N], t) -> (log-probs [N, V], state), state0).
 
     N = B * repeat (beam search repeats every example `repeat` times, beams adjacent). Every leaf
     of the state has N as its leading axis, so beam search can reorder it.
     """
     variables = {"params": params}
-    kw = _step_kw(step)
+    kw = _feature_step_kw(feature_step)
     memory, memory_mask = model.apply(variables, inputs, inputs_mask, method="encode", **kw)
     if repeat > 1:
         memory = jnp.repeat(memory, repeat, axis=0)
@@ -107,9 +108,9 @@ def _make_stepper(model, params, inputs, inputs_mask, max_len: int, use_cache: b
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "use_cache"))
-def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, step):
+def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, feature_step):
     advance, state = _make_stepper(model, params, inputs, inputs_mask, max_len, use_cache,
-                                   step=step)
+                                   feature_step=feature_step)
     b = inputs.shape[0]
     out = jnp.full((b, max_len), model.pad_id, jnp.int32)
     scores = jnp.zeros((b,), jnp.float32)
@@ -134,7 +135,7 @@ def _greedy(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, s
 
 
 def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
-                  use_cache: Optional[bool] = None, step=None) -> tuple[Array, Array]:
+                  use_cache: Optional[bool] = None, feature_step=None) -> tuple[Array, Array]:
     """Greedy decoding.
 
     Args:
@@ -145,8 +146,8 @@ def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
       inputs_mask: optional bool `[B, S]` (default inputs != pad_id).
       use_cache: recurrent state (True), recomputation (False), or None = whatever the model
         supports (cache unless exact softmax).
-      step: training-step index selecting the random features; required iff the model has
-        redraw_every > 0 (see the module docstring).
+      feature_step: training-step index selecting the random features; required iff the model
+        has redraw_every > 0 (see the module docstring).
 
     Returns:
       (ids int32 `[B, max_len]` ending with EOS then PAD, scores float32 `[B]` = sum of the
@@ -154,7 +155,7 @@ def greedy_search(model, params, inputs, *, max_len: int, inputs_mask=None,
     """
     use_cache = _resolve_cache(model, use_cache)
     _check(model, inputs, max_len, use_cache)
-    return _greedy(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, step)
+    return _greedy(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, feature_step)
 
 
 def length_normaliser(lengths: Array, alpha: float) -> Array:
@@ -165,11 +166,11 @@ def length_normaliser(lengths: Array, alpha: float) -> Array:
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "use_cache", "beam_size",
                                              "length_penalty"))
 def _beam(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, beam_size: int,
-          length_penalty: float, step):
+          length_penalty: float, feature_step):
     k = beam_size
     b = inputs.shape[0]
     advance, state = _make_stepper(model, params, inputs, inputs_mask, max_len, use_cache,
-                                   repeat=k, step=step)
+                                   repeat=k, feature_step=feature_step)
     vocab = model.target_vocab_size
     # Only beam 0 is alive at the start, so the first expansion has no duplicates.
     scores = jnp.tile(jnp.asarray([0.0] + [NEG] * (k - 1), jnp.float32), (b, 1))
@@ -209,11 +210,11 @@ def _beam(model, params, inputs, inputs_mask, max_len: int, use_cache: bool, bea
 
 def beam_search(model, params, inputs, *, beam_size: int, max_len: int, inputs_mask=None,
                 length_penalty: float = 0.0,
-                use_cache: Optional[bool] = None, step=None) -> tuple[Array, Array]:
+                use_cache: Optional[bool] = None, feature_step=None) -> tuple[Array, Array]:
     """Beam search (see the module docstring).
 
     Args:
-      model, params, inputs, max_len, inputs_mask, use_cache, step: as in `greedy_search`.
+      model, params, inputs, max_len, inputs_mask, use_cache, feature_step: as in `greedy_search`.
       beam_size: K >= 1 (at most target_vocab_size - 2: PAD and BOS are never generated).
       length_penalty: GNMT alpha >= 0 for the final ranking (0 = raw log-probability).
 
@@ -229,23 +230,23 @@ def beam_search(model, params, inputs, *, beam_size: int, max_len: int, inputs_m
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(f"length_penalty must be a number >= 0, got {length_penalty!r}")
     return _beam(model, params, jnp.asarray(inputs), inputs_mask, max_len, use_cache, beam_size,
-                 float(length_penalty), step)
+                 float(length_penalty), feature_step)
 
 
-def sequence_log_probs(model, params, inputs, targets, *, inputs_mask=None, step=None) -> Array:
+def sequence_log_probs(model, params, inputs, targets, *, inputs_mask=None, feature_step=None) -> Array:
     """Teacher-forced sum of log p(target token) up to and including the first EOS, `[B]`.
 
     PAD and BOS are scored as during search (banned, not renormalised), so this recomputes the
-    beam scores. targets int `[B, T]` (T <= max_target_len); `step` as in `greedy_search`.
+    beam scores. targets int `[B, T]` (T <= max_target_len); `feature_step` as in `greedy_search`.
     """
     return _sequence_log_probs(model, params, jnp.asarray(inputs), jnp.asarray(targets),
-                               inputs_mask, step)
+                               inputs_mask, feature_step)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def _sequence_log_probs(model, params, inputs, targets, inputs_mask, step):
+def _sequence_log_probs(model, params, inputs, targets, inputs_mask, feature_step):
     variables = {"params": params}
-    kw = _step_kw(step)
+    kw = _feature_step_kw(feature_step)
     memory, memory_mask = model.apply(variables, inputs, inputs_mask, method="encode", **kw)
     targets = jnp.asarray(targets, jnp.int32)
     bos = jnp.full(targets.shape[:1] + (1,), model.bos_id, jnp.int32)
@@ -330,9 +331,9 @@ def _text_fns(config, builder):
 
 
 def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
-    """Evaluator `fn(params, model, config, *, step=None) -> {'bleu', 'chrf', 'exact_match'}`.
+    """Evaluator `fn(params, model, config, *, feature_step=None) -> {'bleu', 'chrf', 'exact_match'}`.
 
-    The trainer passes `step` (the last update's index) to a model that `uses_step`.
+    The trainer passes `feature_step` (the last update's index) for a model that `uses_feature_step`.
 
     Decodes `config.data.eval_split` (the first `config.decode.max_examples` examples, else the
     first `config.eval_max_examples`, else all) in batches of `config.eval_batch_size` with greedy
@@ -362,7 +363,7 @@ def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
             cache["to_text"], cache["tokenize"] = _text_fns(config, builder)
         return cache
 
-    def evaluate(params, model, cfg, *, step=None) -> dict[str, float]:
+    def evaluate(params, model, cfg, *, feature_step=None) -> dict[str, float]:
         from zoo_core import textmetrics  # pylint: disable=import-outside-toplevel
 
         data = load()
@@ -378,11 +379,11 @@ def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
             if options["beam_size"] == 1:
                 ids, _ = greedy_search(model, params, chunk, max_len=max_len, use_cache=use_cache,
-                                       step=step)
+                                       feature_step=feature_step)
             else:
                 ids, _ = beam_search(model, params, chunk, beam_size=options["beam_size"],
                                      max_len=max_len, length_penalty=options["length_penalty"],
-                                     use_cache=use_cache, step=step)
+                                     use_cache=use_cache, feature_step=feature_step)
                 ids = ids[:, 0]
             hyps.extend(data["to_text"](row) for row in np.asarray(ids)[:real])
         return textmetrics.translation_metrics(hyps, data["refs"], tokenize=data["tokenize"])

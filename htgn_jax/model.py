@@ -28,8 +28,8 @@ Ablations (§5.13), as fields: `use_graph_conv=False` (Performer encoder-decoder
 attention (`ops.exact_softmax_attention`), graph layers and HRPE off by default.
 
 Interface (the zoo's model contract): `apply(variables, batch, train=False, rngs={'dropout': k})` returns
-`(outputs, aux)` (the trainer passes `step=`, the training-step index, to a model that `uses_step`;
-the model passes it to its layers as `feature_step=`):
+`(outputs, aux)` (the trainer passes `feature_step=`, the training-step index, to a model that
+`uses_feature_step`; the model passes it on to its layers):
 
 * kind='seq2seq': batch['inputs'] int [B, S] (ids + EOS, then `pad_id`), batch['targets'] int
   [B, T] (same convention), optional batch['inputs_mask'] bool [B, S] (default inputs != pad_id).
@@ -45,13 +45,13 @@ KL(alpha_i || alpha_{i-1}) per (head, consecutive pair) with kl_mode='neighbour'
 
 Random features: Omega is `FavorAttention`'s deterministic draw, one for all self-attention
 layers and one (seed + 1) for all cross-attention layers, unless `per_layer_features=True`. With
-`redraw_every = k > 0` (htgn.md §2.4, §5.4: k = 1000) the model `uses_step`: every public method
-takes `step=` (the training-step index, passed down to the layers as `feature_step=`) and the
-draw in force is Omega(step // k), a pure function of the seed and the step; the shared trainer
-passes the update's
-index while training and the last update's index at evaluation, so evaluation and decoding use the
-features the parameters were last trained with (frozen between redraws). With k = 0 it is draw 0
-throughout and `step` is not needed.
+`redraw_every = k > 0` (htgn.md §2.4, §5.4: k = 1000) the model `uses_feature_step`: every public
+method takes `feature_step=` (the training-step index, passed down to the layers) and the draw in
+force is Omega(feature_step // k), a pure function of the seed and the index; the shared trainer
+passes the update's index while training and the last update's index at evaluation, so evaluation
+and decoding use the features the parameters were last trained with (frozen between redraws). With
+k = 0 it is draw 0 throughout and `feature_step` is not needed. (`step` names only one-token methods:
+`DecoderBlock.step`, `decode_step`.)
 
 Decoding (`htgn_jax.decoding`) uses the methods `encode`, `decode`, `init_cache` and
 `decode_step` of `Seq2Seq`: the FAVOR+ (S, z) state, the rolling window cache of the causal
@@ -136,8 +136,9 @@ class _HTGNModel(nn.Module, kw_only=True):
     remat: bool = False
 
     @property
-    def uses_step(self) -> bool:
-        """Whether the forward pass depends on the training step (the trainer then passes it)."""
+    def uses_feature_step(self) -> bool:
+        """Whether the forward pass depends on the training-step index (the trainer then passes it as
+        `feature_step=`)."""
         return self.redraw_every > 0
 
 
@@ -173,7 +174,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       chunk_size: C of the chunked causal FAVOR+.
       per_layer_features: a FAVOR+ projection per layer (default: one shared by all layers).
       redraw_every: redraw the FAVOR+ features every k training steps (0 = one fixed draw); then
-        every public method takes `step=` (see the module docstring).
+        every public method takes `feature_step=` (see the module docstring).
       share_embeddings: one table for source, target and output (needs equal vocab sizes).
       max_source_len: longest accepted source; rows of the learned source position table
         (use_hrpe=False).
@@ -285,62 +286,62 @@ class Seq2Seq(_HTGNModel, kw_only=True):
             y = self.decoder_norm(y)
         return self.target_embed.attend(y).astype(jnp.float32)   # tied output embedding
 
-    # --- public methods (`step`: the trainer's training-step index, passed down as feature_step)
+    # --- public methods (`feature_step`: the trainer's training-step index, passed down to the layers)
 
-    def _encode(self, inputs: Array, mask: Array, deterministic: bool, step: Optional[Array]):
+    def _encode(self, inputs: Array, mask: Array, deterministic: bool, feature_step: Optional[Array]):
         tokens = self._source_tokens(inputs, mask, deterministic)
-        memory, aux = self.encoder(tokens, mask, deterministic=deterministic, feature_step=step)
+        memory, aux = self.encoder(tokens, mask, deterministic=deterministic, feature_step=feature_step)
         return memory, with_globals(mask, self.num_global), aux
 
     def encode(self, inputs: Array, inputs_mask: Optional[Array] = None, *,
-               step: Optional[Array] = None) -> tuple[Array, Array]:
+               feature_step: Optional[Array] = None) -> tuple[Array, Array]:
         """Encoder (deterministic): inputs int `[B, S]` -> (memory `[B, g+S, d]`, memory mask
-        `[B, g+S]`). `step`: the feature draw (required iff redraw_every > 0)."""
-        validation.check_step(self, step)
+        `[B, g+S]`). `feature_step`: the feature draw (required iff redraw_every > 0)."""
+        validation.check_step(self, feature_step)
         inputs, mask = validation.source(self, inputs, inputs_mask)
-        memory, memory_mask, _ = self._encode(inputs, mask, True, step)
+        memory, memory_mask, _ = self._encode(inputs, mask, True, feature_step)
         return memory, memory_mask
 
     def _decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array,
-                deterministic: bool, step: Optional[Array]):
+                deterministic: bool, feature_step: Optional[Array]):
         y = self._target_tokens(decoder_inputs, jnp.arange(decoder_inputs.shape[1]), deterministic)
         mask = decoder_inputs != self.pad_id
         auxes = []
         for block in self.decoder_blocks:
             y, aux = call_block(block, y, memory, mask=mask, memory_mask=memory_mask,
-                                deterministic=deterministic, feature_step=step, remat=self.remat)
+                                deterministic=deterministic, feature_step=feature_step, remat=self.remat)
             auxes.append(aux)
         return self._logits(y), merge_aux(*auxes)
 
     def decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array, *,
-               step: Optional[Array] = None) -> Array:
+               feature_step: Optional[Array] = None) -> Array:
         """Teacher-forced decoder (deterministic): decoder_inputs int `[B, T]` (BOS first)
         -> logits float32 `[B, T, V]`. Position t depends only on decoder_inputs[:, :t+1].
-        `step`: the feature draw (required iff redraw_every > 0)."""
-        validation.check_step(self, step)
+        `feature_step`: the feature draw (required iff redraw_every > 0)."""
+        validation.check_step(self, feature_step)
         decoder_inputs = validation.int_array("decoder_inputs", decoder_inputs, 2, "[B, T]")
         validation.target_length(self, decoder_inputs.shape[1], "decoder_inputs")
-        return self._decode(decoder_inputs, memory, memory_mask, True, step)[0]
+        return self._decode(decoder_inputs, memory, memory_mask, True, feature_step)[0]
 
     def init_cache(self, memory: Array, memory_mask: Array, *,
-                   step: Optional[Array] = None) -> tuple[list, list]:
+                   feature_step: Optional[Array] = None) -> tuple[list, list]:
         """([`DecoderMemory`], [`DecoderState`]) per decoder block (`DecoderBlock.init_cache`).
-        `step`: the feature draw (required iff redraw_every > 0)."""
+        `feature_step`: the feature draw (required iff redraw_every > 0)."""
         if not self.supports_cache:
             fail("init_cache needs attention='favor' with a kernel feature_map (exact softmax "
                  "has no constant-size state); decode by recomputation instead")
-        validation.check_step(self, step)
-        pairs = [block.init_cache(memory, memory_mask, feature_step=step)
+        validation.check_step(self, feature_step)
+        pairs = [block.init_cache(memory, memory_mask, feature_step=feature_step)
                  for block in self.decoder_blocks]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def decode_step(self, static: list, dynamic: list, token: Array,
-                    position: Array, *, step: Optional[Array] = None) -> tuple[Array, list]:
+                    position: Array, *, feature_step: Optional[Array] = None) -> tuple[Array, list]:
         """One decoding step: token int `[B]` at decoder index `position` (int scalar, <
         max_target_len) -> (logits float32 `[B, V]`, new dynamic cache). Equal to row
-        `position` of `decode` on the same prefix. `step`: the feature draw `init_cache` used
+        `position` of `decode` on the same prefix. `feature_step`: the feature draw `init_cache` used
         (required iff redraw_every > 0)."""
-        validation.check_step(self, step)
+        validation.check_step(self, feature_step)
         if isinstance(position, int) and not 0 <= position < self.max_target_len:
             # (A traced position cannot be checked: past the table it reads jnp.take's NaN fill.)
             fail(f"position must be in [0, max_target_len={self.max_target_len}), got {position}")
@@ -348,20 +349,20 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         y = self._target_tokens(token[:, None], position[None], True)[:, 0]
         new_dynamic = []
         for block, memory, state in zip(self.decoder_blocks, static, dynamic):
-            y, state = block.step(state, y, memory, position=position, feature_step=step)
+            y, state = block.step(state, y, memory, position=position, feature_step=feature_step)
             new_dynamic.append(state)
         return self._logits(y), new_dynamic
 
-    def __call__(self, batch: dict, *, train: bool = False, step: Optional[Array] = None):
-        """Teacher-forced forward pass (see the class docstring); `step` is the training-step
-        index (required iff redraw_every > 0: the update's index while training)."""
-        validation.check_step(self, step)
+    def __call__(self, batch: dict, *, train: bool = False, feature_step: Optional[Array] = None):
+        """Teacher-forced forward pass (see the class docstring); `feature_step` is the
+        training-step index (required iff redraw_every > 0: the update's index while training)."""
+        validation.check_step(self, feature_step)
         inputs, mask, targets = validation.seq2seq_batch(self, batch)
         det = not train
-        memory, memory_mask, enc_aux = self._encode(inputs, mask, det, step)
+        memory, memory_mask, enc_aux = self._encode(inputs, mask, det, feature_step)
         bos = jnp.full(targets.shape[:1] + (1,), self.bos_id, targets.dtype)
         decoder_inputs = jnp.concatenate([bos, targets[:, :-1]], axis=1)
-        logits, dec_aux = self._decode(decoder_inputs, memory, memory_mask, det, step)
+        logits, dec_aux = self._decode(decoder_inputs, memory, memory_mask, det, feature_step)
         return {"logits": logits}, _aux(self, merge_aux(enc_aux, dec_aux))
 
 
@@ -410,9 +411,9 @@ class Classifier(_HTGNModel, kw_only=True):
                                name="encoder")
         self.head = nn.Dense(self.num_classes, name="head", **dense)
 
-    def __call__(self, batch: dict, *, train: bool = False, step: Optional[Array] = None):
-        """Forward pass (see the class docstring); `step` as in `Seq2Seq.__call__`."""
-        validation.check_step(self, step)
+    def __call__(self, batch: dict, *, train: bool = False, feature_step: Optional[Array] = None):
+        """Forward pass (see the class docstring); `feature_step` as in `Seq2Seq.__call__`."""
+        validation.check_step(self, feature_step)
         x = validation.image(self, batch)
         b, p, gr = x.shape[0], self.patch_size, self.grid
         patches = x.reshape(b, gr, p, gr, p, self.channels).transpose(0, 1, 3, 2, 4, 5)
@@ -427,7 +428,7 @@ class Classifier(_HTGNModel, kw_only=True):
         det = not train
         h = self.dropout(h, deterministic=det)
         mask = jnp.ones((b, gr * gr), bool)
-        memory, aux = self.encoder(h, mask, deterministic=det, feature_step=step)
+        memory, aux = self.encoder(h, mask, deterministic=det, feature_step=feature_step)
         pooled = memory[:, 0] if self.pool == "cls" else jnp.mean(memory[:, self.num_global:], 1)
         logits = self.head(pooled).astype(jnp.float32)
         return {"logits": logits}, _aux(self, aux)

@@ -19,7 +19,7 @@ from zoo_core.errors import ConfigError, config_error
 from zoo_core.prepare import prepare_data
 from zoo_core.resume import check_eval_config
 from zoo_core.setup_checks import validate_config
-from zoo_core.steps import eval_step, eval_step_index, step_kwargs
+from zoo_core.steps import eval_feature_step, eval_step, feature_step_kwargs
 
 
 def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, model, to_device,
@@ -31,7 +31,7 @@ def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, mod
     is the single copy the host-side evaluators get.
     """
     pindex, pcount = jax.process_index(), jax.process_count()
-    index = np.int32(eval_step_index(steps_done))
+    index = np.int32(eval_feature_step(steps_done))
     totals: dict[str, list[float]] = {}
     for batch in pipeline.eval_batches(eval_source, global_batch_size=config.eval_batch_size,
                                        process_index=pindex, process_count=pcount,
@@ -46,7 +46,7 @@ def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, mod
     result = {f"eval/{k}": v / max(n, 1e-12) for k, (v, n) in totals.items()}
     host_params = params if host_params is None else host_params
     for evaluator in evaluators:
-        found = evaluator(host_params, model, config, **step_kwargs(model, int(index)))
+        found = evaluator(host_params, model, config, **feature_step_kwargs(model, int(index)))
         result.update({f"eval/{k}": float(v) for k, v in found.items()})
     return result
 

@@ -169,9 +169,9 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
       config: the resolved ml_collections config (see configs/common.py for every field).
       workdir: where checkpoints, metrics.jsonl, TensorBoard files and config.json go.
       build_model: the architecture's `Model` factory.
-      evaluators: extra host-side evaluations `fn(params, model, config, **step_kwargs(model, i))` ->
-        {name: value} (i = `eval_step_index`; no keyword for a model without `uses_step`) run with every
-        eval (e.g. decoding + BLEU); their results are logged under 'eval/'.
+      evaluators: extra host-side evaluations `fn(params, model, config, **feature_step_kwargs(model, i))`
+        -> {name: value} (i = `eval_feature_step`; no `feature_step=` for a model without
+        `uses_feature_step`) run with every eval (e.g. decoding + BLEU); their results are logged under 'eval/'.
       allow_config_change: resume a run in `workdir` whose stored config.json differs from `config` in
         fields that change what is trained (see `check_resume`); the differences are logged and
         config.json is replaced. Without it such a resume is refused (`SAFE_ON_RESUME` fields, and a

@@ -173,7 +173,7 @@ def restore_or_init(s: RunSetup, workdir: str, replicated) -> tuple[ckpt_lib.Che
 class Steps:
     """The compiled steps and how batches and states move between host and devices."""
     train: Callable[..., Any]      # (state, batch) -> (state, metrics); the state is donated (by default)
-    eval: Callable[..., Any]       # (params, batch, step index) -> metric sums
+    eval: Callable[..., Any]       # (params, batch, feature_step) -> metric sums
     to_device: Callable[[Any], Any]
     host_state: Callable[[Any], Any]   # the single (unreplicated) copy of a state
     pmapped: bool

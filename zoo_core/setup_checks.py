@@ -13,7 +13,7 @@ import numpy as np
 
 from zoo_core import checks, optim, sharding
 from zoo_core.errors import ConfigError
-from zoo_core.steps import eval_step, step_kwargs, uses_step
+from zoo_core.steps import eval_step, feature_step_kwargs, uses_feature_step
 
 
 PARALLEL_MODES = ("jit", "pmap")
@@ -115,8 +115,8 @@ def check_eval_metrics(name: str, model, task, params, example, *, has_evaluator
     its metrics, not at the first eval many steps on."""
     if name and not name.startswith("eval/"):
         raise ValueError(f"checkpoint.best_metric must name an eval metric 'eval/<name>', got {name!r}")
-    step = (jnp.zeros([], jnp.int32),) if uses_step(model) else ()
-    sums = jax.eval_shape(functools.partial(eval_step, model=model, task=task), params, example, *step)
+    feature_step = (jnp.zeros([], jnp.int32),) if uses_feature_step(model) else ()
+    sums = jax.eval_shape(functools.partial(eval_step, model=model, task=task), params, example, *feature_step)
     if not name or has_evaluators:   # host-side evaluators add names (e.g. eval/bleu) known only when they run
         return
     known = sorted(f"eval/{k}" for k in sums)
@@ -133,8 +133,8 @@ def check_classes(config, model, params, example, source) -> None:
     want = (info.metadata or {}).get("num_classes") if info is not None else None
     if config.task.name != "classification" or want is None:
         return
-    step = step_kwargs(model, jnp.zeros([], jnp.int32))
-    outputs, _ = jax.eval_shape(lambda p: model.apply({"params": p}, example, train=False, **step), params)
+    feature_step = feature_step_kwargs(model, jnp.zeros([], jnp.int32))
+    outputs, _ = jax.eval_shape(lambda p: model.apply({"params": p}, example, train=False, **feature_step), params)
     got = jax.tree_util.tree_leaves(outputs)[0].shape[-1]
     if got != int(want):
         raise ValueError(f"the model has {got} outputs but {config.data.name} has {want} classes: set "

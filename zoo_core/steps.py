@@ -1,8 +1,9 @@
 """The pure steps of training: `TrainState`, `init_state`, `train_step` and `eval_step`.
 
 Functions of arrays only, jitted (or pmapped) by `run_setup.compile_steps`; the model, optimiser, task and
-schedule are static and bound with functools.partial. A model that `uses_step` receives the training step
-in every call (`step_kwargs`).
+schedule are static and bound with functools.partial. A model that `uses_feature_step` receives the
+training-step index as `feature_step=` in every call (`feature_step_kwargs`); `step` alone means the
+one-token method of a layer or model.
 """
 from __future__ import annotations
 
@@ -43,27 +44,33 @@ def init_state(rng: jax.Array, batch: Mapping[str, jax.Array], *, model, tx) -> 
     """Initialises parameters on `batch` and the optimiser state; pure, so it can be eval_shape'd/jitted."""
     param_rng, dropout_rng = jax.random.split(rng)
     params = model.init({"params": param_rng, "dropout": dropout_rng}, batch, train=False,
-                        **step_kwargs(model, jnp.zeros([], jnp.int32)))["params"]
+                        **feature_step_kwargs(model, jnp.zeros([], jnp.int32)))["params"]
     return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.fold_in(rng, 1), bad_step=jnp.full([], -1, jnp.int32))
 
 
-def uses_step(model) -> bool:
-    """Whether `model`'s forward pass depends on the training step (a true `uses_step` attribute)."""
-    return bool(getattr(model, "uses_step", False))
+def uses_feature_step(model) -> bool:
+    """Whether `model`'s forward pass depends on the training-step index (a true `uses_feature_step`
+    attribute, e.g. HTGN's FAVOR+ features redrawn every k steps)."""
+    if getattr(model, "uses_step", False) and not hasattr(model, "uses_feature_step"):
+        # A model written for the old name would otherwise silently lose its index.
+        raise ValueError(f"{type(model).__name__} has `uses_step`, which is now `uses_feature_step`: rename the "
+                         "attribute and take the index as `feature_step=`")
+    return bool(getattr(model, "uses_feature_step", False))
 
 
-def step_kwargs(model, step) -> dict[str, Any]:
-    """{'step': step} for a model that `uses_step`, else {}: what every model call here passes along.
+def feature_step_kwargs(model, feature_step) -> dict[str, Any]:
+    """{'feature_step': feature_step} for a model that `uses_feature_step`, else {}: what every model call
+    here passes along.
 
-    While training, `step` is the index of the update being computed (state.step); at evaluation it is
-    `eval_step_index(steps_done)`, the index of the last update, so evaluation and decoding use the random
-    features the parameters were last trained with (frozen between redraws).
+    While training, `feature_step` is the index of the update being computed (state.step); at evaluation
+    it is `eval_feature_step(steps_done)`, the index of the last update, so evaluation and decoding use the
+    random features the parameters were last trained with (frozen between redraws).
     """
-    return {"step": step} if uses_step(model) else {}
+    return {"feature_step": feature_step} if uses_feature_step(model) else {}
 
 
-def eval_step_index(steps_done):
+def eval_feature_step(steps_done):
     """The training-step index whose step-dependent state (e.g. random features) evaluation uses.
 
     After `steps_done` updates the last one had index steps_done - 1 (0 before any update).
@@ -76,7 +83,7 @@ def eval_step_index(steps_done):
 WEIGHT_PREFIX = "weight/"   # train_step metrics under it are weights, not logged (see mean_metrics)
 
 
-def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axis_name: str | None = None,
+def _loss_and_metrics(params, batch, rng, feature_step, *, model, task, train: bool, axis_name: str | None = None,
                       loss_weight: jax.Array | None = None):
     """(loss, (metric sums, aux losses)) of one batch: the task's weighted mean loss plus the aux losses.
 
@@ -84,7 +91,7 @@ def _loss_and_metrics(params, batch, rng, step, *, model, task, train: bool, axi
     share of its whole batch's weight (`train_step`).
     """
     outputs, aux = model.apply({"params": params}, batch, train=train, rngs={"dropout": rng} if train else {},
-                               **step_kwargs(model, step))
+                               **feature_step_kwargs(model, feature_step))
     sums = tasks.reduce_metrics(task(outputs, batch), batch.get("example_mask"))
     aux_losses = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items() if k.startswith("loss/")}
     for k, v in aux_losses.items():
@@ -106,7 +113,7 @@ def _device_share(weight: jax.Array, axis_name: str | None) -> jax.Array:
     return jax.lax.psum(jax.lax.stop_gradient(weight), axis_name) / jax.lax.psum(1, axis_name)
 
 
-def batch_loss_weight(params, batch, rng, step, *, model, task) -> jax.Array:
+def batch_loss_weight(params, batch, rng, feature_step, *, model, task) -> jax.Array:
     """The weight of `batch`'s loss (examples or tokens, times its example mask), without running the model.
 
     A task's weights are a function of the batch alone (`zoo_core.tasks`), so the task is evaluated on
@@ -114,7 +121,8 @@ def batch_loss_weight(params, batch, rng, step, *, model, task) -> jax.Array:
     the weights' sum.
     """
     shapes = jax.eval_shape(lambda p, b: model.apply({"params": p}, b, train=True, rngs={"dropout": rng},
-                                                     **step_kwargs(model, step))[0], params, batch)
+                                                     **feature_step_kwargs(model, feature_step))[0],
+                            params, batch)
     zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.lax.stop_gradient(tasks.reduce_metrics(task(zeros, batch), batch.get("example_mask"))["loss"][1])
 
@@ -198,16 +206,17 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     return new_state, metrics
 
 
-def eval_step(params, batch: Mapping[str, jax.Array], step=None, *, model, task,
+def eval_step(params, batch: Mapping[str, jax.Array], feature_step=None, *, model, task,
               axis_name: str | None = None) -> dict[str, tuple[jax.Array, jax.Array]]:
     """Weighted metric sums {name: (sum, weight)} of one eval batch (additive over batches).
 
-    `step` (int32 []) is required for a model that `uses_step`: `eval_step_index(steps_done)`.
+    `feature_step` (int32 []) is required for a model that `uses_feature_step`:
+    `eval_feature_step(steps_done)`.
     """
-    if step is None and uses_step(model):
-        raise ValueError(f"eval_step: {type(model).__name__} depends on the training step (uses_step); pass "
-                         "step=eval_step_index(steps_done)")
-    _, (sums, aux_losses) = _loss_and_metrics(params, batch, None, step, model=model, task=task, train=False)
+    if feature_step is None and uses_feature_step(model):
+        raise ValueError(f"eval_step: {type(model).__name__} depends on the training-step index "
+                         "(uses_feature_step); pass feature_step=eval_feature_step(steps_done)")
+    _, (sums, aux_losses) = _loss_and_metrics(params, batch, None, feature_step, model=model, task=task, train=False)
     count = sums["loss"][1]
     sums = dict(sums, **{k: (v * count, count) for k, v in aux_losses.items()})
     if axis_name is not None:

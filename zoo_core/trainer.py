@@ -4,8 +4,8 @@ Architectures plug in through `build_model` (called as `build_model(**config.mod
 `(batch, train=...)` to `(outputs, aux)`. The task (`config.task`) turns outputs into per-example
 metrics, and every `aux['loss/<name>']` scalar is added to the task loss, so regularisers need no fork
 of this loop. A model whose forward pass depends on the training step (HTGN's FAVOR+ redraws its random
-features every k steps) says so with a true `uses_step` attribute and then receives `step=` in every
-call (`step_kwargs`).
+features every k steps) says so with a true `uses_feature_step` attribute and then receives the index as
+`feature_step=` in every call (`feature_step_kwargs`).
 
 `evaluate_checkpoint` is the evaluation-only entry: a saved checkpoint (the best one by default) on any
 split, e.g. the LRA protocol's "select on validation, report test".
@@ -26,6 +26,8 @@ This module is the trainer's public face; each concern lives in its own module:
 * `zoo_core.run_guard` (SIGTERM / Ctrl-C, the workdir lock) and `zoo_core.run_log` (what a run logs).
 * `zoo_core.errors`: `ConfigError`, `NonFiniteError`.
 """
+import warnings
+
 from zoo_core.errors import ConfigError, NonFiniteError
 from zoo_core.evaluation import evaluate_checkpoint, evaluate_params, load_params, with_eval_split
 from zoo_core.loop import evals_between, is_eval_step, train_and_evaluate
@@ -35,14 +37,27 @@ from zoo_core.resume import (EVAL_MAY_CHANGE, SAFE_ON_RESUME, check_eval_config,
 from zoo_core.run_log import parameter_overview
 from zoo_core.run_setup import check_setup, step_flops
 from zoo_core.setup_checks import PARALLEL_MODES, check_workdir, validate_config
-from zoo_core.steps import (WEIGHT_PREFIX, TrainState, batch_loss_weight, eval_step, eval_step_index, init_state,
-                            step_kwargs, train_step, uses_step)
+from zoo_core.steps import (WEIGHT_PREFIX, TrainState, batch_loss_weight, eval_feature_step, eval_step,
+                            feature_step_kwargs, init_state, train_step, uses_feature_step)
 
 __all__ = [
     "ConfigError", "NonFiniteError", "evaluate_checkpoint", "evaluate_params", "load_params", "with_eval_split",
     "evals_between", "is_eval_step", "train_and_evaluate", "prepare_data", "EVAL_MAY_CHANGE", "SAFE_ON_RESUME",
     "check_eval_config", "check_resume", "resume_changes", "stored_run_config", "parameter_overview",
     "check_setup", "step_flops", "PARALLEL_MODES", "check_workdir", "validate_config", "WEIGHT_PREFIX",
-    "TrainState", "batch_loss_weight", "eval_step", "eval_step_index", "init_state", "step_kwargs",
-    "train_step", "uses_step",
+    "TrainState", "batch_loss_weight", "eval_feature_step", "eval_step", "feature_step_kwargs", "init_state",
+    "train_step", "uses_feature_step",
 ]
+
+# Deprecated names of the training-step index helpers (`step` names only the one-token method).
+_RENAMED = {"uses_step": "uses_feature_step", "step_kwargs": "feature_step_kwargs",
+            "eval_step_index": "eval_feature_step"}
+
+
+def __getattr__(name: str):
+    """The old names of `_RENAMED`, deprecated: they warn and return the new functions."""
+    if name in _RENAMED:
+        warnings.warn(f"zoo_core.trainer.{name} is deprecated; use {_RENAMED[name]} (models now take "
+                      "feature_step=)", DeprecationWarning, stacklevel=2)
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

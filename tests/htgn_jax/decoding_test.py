@@ -8,6 +8,9 @@ from htgn_jax import decoding
 from htgn_jax.model import Model
 from zoo_core.testing import F32_MODEL
 
+# htgn_jax.validation.check_step's wording (it may still name the keyword by its old name, `step=`).
+PASS_FEATURE_STEP, DO_NOT_PASS_FEATURE_STEP = r"pass (feature_)?step=", r"do not pass (feature_)?step"
+
 B, S, MAX_LEN = 2, 7, 7
 SRC_V, TGT_V = 11, 9
 SEQ = dict(kind="seq2seq", variant="test", num_layers=1, source_vocab_size=SRC_V,
@@ -124,20 +127,20 @@ def test_decode_options_and_evaluator_selection():
         decoding.decode_options(c)
 
 
-def test_redrawn_features_decode_with_the_given_step_cache_equals_recomputation():
+def test_redrawn_features_decode_with_the_given_feature_step_cache_equals_recomputation():
     model = Model(**SEQ, redraw_every=2)
-    step = jnp.int32(3)          # draw 1
-    ids, scores = decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN, step=step)
+    feature_step = jnp.int32(3)          # draw 1
+    ids, scores = decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN, feature_step=feature_step)
     ref_ids, ref_scores = decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN,
-                                                 use_cache=False, step=step)
+                                                 use_cache=False, feature_step=feature_step)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(scores, ref_scores, **F32_MODEL)
-    rescored = decoding.sequence_log_probs(model, PARAMS, _inputs(), ids, step=step)
+    rescored = decoding.sequence_log_probs(model, PARAMS, _inputs(), ids, feature_step=feature_step)
     np.testing.assert_allclose(rescored, scores, **F32_MODEL)
-    with pytest.raises(ValueError, match="pass step="):
+    with pytest.raises(ValueError, match=PASS_FEATURE_STEP):
         decoding.greedy_search(model, PARAMS, _inputs(), max_len=MAX_LEN)
-    with pytest.raises(ValueError, match="do not pass step"):
-        decoding.beam_search(MODEL, PARAMS, _inputs(), beam_size=2, max_len=MAX_LEN, step=3)
+    with pytest.raises(ValueError, match=DO_NOT_PASS_FEATURE_STEP):
+        decoding.beam_search(MODEL, PARAMS, _inputs(), beam_size=2, max_len=MAX_LEN, feature_step=3)
 
 
 def test_decode_step_rejects_a_position_past_the_decoder_table():

@@ -148,15 +148,15 @@ def test_htgn_train_step_has_no_loop_on_accelerators():
                   target_vocab_size=9, max_source_len=16, max_target_len=16, redraw_every=10,
                   dropout_rate=0.1, chunk_size=8)
     batch = {"inputs": np.ones((B, 7), np.int32), "targets": np.ones((B, 7), np.int32)}
-    step = jnp.int32(3)
-    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch, step=step))
+    feature_step = jnp.int32(3)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), batch, feature_step=feature_step))
 
-    def grad(params, batch, step):
+    def grad(params, batch, feature_step):
         def loss(p):
-            out, aux = model.apply(p, batch, train=True, step=step,
+            out, aux = model.apply(p, batch, train=True, feature_step=feature_step,
                                    rngs={"dropout": jax.random.PRNGKey(1)})
             return jnp.sum(out["logits"]) + sum(v for n, v in aux.items() if n.startswith("loss"))
         return jax.grad(loss)(params)
 
     for platform in ("cuda", "tpu"):
-        assert while_loops(exported_program(grad, params, batch, step, platform=platform)) == 0
+        assert while_loops(exported_program(grad, params, batch, feature_step, platform=platform)) == 0

@@ -11,6 +11,9 @@ from htgn_jax.blocks import BlockConfig, DecoderBlock, Encoder, EncoderBlock, dr
 from htgn_jax.model import Model
 from zoo_core.testing import F32_MODEL, assert_forms_agree, param_shapes
 
+# htgn_jax.validation.check_step's wording (it may still name the keyword by its old name, `step=`).
+PASS_FEATURE_STEP, DO_NOT_PASS_FEATURE_STEP = r"pass (feature_)?step=", r"do not pass (feature_)?step"
+
 B, S, T = 2, 7, 7
 SRC_V, TGT_V = 11, 9
 # One block each way: the forward tests compile half the program of the variant's two (the tests that
@@ -184,28 +187,28 @@ def test_train_mode_dropout_drop_path_and_zero_kl_weight():
 
 
 def test_feature_redraw_follows_the_step_and_is_required_exactly_when_used():
-    """redraw_every=k: the draw is Omega(step // k) (htgn.md §2.4); draw 0 is the fixed model's."""
+    """redraw_every=k: the draw is Omega(feature_step // k) (htgn.md §2.4); draw 0 is the fixed model's."""
     # Two blocks: the step-0 program and the fixed model's are two programs, compared bit for bit; at
     # this size they round alike.
     fixed, params = _init(num_layers=2)
     model = Model(**{**SEQ, "num_layers": 2}, redraw_every=2)
-    assert model.uses_step and not fixed.uses_step
-    run = jax.jit(lambda p, b, s: model.apply({"params": p}, b, step=s))
+    assert model.uses_feature_step and not fixed.uses_feature_step
+    run = jax.jit(lambda p, b, s: model.apply({"params": p}, b, feature_step=s))
     batch = _batch()
     by_step = [np.asarray(run(params, batch, jnp.int32(s))[0]["logits"]) for s in range(4)]
     np.testing.assert_array_equal(by_step[0], by_step[1])                # one draw per window
     np.testing.assert_array_equal(by_step[2], by_step[3])
     assert not np.allclose(by_step[1], by_step[2], atol=1e-4)             # redrawn at step 2
     np.testing.assert_array_equal(by_step[0], np.asarray(_forward(fixed)(params, batch)[0]["logits"]))
-    with pytest.raises(ValueError, match="pass step="):
+    with pytest.raises(ValueError, match=PASS_FEATURE_STEP):
         model.apply({"params": params}, batch)
-    with pytest.raises(ValueError, match="do not pass step"):
-        fixed.apply({"params": params}, batch, step=3)
+    with pytest.raises(ValueError, match=DO_NOT_PASS_FEATURE_STEP):
+        fixed.apply({"params": params}, batch, feature_step=3)
     cls = Model(**CLS, redraw_every=5)
-    assert cls.uses_step
-    out = jax.eval_shape(lambda: cls.init_with_output(jax.random.PRNGKey(0), _image(), step=7))[0]
+    assert cls.uses_feature_step
+    out = jax.eval_shape(lambda: cls.init_with_output(jax.random.PRNGKey(0), _image(), feature_step=7))[0]
     assert out[0]["logits"].shape == (B, 10)
-    with pytest.raises(ValueError, match="pass step="):
+    with pytest.raises(ValueError, match=PASS_FEATURE_STEP):
         jax.eval_shape(lambda: cls.init(jax.random.PRNGKey(0), _image()))
 
 

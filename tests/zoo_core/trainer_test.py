@@ -321,27 +321,28 @@ def test_config_mistakes_fail_before_compiling(data_dir, tmp_path, field, value,
 
 
 class StepProbe(nn.Module):
-    """An MLP classifier whose forward pass depends on the training step (`uses_step`), reporting it.
+    """An MLP classifier whose forward pass depends on the training-step index (`uses_feature_step`),
+    reporting it.
 
-    aux['loss/step'] = step with zero gradient, so the logged train and eval metrics show which step
-    the trainer passed in each call.
+    aux['loss/step'] = feature_step with zero gradient, so the logged train and eval metrics show which
+    index the trainer passed in each call.
     """
-    uses_step = True
+    uses_feature_step = True
 
     @nn.compact
-    def __call__(self, batch, *, train=False, step=None):
-        assert step is not None, "the trainer must pass step to a model that uses_step"
+    def __call__(self, batch, *, train=False, feature_step=None):
+        assert feature_step is not None, "the trainer must pass feature_step to a model that uses_feature_step"
         out, aux = mlp_classifier.MLPClassifier(hidden=8, num_classes=4, name="mlp")(batch, train=train)
-        return out, {**aux, "loss/step": jax.lax.stop_gradient(jnp.asarray(step, jnp.float32))}
+        return out, {**aux, "loss/step": jax.lax.stop_gradient(jnp.asarray(feature_step, jnp.float32))}
 
 
-def test_a_model_that_uses_the_step_gets_the_update_index_and_the_last_one_at_eval(data_dir, tmp_path):
+def test_a_model_that_uses_the_feature_step_gets_the_update_index_and_the_last_one_at_eval(data_dir, tmp_path):
     c = _config(data_dir, total_steps=4, log_every_steps=1, eval_every_steps=2, checkpoint_every_steps=0)
     seen = []
 
-    def evaluator(params, model, config, *, step):
-        seen.append(step)
-        return {"probe": float(step)}
+    def evaluator(params, model, config, *, feature_step):
+        seen.append(feature_step)
+        return {"probe": float(feature_step)}
 
     trainer.train_and_evaluate(c, str(tmp_path), lambda **kw: StepProbe(), evaluators=[evaluator])
     records = metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl"))
@@ -350,8 +351,8 @@ def test_a_model_that_uses_the_step_gets_the_update_index_and_the_last_one_at_ev
     assert train == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0)]     # update index = state.step
     assert evals == [(2, 1.0, 1.0), (4, 3.0, 3.0)]               # the last update's index
     assert seen == [1, 3]
-    assert trainer.eval_step_index(0) == 0 and trainer.eval_step_index(5) == 4
-    with pytest.raises(ValueError, match="uses_step"):
+    assert trainer.eval_feature_step(0) == 0 and trainer.eval_feature_step(5) == 4
+    with pytest.raises(ValueError, match="uses_feature_step"):
         trainer.eval_step({}, {"inputs": np.zeros((1, 8), np.float32)}, model=StepProbe(),
                           task=tasks.classification())
 
@@ -459,9 +460,23 @@ def test_load_params_reads_a_checkpoint_of_another_topology(data_dir, tmp_path):
         np.testing.assert_array_equal(one[name], value)
 
 
-def test_models_without_uses_step_get_no_step_argument(data_dir, tmp_path):
-    assert trainer.step_kwargs(mlp_classifier.MLPClassifier(hidden=4, num_classes=2), 3) == {}
-    assert trainer.step_kwargs(StepProbe(), 3) == {"step": 3}
+def test_models_without_uses_feature_step_get_no_feature_step_argument(data_dir, tmp_path):
+    assert trainer.feature_step_kwargs(mlp_classifier.MLPClassifier(hidden=4, num_classes=2), 3) == {}
+    assert trainer.feature_step_kwargs(StepProbe(), 3) == {"feature_step": 3}
+
+
+def test_the_old_step_names_warn_and_a_model_with_the_old_attribute_is_refused():
+    for old, new in [("uses_step", "uses_feature_step"), ("step_kwargs", "feature_step_kwargs"),
+                     ("eval_step_index", "eval_feature_step")]:
+        with pytest.warns(DeprecationWarning, match=new):
+            assert getattr(trainer, old) is getattr(trainer, new)
+        assert old not in trainer.__all__
+
+    class OldProbe(nn.Module):
+        uses_step = True
+
+    with pytest.raises(ValueError, match="now `uses_feature_step`"):
+        trainer.feature_step_kwargs(OldProbe(), 3)
 
 
 def test_evaluate_checkpoint_scores_the_best_checkpoint_on_another_split(data_dir, tmp_path):
