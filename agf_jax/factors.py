@@ -1,4 +1,4 @@
-"""AGF's singular factors, masking and orthogonality regulariser (the maths: `agf_jax.ops`).
+"""AGF's singular factors, masked V logits and orthogonality regulariser (the maths: `agf_jax.ops`).
 
 U = softmax_D(Z_U), V = softmax_T(Z_V - 1e9 (1 - mask)), s = sigmoid(Z_S), g = sum_k c_k P_k(s),
 all `[B, T, H, D]` in float32 (float64 stays float64). Padding is removed with `jnp.where`, never
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import graph_filter
-from zoo_core import layout
+from zoo_core import layout, masking
 
 Array = jax.Array
 
@@ -57,26 +57,8 @@ def masked_logits(zv: Array, mask: Optional[Array]) -> Array:
         `[B, T, H, D]` float32 (or float64).
     """
     zv = as_float(zv)
-    if mask is None:
-        return zv
-    check_mask(mask, zv)
-    return jnp.where(valid_mask(mask), zv, -MASK_OFFSET)
-
-
-def masked_values(val: Array, mask: Optional[Array]) -> Array:
-    """Val with padded rows replaced by 0 (`jnp.where`: 0 * NaN would still be NaN), float32."""
-    val = as_float(val)
-    return val if mask is None else jnp.where(valid_mask(mask), val, 0.0)
-
-
-def valid_mask(mask: Array) -> Array:
-    """`[B, T]` mask -> `[B, T, 1, 1]` bool (any nonzero entry is a valid token)."""
-    return jnp.asarray(mask).astype(bool)[:, :, None, None]
-
-
-def check_mask(mask: Array, x: Array) -> None:
-    if tuple(jnp.shape(mask)) != tuple(x.shape[:2]):
-        raise ValueError(f"mask must have shape [B, T] = {x.shape[:2]}, got {jnp.shape(mask)}")
+    masking.check_mask(mask, zv.shape[:2])
+    return masking.zero_padding(zv, mask, fill=-MASK_OFFSET)
 
 
 def left_factor(zu: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
@@ -153,7 +135,7 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
         `[B]`, unweighted (the LRA layer multiplies it by `reg`, the UEA loss by `eta`).
     """
     check_projections(zu, zv)
-    valid = None if mask is None or count_padding else valid_mask(mask)[..., 0]     # [B, T, 1]
+    valid = None if mask is None or count_padding else masking.expand(mask, 3)     # [B, T, 1]
     eye = jnp.eye(zu.shape[-1], dtype=jnp.promote_types(zu.dtype, jnp.float32))
     total = 0.0
     for zu_h, zv_h in zip(layout.heads(as_float(zu)), layout.heads(masked_logits(zv, mask))):

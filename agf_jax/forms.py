@@ -10,9 +10,9 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.factors import (MASK_OFFSET, as_float, check_projections, left_factor, masked_logits,
-                             masked_values)
+from agf_jax.factors import MASK_OFFSET, as_float, check_projections, left_factor, masked_logits
 from agf_jax.fused import agf_with_orthogonality
+from zoo_core import checks, masking
 
 Array = jax.Array
 
@@ -80,7 +80,7 @@ def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
                                       mask=mask)[0]
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
     zv = masked_logits(zv, mask)
-    val = masked_values(val, mask).astype(a.dtype)
+    val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     # Per-token elements (m, z, N) = (Z_V, 1, 1 (x) Val): combining prefixes is an associative
     # log-sum-exp merge, so every prefix state is available in parallel.
     m = zv
@@ -131,7 +131,7 @@ def _chunk_inputs(zu, zv, zs, val, coeffs, *, chunk_size, basis, alpha, beta, ma
     _check_chunk_size(chunk_size)
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
     zv = masked_logits(zv, mask)
-    val = masked_values(val, mask).astype(a.dtype)
+    val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     # The intra-chunk sum multiplies the future weights (exactly 0) with the future values, and
     # 0 * NaN = NaN: a non-finite Z_V or Val at a valid position is replaced here and every output
     # at or after it is set to NaN below, which is what the recurrence gives.
@@ -187,8 +187,7 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
         (y `[B, T, H, M]`, final `AGFState`).
     """
     check_projections(zu, zv, zs, val)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    checks.check_int("chunk_size", chunk_size, 1)   # a user-chosen argument of a public kernel
     kw = dict(chunk_size=chunk_size, basis=basis, alpha=alpha, beta=beta)
     return jax.lax.platform_dependent(
         zu, zv, zs, val, coeffs, mask, state,
@@ -327,7 +326,7 @@ def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     # online softmax is scanned.
     a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
     zv = masked_logits(zv, mask)
-    val = masked_values(val, mask).astype(a.dtype)
+    val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     b, _, h, d = a.shape
     if state is None:
         state = init_state(b, h, d, val.shape[-1], a.dtype)

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
-from agf_jax.factors import (MASK_OFFSET, agf_factors, as_float, check_mask, check_projections,
-                             masked_values, orthogonality_loss)
-from zoo_core import layout
+from agf_jax.factors import MASK_OFFSET, agf_factors, as_float, check_projections, orthogonality_loss
+from zoo_core import layout, masking
 
 Array = jax.Array
 
@@ -48,11 +47,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
     """
     check_projections(zu, zv, zs, val)
     a, b = resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
-    if mask is None:
-        valid = jnp.ones(jnp.shape(zu)[:2], bool)
-    else:
-        check_mask(mask, zu)
-        valid = jnp.asarray(mask).astype(bool)
+    valid = masking.as_bool(mask, jnp.shape(zu)[:2])
     dtype = jnp.result_type(*(as_float(x) for x in (zu, zv, zs, val)))
     coeffs = jnp.asarray(coeffs).astype(dtype)
     out, reg = [], 0.0
@@ -76,7 +71,7 @@ def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Array, val: Array, co
     as in `agf_with_orthogonality`.
     """
     f = agf_factors(zu, zv, zs, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask)
-    kv = jnp.einsum("bthd,bthm->bhdm", f.v, masked_values(val, mask).astype(f.v.dtype))
+    kv = jnp.einsum("bthd,bthm->bhdm", f.v, as_float(masking.zero_padding(val, mask)).astype(f.v.dtype))
     o = jnp.einsum("bthd,bhdm->bthm", f.u * f.g, kv)
     return o, orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
 

@@ -5,7 +5,7 @@ Both layers follow the zoo's layer contract (README "Layer contract"):
 * `__call__(x, *, mask=None, deterministic=True) -> (y, aux)`, x `[B, T, E]`, mask bool `[B, T]`
   (True = valid); `aux['loss/<name>']` scalars are auxiliary losses, other keys diagnostics;
 * with `causal=True` also `init_state(batch_size)`, `scan(x, state=None, *, mask=None,
-  deterministic=True) -> (y, state)` and `step(state, x_t, *, position=None) -> (y_t, state)`;
+  deterministic=True) -> (y, state)` and `step(state, x_t) -> (y_t, state)`;
 * `chunk_size` chooses the form of a causal `__call__`: None = parallel, C = chunked.
 
 `AGFAttention` owns the four projections of agf.md §2.1 (W_U, W_V, W_Sigma, W_val), the output
@@ -287,13 +287,9 @@ class AGFAttention(_Attention):
                                      **self._basis_kwargs())
         return self._finish(o, x, deterministic), state
 
-    def step(self, state: AGFState, x_t: Array, *,
-             position: Optional[Array] = None) -> tuple[Array, AGFState]:
-        """One token, O(H D^2): x_t `[B, E]` -> (y_t `[B, E']`, new state).
-
-        `position` must be None (AGF reads no positions; a value is refused, not ignored).
-        """
-        validation.check_step(self, x_t, position)
+    def step(self, state: AGFState, x_t: Array) -> tuple[Array, AGFState]:
+        """One token, O(H D^2): x_t `[B, E]` -> (y_t `[B, E']`, new state)."""
+        validation.check_step(self, x_t)
         zu, zv, zs, val = self._project(x_t)
         state, o = ops.agf_step(state, zu, zv, zs, val, self.coefficients(), **self._basis_kwargs())
         return self._finish(o, x_t, True), state
@@ -361,13 +357,9 @@ class SoftmaxAttention(_Attention):
                                             dropout=self._dropout_fn(deterministic))
         return self._finish(o, x), state
 
-    def step(self, state: KVCache, x_t: Array, *,
-             position: Optional[Array] = None) -> tuple[Array, KVCache]:
-        """One token x_t `[B, E]` -> (y_t `[B, E']`, new cache); NaN once the cache is full.
-
-        `position` must be None (the layer reads no positions; a value is refused, not ignored).
-        """
-        validation.check_step(self, x_t, position)
+    def step(self, state: KVCache, x_t: Array) -> tuple[Array, KVCache]:
+        """One token x_t `[B, E]` -> (y_t `[B, E']`, new cache); NaN once the cache is full."""
+        validation.check_step(self, x_t)
         q, k, v = self.query(x_t), self.key(x_t), self.value(x_t)
         state, o = softmax_ops.softmax_step(state, q, k, v)
         return self._finish(o, x_t), state

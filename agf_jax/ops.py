@@ -46,7 +46,7 @@ the loss, so it leaks no future information into any output. The recurrent forms
 `agf_step`) are inference forms and do not compute it.
 
 Masking is NaN-safe (the zoo's layer contract): padded V logits and values are replaced with
-`jnp.where` (`masked_logits`, `masked_values`), never multiplied by 0, so a padded position holding
+`jnp.where` (`masked_logits`, `zoo_core.masking.zero_padding`), never multiplied by 0, so a padded position holding
 NaN or 1e30 changes no valid output; the chunked form also replaces a non-finite Z_V / Val at a
 valid position and sets every output at or after it to NaN, as the recurrence gives. Finite inputs
 give the reference's numbers bit for bit.
@@ -58,7 +58,7 @@ cast back.
 The code lives in one module per concern, and every name is importable from here:
 
 * `agf_jax.basis`: the polynomial basis, its recurrences and the filter coefficients;
-* `agf_jax.factors`: masking, the singular factors and the orthogonality regulariser;
+* `agf_jax.factors`: the masked V logits, the singular factors and the orthogonality regulariser;
 * `agf_jax.fused`: the non-causal training form with its hand-written backward pass;
 * `agf_jax.forms`: the parallel, chunked, recurrent and step forms, and the explicit matrix.
 """
@@ -68,21 +68,17 @@ from __future__ import annotations
 from agf_jax.basis import (BASES, JACOBI_DEFAULT_ALPHA, JACOBI_DEFAULT_BETA, basis_and_derivative_iter,
                            basis_iter, filter_coefficients, graph_filter, jacobi_abc, polynomial_basis,
                            resolve_basis)
-from agf_jax.factors import (MASK_OFFSET, AGFFactors, agf_factors, as_float, check_mask,
-                             check_projections, left_factor, masked_logits, masked_values,
-                             orthogonality_loss, valid_mask)
+from agf_jax.factors import (MASK_OFFSET, AGFFactors, agf_factors, as_float, check_projections,
+                             left_factor, masked_logits, orthogonality_loss)
 from agf_jax.forms import (AGFState, agf_attention_matrix, agf_chunked, agf_chunked_parallel,
                            agf_chunked_scan, agf_parallel, agf_recurrent, agf_step, init_state)
 from agf_jax.fused import agf_with_orthogonality, agf_with_orthogonality_plain
-
-# `agf_jax.softmax` imports this private name.
-_float = as_float
 
 __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET", "AGFFactors",
            "AGFState", "agf_attention_matrix", "agf_chunked",
            "agf_chunked_parallel", "agf_chunked_scan", "agf_factors", "agf_parallel",
            "agf_recurrent", "agf_step", "agf_with_orthogonality",
            "agf_with_orthogonality_plain", "as_float", "basis_and_derivative_iter",
-           "basis_iter", "check_mask", "check_projections", "filter_coefficients", "graph_filter",
-           "init_state", "jacobi_abc", "left_factor", "masked_logits", "masked_values",
-           "orthogonality_loss", "polynomial_basis", "resolve_basis", "valid_mask"]
+           "basis_iter", "check_projections", "filter_coefficients", "graph_filter",
+           "init_state", "jacobi_abc", "left_factor", "masked_logits",
+           "orthogonality_loss", "polynomial_basis", "resolve_basis"]

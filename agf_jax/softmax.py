@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax import validation
-from agf_jax.ops import MASK_OFFSET, _float
+from agf_jax.factors import MASK_OFFSET, as_float
 
 Array = jax.Array
 Dropout = Optional[Callable[[Array, Array], Array]]   # (weights, chunk or token index) -> weights
@@ -71,7 +71,7 @@ def init_cache(batch_size: int, max_length: int, num_heads: int, head_dim: int,
 
 def _prepare(q, k, v, mask, causal):
     """Float casts, padded values -> 0, and (causal) the non-finite-value guard `[B, T, H]`."""
-    q, k, v = _float(q), _float(k), _float(v)
+    q, k, v = as_float(q), as_float(k), as_float(v)
     valid = jnp.ones(q.shape[:2], bool) if mask is None else jnp.asarray(mask).astype(bool)
     keep = jnp.broadcast_to(valid[:, :, None], q.shape[:3])
     poisoned = None
@@ -101,7 +101,7 @@ def softmax_attention_weights(q: Array, k: Array, *, mask: Optional[Array] = Non
                               causal: bool = False) -> Array:
     """Scaled dot-product softmax weights `[B, H, T, T]` (float32); q, k `[B, T, H, D]`."""
     validation.check_kernel_inputs(q, k, None, mask)
-    q, k = _float(q), _float(k)
+    q, k = as_float(q), as_float(k)
     valid = None if mask is None else jnp.asarray(mask).astype(bool)
     return _weights(q, k, valid, mask is not None, causal)
 
@@ -286,7 +286,7 @@ def softmax_step(cache: KVCache, q_t: Array, k_t: Array, v_t: Array, *,
         (new cache, y_t `[B, H, M]` float32; NaN where the cache was already full).
     """
     validation.check_cache(cache, q_t, k_t, v_t)
-    dt = jnp.promote_types(cache.key.dtype, _float(q_t).dtype)
+    dt = jnp.promote_types(cache.key.dtype, as_float(q_t).dtype)
     q_t, k_t, v_t = (x.astype(dt) for x in (q_t, k_t, v_t))
     append = jnp.ones(q_t.shape[:1], bool) if append is None else jnp.asarray(append, bool)
     slots = jnp.arange(cache.key.shape[1])[None]                                     # [1, L]

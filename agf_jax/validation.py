@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from agf_jax import ops
-from zoo_core import checks
+from zoo_core import checks, masking
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,10 +40,8 @@ def _check_common_fields(layer: Any) -> None:
     check_plain(layer.plain, layer.PLAIN)
     checks.check_int("num_heads", layer.num_heads, 1)
     checks.check_int("head_dim", layer.head_dim, 1)
-    checks.check_optional_int("chunk_size", layer.chunk_size)
+    checks.check_chunk_size(layer.chunk_size, layer.causal)
     checks.check_rate("dropout_rate", layer.dropout_rate)
-    if layer.chunk_size is not None and not layer.causal:
-        checks.fail("`chunk_size` applies only to causal=True (it chooses the causal form)")
 
 
 def check_agf_fields(layer: Any) -> None:
@@ -75,7 +73,7 @@ def require_causal(layer: Any, method: str) -> None:
 def check_inputs(x: Any, mask: Optional[Any]) -> None:
     """x `[B, T, E]` and mask None or `[B, T]`."""
     checks.check_tokens("x", x, "[B, T, E]")
-    checks.check_mask(mask, jnp.shape(x)[:2])
+    masking.check_mask(mask, jnp.shape(x)[:2])
 
 
 def check_scan(layer: Any, x: Any, mask: Optional[Any]) -> None:
@@ -84,12 +82,10 @@ def check_scan(layer: Any, x: Any, mask: Optional[Any]) -> None:
     check_inputs(x, mask)
 
 
-def check_step(layer: Any, x_t: Any, position: Optional[Any]) -> None:
-    """`layer.step(state, x_t, position=position)`: a causal layer, x_t `[B, E]`, no position."""
+def check_step(layer: Any, x_t: Any) -> None:
+    """`layer.step(state, x_t)`: a causal layer, x_t `[B, E]`."""
     require_causal(layer, "step")
     checks.check_rank("x_t", x_t, 2, "[B, E]")
-    if position is not None:
-        checks.fail("`position` must be None: this layer reads no positions")
 
 
 def check_cache_size(layer: Any) -> None:
@@ -116,9 +112,7 @@ def check_softmax_scan(layer: Any, x: Any, mask: Optional[Any], state: Optional[
 def check_kernel_inputs(q: Any, k: Any, v: Optional[Any], mask: Optional[Any]) -> None:
     """q, k `[B, T, H, D]`, v None or `[B, T, H, M]`, mask None or `[B, T]` (any dtype)."""
     ops.check_projections(q, k, None, v)
-    if mask is not None and tuple(jnp.shape(mask)) != tuple(jnp.shape(q)[:2]):
-        raise ValueError(f"mask must have shape [B, T] = {jnp.shape(q)[:2]}, "
-                         f"got {jnp.shape(mask)}")
+    masking.check_mask(mask, jnp.shape(q)[:2])
 
 
 def check_cache(cache: Any, q_t: Any, k_t: Any, v_t: Any) -> None:
@@ -156,4 +150,4 @@ def check_uea_batch(batch: dict, max_len: int, feat_dim: int) -> None:
     checks.check_shape("batch['inputs']", x, (x.shape[0] if x.ndim else 0, max_len, feat_dim),
                        "[B, max_len, feat_dim]")
     if batch.get("mask") is not None:
-        checks.check_mask(jnp.asarray(batch["mask"]), x.shape[:2], "batch['mask']")
+        masking.check_mask(jnp.asarray(batch["mask"]), x.shape[:2], "batch['mask']")

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax.graph_kl import attention_kl, check_kl, distance_prior_logits, neighbour_kl
-from htgn_jax.graph_ops import _unfold, clean, neighbour_attention, window_distances
+from htgn_jax.graph_ops import neighbour_attention, unfold, window_distances
+from zoo_core import masking
 
 Array = jax.Array
 
@@ -73,10 +74,10 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: Wind
     assert attn is None or attn.shape == (heads, ch)
     assert rel_bias is None or rel_bias.shape == (heads, w + 1)
     valid_t = _bool_mask(valid_t, (b,))
-    query_t, value_t = clean(query_t, valid_t), clean(value_t, valid_t)
+    query_t, value_t = masking.zero_padding(query_t, valid_t), masking.zero_padding(value_t, valid_t)
     vals = jnp.concatenate([state.value.astype(value_t.dtype), value_t[:, None]], axis=1)
     keys = vals if shared else jnp.concatenate(
-        [state.key.astype(key_t.dtype), clean(key_t, valid_t)[:, None]], axis=1)
+        [state.key.astype(key_t.dtype), masking.zero_padding(key_t, valid_t)[:, None]], axis=1)
     slots = jnp.concatenate([state.valid, valid_t[:, None]], axis=1)          # [B, w+1]
     bias = None if rel_bias is None else rel_bias[None, None]
     out, _ = neighbour_attention(query_t[:, None], keys[:, None], vals[:, None],
@@ -138,8 +139,8 @@ def _chunked_inputs(query, key, value, state, chunk_size, mask):
     assert chunk_size >= 1 and query.ndim == 4
     b, t = query.shape[:2]
     mask = _bool_mask(mask, (b, t))
-    query, value = clean(query, mask), clean(value, mask)
-    key = value if state.key is None else clean(key, mask)
+    query, value = masking.zero_padding(query, mask), masking.zero_padding(value, mask)
+    key = value if state.key is None else masking.zero_padding(key, mask)
     c = min(chunk_size, t)
     return query, key, value, mask, c, -(-t // c)
 
@@ -177,9 +178,9 @@ def causal_window_chunked_scan(query: Array, key: Array, value: Array, attn: Arr
         vals = jnp.concatenate([st.value.astype(v.dtype), v], axis=1)           # [B, w+C, H, D]
         keys = vals if shared else jnp.concatenate([st.key.astype(k.dtype), k], axis=1)
         slots = jnp.concatenate([st.valid, m], axis=1)                          # [B, w+C]
-        kk = _unfold(keys, offsets)[:, w:]
-        vv = kk if shared else _unfold(vals, offsets)[:, w:]
-        valid = _unfold(slots, offsets, False)[:, w:] & m[:, :, None]
+        kk = unfold(keys, offsets)[:, w:]
+        vv = kk if shared else unfold(vals, offsets)[:, w:]
+        valid = unfold(slots, offsets, False)[:, w:] & m[:, :, None]
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
         out, st_ = neighbour_attention(q, kk, vv, valid, attn, bias=rel_bias,
                                        negative_slope=negative_slope,
@@ -214,9 +215,9 @@ def causal_window_chunked_parallel(query: Array, key: Array, value: Array, attn:
     vals = jnp.concatenate([state.value.astype(value.dtype), value], axis=1)     # [B, w+T, H, D]
     keys = vals if shared else jnp.concatenate([state.key.astype(key.dtype), key], axis=1)
     slots = jnp.concatenate([state.valid, mask], axis=1)                        # [B, w+T]
-    kk = _unfold(keys, offsets)[:, w:]                                           # [B, T, K, H, C]
-    vv = kk if shared else _unfold(vals, offsets)[:, w:]                         # [B, T, K, H, D]
-    valid = _unfold(slots, offsets, False)[:, w:] & mask[:, :, None]            # [B, T, K]
+    kk = unfold(keys, offsets)[:, w:]                                           # [B, T, K, H, C]
+    vv = kk if shared else unfold(vals, offsets)[:, w:]                         # [B, T, K, H, D]
+    valid = unfold(slots, offsets, False)[:, w:] & mask[:, :, None]            # [B, T, K]
 
     def attend(q, k_, v_, ok, rng):
         out, st = neighbour_attention(q, k_, v_, ok, attn, bias=rel_bias,

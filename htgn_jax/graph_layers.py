@@ -28,6 +28,7 @@ from flax.linen.dtypes import promote_dtype
 from htgn_jax import graph_causal, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import HeadsOutput, flat_init
+from zoo_core import masking
 from zoo_core.checks import check_rank, check_tokens, fail
 
 Array = jax.Array
@@ -285,8 +286,8 @@ class WindowGraphAttention(_GraphAttentionBase):
 
     def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
         check_tokens("x", x, "[B, T, d]")
-        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
-        q, k, v = self._self_features(graph_ops.clean(x, mask))
+        mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
+        q, k, v = self._self_features(masking.zero_padding(x, mask))
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
             mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
@@ -315,8 +316,8 @@ class WindowGraphAttention(_GraphAttentionBase):
 
     def _attend(self, x: Array, mask: Array | None, deterministic: bool):
         check_tokens("x", x, "[B, L, d]")
-        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, L]")
-        q, k, v = self._self_features(graph_ops.clean(x, mask))
+        mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, L]")
+        q, k, v = self._self_features(masking.zero_padding(x, mask))
         rel_bias, global_bias = self._biases()
         out, st = graph_ops.window_graph_attention(
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
@@ -352,8 +353,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         check_tokens("x", x, "[B, T, d]")
         if not deterministic and self.dropout_rate:
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
-        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
-        q, k, v = self._self_features(graph_ops.clean(x, mask))
+        mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
+        q, k, v = self._self_features(masking.zero_padding(x, mask))
         if state is None:
             state = self.init_state(x.shape[0])
         else:
@@ -470,8 +471,8 @@ class CrossGraphAttention(_GraphAttentionBase):
           (a_s . W M) for v1 and None for v2 and dot (whose score key is `value`).
         """
         check_tokens("memory", memory, "[B, L, d_m]")
-        memory_mask = graph_ops._as_mask("memory_mask", memory_mask, memory.shape[:2], "[B, L]")
-        k, v = self._source_features(graph_ops.clean(memory, memory_mask))
+        memory_mask = masking.as_bool(memory_mask, memory.shape[:2], "memory_mask", "[B, L]")
+        k, v = self._source_features(masking.zero_padding(memory, memory_mask))
         return CrossGraphCache(v, memory_mask, k if self.version == "v1" else None)
 
     def step(self, cache: CrossGraphCache, x_t: Array, *,
@@ -494,8 +495,8 @@ class CrossGraphAttention(_GraphAttentionBase):
         return y[:, 0], cache
 
     def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False):
-        mask = graph_ops._as_mask("mask", mask, x.shape[:2], "[B, T]")
-        x = graph_ops.clean(x, mask)
+        mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
+        x = masking.zero_padding(x, mask)
         v = cache.value
         q = self._query_features(x, v.shape[-1])
         rel_bias, global_bias = self._biases()

@@ -69,6 +69,7 @@ import numpy as np
 
 from htgn_jax.graph_kl import (KL_MODES, attention_kl, check_kl, distance_prior_logits,  # noqa: F401
                                neighbour_kl)
+from zoo_core import masking
 from zoo_core.checks import check_int, check_rank, check_shape, fail
 
 Array = jax.Array
@@ -83,26 +84,11 @@ NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and G
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_rho(rho: Any) -> None:
+def check_rho(rho: Any) -> None:
+    """`rho` (Cross-Graph's centre ratio) is a finite Python scalar >= 0."""
     if jnp.ndim(rho) != 0 or not isinstance(rho, (int, float, np.floating, np.integer)) \
             or not (np.isfinite(rho) and rho >= 0):
         fail(f"`rho` must be a finite Python scalar >= 0, got {rho!r}")
-
-
-def _as_mask(name: str, mask: Any, shape: Sequence[int], shape_doc: str) -> Array:
-    """Returns a boolean mask of `shape` (all True when `mask` is None), checking its shape."""
-    if mask is None:
-        return jnp.ones(shape, bool)
-    check_shape(name, mask, shape, shape_doc)
-    mask = jnp.asarray(mask)
-    return mask if mask.dtype == jnp.bool_ else mask != 0
-
-
-def clean(x: Array, mask: Array) -> Array:
-    """x `[B, L, ...]` (or `[B, ...]`) with the nodes where `mask` `[B, L]` (or `[B]`) is False
-    replaced by 0 (`where`, never a product: 0 * NaN = NaN)."""
-    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x,
-                     jnp.zeros((), x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +119,7 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
     """bool `[N, K]`: slot (dr, dc) of token i lands in column col(i) + dc within 0..W-1.
 
     Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
-    row(i) + dr is a row of the grid (`_unfold` drops the others).
+    row(i) + dr is a row of the grid (`unfold` drops the others).
     """
     window_offsets(window, grid_width=grid_width)        # checks window and grid_width
     col = np.arange(num_tokens) % grid_width
@@ -152,7 +138,7 @@ def window_distances(window: int, causal: bool = False,
     return np.maximum(np.abs(r)[:, None], np.abs(r)[None, :]).reshape(-1).astype(np.float64)
 
 
-def _unfold(x: Array, offsets: Sequence[int], fill: Any = 0) -> Array:
+def unfold(x: Array, offsets: Sequence[int], fill: Any = 0) -> Array:
     """Neighbour stack by static shifted slices: out[:, i, k] = x[:, i + offsets[k]] (else fill).
 
     Args:
@@ -275,25 +261,46 @@ def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num
     return jnp.concatenate([rb, jnp.broadcast_to(gb[:, None], (heads, num_global))], axis=1)
 
 
-def _check_attn(attn: Array | None, heads: int, ch: int) -> None:
-    if attn is not None:
-        check_shape("attn", attn, (heads, ch), "[H, C]")
+def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any, num_global: Any,
+                     rel_bias: Any = None, global_bias: Any = None, kl_tau: Any = None,
+                     kl_mode: Any = "prior", causal: bool = False, grid_width: Any = None,
+                     rho: Any = None, cross: bool = False) -> tuple[int, ...]:
+    """The arguments of `window_graph_attention` (or, with `cross`, `cross_graph_attention`),
+    checked once at the kernel's public entry; returns the stencil offsets.
 
-
-def _check_kernel_args(query, key, value, attn, rel_bias, global_bias, num_window, num_global):
-    check_rank("query", query, 4, "[B, L, H, C]")
+    Shapes: query `[B, L, H, C]` (`[B, T, H, C]` with `cross`), key `[B, L, H, C]`, value
+    `[B, L, H, D]`, attn `[H, C]` or None, rel_bias `[H, K]`, global_bias `[H]`. A window's keys
+    and values have the queries' length L (offsets within one sequence); Cross-Graph's have their own.
+    """
+    check_int("window", window, 0)
+    check_int("num_global", num_global, 0)
+    if causal and num_global:
+        fail(f"`num_global` must be 0 when causal (a global node would see the future), "
+             f"got {num_global}")
+    if cross:
+        check_rho(rho)
+    offsets = window_offsets(window, causal, grid_width)
+    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
+    check_rank("query", query, 4, "[B, T, H, C]" if cross else "[B, L, H, C]")
+    if cross:
+        check_rank("key", key, 4, "[B, L, H, C]")
     b, length, heads, ch = query.shape
-    # Windows are offsets within one sequence: keys and values have the queries' length L.
+    length = key.shape[1] if cross else length
     check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
     check_rank("value", value, 4, "[B, L, H, D]")
     check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
-    _check_attn(attn, heads, ch)
+    if attn is not None:
+        check_shape("attn", attn, (heads, ch), "[H, C]")
     if rel_bias is not None:
-        check_shape("rel_bias", rel_bias, (heads, num_window), "[H, K]")
+        check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, 2w+1]" if cross else "[H, K]")
     if global_bias is not None:
         if not num_global:
             fail("`global_bias` was given but `num_global` is 0")
         check_shape("global_bias", global_bias, (heads,), "[H]")
+    if length <= num_global:
+        fail(f"`{'memory' if cross else 'query'}` has {length} nodes but needs more than "
+             f"num_global={num_global}")
+    return offsets
 
 
 def window_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
@@ -338,21 +345,14 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
       and `kl_sum`, `kl_count` (htgn.md §5.7): over all rows for kl_mode='prior', over pairs of
       consecutive token rows for 'neighbour'.
     """
-    check_int("window", window, 0)
-    check_int("num_global", num_global, 0)
-    if causal and num_global:
-        fail(f"`num_global` must be 0 when causal (a global node would see the future), "
-              f"got {num_global}")
-    offsets = window_offsets(window, causal, grid_width)
-    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
-    _check_kernel_args(query, key, value, attn, rel_bias, global_bias, len(offsets), num_global)
+    offsets = check_graph_call(query, key, value, attn, window=window, num_global=num_global,
+                               rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
+                               kl_mode=kl_mode, causal=causal, grid_width=grid_width)
     b, length = query.shape[:2]
-    if length <= num_global:
-        fail(f"`query` has {length} nodes but needs more than num_global={num_global}")
-    mask = _as_mask("mask", mask, (b, length), "[B, L]")
+    mask = masking.as_bool(mask, (b, length), "mask", "[B, L]")
     shared = value is key          # GATv2: one array is both score key and message
-    query, key = clean(query, mask), clean(key, mask)
-    value = key if shared else clean(value, mask)
+    query, key = masking.zero_padding(query, mask), masking.zero_padding(key, mask)
+    value = key if shared else masking.zero_padding(value, mask)
     g = num_global
     heads = query.shape[2]
     rng_tok = rng_glb = dropout_rng
@@ -361,9 +361,9 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
 
     # Token rows: window neighbours by shifted slices, then the g globals broadcast.
     q_tok, m_tok = query[:, g:], mask[:, g:]
-    keys = _unfold(key[:, g:], offsets)                                   # [B, N, K, H, C]
-    vals = keys if shared else _unfold(value[:, g:], offsets)             # [B, N, K, H, D]
-    valid = _unfold(m_tok, offsets, False) & m_tok[:, :, None]           # [B, N, K]
+    keys = unfold(key[:, g:], offsets)                                   # [B, N, K, H, C]
+    vals = keys if shared else unfold(value[:, g:], offsets)             # [B, N, K, H, D]
+    valid = unfold(m_tok, offsets, False) & m_tok[:, :, None]           # [B, N, K]
     if grid_width is not None:
         valid = valid & grid_column_ok(q_tok.shape[1], window, grid_width)[None]
     if g:
@@ -461,32 +461,16 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
       out `[B, T, H, D]` (zero at padded decoder rows) and a dict with `probs`
       `[B, T, H, 2w+1+g]`, `centres` `[B, T]`, `kl_sum`, `kl_count`.
     """
-    check_int("window", window, 0)
-    check_int("num_global", num_global, 0)
-    _check_rho(rho)
-    offsets = window_offsets(window)
-    check_kl(kl_tau, kl_mode, len(offsets) + num_global)
-    check_rank("query", query, 4, "[B, T, H, C]")
-    check_rank("key", key, 4, "[B, L, H, C]")
-    b, t, heads, ch = query.shape
+    offsets = check_graph_call(query, key, value, attn, window=window, num_global=num_global,
+                               rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
+                               kl_mode=kl_mode, rho=rho, cross=True)
+    b, t, heads = query.shape[:3]
     length = key.shape[1]
-    check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
-    check_rank("value", value, 4, "[B, L, H, D]")
-    check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
-    _check_attn(attn, heads, ch)
-    if rel_bias is not None:
-        check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, 2w+1]")
-    if global_bias is not None:
-        if not num_global:
-            fail("`global_bias` was given but `num_global` is 0")
-        check_shape("global_bias", global_bias, (heads,), "[H]")
-    if length <= num_global:
-        fail(f"`memory` has {length} nodes but needs more than num_global={num_global}")
-    mask = _as_mask("mask", mask, (b, t), "[B, T]")
-    memory_mask = _as_mask("memory_mask", memory_mask, (b, length), "[B, L]")
+    mask = masking.as_bool(mask, (b, t), "mask", "[B, T]")
+    memory_mask = masking.as_bool(memory_mask, (b, length), "memory_mask", "[B, L]")
     shared = value is key
-    query, key = clean(query, mask), clean(key, memory_mask)
-    value = key if shared else clean(value, memory_mask)
+    query, key = masking.zero_padding(query, mask), masking.zero_padding(key, memory_mask)
+    value = key if shared else masking.zero_padding(value, memory_mask)
     if positions is None:
         positions = jnp.arange(t)
     elif jnp.shape(positions) not in ((t,), (b, t)):

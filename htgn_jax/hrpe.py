@@ -33,19 +33,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from zoo_core.checks import check_choice, check_int
+
 Array = Any
 
 BASES = ("laplacian", "adjacency")
-
-
-def _check_basis(basis: str) -> None:
-    if basis not in BASES:
-        raise ValueError(f"basis must be one of {BASES}, got {basis!r}")
-
-
-def _check_positive(value: Any, name: str) -> None:
-    if not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,9 +94,9 @@ def path_graph_eigenvalues(length: int, num_pe: int, *, basis: str = "laplacian"
 
     Laplacian: lambda_k = 2 - 2 cos(pi k / N); adjacency: mu_k = 2 cos(pi k / (N + 1)).
     """
-    _check_basis(basis)
-    _check_positive(length, "length")
-    _check_positive(num_pe, "num_pe")
+    check_choice("basis", basis, BASES)
+    check_int("length", length, 1)
+    check_int("num_pe", num_pe, 1)
     k = np.arange(1, num_pe + 1, dtype=np.float64)
     if basis == "laplacian":
         return 2.0 - 2.0 * np.cos(np.pi * k / length)
@@ -140,9 +132,9 @@ def path_graph_pe(length: int, num_pe: int, *, basis: str = "laplacian",
     Returns:
       `[N, K]`; column k-1 is mode k (zero if the mode does not exist for this N).
     """
-    _check_basis(basis)
-    _check_positive(length, "length")
-    _check_positive(num_pe, "num_pe")
+    check_choice("basis", basis, BASES)
+    check_int("length", length, 1)
+    check_int("num_pe", num_pe, 1)
     n = np.arange(length, dtype=np.float64)[:, None]
     return jnp.asarray(_path_modes(n, float(length), num_pe, basis, xp=np), dtype)
 
@@ -165,8 +157,8 @@ def masked_path_graph_pe(mask: Array, num_pe: int, *, basis: str = "laplacian",
     Returns:
       `[B, T, K]`.
     """
-    _check_basis(basis)
-    _check_positive(num_pe, "num_pe")
+    check_choice("basis", basis, BASES)
+    check_int("num_pe", num_pe, 1)
     mask = jnp.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"mask must have rank 2 [B, T], got shape {tuple(mask.shape)}")
@@ -186,9 +178,9 @@ def grid_graph_modes(height: int, width: int, num_pe: int) -> tuple[np.ndarray, 
     Returns:
       (modes `[K, 2]` int, eigenvalues `[K]`), NumPy.
     """
-    _check_positive(height, "height")
-    _check_positive(width, "width")
-    _check_positive(num_pe, "num_pe")
+    check_int("height", height, 1)
+    check_int("width", width, 1)
+    check_int("num_pe", num_pe, 1)
     if num_pe > height * width - 1:
         raise ValueError(f"num_pe must be <= height * width - 1 = {height * width - 1}, "
                          f"got {num_pe}")
@@ -239,8 +231,8 @@ def adjacency_graph_pe(adjacency: Array, num_pe: int, *, basis: str = "laplacian
     Returns:
       `[N, K]`.
     """
-    _check_basis(basis)
-    _check_positive(num_pe, "num_pe")
+    check_choice("basis", basis, BASES)
+    check_int("num_pe", num_pe, 1)
     adjacency = jnp.asarray(adjacency)
     if adjacency.ndim != 2 or adjacency.shape[0] != adjacency.shape[1]:
         raise ValueError(f"adjacency must be a square [N, N] matrix, got {tuple(adjacency.shape)}")
@@ -264,8 +256,8 @@ def adjacency_graph_pe(adjacency: Array, num_pe: int, *, basis: str = "laplacian
 
 def path_adjacency(length: int, *, radius: int = 1) -> np.ndarray:
     """Adjacency `[N, N]` of the band graph |i - j| <= radius, i != j (radius 1 = the path)."""
-    _check_positive(length, "length")
-    _check_positive(radius, "radius")
+    check_int("length", length, 1)
+    check_int("radius", radius, 1)
     idx = np.arange(length)
     dist = np.abs(idx[:, None] - idx[None, :])
     return ((dist >= 1) & (dist <= radius)).astype(np.float32)

@@ -47,7 +47,7 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import hrpe, ops, validation
-from zoo_core import linear_attention
+from zoo_core import linear_attention, masking
 from zoo_core.checks import check_rank, check_shape, check_tokens, fail
 from zoo_core.linear_attention import LinearState
 
@@ -87,11 +87,6 @@ class HeadsOutput(nn.Module):
         y, kernel, bias = promote_dtype(y, kernel, bias, dtype=self.dtype)
         out = jnp.einsum("...hd,hdf->...f", y, kernel)
         return out if bias is None else out + bias
-
-
-def without_padding(x: Array, mask: Array | None) -> Array:
-    """x `[B, T, ...]` with padded positions (mask False) replaced by 0 via `jnp.where`."""
-    return ops._without_padding(x, mask)
 
 
 class FavorAttention(nn.Module):
@@ -223,7 +218,7 @@ class FavorAttention(nn.Module):
         check_tokens(name, x, "[B, T, E]")
         if mask is not None:
             check_shape(f"{name}_mask" if name != "x" else "mask", mask, x.shape[:2], "[B, T]")
-        return without_padding(x, mask)
+        return masking.zero_padding(x, mask)
 
     def _read_out(self, num, den, guard, v, width: int) -> Array:
         return self.out(ops.normalize(num, den, guard).astype(v.dtype), width)
@@ -257,7 +252,7 @@ class FavorAttention(nn.Module):
         phi_q, phi_k, guard = self._features(q, k, omega, mask,
                                              "constant" if self.causal else "max")
         if not self.causal:
-            num, den = ops.favor_parallel(phi_q, phi_k, without_padding(v, mask))
+            num, den = ops.favor_parallel(phi_q, phi_k, masking.zero_padding(v, mask))
         elif self.chunk_size is None:
             num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=mask,
                                                         denominator=True)
@@ -357,7 +352,7 @@ class FavorAttention(nn.Module):
             y = ops.exact_softmax_attention(q, k, v, key_mask=memory_mask)
             return self.out(y.astype(v.dtype), x.shape[-1]), {}
         phi_q, phi_k, guard = self._features(q, k, omega, memory_mask, "max")
-        num, den = ops.favor_parallel(phi_q, phi_k, without_padding(v, memory_mask))
+        num, den = ops.favor_parallel(phi_q, phi_k, masking.zero_padding(v, memory_mask))
         return self._read_out(num, den, guard, v, x.shape[-1]), {}
 
     def cross_cache(self, memory: Array, *, memory_mask: Array | None = None,
@@ -377,7 +372,7 @@ class FavorAttention(nn.Module):
         k, v = self.key(memory), self.value(memory)
         # Only the key features are needed; favor_features wants queries too, so pass the keys.
         _, phi_k, _ = self._features(k, k, self._omega(feature_step, True), memory_mask, "max")
-        return ops.cross_cache(phi_k, without_padding(v, memory_mask))
+        return ops.cross_cache(phi_k, masking.zero_padding(v, memory_mask))
 
     def cross_step(self, cache: LinearState, x_t: Array, *,
                    feature_step: Array | int | None = None) -> Array:

@@ -66,7 +66,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention
+from zoo_core import linear_attention, masking
 from zoo_core.linear_attention import LinearState, acc_dtype
 
 Array = Any
@@ -203,12 +203,6 @@ def constant_key_stabiliser(projection: Array) -> Array:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_mask(mask: Array | None, x: Array, name: str) -> None:
-    if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
-        raise ValueError(f"{name} must have shape [B, T] = {tuple(x.shape[:2])}, "
-                         f"got {tuple(mask.shape)}")
-
-
 def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
                             mask: Array | None = None, eps: float = 1e-6,
                             key_stabiliser: str = "max") -> Array:
@@ -239,10 +233,10 @@ def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
         raise ValueError(f"key_stabiliser must be one of {KEY_STABILISERS}, got {key_stabiliser!r}")
     if is_query and mask is not None:
         raise ValueError("mask applies to keys only; pass is_query=False or mask=None")
-    _check_mask(mask, x, "mask")
+    masking.check_mask(mask, x.shape[:2])
     mask = None if mask is None else jnp.asarray(mask).astype(bool)
     dt = acc_dtype(x, projection)
-    x = _without_padding(x.astype(dt), mask)
+    x = masking.zero_padding(x.astype(dt), mask)
     projection = projection.astype(dt)
     num_features, dim = projection.shape
     normaliser = dim ** -0.25
@@ -261,7 +255,7 @@ def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
         # A fully padded example has stab = -inf; any finite value works since its phi is zeroed.
         stab = jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))
         phi = ratio * (jnp.exp(proj - half_sq - stab) + eps)
-    return _without_padding(phi, mask)
+    return masking.zero_padding(phi, mask)
 
 
 def relu_features(x: Array, eps: float = RELU_EPS) -> Array:
@@ -303,7 +297,7 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
                          f"got {feature_map!r}")
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must have rank 4 [B, T, H, D], got {q.shape} and {k.shape}")
-    _check_mask(key_mask, k, "key_mask")
+    masking.check_mask(key_mask, k.shape[:2], "key_mask", "[B, S]")
     if feature_map == "softmax":
         if projection is None:
             raise ValueError("projection is required for feature_map='softmax'")
@@ -319,7 +313,7 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
         raise ValueError(f"projection must be None for the deterministic "
                          f"feature_map={feature_map!r}")
     fn = relu_features if feature_map == "relu" else elu_features
-    phi_q, phi_k = fn(q), _without_padding(fn(_without_padding(k, key_mask)), key_mask)
+    phi_q, phi_k = fn(q), masking.zero_padding(fn(masking.zero_padding(k, key_mask)), key_mask)
     return phi_q, phi_k, jnp.asarray(eps, phi_k.dtype)
 
 
@@ -369,14 +363,6 @@ def cross_cache(phi_k: Array, v: Array) -> LinearState:
     return LinearState(jnp.einsum("bshm,bshd->bhmd", phi_k, v), jnp.sum(phi_k, axis=1))
 
 
-def _without_padding(x: Array, mask: Array | None) -> Array:
-    """x `[B, S, ...]` with the padded positions (mask False) replaced by 0 (`where`, NaN-safe)."""
-    if mask is None:
-        return x
-    mask = jnp.asarray(mask).astype(bool)
-    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
-
-
 # --------------------------------------------------------------------------------------------
 # Exact softmax oracle and the end-to-end function
 # --------------------------------------------------------------------------------------------
@@ -398,12 +384,11 @@ def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | N
     Returns:
       `[B, T, H, Dv]` in the accumulation dtype; rows with no valid key are 0 (as in FAVOR+).
     """
-    _check_mask(key_mask, k, "key_mask")
+    keys = masking.as_bool(key_mask, k.shape[:2], "key_mask", "[B, S]")
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
     dt = acc_dtype(q, k, v)
-    keys = jnp.ones(k.shape[:2], bool) if key_mask is None else jnp.asarray(key_mask).astype(bool)
-    q, k, v = q.astype(dt), _without_padding(k.astype(dt), keys), _without_padding(v.astype(dt), keys)
+    q, k, v = q.astype(dt), masking.zero_padding(k.astype(dt), keys), masking.zero_padding(v.astype(dt), keys)
     bad = keys[:, :, None] & ~jnp.all(jnp.isfinite(v), axis=-1)               # [B, S, H]
     v = jnp.where(bad[..., None], 0.0, v)
     logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
@@ -454,7 +439,7 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
         key_stabiliser = "constant" if causal else "max"
     phi_q, phi_k, guard = favor_features(q, k, feature_map=feature_map, projection=projection,
                                          key_mask=key_mask, eps=eps, key_stabiliser=key_stabiliser)
-    v = _without_padding(v, key_mask)
+    v = masking.zero_padding(v, key_mask)
     if not causal:
         num, den = favor_parallel(phi_q, phi_k, v)
     elif causal_impl == "chunked":

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from htgn_jax import graph_ops, hrpe, ops
-from zoo_core.checks import (check_choice, check_divisible, check_int, check_nonnegative,
+from zoo_core.checks import (check_choice, check_chunk_size, check_divisible, check_int, check_nonnegative,
                              check_optional_int, check_rate, fail)
 
 ATTENTIONS = ("favor", "softmax")
@@ -204,19 +204,12 @@ def image(m, batch: dict):
 
 # --- layers (`htgn_jax.layers`, `htgn_jax.graph_layers`) ---------------------------------------
 
-def _check_causal_chunking(m) -> None:
-    """`chunk_size` (the chunked causal form) is None unless the layer is causal."""
-    if m.chunk_size is not None and not m.causal:
-        fail("`chunk_size` chooses the causal form; it must be None with causal=False")
-
-
 def check_favor_fields(m) -> None:
     """Field consistency of a `FavorAttention` `m` (called once from its setup)."""
     check_choice("feature_map", m.feature_map, ops.FEATURE_MAPS)
     if m.use_rotary and m.head_dim % 2:
         fail(f"`head_dim` must be even with use_rotary=True, got {m.head_dim}")
-    _check_causal_chunking(m)
-    check_optional_int("chunk_size", m.chunk_size)
+    check_chunk_size(m.chunk_size, m.causal)
     if m.feature_map != "softmax" and (m.num_features is not None or m.redraw_every):
         fail(f"`num_features` and `redraw_every` apply to feature_map='softmax' only (random "
              f"features), got {m.feature_map!r}")
@@ -250,8 +243,7 @@ def check_window_graph_fields(m) -> None:
     if m.causal and m.num_global:
         fail(f"`num_global` must be 0 when causal=True (a global node would summarise the "
              f"future), got {m.num_global}")
-    _check_causal_chunking(m)
-    check_optional_int("chunk_size", m.chunk_size)
+    check_chunk_size(m.chunk_size, m.causal)
 
 
 def check_window_state(m, state: Any, batch: int, head_dims: tuple[int, int]) -> None:
@@ -276,7 +268,7 @@ def check_window_graph_method(m, method: str) -> None:
 def check_cross_graph_fields(m) -> None:
     """Field consistency of a `CrossGraphAttention` `m` (called once from its setup)."""
     check_graph_fields(m)
-    graph_ops._check_rho(m.rho)
+    graph_ops.check_rho(m.rho)
 
 
 def check_cross_graph_inputs(m, x: Any, memory: Any, memory_mask: Any) -> None:

@@ -4,7 +4,7 @@ Every layer follows the zoo's layer contract (README "Layer contract") on one pa
 `__call__(x, *, mask=None, deterministic=True) -> (y, aux)` (the parallel form, or the chunked form
 when `chunk_size` is an int), `init_state(batch_size) -> State`,
 `scan(x, state=None, *, mask=None, deterministic=True) -> (y, state)` (the token recurrence) and
-`step(state, x_t, *, position=None) -> (y_t, state)`. The maths is the zoo's causal linear attention
+`step(state, x_t) -> (y_t, state)`. The maths is the zoo's causal linear attention
 without normaliser (`zoo_core.linear_attention`, denominator=False), whose `jnp.where` masking keeps
 padded and future positions (NaN or 1e30 included) out of every valid, past output.
 
@@ -60,11 +60,6 @@ def _split_heads(y: Array, num_heads: int) -> Array:
     return y.reshape(y.shape[:-1] + (num_heads, -1))
 
 
-def _no_position(position) -> None:
-    if position is not None:
-        raise NotImplementedError("this layer does not depend on token positions: call step without position")
-
-
 class _OutProjection(nn.Module):
     """Dense `kernel` [H*D, F], `bias` [F] whose width F is given at call time (the input width by
     default, known only when the layer is called)."""
@@ -111,6 +106,7 @@ class LinearAttention(nn.Module):
     out_kernel_init: Initializer = normal002
 
     def setup(self):
+        checks.check_chunk_size(self.chunk_size)
         proj = lambda name: layout.Dense(  # noqa: E731
             self.num_heads * self.head_dim, kernel_init=self.kernel_init, bias_init=nn.initializers.zeros,
             dtype=self.dtype, param_dtype=self.param_dtype, name=name)
@@ -150,9 +146,8 @@ class LinearAttention(nn.Module):
         num, _, state = linear_attention.causal_scan(q, k, v, state=state, mask=mask)
         return self._out(num, x), state
 
-    def step(self, state: LinearState, x_t: Array, *, position=None) -> tuple[Array, LinearState]:
+    def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
         """One token (no dropout): state, x_t [B, E] -> (y_t [B, E_out], new state)."""
-        _no_position(position)
         checks.check_rank("x_t", x_t, 2, "[B, E]")
         q, k, v = self._qkv(x_t, True)
         num, _, state = linear_attention.causal_step(state, q, k, v)
@@ -214,9 +209,9 @@ class LinTransBlock(nn.Module):
         y, state = self.attention.scan(self.attention_norm(x), state, mask=mask, deterministic=deterministic)
         return self._finish(x, y, deterministic), state
 
-    def step(self, state: LinearState, x_t: Array, *, position=None) -> tuple[Array, LinearState]:
+    def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
         """state, x_t [B, E] -> (y_t [B, E], new state); no dropout."""
-        y, state = self.attention.step(state, self.attention_norm(x_t), position=position)
+        y, state = self.attention.step(state, self.attention_norm(x_t))
         return self._finish(x_t, y, True), state
 
 
@@ -326,6 +321,7 @@ class VARChain(nn.Module):
     def setup(self):
         checks.check_divisible("width", self.width, "num_heads", self.num_heads)
         checks.check_choice("qv_source", self.qv_source, ("projection", "fixed"))
+        checks.check_chunk_size(self.chunk_size)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         if self.qv_source == "projection":
             self.layers = [_ProjectedQV(self.width, self.num_heads, self.use_qv_norm, self.use_key_proj, **kw,

@@ -128,15 +128,15 @@ def _key_map(o: Array, key_kernel: Optional[Array]) -> Array:
 
 
 def _check_chain(x0, q, v, key_kernels, dropout_mask):
-    if q.ndim != x0.ndim + 1 or v.shape != q.shape or q.shape[1:] != x0.shape:
-        raise ValueError(f"VAR chain expects x0 [B, T, H, D] and q, v [L, B, T, H, D]; got x0 "
-                         f"{x0.shape}, q {q.shape}, v {v.shape}")
-    if key_kernels is not None:
-        e = x0.shape[-1] * x0.shape[-2]
-        if key_kernels.shape != (q.shape[0], e, e):
-            raise ValueError(f"key_kernels must be [L, E, E] = {(q.shape[0], e, e)}, got {key_kernels.shape}")
-    if dropout_mask is not None and dropout_mask.shape != q.shape:
-        raise ValueError(f"dropout_mask must have q's shape {q.shape}, got {dropout_mask.shape}")
+    """Structural asserts of the chain's operands (the `VARChain` layer builds them well formed)."""
+    assert q.ndim == x0.ndim + 1 and v.shape == q.shape and q.shape[1:] == x0.shape, (
+        f"VAR chain expects x0 [B, T, H, D] and q, v [L, B, T, H, D]; got x0 {x0.shape}, q {q.shape}, "
+        f"v {v.shape}")
+    e = x0.shape[-1] * x0.shape[-2]
+    assert key_kernels is None or key_kernels.shape == (q.shape[0], e, e), (
+        f"key_kernels must be [L, E, E] = {(q.shape[0], e, e)}, got {key_kernels.shape}")
+    assert dropout_mask is None or dropout_mask.shape == q.shape, (
+        f"dropout_mask must have q's shape {q.shape}, got {dropout_mask.shape}")
 
 
 def var_chain_init_state(layers: int, batch: int, heads: int, head_dim: int, dtype=jnp.float32) -> Array:
@@ -262,11 +262,10 @@ def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk
     Returns:
       a tuple of L arrays [B, T, H, D], layer m's output in x0's dtype.
     """
-    if len(q) != len(v) or not q:
-        raise ValueError(f"q and v must be non-empty sequences of equal length, got {len(q)} and {len(v)}")
+    assert q and len(q) == len(v), f"q and v must be non-empty sequences of equal length, got {len(q)} and {len(v)}"
     for name, seq in (("q", q), ("v", v)):
-        if any(a.shape != x0.shape for a in seq):
-            raise ValueError(f"each {name} must have x0's shape {x0.shape}, got {[a.shape for a in seq]}")
+        assert all(a.shape == x0.shape for a in seq), \
+            f"each {name} must have x0's shape {x0.shape}, got {[a.shape for a in seq]}"
     layers = len(q)
     _check_chain(x0, jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype),
                  jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype), key_kernels, dropout_mask)

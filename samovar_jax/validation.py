@@ -30,7 +30,7 @@ def check_forecaster(m) -> None:
                       ("max_patches", 0), ("horizon", 0), ("fixed_max_tokens", 2)):
         checks.check_int(name, getattr(m, name), low)
     checks.check_choice("kind", m.kind, FORECASTER_KINDS)
-    checks.check_optional_int("chunk_size", m.chunk_size, 1)
+    checks.check_chunk_size(m.chunk_size)
     checks.check_rate("dropout", m.dropout)
     checks.check_choice("norm_mean", m.norm_mean, ("last_patch", "window"))
     checks.check_choice("position_overflow", m.position_overflow, ("error", "clamp"))

@@ -52,6 +52,14 @@ def check_optional_int(name: str, value: Any, minimum: int = 1) -> None:
         check_int(name, value, minimum)
 
 
+def check_chunk_size(chunk_size: Any, causal: bool = True) -> None:
+    """`chunk_size` (the chunk length C of a chunked causal form) is None or an integer >= 1, and
+    None unless `causal` (it chooses the causal form)."""
+    check_optional_int("chunk_size", chunk_size, 1)
+    if chunk_size is not None and not causal:
+        fail("`chunk_size` applies only to causal=True (it chooses the causal form)")
+
+
 def check_rate(name: str, value: Any) -> None:
     """`value` is a real number in [0, 1) (a dropout or drop-path probability)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
@@ -148,12 +156,6 @@ def check_shape(name: str, x: Any, shape: Sequence[int], shape_doc: str) -> None
     """`x` has exactly `shape`."""
     if tuple(np.shape(x)) != tuple(shape):
         fail(f"`{name}` must have shape {shape_doc} = {tuple(shape)}, got {tuple(np.shape(x))}")
-
-
-def check_mask(mask: Any, batch_time: Sequence[int], name: str = "mask") -> None:
-    """`mask` is None or a `[B, T]` key-padding mask (bool, True = valid; 0/1 also accepted)."""
-    if mask is not None:
-        check_shape(name, mask, batch_time, "[B, T]")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from zoo_core import layout
+from zoo_core import layout, masking
+from zoo_core.checks import check_int
 
 Array = jax.Array
 
@@ -76,12 +77,11 @@ def init_state(batch_size: int, num_heads: int, key_dim: int, value_dim: int, *,
 
 
 def _check(q: Array, k: Array, v: Array, mask: Optional[Array], rank: int) -> None:
-    if q.ndim != rank or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
-        doc = "[B, T, H, D], k [B, T, H, D], v [B, T, H, M]" if rank == 4 else "[B, H, D], ..."
-        raise ValueError(f"causal linear attention expects q {doc}; got q {q.shape}, k {k.shape}, "
-                         f"v {v.shape}")
-    if mask is not None and tuple(mask.shape) != tuple(q.shape[:2]):
-        raise ValueError(f"mask must be [B, T] = {q.shape[:2]}, got {tuple(mask.shape)}")
+    """Structural asserts on q, k, v (the layers build them); the user-given mask's shape check."""
+    assert q.ndim == rank and k.shape == q.shape and v.shape[:-1] == q.shape[:-1], (
+        f"causal linear attention expects q [B, T, H, D] (or [B, H, D] for a step), k like q, "
+        f"v [..., M]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    masking.check_mask(mask, q.shape[:2])
 
 
 def _check_state(state: LinearState, q: Array, v: Array, denominator: bool) -> None:
@@ -105,9 +105,9 @@ def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array]):
     q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
     bad = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))   # [B, T, H]
     if mask is not None:
-        valid = jnp.asarray(mask).astype(bool)[:, :, None]
+        valid = masking.expand(mask, 3)                                             # [B, T, 1]
         bad = bad & valid
-        q = jnp.where(valid[..., None], q, 0.0)
+        q = masking.zero_padding(q, mask)
         drop = bad | ~valid
     else:
         drop = bad
@@ -215,8 +215,7 @@ def causal_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
 
 def _chunked_inputs(q, k, v, chunk_size, state, mask, denominator):
     """Checks and `_prepare` of the chunked forms: (q, k, v, poisoned, initial state, C)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, 1)   # a user-chosen argument of a public kernel
     _check(q, k, v, mask, 4)
     q, k, v, poisoned = _prepare(q, k, v, mask)
     state = _initial(state, q, v, denominator, q.dtype)
@@ -403,20 +402,17 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:] \
-            or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"non-causal linear attention expects q [B, T, H, D], k [B, S, H, D], "
-                         f"v [B, S, H, M]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    assert q.ndim == k.ndim == v.ndim == 4 and k.shape[:1] + k.shape[2:] == q.shape[:1] + q.shape[2:] \
+        and v.shape[:3] == k.shape[:3], (f"non-causal linear attention expects q [B, T, H, D], "
+                                         f"k [B, S, H, D], v [B, S, H, M]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    # This wording is pinned by tests/zoo_core/attention_test.py (not `masking.check_mask`'s).
     for arg, m, shape in (("mask", mask, k.shape[:2]), ("query_mask", query_mask, q.shape[:2])):
         if m is not None and tuple(jnp.shape(m)) != tuple(shape):
             raise ValueError(f"{arg} must be {list(shape)}, got {tuple(jnp.shape(m))}")
     acc = acc_dtype(q, k, v)
     q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
-    if mask is not None:
-        keep = jnp.asarray(mask).astype(bool)[:, :, None, None]
-        k, v = jnp.where(keep, k, 0.0), jnp.where(keep, v, 0.0)
-    if query_mask is not None:
-        q = jnp.where(jnp.asarray(query_mask).astype(bool)[:, :, None, None], q, 0.0)
+    k, v = masking.zero_padding(k, mask), masking.zero_padding(v, mask)
+    q = masking.zero_padding(q, query_mask)
     num = jnp.einsum("bthd,bhdm->bthm", q, jnp.einsum("bshd,bshm->bhdm", k, v))
     den = jnp.einsum("bthd,bhd->bth", q, jnp.sum(k, axis=1)) if denominator else None
     return num, den

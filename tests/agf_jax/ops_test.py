@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 from agf_jax import ops
-from zoo_core import testing
+from zoo_core import masking, testing
 from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close
 
 B, H, D, M = 2, 2, 4, 3
@@ -419,7 +419,7 @@ def test_fused_form_equals_the_plain_maths_and_its_gradients(x64, basis, count_p
     def plain(zu, zv, zs, val, theta, theta_0):
         c = ops.filter_coefficients(theta, theta_0)
         hmat = ops.agf_attention_matrix(zu, zv, zs, c, mask=mask, **basis)
-        y = jnp.einsum("bhtj,bjhm->bthm", hmat, ops.masked_values(val, mask))
+        y = jnp.einsum("bhtj,bjhm->bthm", hmat, ops.as_float(masking.zero_padding(val, mask)))
         reg = ops.orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
         return jnp.sum(jnp.sin(y) * weights) + jnp.sum(reg * jnp.array([0.7, -1.3]))
 
@@ -459,5 +459,5 @@ def test_where_masking_is_bit_identical_to_the_reference_offset():
     v_ref = jax.nn.softmax(zv - 1e9 * (1.0 - mask.astype(jnp.float32))[:, :, None, None], axis=1)
     v = jax.nn.softmax(ops.masked_logits(zv, mask), axis=1)
     np.testing.assert_array_equal(v, v_ref)
-    np.testing.assert_array_equal(jnp.einsum("bthd,bthm->bhdm", v, ops.masked_values(val, mask)),
+    np.testing.assert_array_equal(jnp.einsum("bthd,bthm->bhdm", v, ops.as_float(masking.zero_padding(val, mask))),
                                   jnp.einsum("bthd,bthm->bhdm", v_ref, val))

@@ -836,7 +836,7 @@ BAD_INPUTS = [
      lambda: _init(WindowGraphAttention(num_heads=H, window=W, num_global=1, causal=True), _X)),
     ("`step` needs causal=True",
      lambda: _WIN.apply(_win_vars(), None, _X[:, 0], method=_WIN.step)),
-    ("`chunk_size` chooses the causal form",
+    ("`chunk_size` applies only to causal=True",
      lambda: _init(WindowGraphAttention(num_heads=H, window=W, chunk_size=2), _X)),
     ("`chunk_size` must be an integer >= 1",
      lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True, chunk_size=0), _X)),

@@ -288,7 +288,7 @@ def test_feature_redraw_schedule():
     ({"feature_map": "elu", "redraw_every": 10}, None, "redraw_every"),
     ({"head_dim": 3}, None, "head_dim"),
     ({"chunk_size": 0, "causal": True}, None, "chunk_size"),
-    ({"chunk_size": 4}, None, "chunk_size. chooses the causal form"),
+    ({"chunk_size": 4}, None, "chunk_size. applies only to causal=True"),
     ({}, lambda l, v: l.apply(v, _x(), method="scan"), "causal=True"),
     ({"causal": True}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "needs causal=False"),
     ({}, lambda l, v: l.apply(v, _x(), _x(), method="cross"), "use_rotary=False"),

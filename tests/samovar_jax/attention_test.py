@@ -197,8 +197,6 @@ def _bad_calls():
         "chain step position (SAMoVAR)": (lambda: chain.apply(chain_vars, chain.apply(
             chain_vars, B, method="init_state"), x[:, 0], position=jnp.asarray(0), method="step"),
             NotImplementedError, "qv_source='fixed'"),
-        "attention step position": (lambda: la.apply(la_vars, la.apply(la_vars, B, method="init_state"), x[:, 0],
-                                                     position=0, method="step"), NotImplementedError, "position"),
         "attention rank": (lambda: la.init(key, x[0]), ValueError, r"`x` must have rank 3"),
         "attention chunk_size": (lambda: la.clone(chunk_size=0).init(key, x), ValueError, "chunk_size"),
         "attention mask shape": (lambda: la.apply(la_vars, x, mask=np.ones((B, T + 1), bool)), ValueError, "mask"),

@@ -246,13 +246,13 @@ def test_instance_norm_and_patchify():
     np.testing.assert_array_equal(np.asarray(unpatched)[:, 2:], x)
 
 
-def test_chain_rejects_bad_shapes():
+def test_chain_asserts_its_structure():
     x0, q, v, wk, mask = _chain_inputs(7)
-    with pytest.raises(ValueError, match="VAR chain expects"):
+    with pytest.raises(AssertionError, match="VAR chain expects"):
         ops.var_chain_parallel(x0, q[0], v[0])
-    with pytest.raises(ValueError, match="key_kernels"):
+    with pytest.raises(AssertionError, match="key_kernels"):
         ops.var_chain_parallel(x0, q, v, key_kernels=wk[:, :3])
-    with pytest.raises(ValueError, match="dropout_mask"):
+    with pytest.raises(AssertionError, match="dropout_mask"):
         ops.var_chain_recurrent(x0, q, v, dropout_mask=mask[:, :1])
     with pytest.raises(ValueError, match="chunk_size"):
         ops.var_chain_chunked(x0, q, v, 0)
@@ -293,9 +293,9 @@ def test_chain_layers_are_the_stacked_forms_unstacked(chunk):
     (y_layers, g_layers), (y_stacked, g_stacked) = (value_and_grads(f)(x0, q, v) for f in (layers, stacked))
     np.testing.assert_allclose(y_layers, y_stacked, **F32_SIMPLE)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, **F32_SIMPLE), g_layers, g_stacked)
-    with pytest.raises(ValueError, match="equal length"):
+    with pytest.raises(AssertionError, match="equal length"):
         ops.var_chain_layers(x0, list(q), list(v)[:2])
-    with pytest.raises(ValueError, match="x0's shape"):
+    with pytest.raises(AssertionError, match="x0's shape"):
         ops.var_chain_layers(x0, [a[:, :3] for a in q], list(v))
 
 
