@@ -33,7 +33,7 @@ def test_tiny_check_plans_and_records_every_phase(tmp_path):
     out = tmp_path / "out" / "dc.json"
     cmd = [sys.executable, "-m", "benchmarks.device_check", "--tiny", "--profile", "--configs", "agf_listops",
            "--bisect_forms", "embed", "--scaling_scripts", "agf_scaling", "--scaling_dtypes", "float32",
-           "--scaling_budget_s", "12", "--peers_budget_s", "1", "--reference_runs_budget_s", "2", "--uea_seeds", "1",
+           "--scaling_budget_s", "60", "--peers_budget_s", "1", "--reference_runs_budget_s", "2", "--uea_seeds", "1",
            "--tests", f"tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise,{failing}",
            "--work_dir", str(tmp_path / "work"), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=command_env(), capture_output=True, text=True, timeout=600)
