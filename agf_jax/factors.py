@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import graph_filter
-from zoo_core import layout, masking
+from zoo_core import masking, xla_forms
 
 Array = jax.Array
 
@@ -138,7 +138,7 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
     valid = None if mask is None or count_padding else masking.expand(mask, 3)     # [B, T, 1]
     eye = jnp.eye(zu.shape[-1], dtype=jnp.promote_types(zu.dtype, jnp.float32))
     total = 0.0
-    for zu_h, zv_h in zip(layout.heads(as_float(zu)), layout.heads(masked_logits(zv, mask))):
+    for zu_h, zv_h in zip(xla_forms.heads(as_float(zu)), xla_forms.heads(masked_logits(zv, mask))):
         u = jax.nn.softmax(zu_h, axis=-1)
         if valid is not None:
             u = jnp.where(valid, u, 0.0)

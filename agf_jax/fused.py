@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
 from agf_jax.factors import MASK_OFFSET, agf_factors, as_float, check_projections, orthogonality_loss
-from zoo_core import layout, masking
+from zoo_core import masking, xla_forms
 
 Array = jax.Array
 
@@ -26,7 +26,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
     """`(agf_parallel(...), orthogonality_loss(...))` of the non-causal layer in one pass.
 
     The training form of the non-causal layer (agf.md §2.2-2.6): the same numbers as the two
-    reference functions, computed one head at a time (`zoo_core.layout.heads`) by a function with
+    reference functions, computed one head at a time (`zoo_core.xla_forms.heads`) by a function with
     a hand-written backward pass (`jax.custom_vjp`). Per head, with A = U * g, kv = V^T Val:
 
         dA = dO kv^T,  dkv = A^T dO,  dU = dA * g + 2 U dG_U,  dV = Val dkv^T + 2 V dG_V,
@@ -51,7 +51,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
     dtype = jnp.result_type(*(as_float(x) for x in (zu, zv, zs, val)))
     coeffs = jnp.asarray(coeffs).astype(dtype)
     out, reg = [], 0.0
-    for zu_h, zv_h, zs_h, val_h in zip(*(layout.heads(x.astype(dtype)) for x in (zu, zv, zs, val))):
+    for zu_h, zv_h, zs_h, val_h in zip(*(xla_forms.heads(x.astype(dtype)) for x in (zu, zv, zs, val))):
         o, r = _agf_head(zu_h, zv_h, zs_h, val_h, coeffs, valid, (basis, a, b), count_padding)
         out.append(o)
         reg = reg + r

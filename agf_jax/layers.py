@@ -36,7 +36,7 @@ from agf_jax import softmax as softmax_ops
 from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
-from zoo_core import checks, layout
+from zoo_core import checks, xla_forms
 from zoo_core.dropout import Dropout, keep_mask
 
 Array = jax.Array
@@ -86,11 +86,11 @@ class _Attention(nn.Module):
     plain: tuple[str, ...] = ()
 
     # Parts a layer can compute in their plain form (`plain`): 'dense' flax's DenseGeneral for
-    # the projections (not the 2-D matmuls of `layout.DenseGeneral`), 'dropout' flax's Dropout.
+    # the projections (not the 2-D matmuls of `xla_forms.DenseGeneral`), 'dropout' flax's Dropout.
     PLAIN = ("dense", "dropout")
 
     def _dense_cls(self) -> type:
-        return nn.DenseGeneral if "dense" in self.plain else layout.DenseGeneral
+        return nn.DenseGeneral if "dense" in self.plain else xla_forms.DenseGeneral
 
     def _dropout(self) -> nn.Module:
         return (nn.Dropout if "dropout" in self.plain else Dropout)(self.dropout_rate)

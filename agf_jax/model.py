@@ -48,7 +48,7 @@ import numpy as np
 from agf_jax import validation
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
-from zoo_core import checks, layout
+from zoo_core import checks, xla_forms
 from zoo_core.remat import call_block
 from zoo_core.dropout import Dropout
 
@@ -71,15 +71,15 @@ LN_EPS = 1e-5
 AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
 
 
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": layout.gelu, "relu": nn.relu}
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "relu": nn.relu}
 
 # Parts a model can compute in their plain form (the `plain` field), each with the same parameters
 # and values, so that a bfloat16 step can be timed with one of its zoo forms swapped out:
 #   'embed'        flax's Embed (its lookup's backward a scatter-add in the compute dtype), not
-#                  `layout.Embed` (that scatter-add in float32);
-#   'layer_norm'   flax's LayerNorm (autodiff), not `layout.LayerNorm` (a hand-written backward);
-#   'add_to_each'  x + table[None] (autodiff), not `layout.add_to_each` (a dot for the table's grad);
-#   'dense'        flax's Dense / DenseGeneral, not `layout`'s 2-D matmul forms (also in attention);
+#                  `xla_forms.Embed` (that scatter-add in float32);
+#   'layer_norm'   flax's LayerNorm (autodiff), not `xla_forms.LayerNorm` (a hand-written backward);
+#   'add_to_each'  x + table[None] (autodiff), not `xla_forms.add_to_each` (a dot for the table's grad);
+#   'dense'        flax's Dense / DenseGeneral, not `xla_forms`' 2-D matmul forms (also in attention);
 #   'dropout'      flax's Dropout (its own random bits), not `zoo_core.dropout.Dropout`;
 #   'agf_backward' autodiff of AGF's plain maths, not the hand-written backward of
 #                  `ops.agf_with_orthogonality` (its optimisation barrier and variadic reduce).
@@ -113,14 +113,14 @@ def merge_aux(auxes: Sequence[dict]) -> dict:
 
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
-    cls = nn.Dense if "dense" in m.plain else layout.Dense
+    cls = nn.Dense if "dense" in m.plain else xla_forms.Dense
     return cls(features, dtype=m.dtype, param_dtype=m.param_dtype,
                kernel_init=torch_linear_kernel_init(), bias_init=torch_linear_bias_init(fan_in),
                name=name)
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:
-    cls = nn.LayerNorm if "layer_norm" in m.plain else layout.LayerNorm
+    cls = nn.LayerNorm if "layer_norm" in m.plain else xla_forms.LayerNorm
     return cls(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
 
 
@@ -129,7 +129,7 @@ def _dropout(m) -> nn.Module:
 
 
 def _embed(m, num: int, init) -> nn.Embed:
-    cls = nn.Embed if "embed" in m.plain else layout.Embed
+    cls = nn.Embed if "embed" in m.plain else xla_forms.Embed
     return cls(num, m.d_model, embedding_init=init, dtype=m.dtype, param_dtype=m.param_dtype)
 
 
@@ -199,7 +199,7 @@ class LRABlock(_BlockFields, kw_only=True):
         y, aux = self.attention_layer(self.attention_norm(x), mask=mask,
                                       deterministic=deterministic)
         x = x + self.dropout(y, deterministic=deterministic)
-        h = self.dropout(layout.gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
+        h = self.dropout(xla_forms.gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
         x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
         return x, aux
 
@@ -226,8 +226,8 @@ class LRAEncoder(_BlockFields, kw_only=True):
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
-        # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/layout.py).
-        add = (lambda x, table: x + table[None]) if "add_to_each" in self.plain else layout.add_to_each
+        # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/xla_forms.py).
+        add = (lambda x, table: x + table[None]) if "add_to_each" in self.plain else xla_forms.add_to_each
         x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)

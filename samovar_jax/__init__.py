@@ -1,16 +1,16 @@
 """SAMoVAR in JAX/Flax: linear transformers read as VAR models (Lu & Yang, ICML 2025, arXiv:2502.07244).
 
 Modules: `ops` (pure kernels: the VAR attention chain in parallel, chunked, recurrent and single-step
-forms on `zoo_core.linear_attention`; structural matrix; instance norm and patching), `layers`
-(norms, MLP, ARX tokeniser and embeddings, structural matrix), `attention` (the causal layers
-`LinearAttention`, `LinTransBlock`, `VARChain` and their states), `model` (`Model(**config.model)`,
+forms on `zoo_core.linear_attention`; structural matrix; instance norm and patching), `layers` (the
+causal attention layers `LinearAttention`, `LinTransBlock`, `VARChain` and their states), `blocks`
+(norms, MLP, ARX tokeniser and embeddings, structural matrix), `model` (`Model(**config.model)`,
 `Forecaster`, `VARIANTS`), `baselines` (DLinear), `evaluation` (test-split evaluator), `convert`
 (reference PyTorch state_dict -> Flax params, golden check CLI), `analysis` (effective lag matrices,
 path weights, VAR-coefficient recovery).
 """
-from samovar_jax.attention import LinearAttention, LinearState, LinTransBlock, VARChain, VARChainState
+from samovar_jax.layers import LinearAttention, LinearState, LinTransBlock, VARChain, VARChainState
 from samovar_jax.baselines import DLinear
-from samovar_jax.layers import ARXEmbedding, ARXTokenizer, MLPBlock, MultiHeadRMSNorm, RMSNorm, StructuralMatrix
+from samovar_jax.blocks import ARXEmbedding, ARXTokenizer, MLPBlock, MultiHeadRMSNorm, RMSNorm, StructuralMatrix
 from samovar_jax.model import KINDS, VARIANTS, Forecaster, Model
 
 __all__ = ["ARXEmbedding", "ARXTokenizer", "DLinear", "Forecaster", "KINDS", "LinTransBlock", "LinearAttention",

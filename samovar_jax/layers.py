@@ -1,285 +1,422 @@
-"""Flax (Linen) layers of SAMoVAR and its baselines (Lu & Yang, ICML 2025, arXiv:2502.07244).
+"""Causal attention layers of SAMoVAR and LinTrans (Lu & Yang, ICML 2025, arXiv:2502.07244).
 
-The layers own parameters only; the maths is in `samovar_jax.ops`. Section numbers refer to the
-project spec `samovar.md` (which follows the released code, LJC-FVNR/Structural-Aligned-Mixture-of-VAR
-@ 4e2581f); the reference module each layer replaces is named in its docstring, and
-`samovar_jax.convert` maps the reference state_dict onto these parameter names.
+Every layer follows the zoo's layer contract (README "Layer contract") on one parameter tree:
+`__call__(x, *, mask=None, deterministic=True) -> (y, aux)` (the parallel form, or the chunked form
+when `chunk_size` is an int), `init_state(batch_size) -> State`,
+`scan(x, state=None, *, mask=None, deterministic=True) -> (y, state)` (the token recurrence) and
+`step(state, x_t) -> (y_t, state)`. The maths is the zoo's causal linear attention
+without normaliser (`zoo_core.linear_attention`, denominator=False), whose `jnp.where` masking keeps
+padded and future positions (NaN or 1e30 included) out of every valid, past output.
 
-Layers:
-
-* `RMSNorm` (gain [E], eps 1e-5) and `MultiHeadRMSNorm` (gain [H, D], eps 1e-8) (samovar.md §1).
-* `MLPBlock`: pre-norm residual MLP `h + Dropout(W2 GELU(W1 RMSNorm(h)))` (samovar.md §2.5).
-* `ARXTokenizer`: exogenous/endogenous token pairs of every patch (samovar.md §2.3).
-* `ARXEmbedding`: additive position / channel / type embeddings (samovar.md §2.4; LinTrans §7).
-* `StructuralMatrix`: the LU-parameterised invertible per-head matrix D (samovar.md §2.7).
-
-The causal attention layers (`LinearAttention`, `LinTransBlock`, `VARChain`) are in
-`samovar_jax.attention`.
-
-dtype policy: every parameterised layer has `dtype` (compute; None = promote inputs and params) and
-`param_dtype` (float32). Norms compute in float32 and cast back (as the reference); attention sums
-and recurrent states are float32 (see `samovar_jax.attention`).
+* `LinearAttention`: bare causal linear attention, query/key/value/out projections, no norm and no
+  residual (a drop-in attention layer); state `LinearState`.
+* `LinTransBlock`: one LinTrans layer (samovar.md §7), pre-norm `LinearAttention` + residual, then the
+  pre-norm MLP block; state `LinearState`.
+* `VARChain`: the VAR attention stack of SAMoVAR / FixedVAR (samovar.md §2.6): q, v from x0, key of layer
+  m = output of layer m-1; state `VARChainState`.
 """
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from samovar_jax import ops
-from zoo_core import checks, layout
-from zoo_core.dropout import Dropout
+from samovar_jax.blocks import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
+from zoo_core import checks, xla_forms
+from zoo_core import linear_attention
+from zoo_core.dropout import Dropout, keep_mask
+from zoo_core.linear_attention import LinearState
 
 Array = jax.Array
-
-# samovar.md §5: every nn.Linear weight N(0, 0.02^2), bias 0; embeddings N(0, 0.02^2).
-normal002 = nn.initializers.normal(0.02)
+Initializer = Callable[..., Array]
 
 
-def dense(features: int, *, name: str, dtype, param_dtype, use_bias: bool = True, std: float = 0.02):
-    """`zoo_core.layout.Dense` (flax's Dense as a 2-D matmul) with the reference init: kernel
-    N(0, std^2), bias 0 (samovar.md §5)."""
-    return layout.Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std),
-                    bias_init=nn.initializers.zeros, dtype=dtype, param_dtype=param_dtype, name=name)
-
-
-class RMSNorm(nn.Module):
-    """Model-wide RMSNorm of the reference (`RMSNorm`): gain `scale` [E], ones at init.
-
-    The reference ignores its constructor eps and always uses 1e-5; it normalises in float32.
+class VARChainState(NamedTuple):
+    """Carried state of `VARChain`.
 
     Attributes:
-      features: E, the normalised (last) axis.
-      eps: stabiliser (1e-5, as the reference).
+      num: `[L, B, H, D, D]` float32, per layer m the sum over seen tokens of k^(m-1)_s v^(m)_s^T.
+      position: `[]` int32, the number of tokens seen = the absolute position of the next token
+        (FixedVAR reads its query/value tables there when no positions are given).
     """
-    features: int
-    eps: float = 1e-5
+
+    num: Array
+    position: Array
+
+
+def _dropout_mask(module: nn.Module, rate: float, shape, deterministic: bool) -> Optional[Array]:
+    """Inverted-dropout multiplier (1/(1-rate) or 0) drawn from the 'dropout' rng, or None
+    (`zoo_core.dropout`'s cheap bits)."""
+    if deterministic or rate == 0.0:
+        return None
+    keep = 1.0 - rate
+    return jnp.where(keep_mask(module.make_rng("dropout"), keep, shape), jnp.float32(1.0 / keep), 0.0)
+
+
+def _split_heads(y: Array, num_heads: int) -> Array:
+    return y.reshape(y.shape[:-1] + (num_heads, -1))
+
+
+class _OutProjection(nn.Module):
+    """Dense `kernel` [H*D, F], `bias` [F] whose width F is given at call time (the input width by
+    default, known only when the layer is called)."""
+    kernel_init: Initializer
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
-    def setup(self):
-        self.scale = self.param("scale", nn.initializers.ones, (self.features,), self.param_dtype)
+    @nn.compact
+    def __call__(self, y: Array, features: int) -> Array:
+        kernel = self.param("kernel", self.kernel_init, (y.shape[-1], features), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        y, kernel, bias = nn.dtypes.promote_dtype(y, kernel, bias, dtype=self.dtype)
+        # A 2-D matmul, as zoo_core.xla_forms.Dense (its gradient needs no transposed copy of y).
+        out = jnp.dot(y.reshape(-1, y.shape[-1]), kernel) + bias
+        return out.reshape(y.shape[:-1] + (features,))
 
-    def __call__(self, x: Array) -> Array:
-        """[..., E] -> [..., E]."""
-        if x.shape[-1:] != (self.features,):
-            checks.fail(f"`x` must be [..., {self.features}], got shape {tuple(x.shape)}")
-        x, scale = nn.dtypes.promote_dtype(x, self.scale, dtype=self.dtype)
-        return ops.rms_norm(x, scale, self.eps)
 
+class LinearAttention(nn.Module):
+    """Causal linear attention without normaliser (LinTrans, samovar.md §7; `Autoregressive.LinearAttention`):
+    `y_t = out(sum_{s<=t} (q_t . k_s) v_s)` per head, with `q = query(x)`, `k = key(Dropout(x))`,
+    `v = value(x)`; no scale, no feature map, no norm, no residual.
 
-class MultiHeadRMSNorm(nn.Module):
-    """Per-head RMSNorm (`RMSNormMultiHead`): each head's D slice, gain `scale` [H, D], eps 1e-8.
+    Parameters: `query`, `key`, `value` (Dense E -> H*D with bias) and `out` (Dense H*D -> E_out).
 
     Attributes:
       num_heads: H.
-      head_dim: D.
-      eps: stabiliser (1e-8, as the reference).
+      head_dim: D (queries, keys and values).
+      out_features: E_out; None = the input width E.
+      chunk_size: None = `__call__` uses the parallel form; an int C >= 1 = the chunked form.
+      dropout_rate: dropout on the key projection's input (as the reference; the block drops the output).
+      kernel_init, out_kernel_init: initialisers of the q/k/v and of the out kernels (N(0, 0.02^2),
+        samovar.md §5; LinTrans uses 0.02 / sqrt(2 l) for `out`); biases start at 0.
+      dtype: compute dtype (None: promote inputs and parameters); sums and states stay float32.
+      param_dtype: parameter dtype.
     """
     num_heads: int
     head_dim: int
-    eps: float = 1e-8
+    out_features: Optional[int] = None
+    chunk_size: Optional[int] = None
+    dropout_rate: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    kernel_init: Initializer = normal002
+    out_kernel_init: Initializer = normal002
 
     def setup(self):
-        self.scale = self.param("scale", nn.initializers.ones, (self.num_heads, self.head_dim),
-                                self.param_dtype)
+        checks.check_chunk_size(self.chunk_size)
+        proj = lambda name: xla_forms.Dense(  # noqa: E731
+            self.num_heads * self.head_dim, kernel_init=self.kernel_init, bias_init=nn.initializers.zeros,
+            dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        self.query, self.key, self.value = proj("query"), proj("key"), proj("value")
+        self.out = _OutProjection(self.out_kernel_init, self.dtype, self.param_dtype, name="out")
+        self.key_dropout = Dropout(self.dropout_rate)
 
-    def __call__(self, x: Array) -> Array:
-        """[..., H, D] -> [..., H, D]."""
-        if x.shape[-2:] != (self.num_heads, self.head_dim):
-            checks.fail(f"`x` must be [..., {self.num_heads}, {self.head_dim}], got shape {tuple(x.shape)}")
-        x, scale = nn.dtypes.promote_dtype(x, self.scale, dtype=self.dtype)
-        return ops.rms_norm(x, scale, self.eps)
+    def _qkv(self, x: Array, deterministic: bool):
+        k = self.key(self.key_dropout(x, deterministic=deterministic))
+        return tuple(_split_heads(y, self.num_heads) for y in (self.query(x), k, self.value(x)))
+
+    def _out(self, num: Array, x: Array) -> Array:
+        dtype = self.dtype if self.dtype is not None else jnp.promote_types(x.dtype, self.param_dtype)
+        num = num.astype(dtype).reshape(num.shape[:-2] + (-1,))
+        return self.out(num, self.out_features or x.shape[-1])
+
+    def init_state(self, batch_size: int) -> LinearState:
+        """Zero state: num [B, H, D, D] float32, den None."""
+        return linear_attention.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
+
+    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+                 deterministic: bool = True) -> tuple[Array, dict]:
+        """x [B, T, E], mask [B, T] (True = valid) -> (y [B, T, E_out], {})."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        q, k, v = self._qkv(x, deterministic)
+        if self.chunk_size is None:
+            num, _ = linear_attention.causal_parallel(q, k, v, mask=mask)
+        else:
+            num, _, _ = linear_attention.causal_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask)
+        return self._out(num, x), {}
+
+    def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
+             deterministic: bool = True) -> tuple[Array, LinearState]:
+        """Token recurrence from `state` (zeros if None): x [B, T, E] -> (y [B, T, E_out], final state)."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        q, k, v = self._qkv(x, deterministic)
+        num, _, state = linear_attention.causal_scan(q, k, v, state=state, mask=mask)
+        return self._out(num, x), state
+
+    def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
+        """One token (no dropout): state, x_t [B, E] -> (y_t [B, E_out], new state)."""
+        checks.check_rank("x_t", x_t, 2, "[B, E]")
+        q, k, v = self._qkv(x_t, True)
+        num, _, state = linear_attention.causal_step(state, q, k, v)
+        return self._out(num, x_t), state
 
 
-class MLPBlock(nn.Module):
-    """Pre-norm residual MLP (samovar.md §2.5): `h + Dropout(fc_out(GELU_erf(fc_in(RMSNorm(h)))))`.
+class LinTransBlock(nn.Module):
+    """One LinTrans layer (samovar.md §7): `h = x + Dropout(attention(attention_norm(x)))`, then the
+    pre-norm residual MLP `h + Dropout(mlp(mlp.norm(h)))`.
 
-    Reference: `transformer.lns[i]` (-> `norm`) and `transformer.mlps[i].c_fc` / `.c_proj`
-    (-> `fc_in` / `fc_out`); both linears have a bias, GELU is the exact erf form.
+    Reference: `transformer.pns[i]` (-> `attention_norm`), `transformer.attn[i].q1 / k1 / v1 / c_proj`
+    (-> `attention/query|key|value|out`), `transformer.lns[i]`, `transformer.mlps[i]` (-> `mlp`).
 
     Attributes:
       width: E.
-      hidden: MLP width (4E in the reference).
-      dropout_rate: rate of the output dropout.
-      out_init_std: init std of `fc_out` (0.02 / sqrt(2 l) in the reference, samovar.md §5).
+      num_heads: H (D = E / H).
+      hidden: MLP width.
+      dropout_rate: dropout on the attention's key input, the attention output and the MLP output.
+      out_init_std: init std of the attention `out` and MLP `fc_out` kernels (0.02 / sqrt(2 l)).
+      chunk_size: form of `__call__` (None = parallel, int = chunked), as in `LinearAttention`.
+      dtype, param_dtype: compute and parameter dtypes.
     """
     width: int
+    num_heads: int
     hidden: int
     dropout_rate: float = 0.0
     out_init_std: float = 0.02
+    chunk_size: Optional[int] = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        checks.check_divisible("width", self.width, "num_heads", self.num_heads)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        self.attention_norm = RMSNorm(self.width, **kw, name="attention_norm")
+        self.attention = LinearAttention(
+            self.num_heads, self.width // self.num_heads, chunk_size=self.chunk_size,
+            dropout_rate=self.dropout_rate, out_kernel_init=nn.initializers.normal(self.out_init_std), **kw,
+            name="attention")
+        self.attention_dropout = Dropout(self.dropout_rate)
+        self.mlp = MLPBlock(self.width, self.hidden, self.dropout_rate, self.out_init_std, **kw, name="mlp")
+
+    def _finish(self, x: Array, y: Array, deterministic: bool) -> Array:
+        return self.mlp(x + self.attention_dropout(y, deterministic=deterministic), deterministic=deterministic)
+
+    def init_state(self, batch_size: int) -> LinearState:
+        """The attention's zero state."""
+        return self.attention.init_state(batch_size)
+
+    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+                 deterministic: bool = True) -> tuple[Array, dict]:
+        """x [B, T, E] -> (y [B, T, E], aux of the attention)."""
+        y, aux = self.attention(self.attention_norm(x), mask=mask, deterministic=deterministic)
+        return self._finish(x, y, deterministic), aux
+
+    def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
+             deterministic: bool = True) -> tuple[Array, LinearState]:
+        """x [B, T, E], state or None -> (y [B, T, E], final state)."""
+        y, state = self.attention.scan(self.attention_norm(x), state, mask=mask, deterministic=deterministic)
+        return self._finish(x, y, deterministic), state
+
+    def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
+        """state, x_t [B, E] -> (y_t [B, E], new state); no dropout."""
+        y, state = self.attention.step(state, self.attention_norm(x_t))
+        return self._finish(x_t, y, True), state
+
+
+class _ProjectedQV(nn.Module):
+    """One SAMoVAR layer's q/v projections (`transformer.attn[m]`): query/value Dense E -> E with bias,
+    optional per-head norms `query_norm` / `value_norm`, optional bias-free key matrix `key` [E, E]
+    (ablation "w/ W_k", N(0, 0.02^2) init)."""
+    width: int
+    num_heads: int
+    use_qv_norm: bool = True
+    use_key_proj: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
     def setup(self):
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        self.norm = RMSNorm(self.width, **kw, name="norm")
-        self.fc_in = dense(self.hidden, name="fc_in", **kw)
-        self.fc_out = dense(self.width, name="fc_out", std=self.out_init_std, **kw)
-        self.drop = Dropout(self.dropout_rate)
+        d = self.width // self.num_heads
+        self.query = dense(self.width, name="query", **kw)
+        self.value = dense(self.width, name="value", **kw)
+        if self.use_qv_norm:
+            self.query_norm = MultiHeadRMSNorm(self.num_heads, d, **kw, name="query_norm")
+            self.value_norm = MultiHeadRMSNorm(self.num_heads, d, **kw, name="value_norm")
+        if self.use_key_proj:
+            # A bare [E, E] matrix (row-vector layout, `k = o @ key`): the chain kernels need the
+            # matrix itself, not a Dense call.
+            self.key = self.param("key", normal002, (self.width, self.width), self.param_dtype)
 
-    def __call__(self, h: Array, *, deterministic: bool = True) -> Array:
-        """[..., E] -> [..., E]; position-wise, so it also serves the recurrent paths."""
-        y = self.fc_out(layout.gelu(self.fc_in(self.norm(h))))
-        return h + self.drop(y, deterministic=deterministic)
+    def __call__(self, x0: Array, positions: Optional[Array]) -> tuple[Array, Array]:
+        """x0 [B, T, E] -> q, v [B, T, H, D] (positions are not read: the caller passes None)."""
+        q, v = _split_heads(self.query(x0), self.num_heads), _split_heads(self.value(x0), self.num_heads)
+        if self.use_qv_norm:
+            q, v = self.query_norm(q), self.value_norm(v)
+        return q, v
+
+    def key_kernel(self) -> Array:
+        """[E, E] matrix of the key map (row-vector layout); only with use_key_proj."""
+        return self.key
 
 
-class ARXTokenizer(nn.Module):
-    """ARX tokeniser (`MultiSegmentTokenizer.tokenize`, samovar.md §2.3).
-
-    For target channel c and patch i: endogenous token `en = RMSNorm_en(s_{c,i} W_tok^T + b)`;
-    exogenous token: channels mixed at every step of the patch (`u = s W_exC^T + b`, all C channels,
-    the target included), then `ex = RMSNorm_ex(u_{c,i} W_exT^T + b)`. Each patch gives
-    `[ex_{c,i}, en_{c,i}]` (exogenous first; even token index = exogenous).
-
-    Parameters: `endogenous` (W_tok, P -> E), `channel_mix` (W_exC, C -> C_t), `exogenous`
-    (W_exT, P -> E), `endogenous_norm`, `exogenous_norm`. With `univariate=True` (the ablation
-    `--univariate 1`, where the reference zeroes the exogenous token) the exogenous path has no
-    parameters and the exogenous tokens are exactly 0.
-
-    Attributes:
-      patch_len: P.
-      num_channels: C (input series).
-      num_targets: C_t (the last C_t channels are the targets).
-      width: E.
-      univariate: exogenous tokens are zero.
-    """
-    patch_len: int
+class _FixedQV(nn.Module):
+    """One FixedVAR layer (`transformer.attn[m].fixed_q / fixed_v`, samovar.md §8): free per-(channel,
+    token) queries and values, tables `query` / `value` [C_t, max_tokens, H, D], 0.02 N(0,1) init."""
     num_channels: int
-    num_targets: int
-    width: int
-    univariate: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    def setup(self):
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        self.endogenous = dense(self.width, name="endogenous", **kw)
-        self.endogenous_norm = RMSNorm(self.width, **kw, name="endogenous_norm")
-        if not self.univariate:
-            self.channel_mix = dense(self.num_targets, name="channel_mix", **kw)
-            self.exogenous = dense(self.width, name="exogenous", **kw)
-            self.exogenous_norm = RMSNorm(self.width, **kw, name="exogenous_norm")
-
-    def __call__(self, segments: Array) -> Array:
-        """Tokenises patches.
-
-        Args:
-          segments: [B, C, N, P] normalised, patched series (all C channels).
-
-        Returns:
-          [B, C_t, 2N, E] tokens `[ex_0, en_0, ex_1, en_1, ...]` per target channel.
-        """
-        b, c, n, p = segments.shape
-        if c != self.num_channels or p != self.patch_len:
-            checks.fail(f"`segments` must be [B, {self.num_channels}, N, {self.patch_len}], got {segments.shape}")
-        endo = self.endogenous_norm(self.endogenous(segments[:, c - self.num_targets:]))
-        if self.univariate:
-            exo = jnp.zeros_like(endo)
-        else:
-            mixed = self.channel_mix(jnp.transpose(segments, (0, 2, 3, 1)))       # [B, N, P, C_t]
-            exo = self.exogenous_norm(self.exogenous(jnp.transpose(mixed, (0, 3, 1, 2))))
-        tokens = jnp.stack([exo, endo.astype(exo.dtype)], axis=3)                  # [B, C_t, N, 2, E]
-        return tokens.reshape(b, self.num_targets, 2 * n, self.width)
-
-
-class ARXEmbedding(nn.Module):
-    """Additive embeddings of the ARX tokens (samovar.md §2.4 for SAMoVAR/FixedVAR, §7 for LinTrans).
-
-    `with_types=True` (SAMoVAR, FixedVAR): `E[c, t] = position[t // 2] + channel[c, t] + type[t % 2]
-    + channel_type[c, t % 2]` (the position table has `max_tokens` rows of which only the first half
-    is used, as in the reference). `with_types=False` (LinTrans): `E[c, t] = position[t] +
-    channel[c, t]`. Parameters: `position` [max_tokens, E], `channel` [C_t, max_tokens, E] and, with
-    types, `type` [2, E], `channel_type` [C_t, 2, E]; all N(0, 0.02^2) at init (samovar.md §5).
-
-    Attributes:
-      num_targets: C_t.
-      max_tokens: rows of the position tables (2 * maximum number of patches).
-      width: E.
-      with_types: SAMoVAR layout (True) or LinTrans layout (False).
-    """
-    num_targets: int
     max_tokens: int
-    width: int
-    with_types: bool = True
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-
-    def setup(self):
-        shape = lambda *s: s  # noqa: E731
-        self.position = self.param("position", normal002, shape(self.max_tokens, self.width), self.param_dtype)
-        self.channel = self.param("channel", normal002, shape(self.num_targets, self.max_tokens, self.width),
-                                  self.param_dtype)
-        if self.with_types:
-            self.type = self.param("type", normal002, shape(2, self.width), self.param_dtype)
-            self.channel_type = self.param("channel_type", normal002, shape(self.num_targets, 2, self.width),
-                                           self.param_dtype)
-
-    def __call__(self, positions: Array) -> Array:
-        """Embeddings of the tokens at absolute token indices `positions`.
-
-        Args:
-          positions: [T] int token indices (< max_tokens: a concrete index past the table raises;
-            a traced one would read jnp.take's NaN fill).
-
-        Returns:
-          [C_t, T, E].
-        """
-        try:
-            concrete = np.asarray(positions)
-        except jax.errors.TracerArrayConversionError:   # under jit: not checkable here
-            concrete = None
-        if concrete is not None and concrete.size and (concrete.max() >= self.max_tokens or concrete.min() < 0):
-            checks.fail(f"token positions must be in [0, max_tokens={self.max_tokens}), got "
-                        f"{int(concrete.min())}..{int(concrete.max())}")
-        parity = positions % 2
-        pos_index = positions // 2 if self.with_types else positions
-        e = jnp.take(self.position, pos_index, axis=0)[None] + jnp.take(self.channel, positions, axis=1)
-        if self.with_types:
-            e = e + jnp.take(self.type, parity, axis=0)[None] + jnp.take(self.channel_type, parity, axis=1)
-        dtype = self.dtype if self.dtype is not None else self.param_dtype
-        return e.astype(dtype)
-
-
-class StructuralMatrix(nn.Module):
-    """Invertible per-head structural matrix D = L U (`BatchedInvertibleMatrix`, samovar.md §2.7).
-
-    One parameter `theta` [H, D, D] (`generate_S.LU`), init `N(0,1) sqrt(0.02 / sqrt(D))` (samovar.md §5):
-    L = I + strict_lower(theta), U = strict_upper(theta) + diag(softplus(diag theta)).
-
-    Attributes:
-      num_heads: H.
-      head_dim: D.
-      inverse: False -> D (the released forward); True -> D^-1 via two triangular solves (the paper's
-        reading, never used by the released code).
-    """
     num_heads: int
     head_dim: int
-    inverse: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
     def setup(self):
-        scale = math.sqrt(0.02 / math.sqrt(self.head_dim))
+        shape = (self.num_channels, self.max_tokens, self.num_heads, self.head_dim)
+        self.query = self.param("query", normal002, shape, self.param_dtype)
+        self.value = self.param("value", normal002, shape, self.param_dtype)
 
-        def init(key, shape, dtype):
-            return scale * jax.random.normal(key, shape, dtype)
+    def __call__(self, x0: Array, positions: Array) -> tuple[Array, Array]:
+        """Tables at token indices `positions` [T] for folded rows (row = b * C_t + c): q, v [B', T, H, D]."""
+        def rows(table):
+            t = jnp.take(table, positions, axis=1)                                 # [C_t, T, H, D]
+            t = jnp.tile(t, (x0.shape[0] // self.num_channels, 1, 1, 1))
+            return t if self.dtype is None else t.astype(self.dtype)
+        return rows(self.query), rows(self.value)
 
-        self.theta = self.param("theta", init, (self.num_heads, self.head_dim, self.head_dim), self.param_dtype)
 
-    def matrix(self) -> Array:
-        """The matrix applied on the row-vector side, [H, D, D]: D or D^-1 (computed in float32)."""
-        theta = self.theta.astype(jnp.promote_types(self.param_dtype, jnp.float32))
-        return ops.structural_matrix_inverse(theta) if self.inverse else ops.structural_matrix(theta)
+class VARChain(nn.Module):
+    """The VAR attention stack of SAMoVAR / FixedVAR (`Transformer` with `use_AR_structure=True`,
+    samovar.md §2.6) around `ops.var_chain_*`.
 
-    def __call__(self, x: Array) -> Array:
-        """Row-vector product per head, `einsum('...hd,hde->...he')`: x [..., H, D] -> [..., H, D]."""
-        m = self.matrix()
-        dtype = self.dtype if self.dtype is not None else jnp.promote_types(x.dtype, self.param_dtype)
-        return ops.per_head_product(x.astype(dtype), m.astype(dtype))
+    Queries and values of every layer come from the first-layer input x0: projected and per-head
+    RMS-normalised (`qv_source='projection'`, SAMoVAR) or read from per-(channel, position) tables
+    (`qv_source='fixed'`, FixedVAR). Layer m's key is layer m-1's raw output (layer 1: x0), with no
+    W_k (unless `use_key_proj`, the "w/ W_k" ablation), no norm, no residual; each layer output goes
+    through dropout before it becomes the next key. Outputs are returned per layer, o [L, B, T, H, D];
+    the model sums them (the mixture over layers).
+
+    Parameters: `layer_00`, `layer_01`, ... each holding `query`, `value` (+ `query_norm`,
+    `value_norm`, `key`): Dense/norm modules for SAMoVAR, [C_t, max_tokens, H, D] tables for FixedVAR.
+
+    `positions` (absolute token indices) are read only by FixedVAR's tables (default: 0..T-1 for
+    `__call__`, `state.position` onwards for `scan` / `step`); giving them to a SAMoVAR chain raises.
+
+    Attributes:
+      width: E.
+      num_heads: H (D = E / H).
+      num_layers: L.
+      qv_source: 'projection' (SAMoVAR) or 'fixed' (FixedVAR).
+      use_qv_norm: per-head RMSNorm on q and v (SAMoVAR; "w/o QV Norm" ablation = False).
+      use_key_proj: bias-free W_k (E x E) on every key ("w/ W_k" ablation; SAMoVAR only).
+      num_channels: C_t, rows are folded as b * C_t + c (needed by 'fixed').
+      max_tokens: table length for 'fixed' (128 in the reference).
+      dropout_rate: rate of the dropout on every layer output.
+      chunk_size: form of `__call__`: None = parallel (masked), an int C >= 1 = chunked.
+      dtype, param_dtype: compute and parameter dtypes; sums and states stay float32.
+    """
+    width: int
+    num_heads: int
+    num_layers: int
+    qv_source: str = "projection"
+    use_qv_norm: bool = True
+    use_key_proj: bool = False
+    num_channels: int = 1
+    max_tokens: int = 128
+    dropout_rate: float = 0.0
+    chunk_size: Optional[int] = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        checks.check_divisible("width", self.width, "num_heads", self.num_heads)
+        checks.check_choice("qv_source", self.qv_source, ("projection", "fixed"))
+        checks.check_chunk_size(self.chunk_size)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        if self.qv_source == "projection":
+            self.layers = [_ProjectedQV(self.width, self.num_heads, self.use_qv_norm, self.use_key_proj, **kw,
+                                        name=f"layer_{m:02d}") for m in range(self.num_layers)]
+        else:
+            if self.use_key_proj or self.use_qv_norm:
+                checks.fail("qv_source='fixed' (FixedVAR) has no q/v norms and no key projection: "
+                            "set use_qv_norm=False and use_key_proj=False")
+            self.layers = [_FixedQV(self.num_channels, self.max_tokens, self.num_heads, self.head_dim, **kw,
+                                    name=f"layer_{m:02d}") for m in range(self.num_layers)]
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.num_heads
+
+    def _positions(self, positions: Optional[Array], start, length: int) -> Optional[Array]:
+        if self.qv_source == "projection":
+            if positions is not None:
+                raise NotImplementedError("positions are read by qv_source='fixed' (FixedVAR) only; "
+                                          "a SAMoVAR chain does not depend on them")
+            return None
+        return start + jnp.arange(length) if positions is None else positions
+
+    def project(self, x0: Array, positions: Optional[Array] = None, start=0):
+        """Per-layer operands of the chain.
+
+        Args:
+          x0: [B, T, E] VAR observations (B = batch x C_t, folded).
+          positions: [T] absolute token indices (FixedVAR only; default start..start+T-1).
+          start: first default position.
+
+        Returns:
+          (x0 split into heads [B, T, H, D], q [L, B, T, H, D], v [L, B, T, H, D],
+           key kernels [L, E, E] or None), in the compute dtype.
+        """
+        if x0.ndim != 3 or x0.shape[-1] != self.width:
+            checks.fail(f"`x0` must be [B, T, {self.width}], got shape {x0.shape}")
+        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
+        if self.qv_source == "fixed" and x0.shape[0] % self.num_channels:
+            checks.fail(f"FixedVAR rows must be batch x {self.num_channels} channels, got {x0.shape[0]}")
+        xh, q, v, kernels = self._project_layers(x0, positions, start)
+        return xh, jnp.stack(q), jnp.stack(v), kernels
+
+    def _project_layers(self, x0: Array, positions: Optional[Array], start):
+        """`project` with q and v as tuples of L arrays [B, T, H, D] (not stacked)."""
+        positions = self._positions(positions, start, x0.shape[1])
+        dtype = self.dtype if self.dtype is not None else jnp.promote_types(x0.dtype, self.param_dtype)
+        x0 = x0.astype(dtype)
+        qv = [layer(x0, positions) for layer in self.layers]
+        kernels = None
+        if self.use_key_proj:
+            kernels = jnp.stack([layer.key_kernel() for layer in self.layers]).astype(dtype)
+        return (_split_heads(x0, self.num_heads), tuple(a.astype(dtype) for a, _ in qv),
+                tuple(b.astype(dtype) for _, b in qv), kernels)
+
+    def init_state(self, batch_size: int) -> VARChainState:
+        """Zero per-layer states num [L, B, H, D, D] (float32), position 0."""
+        num = ops.var_chain_init_state(self.num_layers, batch_size, self.num_heads, self.head_dim)
+        return VARChainState(num, jnp.zeros((), jnp.int32))
+
+    def __call__(self, x0: Array, *, positions: Optional[Array] = None, mask: Optional[Array] = None,
+                 deterministic: bool = True) -> tuple[Array, dict]:
+        """x0 [B, T, E], mask [B, T] (True = valid) -> (o [L, B, T, H, D], {}); form per `chunk_size`."""
+        xh, q, v, kernels = self.project(x0, positions)
+        drop = _dropout_mask(self, self.dropout_rate, q.shape, deterministic)
+        kw = dict(key_kernels=kernels, dropout_mask=drop, mask=mask)
+        if self.chunk_size is None:
+            return ops.var_chain_parallel(xh, q, v, **kw), {}
+        return ops.var_chain_chunked(xh, q, v, self.chunk_size, **kw)[0], {}
+
+    def layer_outputs(self, x0: Array, *, positions: Optional[Array] = None, mask: Optional[Array] = None,
+                      deterministic: bool = True) -> tuple[Array, ...]:
+        """`__call__`'s outputs as a tuple of L arrays [B, T, H, D] (`ops.var_chain_layers`): the
+        same values, without stacking the layers' operands and outputs along L (for a caller that
+        only sums them)."""
+        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
+        xh, q, v, kernels = self._project_layers(x0, positions, 0)
+        drop = _dropout_mask(self, self.dropout_rate, (len(q),) + q[0].shape, deterministic)
+        return ops.var_chain_layers(xh, q, v, chunk_size=self.chunk_size, key_kernels=kernels,
+                                    dropout_mask=drop, mask=mask)
+
+    def scan(self, x0: Array, state: Optional[VARChainState] = None, *, positions: Optional[Array] = None,
+             mask: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, VARChainState]:
+        """Token recurrence from `state` (zeros if None): x0 [B, T, E] -> (o [L, B, T, H, D], final state)."""
+        state = self.init_state(x0.shape[0]) if state is None else state
+        xh, q, v, kernels = self.project(x0, positions, state.position)
+        drop = _dropout_mask(self, self.dropout_rate, q.shape, deterministic)
+        o, num = ops.var_chain_recurrent(xh, q, v, state=state.num, key_kernels=kernels, dropout_mask=drop,
+                                         mask=mask)
+        return o, VARChainState(num, state.position + x0.shape[1])
+
+    def step(self, state: VARChainState, x0_t: Array, *, position: Optional[Array] = None
+             ) -> tuple[Array, VARChainState]:
+        """One token (no dropout): x0_t [B, E] -> (o_t [L, B, H, D], new state); position [] (FixedVAR)."""
+        pos = None if position is None else jnp.reshape(position, (1,))
+        xh, q, v, kernels = self.project(x0_t[:, None], pos, state.position)
+        num, o_t = ops.var_chain_step(state.num, xh[:, 0], q[:, :, 0], v[:, :, 0], key_kernels=kernels)
+        return o_t, VARChainState(num, state.position + 1)

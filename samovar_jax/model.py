@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from samovar_jax import attention, baselines, layers, ops, validation
+from samovar_jax import baselines, blocks, layers, ops, validation
 from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
 from zoo_core.dropout import Dropout
@@ -221,32 +221,32 @@ class Forecaster(nn.Module):
         kw = dict(dtype=None if self.dtype is None else jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
         d = r.width
         out_std = 0.02 / math.sqrt(2 * r.num_layers)                        # samovar.md §5 (c_proj)
-        self.tokenizer = layers.ARXTokenizer(self.patch_len, self.num_channels, r.num_targets, d,
+        self.tokenizer = blocks.ARXTokenizer(self.patch_len, self.num_channels, r.num_targets, d,
                                              self.univariate, **kw, name="tokenizer")
-        self.embedding = layers.ARXEmbedding(r.num_targets, 2 * r.max_patches, d,
+        self.embedding = blocks.ARXEmbedding(r.num_targets, 2 * r.max_patches, d,
                                              with_types=self.kind != "lintrans", **kw, name="embedding")
-        self.pre_norm = layers.RMSNorm(d, **kw, name="pre_norm")
+        self.pre_norm = blocks.RMSNorm(d, **kw, name="pre_norm")
         self.token_dropout = Dropout(r.dropout)
         if self.kind == "lintrans":
             self.blocks = [
-                attention.LinTransBlock(d, r.num_heads, r.mlp_ratio * d, r.dropout, out_std, self.chunk_size,
+                layers.LinTransBlock(d, r.num_heads, r.mlp_ratio * d, r.dropout, out_std, self.chunk_size,
                                         **kw, name=f"block_{i:02d}")
                 for i in range(r.num_layers)]
         else:
-            self.mlps = [layers.MLPBlock(d, r.mlp_ratio * d, r.dropout, out_std, **kw, name=f"mlp_{i:02d}")
+            self.mlps = [blocks.MLPBlock(d, r.mlp_ratio * d, r.dropout, out_std, **kw, name=f"mlp_{i:02d}")
                          for i in range(r.num_layers)]
-            self.var_norm = layers.RMSNorm(d, **kw, name="var_norm")
-            self.var = attention.VARChain(
+            self.var_norm = blocks.RMSNorm(d, **kw, name="var_norm")
+            self.var = layers.VARChain(
                 d, r.num_heads, r.num_layers,
                 qv_source="projection" if self.kind == "samovar" else "fixed",
                 use_qv_norm=r.use_qv_norm, use_key_proj=r.use_key_proj, num_channels=r.num_targets,
                 max_tokens=self.fixed_max_tokens, dropout_rate=r.dropout,
                 chunk_size=self.chunk_size, **kw, name="var")
             if r.structural != "none":
-                self.structural_matrix = layers.StructuralMatrix(
+                self.structural_matrix = blocks.StructuralMatrix(
                     r.num_heads, r.head_dim, inverse=r.structural == "lu_inverse", **kw, name="structural")
-        self.final_norm = layers.RMSNorm(d, **kw, name="final_norm")
-        self.head = layers.dense(self.patch_len, name="head", **kw)
+        self.final_norm = blocks.RMSNorm(d, **kw, name="final_norm")
+        self.head = blocks.dense(self.patch_len, name="head", **kw)
 
     # ------------------------------------------------------------------ pieces
 

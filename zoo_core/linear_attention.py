@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from zoo_core import layout, masking
+from zoo_core import masking, xla_forms
 from zoo_core.checks import check_int
 
 Array = jax.Array
@@ -177,7 +177,7 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
       chunks and heads (no loop over chunks, whose iterations a GPU would run one by one);
     * on the CPU, the same prefix sum one head at a time when the n states and score blocks are no
       larger than the inputs (n D M <= T (D + M) and C <= D + M), since einsums batched over (B, n)
-      alone need no relayout copies there (`zoo_core.layout.heads`); otherwise a `lax.scan` over the
+      alone need no relayout copies there (`zoo_core.xla_forms.heads`); otherwise a `lax.scan` over the
       chunks whose body is rematerialised (`jax.checkpoint`), so that the backward pass stores one
       state per chunk instead of the per-chunk score blocks. Memory O(T (D + M) + D M).
 
@@ -242,12 +242,12 @@ def _chunked_cpu(c: int, q: Array, k: Array, v: Array, state: LinearState):
     t, h, d, m = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
     if _prefix_sum_fits(t, c, d, m):
         # One head at a time: einsums batched over (B, n) alone run without relayout copies
-        # (`zoo_core.layout.heads`).
-        dens = [None] * h if state.den is None else layout.heads(state.den, axis=1)
+        # (`zoo_core.xla_forms.heads`).
+        dens = [None] * h if state.den is None else xla_forms.heads(state.den, axis=1)
         out = [_chunks_by_prefix_sum(_to_chunks(qh, c), _to_chunks(kh, c), _to_chunks(vh, c),
                                      LinearState(num_h, den_h))
-               for qh, kh, vh, num_h, den_h in zip(layout.heads(q), layout.heads(k), layout.heads(v),
-                                                   layout.heads(state.num, axis=1), dens)]
+               for qh, kh, vh, num_h, den_h in zip(xla_forms.heads(q), xla_forms.heads(k), xla_forms.heads(v),
+                                                   xla_forms.heads(state.num, axis=1), dens)]
         num = jnp.stack([o[0] for o in out], axis=3)
         den = None if state.den is None else jnp.stack([o[1] for o in out], axis=3)
         final = LinearState(jnp.stack([o[2].num for o in out], axis=1),

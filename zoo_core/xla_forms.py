@@ -121,7 +121,7 @@ class DenseGeneral(nn.DenseGeneral):
         n = len(axes)
         if tuple(batch_dims) or sorted(a % inputs.ndim for a in axes) != list(
                 range(inputs.ndim - n, inputs.ndim)):
-            raise ValueError(f"layout.DenseGeneral contracts trailing axes only and has no "
+            raise ValueError(f"xla_forms.DenseGeneral contracts trailing axes only and has no "
                              f"batch_dims, got axis={self.axis}, batch_dims={self.batch_dims}")
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         in_shape = tuple(inputs.shape[inputs.ndim - n:])
@@ -241,7 +241,7 @@ class LayerNorm(nn.LayerNorm):
                            force_float32_reductions=not self.force_float32_reductions)
         bad = [name for name, is_bad in unsupported.items() if is_bad]
         if bad:
-            raise ValueError(f"layout.LayerNorm supports flax's defaults only; got a different {bad}")
+            raise ValueError(f"xla_forms.LayerNorm supports flax's defaults only; got a different {bad}")
         features = jnp.shape(x)[-1]
         scale = self.param("scale", self.scale_init, (features,), self.param_dtype)
         bias = self.param("bias", self.bias_init, (features,), self.param_dtype)

@@ -1,4 +1,4 @@
-"""zoo_core.layout: the same values and gradients as the plain forms."""
+"""zoo_core.xla_forms: the same values and gradients as the plain forms."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from zoo_core import layout
+from zoo_core import xla_forms
 
 
 @pytest.mark.parametrize("x_dtype, table_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
@@ -14,13 +14,13 @@ from zoo_core import layout
 def test_add_to_each_is_the_broadcast_add(x_dtype, table_dtype):
     x = jax.random.normal(jax.random.key(0), (3, 5, 4)).astype(x_dtype)
     table = jax.random.normal(jax.random.key(1), (5, 4)).astype(table_dtype)
-    y = jax.jit(layout.add_to_each)(x, table)
+    y = jax.jit(xla_forms.add_to_each)(x, table)
     want = x + table[None]
     assert y.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
     w = jax.random.normal(jax.random.key(2), (3, 5, 4))
     loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * w)  # noqa: E731
-    got = jax.jit(jax.grad(loss(layout.add_to_each), argnums=(0, 1)))(x, table)
+    got = jax.jit(jax.grad(loss(xla_forms.add_to_each), argnums=(0, 1)))(x, table)
     # The cotangent of y is w in y's dtype; x gets it as is, the table its batch sum taken in float32
     # and rounded once (the plain form's own gradient, a bfloat16 running sum, is less exact).
     g = np.asarray(w.astype(y.dtype), np.float32)
@@ -37,21 +37,21 @@ def test_add_to_each_is_the_broadcast_add(x_dtype, table_dtype):
 def test_add_to_each_gradients_in_float64(x64):
     x = jax.random.normal(jax.random.key(0), (2, 3, 2), jnp.float64)
     table = jax.random.normal(jax.random.key(1), (3, 2), jnp.float64)
-    check_grads(layout.add_to_each, (x, table), order=2, modes=("rev",))
+    check_grads(xla_forms.add_to_each, (x, table), order=2, modes=("rev",))
 
 
 def test_add_to_each_refuses_a_table_of_another_shape():
     with pytest.raises(ValueError, match=r"table shape \(4, 4\) must be x's shape without the batch axis"):
-        layout.add_to_each(jnp.zeros((2, 5, 4)), jnp.zeros((4, 4)))
+        xla_forms.add_to_each(jnp.zeros((2, 5, 4)), jnp.zeros((4, 4)))
 
 
 _DENSE_CASES = [
     # (layout class, flax class, fields, input shape)
-    (layout.Dense, "Dense", dict(features=5), (2, 3, 4)),
-    (layout.Dense, "Dense", dict(features=5, use_bias=False), (3, 4)),
-    (layout.DenseGeneral, "DenseGeneral", dict(features=(2, 3)), (2, 3, 4)),
-    (layout.DenseGeneral, "DenseGeneral", dict(features=5, axis=(-2, -1)), (2, 3, 2, 4)),
-    (layout.DenseGeneral, "DenseGeneral", dict(features=(2, 3), axis=-1, use_bias=False), (4,)),
+    (xla_forms.Dense, "Dense", dict(features=5), (2, 3, 4)),
+    (xla_forms.Dense, "Dense", dict(features=5, use_bias=False), (3, 4)),
+    (xla_forms.DenseGeneral, "DenseGeneral", dict(features=(2, 3)), (2, 3, 4)),
+    (xla_forms.DenseGeneral, "DenseGeneral", dict(features=5, axis=(-2, -1)), (2, 3, 2, 4)),
+    (xla_forms.DenseGeneral, "DenseGeneral", dict(features=(2, 3), axis=-1, use_bias=False), (4,)),
 ]
 
 
@@ -83,9 +83,9 @@ def test_dense_layers_are_flax_layers_with_two_dimensional_dots(cls, flax_name, 
 
 def test_dense_general_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="contracts trailing axes only"):
-        layout.DenseGeneral(3, axis=0).init(jax.random.key(0), jnp.ones((2, 4)))
+        xla_forms.DenseGeneral(3, axis=0).init(jax.random.key(0), jnp.ones((2, 4)))
     with pytest.raises(ValueError, match="contracts trailing axes only"):
-        layout.DenseGeneral(3, batch_dims=0).init(jax.random.key(0), jnp.ones((2, 4)))
+        xla_forms.DenseGeneral(3, batch_dims=0).init(jax.random.key(0), jnp.ones((2, 4)))
 
 
 @pytest.mark.parametrize("x_dtype, dtype", [(jnp.float32, None), (jnp.bfloat16, None),
@@ -94,7 +94,7 @@ def test_layer_norm_is_flax_layer_norm(x_dtype, dtype):
     import flax.linen as nn
 
     x = (3.0 * jax.random.normal(jax.random.key(0), (2, 5, 8)) + 1.0).astype(x_dtype)
-    ours, theirs = layout.LayerNorm(epsilon=1e-5, dtype=dtype), nn.LayerNorm(epsilon=1e-5, dtype=dtype)
+    ours, theirs = xla_forms.LayerNorm(epsilon=1e-5, dtype=dtype), nn.LayerNorm(epsilon=1e-5, dtype=dtype)
     params = theirs.init(jax.random.key(1), x)
     jax.tree_util.tree_map(np.testing.assert_array_equal, ours.init(jax.random.key(1), x), params)
     params = {"params": {"scale": 1.0 + jax.random.normal(jax.random.key(2), (8,)),
@@ -120,24 +120,24 @@ def test_layer_norm_gradients_in_float64(x64):
     x = 2.0 * jax.random.normal(jax.random.key(0), (3, 4, 6), jnp.float64) - 0.5
     scale = 1.0 + jax.random.normal(jax.random.key(1), (6,), jnp.float64)
     bias = jax.random.normal(jax.random.key(2), (6,), jnp.float64)
-    check_grads(lambda x, s, b: layout.layer_norm(x, s, b, 1e-5), (x, scale, bias), order=1,
+    check_grads(lambda x, s, b: xla_forms.layer_norm(x, s, b, 1e-5), (x, scale, bias), order=1,
                 modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
 def test_layer_norm_refuses_what_it_does_not_compute():
     x = jnp.ones((2, 4))
     with pytest.raises(ValueError, match=r"flax's defaults only; got a different \['use_bias'\]"):
-        layout.LayerNorm(use_bias=False).init(jax.random.key(0), x)
+        xla_forms.LayerNorm(use_bias=False).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"\['mask', 'reduction_axes'\]"):
-        layout.LayerNorm(reduction_axes=(0, 1)).init(jax.random.key(0), x, mask=x > 0)
+        xla_forms.LayerNorm(reduction_axes=(0, 1)).init(jax.random.key(0), x, mask=x > 0)
     with pytest.raises(ValueError, match=r"\['force_float32_reductions'\]"):
-        layout.LayerNorm(force_float32_reductions=False).init(jax.random.key(0), x)
+        xla_forms.LayerNorm(force_float32_reductions=False).init(jax.random.key(0), x)
 
 
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
 def test_embed_is_flax_embed_with_the_lookup_in_the_table_dtype(dtype):
     ids = jnp.array([[0, 3, 3, 1], [2, 2, 0, 3]], jnp.int32)
-    ours, theirs = layout.Embed(4, 5, dtype=dtype), nn.Embed(4, 5, dtype=dtype)
+    ours, theirs = xla_forms.Embed(4, 5, dtype=dtype), nn.Embed(4, 5, dtype=dtype)
     v = ours.init(jax.random.key(0), ids)
     assert jax.tree.map(jnp.shape, theirs.init(jax.random.key(0), ids)) == jax.tree.map(jnp.shape, v)
     y, y_flax = ours.apply(v, ids), theirs.apply(v, ids)
