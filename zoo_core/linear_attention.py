@@ -405,10 +405,8 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
     assert q.ndim == k.ndim == v.ndim == 4 and k.shape[:1] + k.shape[2:] == q.shape[:1] + q.shape[2:] \
         and v.shape[:3] == k.shape[:3], (f"non-causal linear attention expects q [B, T, H, D], "
                                          f"k [B, S, H, D], v [B, S, H, M]; got q {q.shape}, k {k.shape}, v {v.shape}")
-    # This wording is pinned by tests/zoo_core/attention_test.py (not `masking.check_mask`'s).
-    for arg, m, shape in (("mask", mask, k.shape[:2]), ("query_mask", query_mask, q.shape[:2])):
-        if m is not None and tuple(jnp.shape(m)) != tuple(shape):
-            raise ValueError(f"{arg} must be {list(shape)}, got {tuple(jnp.shape(m))}")
+    masking.check_mask(mask, k.shape[:2], "mask", "[B, S]")
+    masking.check_mask(query_mask, q.shape[:2], "query_mask", "[B, T]")
     acc = acc_dtype(q, k, v)
     q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
     k, v = masking.zero_padding(k, mask), masking.zero_padding(v, mask)

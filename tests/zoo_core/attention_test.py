@@ -339,7 +339,7 @@ def test_noncausal_linear_attention_kernel(x64):
     num_bad, den_bad = la.noncausal(*dirty, mask=memory_mask, query_mask=query_mask, denominator=True)
     np.testing.assert_array_equal(np.asarray(num_bad), np.asarray(num))
     np.testing.assert_array_equal(np.asarray(den_bad), np.asarray(den))
-    with pytest.raises(ValueError, match=r"mask must be \[2, 5\], got \(2, 7\)"):
+    with pytest.raises(ValueError, match=r"`mask` must have shape \[B, S\] = \(2, 5\), got \(2, 7\)"):
         la.noncausal(q, k, v, mask=query_mask)
     # float64 (the x64 fixture): gradients against finite differences
     f = jax.jit(lambda q, k, v: la.noncausal(q, k, v, mask=memory_mask, denominator=True))
