@@ -297,7 +297,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
                feature_step: Optional[Array] = None) -> tuple[Array, Array]:
         """Encoder (deterministic): inputs int `[B, S]` -> (memory `[B, g+S, d]`, memory mask
         `[B, g+S]`). `feature_step`: the feature draw (required iff redraw_every > 0)."""
-        validation.check_step(self, feature_step)
+        validation.check_feature_step(self, feature_step)
         inputs, mask = validation.source(self, inputs, inputs_mask)
         memory, memory_mask, _ = self._encode(inputs, mask, True, feature_step)
         return memory, memory_mask
@@ -318,7 +318,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         """Teacher-forced decoder (deterministic): decoder_inputs int `[B, T]` (BOS first)
         -> logits float32 `[B, T, V]`. Position t depends only on decoder_inputs[:, :t+1].
         `feature_step`: the feature draw (required iff redraw_every > 0)."""
-        validation.check_step(self, feature_step)
+        validation.check_feature_step(self, feature_step)
         decoder_inputs = validation.int_array("decoder_inputs", decoder_inputs, 2, "[B, T]")
         validation.target_length(self, decoder_inputs.shape[1], "decoder_inputs")
         return self._decode(decoder_inputs, memory, memory_mask, True, feature_step)[0]
@@ -330,7 +330,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         if not self.supports_cache:
             fail("init_cache needs attention='favor' with a kernel feature_map (exact softmax "
                  "has no constant-size state); decode by recomputation instead")
-        validation.check_step(self, feature_step)
+        validation.check_feature_step(self, feature_step)
         pairs = [block.init_cache(memory, memory_mask, feature_step=feature_step)
                  for block in self.decoder_blocks]
         return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -341,7 +341,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         max_target_len) -> (logits float32 `[B, V]`, new dynamic cache). Equal to row
         `position` of `decode` on the same prefix. `feature_step`: the feature draw `init_cache` used
         (required iff redraw_every > 0)."""
-        validation.check_step(self, feature_step)
+        validation.check_feature_step(self, feature_step)
         if isinstance(position, int) and not 0 <= position < self.max_target_len:
             # (A traced position cannot be checked: past the table it reads jnp.take's NaN fill.)
             fail(f"position must be in [0, max_target_len={self.max_target_len}), got {position}")
@@ -356,7 +356,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     def __call__(self, batch: dict, *, train: bool = False, feature_step: Optional[Array] = None):
         """Teacher-forced forward pass (see the class docstring); `feature_step` is the
         training-step index (required iff redraw_every > 0: the update's index while training)."""
-        validation.check_step(self, feature_step)
+        validation.check_feature_step(self, feature_step)
         inputs, mask, targets = validation.seq2seq_batch(self, batch)
         det = not train
         memory, memory_mask, enc_aux = self._encode(inputs, mask, det, feature_step)
@@ -413,7 +413,7 @@ class Classifier(_HTGNModel, kw_only=True):
 
     def __call__(self, batch: dict, *, train: bool = False, feature_step: Optional[Array] = None):
         """Forward pass (see the class docstring); `feature_step` as in `Seq2Seq.__call__`."""
-        validation.check_step(self, feature_step)
+        validation.check_feature_step(self, feature_step)
         x = validation.image(self, batch)
         b, p, gr = x.shape[0], self.patch_size, self.grid
         patches = x.reshape(b, gr, p, gr, p, self.channels).transpose(0, 1, 3, 2, 4, 5)

@@ -134,15 +134,15 @@ def check_switched_off(given: dict, a: dict) -> None:
         fail("num_features applies to attention='favor' with feature_map='softmax' only")
 
 
-def check_step(m, step: Any) -> None:
-    """`step` is required with redraw_every > 0 (it selects the random features), else refused."""
-    if m.redraw_every and step is None:
+def check_feature_step(m, feature_step: Any) -> None:
+    """`feature_step` is required with redraw_every > 0 (it selects the random features), else refused."""
+    if m.redraw_every and feature_step is None:
         fail(f"redraw_every={m.redraw_every} makes the random features depend on the training "
-             f"step: pass step= (the index of the last training update, "
-             f"trainer.eval_step_index(steps_done))")
-    if not m.redraw_every and step is not None:
-        fail("step selects the redrawn FAVOR+ features, but redraw_every=0 (one fixed draw): "
-             "do not pass step")
+             f"step: pass feature_step= (the index of the last training update, "
+             f"trainer.eval_feature_step(steps_done))")
+    if not m.redraw_every and feature_step is not None:
+        fail("feature_step selects the redrawn FAVOR+ features, but redraw_every=0 (one fixed draw): "
+             "do not pass feature_step")
 
 
 def int_array(name: str, x: Any, rank: int, doc: str):

@@ -9,7 +9,7 @@ from htgn_jax.model import Model
 from zoo_core.testing import F32_MODEL
 
 # htgn_jax.validation.check_step's wording (it may still name the keyword by its old name, `step=`).
-PASS_FEATURE_STEP, DO_NOT_PASS_FEATURE_STEP = r"pass (feature_)?step=", r"do not pass (feature_)?step"
+PASS_FEATURE_STEP, DO_NOT_PASS_FEATURE_STEP = r"pass feature_step=", r"do not pass feature_step"
 
 B, S, MAX_LEN = 2, 7, 7
 SRC_V, TGT_V = 11, 9
