@@ -114,14 +114,25 @@ class LinearAttention(nn.Module):
         self.out = _OutProjection(self.out_kernel_init, self.dtype, self.param_dtype, name="out")
         self.key_dropout = Dropout(self.dropout_rate)
 
-    def _qkv(self, x: Array, deterministic: bool):
-        k = self.key(self.key_dropout(x, deterministic=deterministic))
-        return tuple(_split_heads(y, self.num_heads) for y in (self.query(x), k, self.value(x)))
+    def _qkv(self, x: Array, deterministic: bool, x_kv: Optional[Array] = None):
+        """Queries from x, keys (their input dropped out) and values from x_kv (default x), per head."""
+        x_kv = x if x_kv is None else x_kv
+        k = self.key(self.key_dropout(x_kv, deterministic=deterministic))
+        return tuple(_split_heads(y, self.num_heads) for y in (self.query(x), k, self.value(x_kv)))
 
     def _out(self, num: Array, x: Array) -> Array:
         dtype = self.dtype if self.dtype is not None else jnp.promote_types(x.dtype, self.param_dtype)
         num = num.astype(dtype).reshape(num.shape[:-2] + (-1,))
         return self.out(num, self.out_features or x.shape[-1])
+
+    def cross(self, x: Array, memory: Array, *, memory_mask: Optional[Array] = None,
+              query_mask: Optional[Array] = None, deterministic: bool = True) -> Array:
+        """Global (non-causal) linear attention without normaliser on this layer's parameters:
+        x [B, T, E] attends to every valid token of memory [B, S, E_m] (memory_mask [B, S],
+        query_mask [B, T], True = valid) -> y [B, T, E_out] (`linear_attention.noncausal`)."""
+        q, k, v = self._qkv(x, deterministic, memory)
+        num, _ = linear_attention.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask)
+        return self._out(num, x)
 
     def init_state(self, batch_size: int) -> LinearState:
         """Zero state: num [B, H, D, D] float32, den None."""

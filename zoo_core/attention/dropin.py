@@ -1,8 +1,7 @@
 """`DropInAttention`: the module `zoo_core.attention.make` returns (self, cross and decoding calls).
 
 The forms it calls are the layers' own (`__call__`, `step`, `init_state`, `cross`,
-`prepare_memory`); linear attention's global form is `zoo_core.linear_attention.noncausal` on the
-projections of its causal layer.
+`prepare_memory`); linear attention's global form is its layer's `cross` (`linear_attention.noncausal`).
 """
 from __future__ import annotations
 
@@ -12,25 +11,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention
 from zoo_core.attention import registry
 from zoo_core.checks import check_tokens
 
 Array = jax.Array
-
-
-def _global_linear(inner: nn.Module, x_q: Array, x_kv: Array, mask: Optional[Array],
-                   query_mask: Optional[Array], deterministic: bool) -> Array:
-    """Non-causal linear attention without normaliser on the parameters of a samovar
-    `LinearAttention` `inner`: x_q `[B, T, E]`, x_kv `[B, S, E_m]`, mask `[B, S]`, query_mask
-    `[B, T]` or None -> y `[B, T, E']` (its key dropout included)."""
-    split = lambda y: y.reshape(y.shape[:-1] + (inner.num_heads, -1))  # noqa: E731
-    q = split(inner.query(x_q))
-    k = split(inner.key(inner.key_dropout(x_kv, deterministic=deterministic)))
-    num, _ = linear_attention.noncausal(q, k, split(inner.value(x_kv)), mask=mask, query_mask=query_mask)
-    dtype = inner.dtype if inner.dtype is not None else jnp.promote_types(x_q.dtype, inner.param_dtype)
-    return inner.out(num.astype(dtype).reshape(num.shape[:-2] + (-1,)),
-                     inner.out_features or x_q.shape[-1])
 
 
 class DropInAttention(nn.Module):
@@ -142,7 +126,7 @@ class DropInAttention(nn.Module):
             return self._decode_step(entry, x, mask, deterministic)
         if not self.causal and entry.global_linear:
             inner = self._inner(entry.self_form, width, None)
-            return _global_linear(inner, x, x, mask, mask, deterministic)
+            return inner.cross(x, x, memory_mask=mask, query_mask=mask, deterministic=deterministic)
         y, aux = self._inner(entry.self_form, width, self.causal)(x, mask=mask, deterministic=deterministic)
         self._sow(aux)
         return y
@@ -202,7 +186,7 @@ class DropInAttention(nn.Module):
             cache = inner.prepare_memory(memory, memory_mask=mask)
             y = inner.step(cache, x[:, 0], position=index.value)[0][:, None]
         elif cls == "LinearAttention":
-            y = _global_linear(inner, x, memory, mask, None, deterministic)
+            y = inner.cross(x, memory, memory_mask=mask, deterministic=deterministic)
         else:
             call = inner.cross if cls == "FavorAttention" else inner
             y, aux = call(x, memory, memory_mask=mask, deterministic=deterministic)

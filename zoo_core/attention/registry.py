@@ -22,7 +22,7 @@ class _Form(NamedTuple):
 class _Entry(NamedTuple):
     self_form: Optional[_Form]  # the self-attention contract layer (None: cross only)
     modes: tuple[bool, ...]     # the values of `causal` the self-attention layer has itself
-    global_linear: bool         # non-causal self-attention by `linear_attention.noncausal` on its projections
+    global_linear: bool         # non-causal self-attention by its layer's `cross` (global linear attention)
     cross_form: Optional[_Form]
     doc: str
 
