@@ -1,7 +1,8 @@
 """`DropInAttention`: the module `zoo_core.attention.make` returns (self, cross and decoding calls).
 
 The forms it calls are the layers' own (`__call__`, `step`, `init_state`, `cross`,
-`prepare_memory`); linear attention's global form is its layer's `cross` (`linear_attention.noncausal`).
+`prepare_memory`), each through the call convention its registry row declares (`calls`): nothing
+here depends on which mechanism it is.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zoo_core.attention import registry
+from zoo_core.attention import calls, registry
 from zoo_core.checks import check_tokens
 
 Array = jax.Array
@@ -124,10 +125,11 @@ class DropInAttention(nn.Module):
         width = x.shape[-1]
         if self.decode:
             return self._decode_step(entry, x, mask, deterministic)
-        if not self.causal and entry.global_linear:
-            inner = self._inner(entry.self_form, width, None)
-            return inner.cross(x, x, memory_mask=mask, query_mask=mask, deterministic=deterministic)
-        y, aux = self._inner(entry.self_form, width, self.causal)(x, mask=mask, deterministic=deterministic)
+        if not self.causal and entry.global_call is not None:
+            call, inner = entry.global_call, self._inner(entry.self_form, width, None)
+        else:
+            call, inner = calls.self_call, self._inner(entry.self_form, width, self.causal)
+        y, aux = call(inner, x, None, mask, deterministic=deterministic)
         self._sow(aux)
         return y
 
@@ -176,21 +178,14 @@ class DropInAttention(nn.Module):
             raise ValueError(f"inputs_q {tuple(x.shape)} and inputs_k {tuple(memory.shape)} differ in "
                              f"batch size")
         inner = self._inner(entry.cross_form, x.shape[-1], False)
-        cls = entry.cross_form.cls
         step = self.decode and self.has_variable("cache", "cache_index")
         if step:
             self._token(x, deterministic)
         index = self._index() if self.decode else None
-        if cls == "CrossGraphAttention" and step:
-            # The window centre follows the query's position, which only the cache knows.
-            cache = inner.prepare_memory(memory, memory_mask=mask)
-            y = inner.step(cache, x[:, 0], position=index.value)[0][:, None]
-        elif cls == "LinearAttention":
-            y = inner.cross(x, memory, memory_mask=mask, deterministic=deterministic)
-        else:
-            call = inner.cross if cls == "FavorAttention" else inner
-            y, aux = call(x, memory, memory_mask=mask, deterministic=deterministic)
-            self._sow(aux)
+        # A step passes the query's position, which only the cache knows (a window may follow it).
+        y, aux = entry.cross_call(inner, x, memory, mask, deterministic=deterministic,
+                                  position=index.value if step else None)
+        self._sow(aux)
         if step:
             index.value = index.value + 1
         return y

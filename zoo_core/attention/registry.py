@@ -9,41 +9,73 @@ from typing import Any, NamedTuple, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from zoo_core.attention import calls
+
 
 class _Form(NamedTuple):
-    """One layer class of a mechanism: where it lives, the fields the registry fixes, and those it
-    hides (meaningless in this form, so not offered as options)."""
-    module: str
-    cls: str
+    """One layer class of a mechanism: where it lives (a module path and class name, imported when
+    the name is used; or the class itself), the fields the registry fixes, and those it hides
+    (meaningless in this form, so not offered as options)."""
+    module: Optional[str]
+    cls: Any
     fixed: tuple = ()
     hidden: tuple = ()
 
 
-class _Entry(NamedTuple):
-    self_form: Optional[_Form]  # the self-attention contract layer (None: cross only)
-    modes: tuple[bool, ...]     # the values of `causal` the self-attention layer has itself
-    global_linear: bool         # non-causal self-attention by its layer's `cross` (global linear attention)
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One mechanism, one row: its layers and how `make`'s module calls them (`calls`).
+
+    Attributes:
+      self_form: the self-attention contract layer (None: cross-attention only).
+      modes: the values of `causal` the self-attention layer has itself (its non-causal `__call__`
+        is `calls.self_call`, its causal forms `__call__` / `init_state` / `step`).
+      cross_form: the cross-attention layer (None: no cross form).
+      doc: one line: the mechanism and its paper.
+      global_call: non-causal self-attention by another call of a layer that is causal only
+        (linear attention's global form); None: none, or the layer's own non-causal `__call__`.
+      cross_call: how the cross layer is called (a full call and, with `decode=True`, each step).
+    """
+    self_form: Optional[_Form]
+    modes: tuple[bool, ...]
     cross_form: Optional[_Form]
     doc: str
+    global_call: Optional[calls.Call] = None
+    cross_call: Optional[calls.Call] = None
+
+    def __post_init__(self):
+        if (self.cross_form is None) != (self.cross_call is None):
+            raise ValueError(f"a registry row declares cross_form and cross_call together: {self.doc}")
+        if self.global_call is not None and (self.self_form is None or False in self.modes):
+            raise ValueError(f"global_call is for a causal-only self layer: {self.doc}")
+        if self.self_form is None and self.modes:
+            raise ValueError(f"a row without self_form has no modes: {self.doc}")
+
+    def self_modes(self) -> tuple[bool, ...]:
+        """The values of `causal` that `make` offers for self-attention."""
+        return tuple(sorted(set(self.modes) | ({False} if self.global_call else set())))
 
 
 _FAVOR = _Form("htgn_jax.layers", "FavorAttention")
 _REGISTRY: dict[str, _Entry] = {
-    "agf": _Entry(_Form("agf_jax.layers", "AGFAttention"), (False, True), False, None,
+    "agf": _Entry(_Form("agf_jax.layers", "AGFAttention"), (False, True), None,
                   "Attentive Graph Filter (Wi, Choi, Park, IJCAI 2025); causal: prefix-normalised"),
-    "cross_graph": _Entry(None, (), False, _Form("htgn_jax", "CrossGraphAttention"),
-                          "HTGN Cross-Graph attention: query i -> a memory window around round(rho i)"),
-    "favor": _Entry(_FAVOR, (False, True), False, _FAVOR,
-                    "FAVOR+ positive random features (Performer, Choromanski et al. 2021)"),
-    "linear": _Entry(_Form("samovar_jax", "LinearAttention"), (True,), True,
-                     _Form("samovar_jax", "LinearAttention"),
-                     "linear attention without normaliser (SAMoVAR / LinTrans); non-causal: global"),
-    "softmax": _Entry(_Form("agf_jax.layers", "SoftmaxAttention"), (False, True), False,
+    "cross_graph": _Entry(None, (), _Form("htgn_jax", "CrossGraphAttention"),
+                          "HTGN Cross-Graph attention: query i -> a memory window around round(rho i)",
+                          cross_call=calls.cross_positional),
+    "favor": _Entry(_FAVOR, (False, True), _FAVOR,
+                    "FAVOR+ positive random features (Performer, Choromanski et al. 2021)",
+                    cross_call=calls.cross_method),
+    "linear": _Entry(_Form("samovar_jax", "LinearAttention"), (True,), _Form("samovar_jax", "LinearAttention"),
+                     "linear attention without normaliser (SAMoVAR / LinTrans); non-causal: global",
+                     global_call=calls.global_by_cross, cross_call=calls.cross_method_y),
+    "softmax": _Entry(_Form("agf_jax.layers", "SoftmaxAttention"), (False, True),
                       _FAVOR._replace(fixed=(("feature_map", "exact"),), hidden=(
                           "chunk_size", "num_features", "redraw_every", "use_rotary", "rotary_base",
                           "eps", "projection_seed")),
-                      "exact multi-head softmax attention, O(T^2): the baseline"),
-    "window_graph": _Entry(_Form("htgn_jax", "WindowGraphAttention"), (False, True), False, None,
+                      "exact multi-head softmax attention, O(T^2): the baseline",
+                      cross_call=calls.cross_method),
+    "window_graph": _Entry(_Form("htgn_jax", "WindowGraphAttention"), (False, True), None,
                            "HTGN windowed graph attention with global nodes (GATv2 scoring)"),
 }
 
@@ -59,7 +91,7 @@ def capabilities(name: str) -> dict[str, bool]:
     a causal self-attention or a cross-attention), 'cross': cross-attention}."""
     entry = lookup(name)
     causal = True in entry.modes
-    return {"self": False in entry.modes or entry.global_linear, "causal": causal,
+    return {"self": False in entry.self_modes(), "causal": causal,
             "decode": causal or entry.cross_form is not None, "cross": entry.cross_form is not None}
 
 
@@ -79,6 +111,8 @@ def lookup(name: str) -> _Entry:
 
 
 def layer_class(form: _Form) -> type:
+    if form.module is None:
+        return form.cls
     return getattr(importlib.import_module(form.module), form.cls)
 
 
