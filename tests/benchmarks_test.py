@@ -133,6 +133,8 @@ BAD_ARGUMENTS = [
      "takes no new entries"),
     ("notebooks.run_notebooks", "--platform nosuch", "--platform 'nosuch': JAX cannot start it here"),
     ("peers", "--out /proc/zoo_peers/p.json", "--out '/proc/zoo_peers/p.json' cannot be made: '/proc' takes no new"),
+    ("attention_scaling", "--cases linformer_causal", "unknown --cases ['linformer_causal']; choose from ['agf'"),
+    ("attention_scaling", "--chunk_size 0", "argument --chunk_size: must be an integer >= 1"),
 ]
 
 
@@ -163,3 +165,22 @@ def test_a_bad_script_argument_is_a_usage_error(tmp_path, capsys, script, args, 
     errors = [line for line in err.splitlines() if ": error: " in line]
     assert e.value.code == 2 and len(errors) == 1 and expected in errors[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]     # nothing made
+
+
+def test_attention_scaling_tiny_measures_every_registered_mechanism(tmp_path, capsys):
+    """The registry-driven sweep: a case per self-attention name and per causal one, each record
+    with a time and XLA's compiled-memory estimate (two cases run here, at 16 tokens)."""
+    from benchmarks import attention_scaling
+    from zoo_core import attention
+
+    cases = attention_scaling.cases()
+    assert set(cases) == set(attention.names("self")) | {f"{n}_causal" for n in attention.names("causal")}
+    records = attention_scaling.main(["--lengths", "16", "--cases", "linformer,agf_causal", "--repeats", "1",
+                                      "--ref_n", "64", "--heads", "2", "--head_dim", "8", "--chunk_size", "4",
+                                      "--out_dir", str(tmp_path)])
+    assert [(r.case, r.n, r.status) for r in records] == [("linformer", 16, "ok"), ("agf_causal", 16, "ok")]
+    assert all(r.median_s > 0 and r.est_bytes > 0 for r in records)
+    assert records[0].info["options"] == {"max_length": 16} and records[1].info["options"] == {"chunk_size": 4}
+    data = json.loads((tmp_path / "attention_scaling.json").read_text())
+    assert len(data["records"]) == 2 and len(data["meta"]["load_before"]) == 3
+    assert "load average before:" in capsys.readouterr().out

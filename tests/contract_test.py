@@ -29,8 +29,11 @@ CASES = [
     ("window_graph", False, {"window": 2}),
     ("window_graph", True, {"window": 2}),
     ("linear", True, {}),
+    ("linformer", False, {"max_length": T, "proj_len": 4}),
+    ("nystromformer", False, {"num_landmarks": 3}),
+    ("nystromformer", False, {"num_landmarks": 3, "conv_kernel": 3}),
 ]
-IDS = [f"{n}-{'causal' if c else 'full'}" for n, c, _ in CASES]
+IDS = [f"{n}-{'causal' if c else 'full'}" + ("-conv" if "conv_kernel" in o else "") for n, c, o in CASES]
 
 
 def _layer(name, causal, options, **extra):

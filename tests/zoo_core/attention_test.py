@@ -1,5 +1,6 @@
 """`zoo_core.attention`: every mechanism drops into a foreign pre-LN Transformer block and trains."""
 import functools
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -26,6 +27,8 @@ CASES = [
     ("window_graph", True, {"window": 2}),
     ("linear", True, {}),
     ("linear", False, {}),
+    ("linformer", False, {"max_length": T, "proj_len": 4}),
+    ("nystromformer", False, {"num_landmarks": 3}),
 ]
 
 
@@ -155,7 +158,8 @@ SMALL = {"favor": {"num_features": 8}, "window_graph": {"window": 2}, "cross_gra
 def test_capabilities_say_which_mechanism_fits_which_role():
     assert attention.names("cross") == ("cross_graph", "favor", "linear", "softmax")
     assert attention.names("causal", "decode") == ("agf", "favor", "linear", "softmax", "window_graph")
-    assert attention.names("self") == ("agf", "favor", "linear", "softmax", "window_graph")
+    assert attention.names("self") == ("agf", "favor", "linear", "linformer", "nystromformer", "softmax",
+                                       "window_graph")
     assert attention.names() == attention.names(*())
     for name in attention.names():
         caps = attention.capabilities(name)
@@ -344,3 +348,57 @@ def test_noncausal_linear_attention_kernel(x64):
     # float64 (the x64 fixture): gradients against finite differences
     f = jax.jit(lambda q, k, v: la.noncausal(q, k, v, mask=memory_mask, denominator=True))
     check_grads(f, tuple(jnp.asarray(a, jnp.float64) for a in (q, k, v)), order=1, modes=("rev",))
+
+
+# ---------------------------------------------------------------------------------------------
+# A mechanism is one registry row: a toy layer registered in a copy of the registry works
+# through `make` and `layer` with nothing else changed.
+# ---------------------------------------------------------------------------------------------
+
+class _ToyMeanAttention(nn.Module):
+    """Every query reads the mean of the valid values (the contract's fields and call only)."""
+    num_heads: int
+    head_dim: int
+    out_features: Optional[int] = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x, *, mask=None, deterministic=True):
+        v = nn.DenseGeneral((self.num_heads, self.head_dim), name="value")(x)
+        valid = jnp.ones(x.shape[:2], bool) if mask is None else mask
+        v = jnp.where(valid[..., None, None], v, 0.0)
+        mean = jnp.sum(v, axis=1, keepdims=True) / jnp.sum(valid, axis=1)[:, None, None, None]
+        o = jnp.broadcast_to(self.scale * mean, v.shape)
+        return nn.DenseGeneral(self.out_features or x.shape[-1], axis=(-2, -1), name="out")(o), {}
+
+
+def test_a_new_mechanism_is_one_registry_row(monkeypatch):
+    from zoo_core.attention import registry
+
+    row = registry._Entry(registry._Form(None, _ToyMeanAttention), (False,), None, "toy: mean of the values")
+    monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "toy": row})
+    assert "toy" in attention.names("self") and "toy" not in attention.names("causal")
+    assert attention.capabilities("toy") == {"self": True, "causal": False, "decode": False, "cross": False}
+    assert attention.options("toy") == ("scale",)
+    x, mask, _ = _data()
+    attn = attention.make("toy", num_heads=HEADS, qkv_features=E, scale=2.0)
+    params = attn.init(jax.random.PRNGKey(0), x, mask=mask)
+    lay = attention.layer("toy", num_heads=HEADS, qkv_features=E, scale=2.0)
+    np.testing.assert_array_equal(np.asarray(attn.apply(params, x, mask=mask)),
+                                  np.asarray(lay.apply({"params": params["params"]["attention"]}, x, mask=mask)[0]))
+    with pytest.raises(ValueError, match=r"attention 'toy' has no causal=True mode \(it is non-causal only\)"):
+        attention.make("toy", num_heads=HEADS, qkv_features=E, causal=True)
+    with pytest.raises(ValueError, match=r"attention 'toy' has no cross-attention form"):
+        attn.apply(params, x, x)
+
+
+def test_a_registry_row_is_checked_when_written():
+    from zoo_core.attention import calls, registry
+
+    form = registry._Form(None, _ToyMeanAttention)
+    with pytest.raises(ValueError, match="declares cross_form and cross_call together"):
+        registry._Entry(form, (False,), form, "toy")
+    with pytest.raises(ValueError, match="global_call is for a causal-only self layer"):
+        registry._Entry(form, (False,), None, "toy", global_call=calls.global_by_cross)

@@ -25,6 +25,9 @@ orthogonality term; the graph KL with `kl_weight` > 0) are sown into the collect
 training loop written outside the zoo collects them with `mutable=['losses']` and adds
 `sum(jax.tree_util.tree_leaves(state['losses']))` to its loss.
 
+`options(name)` lists a mechanism's own fields (what `**options` may name); `length_option(name)`
+names the one a model must set to its longest sequence, if any (Linformer's `max_length`).
+
 `capabilities(name)` says what a mechanism has ('self': non-causal self-attention, 'causal',
 'decode', 'cross'); `names('cross')` lists those with a cross form, and so on.
 
@@ -44,9 +47,10 @@ import jax.numpy as jnp
 
 from zoo_core.attention import registry
 from zoo_core.attention.dropin import DropInAttention
-from zoo_core.attention.registry import CAPABILITIES, capabilities, layer, names
+from zoo_core.attention.registry import CAPABILITIES, capabilities, layer, length_option, names, options
 
-__all__ = ["CAPABILITIES", "DropInAttention", "capabilities", "layer", "make", "names"]
+__all__ = ["CAPABILITIES", "DropInAttention", "capabilities", "layer", "length_option", "make", "names",
+           "options"]
 
 
 def make(name: str, *, num_heads: int, qkv_features: int, out_features: Optional[int] = None,

@@ -35,6 +35,8 @@ class _Entry:
       global_call: non-causal self-attention by another call of a layer that is causal only
         (linear attention's global form); None: none, or the layer's own non-causal `__call__`.
       cross_call: how the cross layer is called (a full call and, with `decode=True`, each step).
+      length_option: the option that bounds the input length of the non-causal self-attention and
+        that a model sets to its longest sequence (Linformer's `max_length`), or None.
     """
     self_form: Optional[_Form]
     modes: tuple[bool, ...]
@@ -42,6 +44,7 @@ class _Entry:
     doc: str
     global_call: Optional[calls.Call] = None
     cross_call: Optional[calls.Call] = None
+    length_option: Optional[str] = None
 
     def __post_init__(self):
         if (self.cross_form is None) != (self.cross_call is None):
@@ -66,9 +69,14 @@ _REGISTRY: dict[str, _Entry] = {
     "favor": _Entry(_FAVOR, (False, True), _FAVOR,
                     "FAVOR+ positive random features (Performer, Choromanski et al. 2021)",
                     cross_call=calls.cross_method),
+    "linformer": _Entry(_Form("zoo_core.baselines.linformer", "LinformerAttention"), (False,), None,
+                        "Linformer (Wang et al. 2020): keys and values projected along the sequence",
+                        length_option="max_length"),
     "linear": _Entry(_Form("samovar_jax", "LinearAttention"), (True,), _Form("samovar_jax", "LinearAttention"),
                      "linear attention without normaliser (SAMoVAR / LinTrans); non-causal: global",
                      global_call=calls.global_by_cross, cross_call=calls.cross_method_y),
+    "nystromformer": _Entry(_Form("zoo_core.baselines.nystromformer", "NystromformerAttention"), (False,), None,
+                            "Nystromformer (Xiong et al. 2021): segment-mean landmarks, iterative pinv"),
     "softmax": _Entry(_Form("agf_jax.layers", "SoftmaxAttention"), (False, True),
                       _FAVOR._replace(fixed=(("feature_map", "exact"),), hidden=(
                           "chunk_size", "num_features", "redraw_every", "use_rotary", "rotary_base",
@@ -102,6 +110,21 @@ def names(*required: str) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"unknown capability {bad}; choose from {CAPABILITIES}")
     return tuple(n for n in sorted(_REGISTRY) if all(capabilities(n)[c] for c in required))
+
+
+def options(name: str) -> tuple[str, ...]:
+    """The options (`**options` of `make`) of mechanism `name`: its layers' own fields, sorted."""
+    return tuple(sorted(_options_of_entry(lookup(name))))
+
+
+def _options_of_entry(entry: _Entry) -> set[str]:
+    return set().union(*(options_of(f) for f in (entry.self_form, entry.cross_form) if f))
+
+
+def length_option(name: str) -> Optional[str]:
+    """The option of mechanism `name` that must cover the input length of its non-causal
+    self-attention (set it to the longest sequence: Linformer's `max_length`), or None."""
+    return lookup(name).length_option
 
 
 def lookup(name: str) -> _Entry:
@@ -158,7 +181,7 @@ def check(name: str, *, num_heads: int, qkv_features: int, out_features: Optiona
     if out_features is not None and (isinstance(out_features, bool) or not isinstance(out_features, int)
                                      or out_features < 1):
         raise ValueError(f"`out_features` must be None or an integer >= 1, got {out_features!r}")
-    allowed = set().union(*(options_of(f) for f in (entry.self_form, entry.cross_form) if f))
+    allowed = _options_of_entry(entry)
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"attention {name!r} has no option(s) {unknown}; its options are {sorted(allowed)}")
