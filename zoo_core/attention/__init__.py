@@ -35,8 +35,9 @@ names the one a model must set to its longest sequence, if any (Linformer's `max
 which follows the zoo's layer contract (README "Layer contract": `(y, aux)`, and `init_state` /
 `scan` / `step` on the causal ones) for recurrent decoding.
 
-The mechanisms live in the architecture packages; this module imports them only when a name is
-used, so `zoo_core` stays free of them at import time.
+The mechanisms live in the architecture packages and in `zoo_core.baselines` (Linformer,
+Nyströmformer); this module imports them only when a name is used, so `zoo_core` stays free of them
+at import time.
 """
 from __future__ import annotations
 

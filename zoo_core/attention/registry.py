@@ -1,5 +1,16 @@
-"""The registry of `zoo_core.attention`: each mechanism's layer classes, what it can do, and the
-checks of `make` / `layer`, each problem in one line (see the package docstring)."""
+"""The registry of `zoo_core.attention`: one row (`_Entry`) per mechanism, and the checks of
+`make` / `layer`, each problem in one line (see the package docstring).
+
+A row declares everything the drop-in needs: the self-attention layer and the values of `causal` it
+has, the cross-attention layer, and how each is called (`calls`); `capabilities`, `names`,
+`options` and `DropInAttention` read the row and nothing else. Adding a mechanism whose layer
+follows the contract (non-causal here) is one line in `_REGISTRY`:
+
+    "name": _Entry(_Form("package.module", "LayerClass"), (False,), None, "one-line description"),
+
+`(False, True)` when the layer also has `causal=True` (with `init_state` / `step`: then decoding too),
+and `cross_form=..., cross_call=calls.cross_method` when it has a `cross` method.
+"""
 from __future__ import annotations
 
 import dataclasses
