@@ -98,13 +98,13 @@ def reformer_reference(x, mask, *, causal, num_buckets, num_hashes, chunk_length
     logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D)
     pos = np.arange(T)
     rot = np.asarray(jax.random.normal(jax.random.PRNGKey(hash_seed),
-                                       (num_hashes, D, num_buckets // 2)), np.float64)
+                                       (H, num_hashes, D, num_buckets // 2)), np.float64)
     outs, lses = [], []
     for r in range(num_hashes):
         if num_buckets == 1:
             bucket = np.zeros((B, H, T), int)
         else:
-            xr = np.einsum("bthd,dn->bhtn", k, rot[r])
+            xr = np.einsum("bthd,hdn->bhtn", k, rot[:, r])
             bucket = np.argmax(np.concatenate([xr, -xr], -1), -1)
         bucket = np.where(mask[:, None, :], bucket, num_buckets)
         rank = np.argsort(np.argsort(bucket * T + pos, axis=-1), axis=-1)   # sorted position

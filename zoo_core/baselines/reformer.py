@@ -5,8 +5,9 @@ Per head, with queries Q `[T, D]` and values V `[T, M]`:
 
 * Shared-QK: the keys are the normalised queries, k_j = q_j / ||q_j||; logits q_i . k_j / sqrt(D).
 * Hashing by random rotations (§2): h(x) = argmax([x R ; -x R]) with R `[D, b/2]` (b = `num_buckets`,
-  even; b = 1 puts every token in one bucket). R is drawn from `hash_seed`, one per round, shared by
-  the heads, and is not a trained parameter. `num_hashes` independent rounds.
+  even; b = 1 puts every token in one bucket). R is drawn from `hash_seed`, one per head and round
+  (as HuggingFace's port of the official code), and is not a trained parameter. `num_hashes`
+  independent rounds.
 * Each round sorts the tokens by (bucket, position) and splits the sorted sequence into chunks of
   `chunk_length` C (the last one padded); a query sees the keys of its own bucket in its chunk and
   in the previous one (the first chunk has no previous one: no wrap-around).
@@ -56,13 +57,14 @@ MASKED = -1e9      # logit of a key a query may not see (finite: an all-masked p
 SELF_LOGIT = -1e5  # the paper's logit for a token's own key
 
 
-def draw_rotations(seed: int, num_hashes: int, head_dim: int, num_buckets: int) -> Array:
-    """The random rotations R of every round, `[R, D, b/2]` float32 (N(0, 1) entries, §2).
+def draw_rotations(seed: int, num_heads: int, num_hashes: int, head_dim: int,
+                   num_buckets: int) -> Array:
+    """The random rotations R of every head and round, `[H, R, D, b/2]` float32 (N(0, 1), §2).
 
-    `num_buckets` = 1 needs no rotation: `[R, D, 0]`.
+    `num_buckets` = 1 needs no rotation: `[H, R, D, 0]`.
     """
-    return jax.random.normal(jax.random.PRNGKey(seed), (num_hashes, head_dim, num_buckets // 2),
-                             jnp.float32)
+    return jax.random.normal(jax.random.PRNGKey(seed),
+                             (num_heads, num_hashes, head_dim, num_buckets // 2), jnp.float32)
 
 
 def lsh_buckets(keys: Array, rotations: Array, valid: Array, num_buckets: int) -> Array:
@@ -70,15 +72,15 @@ def lsh_buckets(keys: Array, rotations: Array, valid: Array, num_buckets: int) -
 
     Args:
         keys: `[B, T, H, D]` (the shared-QK keys; the hash is scale-invariant).
-        rotations: `[R, D, b/2]` from `draw_rotations`.
+        rotations: `[H, R, D, b/2]` from `draw_rotations`.
         valid: `[B, T]` bool.
         num_buckets: b (1 or even).
     """
     b, t, h, _ = keys.shape
     if num_buckets == 1:
-        buckets = jnp.zeros((b, h, rotations.shape[0], t), jnp.int32)
+        buckets = jnp.zeros((b, h, rotations.shape[1], t), jnp.int32)
     else:
-        xr = jnp.einsum("bthd,rdn->bhrtn", keys, rotations.astype(keys.dtype))
+        xr = jnp.einsum("bthd,hrdn->bhrtn", keys, rotations.astype(keys.dtype))
         buckets = jnp.argmax(jnp.concatenate([xr, -xr], axis=-1), axis=-1).astype(jnp.int32)
     return jnp.where(valid[:, None, None, :], buckets, num_buckets)
 
@@ -140,7 +142,7 @@ def lsh_attention(q: Array, v: Array, rotations: Array, *, num_buckets: int, chu
     Args:
         q: `[B, T, H, D]` queries (the keys are q / ||q||).
         v: `[B, T, H, M]` values.
-        rotations: `[R, D, b/2]` (`draw_rotations`), R = the number of hash rounds.
+        rotations: `[H, R, D, b/2]` (`draw_rotations`), R = the number of hash rounds.
         num_buckets: b, 1 or even (b = 1: one bucket, no hashing).
         chunk_length: C >= 1 (any C; T is padded to a multiple of C per round).
         mask: `[B, T]` bool key-padding mask (True = valid), or None.
@@ -151,8 +153,9 @@ def lsh_attention(q: Array, v: Array, rotations: Array, *, num_buckets: int, chu
         `[B, T, H, M]` float32.
     """
     b, t, h, d = q.shape
-    assert v.shape[:3] == (b, t, h) and rotations.shape[1] == d, (q.shape, v.shape, rotations.shape)
-    assert num_buckets == 1 or (num_buckets % 2 == 0 and rotations.shape[2] == num_buckets // 2)
+    assert v.shape[:3] == (b, t, h) and rotations.shape[::2] == (h, d), (q.shape, v.shape,
+                                                                      rotations.shape)
+    assert num_buckets == 1 or (num_buckets % 2 == 0 and rotations.shape[3] == num_buckets // 2)
     dt = jnp.promote_types(jnp.result_type(q, v), jnp.float32)
     valid = masking.as_bool(mask, (b, t))
     keep = valid[:, :, None, None]
@@ -280,8 +283,9 @@ class ReformerAttention(nn.Module):
                                       bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 
     def rotations(self) -> Array:
-        """The random rotations of every round, `[num_hashes, D, num_buckets // 2]` float32."""
-        return draw_rotations(self.hash_seed, self.num_hashes, self.head_dim, self.num_buckets)
+        """The random rotations, `[H, num_hashes, D, num_buckets // 2]` float32."""
+        return draw_rotations(self.hash_seed, self.num_heads, self.num_hashes, self.head_dim,
+                              self.num_buckets)
 
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
