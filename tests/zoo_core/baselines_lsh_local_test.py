@@ -262,3 +262,30 @@ def test_bad_field_is_one_line_error(cls, field, value):
     with pytest.raises(ValueError, match=f"`{field}`") as info:
         cls(num_heads=H, head_dim=D, **{field: value}).init(jax.random.PRNGKey(0), _x()[:, :2])
     assert "\n" not in str(info.value)
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The element count of the largest value any equation of `jaxpr` (sub-jaxprs included) makes."""
+    sizes = [0]
+    for eqn in jaxpr.eqns:
+        sizes += [int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape")]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    sizes.append(_largest_intermediate(inner))
+    return max(sizes)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cls,fields", [
+    (ReformerAttention, dict(num_buckets=4, num_hashes=2, chunk_length=8)),
+    (LongformerAttention, dict(window=8, num_global=1)),
+], ids=["reformer", "longformer"])
+def test_no_t_by_t_intermediate(cls, fields, causal):
+    """Banded / chunked: at T = 64 no value the layer computes holds a [T, T] block per head."""
+    n = 64
+    x = jnp.zeros((1, n, E))
+    lay = _layer(cls, causal, fields)
+    jaxpr = jax.make_jaxpr(lambda p: lay.apply(p, x, mask=jnp.ones((1, n), bool))[0])(_params_for(cls))
+    assert _largest_intermediate(jaxpr.jaxpr) < H * n * n
