@@ -49,18 +49,23 @@ DropoutFn = Optional[Callable[[Array, int], Array]]   # (weights, index) -> weig
 MASKED = -1e9   # logit of a key a query may not see (finite: an all-masked padded row stays finite)
 
 
+def _pad_value(x: Array) -> Array:
+    """What fills slots outside the sequence: -1 for positions / buckets (no real one), else 0."""
+    return jnp.asarray(-1 if jnp.issubdtype(x.dtype, jnp.integer) else 0, x.dtype)
+
+
 def _blocks(x: Array, n: int, c: int) -> Array:
     """`[B, H, T, *f]` padded at the end to n * C along T and split: `[B, H, n, C, *f]`."""
     pad = [(0, 0)] * x.ndim
     pad[2] = (0, n * c - x.shape[2])
-    x = jnp.pad(x, pad, constant_values=jnp.asarray(-1 if x.dtype == jnp.int32 else 0, x.dtype))
+    x = jnp.pad(x, pad, constant_values=_pad_value(x))
     return x.reshape(x.shape[:2] + (n, c) + x.shape[3:])
 
 
 def _neighbours(x: Array, causal: bool) -> Array:
     """`[B, H, n, C, *f]` -> each block with its neighbours along C: [previous, own, next] `3C`
     (causal: [previous, own] `2C`); outside the sequence 0 / -1 / False."""
-    fill = jnp.full_like(x[:, :, :1], -1 if x.dtype == jnp.int32 else 0)
+    fill = jnp.full_like(x[:, :, :1], _pad_value(x))
     parts = [jnp.concatenate([fill, x[:, :, :-1]], axis=2), x]
     if not causal:
         parts.append(jnp.concatenate([x[:, :, 1:], fill], axis=2))

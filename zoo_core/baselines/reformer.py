@@ -85,19 +85,24 @@ def lsh_buckets(keys: Array, rotations: Array, valid: Array, num_buckets: int) -
     return jnp.where(valid[:, None, None, :], buckets, num_buckets)
 
 
+def _pad_value(x: Array) -> Array:
+    """What fills slots outside the sequence: -1 for positions / buckets (no real one), else 0."""
+    return jnp.asarray(-1 if jnp.issubdtype(x.dtype, jnp.integer) else 0, x.dtype)
+
+
 def _blocks(x: Array, n: int, c: int) -> Array:
     """`[..., T, *f]` padded at the end to n * C along T and split: `[..., n, C, *f]` (axis 3 is T)."""
     t = x.shape[3]
     pad = [(0, 0)] * x.ndim
     pad[3] = (0, n * c - t)
-    x = jnp.pad(x, pad, constant_values=jnp.asarray(-1 if x.dtype == jnp.int32 else 0, x.dtype))
+    x = jnp.pad(x, pad, constant_values=_pad_value(x))
     return x.reshape(x.shape[:3] + (n, c) + x.shape[4:])
 
 
 def _with_previous(x: Array) -> Array:
     """`[..., n, C, *f]` -> `[..., n, 2C, *f]`: each block after the previous one (zeros / -1 / False
     before the first block)."""
-    fill = jnp.full_like(x[:, :, :, :1], -1 if x.dtype == jnp.int32 else 0)
+    fill = jnp.full_like(x[:, :, :, :1], _pad_value(x))
     return jnp.concatenate([jnp.concatenate([fill, x[:, :, :, :-1]], axis=3), x], axis=4)
 
 
