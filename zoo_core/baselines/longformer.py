@@ -1,0 +1,239 @@
+"""Longformer's sliding-window attention with global tokens (Beltagy, Peters, Cohan, "Longformer: The
+Long-Document Transformer", 2020, arXiv 2004.05150, §3.1; /work/shared/specs/baselines.md
+"Longformer").
+
+Per head, softmax attention (logits q_i . k_j / sqrt(D)) over the keys query i may see:
+
+* the sliding window of `window` = w tokens: non-causal, |i - j| <= w // 2 (w/2 on each side, the
+  paper's "w/2 tokens on each side"; an odd w rounds down); causal, i - w < j <= i (the w previous
+  tokens, itself included);
+* the `num_global` = g global tokens, the first g positions (the paper's task-chosen tokens, e.g. the
+  [CLS] token; here always a prefix): every token attends to them (causal: those at j <= i) and they
+  attend to every token (causal: every earlier one, which the window and global columns already
+  give). One set of query/key/value projections serves both kinds of attention; the paper has
+  separate global projections (Q_g, K_g, V_g), which this layer does not (an option to add).
+
+Dilation (§3.1's dilated windows) is not implemented.
+
+Banded, never a T x T mask: the sequence is cut into blocks of C = max(w // 2, 1) tokens (causal:
+C = w); each block's queries see the keys of the previous, own and next blocks (causal: previous
+and own) plus the g global keys: `[B, H, n, C, 3C + g]` logits, O(T (w + g)). The g global rows are
+one `[B, H, g, T]` product. A global key inside a query's window is counted once (its band slot is
+masked).
+
+Padding and NaN safety: padded keys get the logit -1e9 and padded values are zeroed (`jnp.where`);
+a non-finite value at a valid position is replaced by 0 and exactly the rows that attend it are set
+to NaN, so NaN or 1e30 in padding, or (causal) in the future, changes no valid or past output. Every
+row's keys sit at fixed slots, so the future does not change their rounding either. Logits, weights
+and outputs are float32.
+
+`LongformerAttention` (below) follows the zoo's layer contract (README "Layer contract"):
+non-causal and causal self-attention, no `scan` / `step` / decode form and no cross form.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zoo_core import checks, masking, xla_forms
+from zoo_core.dropout import keep_mask
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+DropoutFn = Optional[Callable[[Array, int], Array]]   # (weights, index) -> weights
+
+MASKED = -1e9   # logit of a key a query may not see (finite: an all-masked padded row stays finite)
+
+
+def _pad_value(x: Array) -> Array:
+    """What fills slots outside the sequence: -1 for positions / buckets (no real one), else 0."""
+    return jnp.asarray(-1 if jnp.issubdtype(x.dtype, jnp.integer) else 0, x.dtype)
+
+
+def _blocks(x: Array, n: int, c: int) -> Array:
+    """`[B, H, T, *f]` padded at the end to n * C along T and split: `[B, H, n, C, *f]`."""
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (0, n * c - x.shape[2])
+    x = jnp.pad(x, pad, constant_values=_pad_value(x))
+    return x.reshape(x.shape[:2] + (n, c) + x.shape[3:])
+
+
+def _neighbours(x: Array, causal: bool) -> Array:
+    """`[B, H, n, C, *f]` -> each block with its neighbours along C: [previous, own, next] `3C`
+    (causal: [previous, own] `2C`); outside the sequence 0 / -1 / False."""
+    fill = jnp.full_like(x[:, :, :1], _pad_value(x))
+    parts = [jnp.concatenate([fill, x[:, :, :-1]], axis=2), x]
+    if not causal:
+        parts.append(jnp.concatenate([x[:, :, 1:], fill], axis=2))
+    return jnp.concatenate(parts, axis=3)
+
+
+def _softmax_rows(logits, allowed, bad, v, dropout, index):
+    """Masked softmax of `[..., K]` logits against values `[..., K, M]`; rows that attend a
+    non-finite value (`bad`) are NaN. Returns `[..., M]` float32."""
+    w = jax.nn.softmax(jnp.where(allowed, logits, MASKED), axis=-1)
+    if dropout is not None:
+        w = dropout(w, index)
+    o = jnp.einsum("...qk,...km->...qm", w, v)
+    return jnp.where(jnp.any(allowed & bad, axis=-1)[..., None], jnp.nan, o)
+
+
+def longformer_attention(q: Array, k: Array, v: Array, *, window: int, num_global: int = 0,
+                         mask: Optional[Array] = None, causal: bool = False,
+                         dropout: DropoutFn = None) -> Array:
+    """Sliding-window plus global softmax attention (the module docstring), banded.
+
+    Args:
+        q, k: `[B, T, H, D]`.
+        v: `[B, T, H, M]`.
+        window: w >= 1 (non-causal: w // 2 on each side; causal: the w tokens up to and including i).
+        num_global: g >= 0, the first g positions are global (g > T counts as T).
+        mask: `[B, T]` bool key-padding mask (True = valid), or None.
+        causal: token i attends to j <= i only.
+        dropout: optional `(weights, index) -> weights`: index 0 on the band weights
+            `[B, H, n, C, K + g]`, index 1 on the global rows `[B, H, g, T]`.
+
+    Returns:
+        `[B, T, H, M]` float32.
+    """
+    b, t, h, d = q.shape
+    assert k.shape == q.shape and v.shape[:3] == (b, t, h), (q.shape, k.shape, v.shape)
+    assert window >= 1 and num_global >= 0, (window, num_global)
+    g = min(num_global, t)
+    dt = jnp.promote_types(jnp.result_type(q, k, v), jnp.float32)
+    valid = masking.as_bool(mask, (b, t))
+    keep = valid[:, :, None, None]
+    q, k, v = (jnp.where(keep, x.astype(dt), 0.0) for x in (q, k, v))
+    bad = valid[:, :, None] & ~jnp.all(jnp.isfinite(v), axis=-1)                         # [B, T, H]
+    v = jnp.where(bad[..., None], 0.0, v)
+    q, k, v, bad = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, bad))                     # [B, H, T, ...]
+    valid_h = jnp.broadcast_to(valid[:, None], (b, h, t))
+    scale = 1.0 / math.sqrt(d)
+
+    c = max(window if causal else window // 2, 1)
+    c = min(c, t)
+    n = -(-t // c)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, h, t))
+    qb, pq = _blocks(q, n, c), _blocks(pos, n, c)
+    kb, vb = _neighbours(_blocks(k, n, c), causal), _neighbours(_blocks(v, n, c), causal)
+    pk = _neighbours(pq, causal)
+    valid_k = _neighbours(_blocks(valid_h, n, c), causal)
+    bad_k = _neighbours(_blocks(bad, n, c), causal)
+    logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale                        # [B, H, n, C, K]
+    gap = pq[..., :, None] - pk[..., None, :]
+    near = (gap >= 0) & (gap < window) if causal else jnp.abs(gap) <= window // 2
+    allowed = valid_k[..., None, :] & near & (pk[..., None, :] >= g)
+    bad_k = jnp.broadcast_to(bad_k[..., None, :], allowed.shape)
+    if g:
+        # The global keys as g extra columns of every block.
+        glogits = jnp.einsum("bhnqd,bhkd->bhnqk", qb, k[:, :, :g]) * scale           # [B, H, n, C, g]
+        gallowed = jnp.broadcast_to(valid_h[:, :, None, None, :g], glogits.shape)
+        if causal:
+            gallowed = gallowed & (jnp.arange(g)[None, :] <= pq[..., :, None])
+        logits = jnp.concatenate([logits, glogits], axis=-1)
+        allowed = jnp.concatenate([allowed, gallowed], axis=-1)
+        bad_k = jnp.concatenate([bad_k, jnp.broadcast_to(bad[:, :, None, None, :g], glogits.shape)],
+                                axis=-1)
+        vb = jnp.concatenate([vb, jnp.broadcast_to(v[:, :, None, :g], vb.shape[:3] + (g,) + vb.shape[4:])],
+                             axis=3)
+    o = _softmax_rows(logits, allowed, bad_k, vb, dropout, 0)
+    o = o.reshape((b, h, n * c) + o.shape[4:])[:, :, :t]                              # [B, H, T, M]
+    if g and not causal:
+        # The global rows attend to every valid token (causal: the band already gives them that).
+        rows = jnp.einsum("bhqd,bhkd->bhqk", q[:, :, :g], k) * scale                    # [B, H, g, T]
+        allowed_g = jnp.broadcast_to(valid_h[:, :, None, :], rows.shape)
+        bad_g = jnp.broadcast_to(bad[:, :, None, :], rows.shape)
+        o = o.at[:, :, :g].set(_softmax_rows(rows, allowed_g, bad_g, v, dropout, 1))
+    return jnp.swapaxes(o, 1, 2)
+
+
+def torch_linear_kernel_init() -> Initializer:
+    """PyTorch's `nn.Linear` weight init U(+-1/sqrt(fan_in)), the default of `SoftmaxAttention`."""
+    return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+class LongformerAttention(nn.Module):
+    """Longformer self-attention: sliding window plus global tokens (module docstring), the zoo's
+    layer contract.
+
+    Parameters have `SoftmaxAttention`'s names and shapes, so a softmax parameter tree applies as it
+    is: `query`, `key`, `value` kernel `[E, H, D]`, bias `[H, D]`; `out` kernel `[H, D, E']`, bias
+    `[E']`. One set of projections serves the window and the global attention (the paper has a
+    second set for the global one).
+
+    Shapes: x `[B, T, E]` -> y `[B, T, E']`. `__call__` only: no `scan` / `step` / decode form.
+
+    Attributes:
+        num_heads: H.
+        head_dim: D.
+        out_features: E' (default: the input width E).
+        causal: token i attends to the `window` tokens up to and including i (and the global ones
+            before it).
+        window: w >= 1: non-causal, w // 2 tokens on each side; causal, the w tokens ending at i.
+        num_global: g >= 0: the first g tokens attend to all and all attend to them (e.g. 1 for a
+            [CLS] token).
+        dropout_rate: dropout on the attention weights (as `SoftmaxAttention`).
+        dtype: compute dtype of the projections (None: inferred); attention maths is float32.
+        param_dtype: parameter dtype.
+        kernel_init, bias_init: initialisers of the projections (`SoftmaxAttention`'s defaults).
+        out_bias_init: bias initialiser of `out` (None: `bias_init`).
+    """
+    num_heads: int
+    head_dim: int
+    out_features: Optional[int] = None
+    causal: bool = False
+    window: int = 64
+    num_global: int = 1
+    dropout_rate: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Initializer = torch_linear_kernel_init()
+    bias_init: Initializer = nn.initializers.zeros_init()
+    out_bias_init: Optional[Initializer] = None
+
+    def setup(self):
+        checks.check_int("num_heads", self.num_heads, 1)
+        checks.check_int("head_dim", self.head_dim, 1)
+        checks.check_optional_int("out_features", self.out_features, 1)
+        checks.check_int("window", self.window, 1)
+        checks.check_int("num_global", self.num_global, 0)
+        checks.check_rate("dropout_rate", self.dropout_rate)
+        self.query, self.key = self._projection("query"), self._projection("key")
+        self.value = self._projection("value")
+
+    def _projection(self, name: str) -> nn.Module:
+        return xla_forms.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
+                                      param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                                      bias_init=self.bias_init, name=name)
+
+    @nn.compact
+    def _out(self, o: Array, width: int) -> Array:
+        # Declared here (not in setup) because E' defaults to the input width.
+        return xla_forms.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
+                                      param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                                      bias_init=self.out_bias_init or self.bias_init, name="out")(o)
+
+    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+                 deterministic: bool = True) -> tuple[Array, dict]:
+        """x `[B, T, E]`, mask `[B, T]` bool key-padding mask (True = valid) -> (y `[B, T, E']`, {}).
+
+        `deterministic=False` with `dropout_rate` > 0 drops attention weights (the 'dropout' rng).
+        """
+        checks.check_tokens("x", x, "[B, T, E]")
+        masking.check_mask(mask, jnp.shape(x)[:2])
+        drop = None
+        if not deterministic and self.dropout_rate > 0.0:
+            rng, rate = self.make_rng("dropout"), self.dropout_rate
+
+            def drop(w, index):
+                m = keep_mask(jax.random.fold_in(rng, index), 1.0 - rate, w.shape)
+                return jnp.where(m, w / (1.0 - rate), 0.0)
+        o = longformer_attention(self.query(x), self.key(x), self.value(x), window=self.window,
+                                 num_global=self.num_global, mask=mask, causal=self.causal,
+                                 dropout=drop)
+        dtype = self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
+        return self._out(o.astype(dtype), x.shape[-1]), {}
