@@ -158,8 +158,10 @@ SMALL = {"favor": {"num_features": 8}, "window_graph": {"window": 2}, "cross_gra
 def test_capabilities_say_which_mechanism_fits_which_role():
     assert attention.names("cross") == ("cross_graph", "favor", "linear", "softmax")
     assert attention.names("causal", "decode") == ("agf", "favor", "linear", "softmax", "window_graph")
-    assert attention.names("self") == ("agf", "favor", "linear", "linformer", "nystromformer", "softmax",
-                                       "window_graph")
+    assert attention.names("self") == ("agf", "favor", "linear", "linformer", "longformer", "nystromformer",
+                                       "reformer", "softmax", "window_graph")
+    assert attention.names("causal") == ("agf", "favor", "linear", "longformer", "reformer", "softmax",
+                                         "window_graph")
     assert attention.names() == attention.names(*())
     for name in attention.names():
         caps = attention.capabilities(name)
@@ -196,7 +198,7 @@ def _decode_run(name, options, dtype, length):
     return jax.jit(full.apply)({"params": params}, x), ys, params, cache
 
 
-DECODE_CASES = [(n, {**SMALL.get(n, {})}) for n in attention.names("causal")] + [
+DECODE_CASES = [(n, {**SMALL.get(n, {})}) for n in attention.names("causal", "decode")] + [
     ("favor", {"num_features": 8, "use_rotary": True})]
 
 

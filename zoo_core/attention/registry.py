@@ -8,8 +8,9 @@ follows the contract (non-causal here) is one line in `_REGISTRY`:
 
     "name": _Entry(_Form("package.module", "LayerClass"), (False,), None, "one-line description"),
 
-`(False, True)` when the layer also has `causal=True` (with `init_state` / `step`: then decoding too),
-and `cross_form=..., cross_call=calls.cross_method` when it has a `cross` method.
+`(False, True)` when the layer also has `causal=True` (with `init_state` / `step`: then decoding too;
+`recurrent=False` for a causal layer without them), and `cross_form=..., cross_call=calls.cross_method`
+when it has a `cross` method.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class _Entry:
       cross_call: how the cross layer is called (a full call and, with `decode=True`, each step).
       length_option: the option that bounds the input length of the non-causal self-attention and
         that a model sets to its longest sequence (Linformer's `max_length`), or None.
+      recurrent: the causal layer has the recurrent forms `init_state` / `scan` / `step` (and so
+        `decode=True`); False for a causal layer with `__call__` only (Reformer, Longformer).
     """
     self_form: Optional[_Form]
     modes: tuple[bool, ...]
@@ -56,6 +59,7 @@ class _Entry:
     global_call: Optional[calls.Call] = None
     cross_call: Optional[calls.Call] = None
     length_option: Optional[str] = None
+    recurrent: bool = True
 
     def __post_init__(self):
         if (self.cross_form is None) != (self.cross_call is None):
@@ -80,6 +84,9 @@ _REGISTRY: dict[str, _Entry] = {
     "favor": _Entry(_FAVOR, (False, True), _FAVOR,
                     "FAVOR+ positive random features (Performer, Choromanski et al. 2021)",
                     cross_call=calls.cross_method),
+    "longformer": _Entry(_Form("zoo_core.baselines.longformer", "LongformerAttention"), (False, True), None,
+                         "Longformer (Beltagy et al. 2020): sliding-window + global-token softmax, O(T (w + g))",
+                         recurrent=False),
     "linformer": _Entry(_Form("zoo_core.baselines.linformer", "LinformerAttention"), (False,), None,
                         "Linformer (Wang et al. 2020): keys and values projected along the sequence",
                         length_option="max_length"),
@@ -88,6 +95,9 @@ _REGISTRY: dict[str, _Entry] = {
                      global_call=calls.global_by_cross, cross_call=calls.cross_method_y),
     "nystromformer": _Entry(_Form("zoo_core.baselines.nystromformer", "NystromformerAttention"), (False,), None,
                             "Nystromformer (Xiong et al. 2021): segment-mean landmarks, iterative pinv"),
+    "reformer": _Entry(_Form("zoo_core.baselines.reformer", "ReformerAttention"), (False, True), None,
+                       "Reformer (Kitaev et al. 2020): shared-QK LSH attention in sorted chunks",
+                       recurrent=False),
     "softmax": _Entry(_Form("agf_jax.layers", "SoftmaxAttention"), (False, True),
                       _FAVOR._replace(fixed=(("feature_map", "exact"),), hidden=(
                           "chunk_size", "num_features", "redraw_every", "use_rotary", "rotary_base",
@@ -111,7 +121,8 @@ def capabilities(name: str) -> dict[str, bool]:
     entry = lookup(name)
     causal = True in entry.modes
     return {"self": False in entry.self_modes(), "causal": causal,
-            "decode": causal or entry.cross_form is not None, "cross": entry.cross_form is not None}
+            "decode": (causal and entry.recurrent) or entry.cross_form is not None,
+            "cross": entry.cross_form is not None}
 
 
 def names(*required: str) -> tuple[str, ...]:
