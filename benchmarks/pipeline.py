@@ -18,7 +18,8 @@ rows measured under the same load.
 
 `--synthetic SIZES` times the memory path alone over synthetic in-memory splits of those sizes (float32
 inputs [n, 64], int32 targets [n]; no data is prepared): the cost of the training order itself
-(`shuffle.epoch_permutation`, one per epoch) against the batch gather, written to
+(`shuffle.epoch_permutation`, one per epoch) against the batch gather, as batches/s and as batches per
+CPU-second of this process (what an idle core would give), written to
 benchmarks/results/pipeline_synthetic.json unless --out names another file.
 """
 from __future__ import annotations
@@ -84,14 +85,15 @@ def time_path(source, config, path: str, *, warmup: int, seconds: float) -> dict
     first_s = time.perf_counter() - t0
     for _ in range(warmup):
         next(it)
-    count, t0 = 0, time.perf_counter()
+    count, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     while (elapsed := time.perf_counter() - t0) < seconds:
         next(it)
         count += 1
+    cpu_s = time.process_time() - cpu0   # this process's CPU time, its read-ahead threads included
     if hasattr(it, "close"):
         it.close()
     return dict(decode_s=round(decode_s, 4), first_batch_s=round(first_s, 4), batches=count, seconds=round(elapsed, 4),
-                batches_per_s=round(count / elapsed, 2))
+                batches_per_s=round(count / elapsed, 2), cpu_s=round(cpu_s, 4))
 
 
 def synthetic_source(n: int):
@@ -115,7 +117,10 @@ def measure_synthetic(n: int, *, batch_size: int, warmup: int, seconds: float, r
     runs = [time_path(synthetic_source(n), config, "memory", warmup=warmup, seconds=seconds / rounds)
             for _ in range(rounds)]
     batches, secs = sum(r["batches"] for r in runs), sum(r["seconds"] for r in runs)
+    cpu = sum(r["cpu_s"] for r in runs)
+    # Batches per CPU-second: what one idle core would give; on a shared machine batches/s falls with the load.
     record["paths"] = dict(memory=dict(batches_per_s=round(batches / secs, 2), batches=batches, seconds=round(secs, 3),
+                                       batches_per_cpu_s=round(batches / max(cpu, 1e-9), 2), cpu_s=round(cpu, 3),
                                        round_batches_per_s=[r["batches_per_s"] for r in runs]))
     record["load_after"] = _load()
     return record
@@ -197,8 +202,9 @@ def main(argv=None) -> dict[str, Any]:
             record = measure_synthetic(n, batch_size=args.batch_size, warmup=args.warmup, seconds=args.seconds,
                                        rounds=args.rounds)
             records.append(record)
-            print(f"{record['config']}: {n} examples, batch {args.batch_size}: memory "
-                  f"{record['paths']['memory']['batches_per_s']:.0f} batches/s; load average "
+            rate = record["paths"]["memory"]
+            print(f"{record['config']}: {n} examples, batch {args.batch_size}: memory {rate['batches_per_s']:.0f} "
+                  f"batches/s ({rate['batches_per_cpu_s']:.0f} per CPU-second); load average "
                   f"{record['load_before']} -> {record['load_after']}", flush=True)
         for spec in args.config:
             record = measure(spec, data_dir=data_dir, paths=args.paths, warmup=args.warmup, seconds=args.seconds,

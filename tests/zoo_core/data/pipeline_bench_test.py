@@ -61,10 +61,11 @@ def test_synthetic_splits_time_the_memory_path(tmp_path, capsys):
     assert [(r["config"], r["examples"], r["batch_size"]) for r in result["records"]] == [
         ("synthetic:40", 40, 8), ("synthetic:100", 100, 8)]
     for record in result["records"]:
-        assert set(record["paths"]) == {"memory"} and record["paths"]["memory"]["batches"] > 0
+        rate = record["paths"]["memory"]
+        assert set(record["paths"]) == {"memory"} and rate["batches"] > 0 and rate["batches_per_cpu_s"] > 0
         assert len(record["load_before"]) == len(record["load_after"]) == 3
     printed = capsys.readouterr().out
-    assert "synthetic:100: 100 examples, batch 8: memory" in printed and "load average" in printed
+    assert "synthetic:100: 100 examples, batch 8: memory" in printed and "per CPU-second); load average" in printed
 
 
 @pytest.mark.parametrize("argv,message", [
