@@ -5,12 +5,14 @@ position i of epoch e. Grain computes it one Python call per example (a few micr
 ~100 us when n is far below 2**16: each call walks ~2**16 / n encryptions). This module computes a whole
 epoch at once with the same cipher (grain's `index_shuffle.cc`: a Simon block cipher on
 B = max(16, ceil(log2(max_index))) rounded-up-even bits, keyed by `std::seed_seq{seed}`, cycle-walked into
-[0, max_index]), in one of two ways, both O(2**B) numpy work:
+[0, max_index]), in one of two ways:
   * n > 2**16 (2**B < 4n): encrypt [0, n) and re-encrypt the few values outside [0, n) (`index_shuffle`);
   * n <= 2**16 (B = 16, so 2**B may be thousands of times n): the cipher as a table over all 2**16 blocks,
     then each start's first value in [0, n) along its cycle by pointer doubling (`_table_walk`): about
     log2(2**16 / n) whole-table gathers and a few [n] ones, not one Python step per encryption.
-`tests/zoo_core/data/shuffle_test.py` checks both equal to grain's function element by element.
+`tests/zoo_core/data/shuffle_test.py` checks both equal to grain's function element by element and to
+grain's dataset order. Grain's quirk is copied too: for n = 2**k + 1 with k even and >= 16, index 2**k does
+not fit the k-bit block, so its "permutation" repeats one example and leaves one out.
 """
 from __future__ import annotations
 
