@@ -26,7 +26,12 @@ Masking is NaN-safe (the zoo's layer contract): padded and future logits are rep
 `jnp.where`, padded values are replaced by 0 before the contraction, and since `w[t, s] * v_s` is
 still NaN for a zero future weight and a NaN value, a non-finite value at a valid position is
 replaced by 0 and every output at or after it is set to NaN (what the token recurrence gives).
-A token written past `max_length` makes its output and all later ones NaN instead of being dropped.
+A token written past `max_length` is an error where it can be seen: `softmax_step` / `softmax_scan` called
+with a concrete cache (eagerly, as an un-jitted decoding loop or `DropInAttention(decode=True)` applied
+without `jit` does) raise `ValueError` naming the cache size (`check_room`). Under `jit` the length is
+traced and no Python error can be raised (no checkify, no host callback): the output of that token and
+of every later one is NaN instead of the token being dropped; `check_room(cache)` between jitted steps
+is the host-side check.
 Logits, weights, outputs and the cache are float32 (float64 stays float64); the fused form takes
 bf16/fp16 inputs as they are (cuDNN keeps its softmax statistics in float32) and returns float32.
 """
@@ -38,6 +43,7 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from agf_jax import validation
 from agf_jax.factors import MASK_OFFSET, as_float
@@ -67,6 +73,23 @@ def init_cache(batch_size: int, max_length: int, num_heads: int, head_dim: int,
     return KVCache(jnp.zeros((batch_size, max_length, num_heads, head_dim), dtype),
                    jnp.zeros((batch_size, max_length, num_heads, value_dim), dtype),
                    jnp.zeros((batch_size,), jnp.int32))
+
+
+def check_room(cache: KVCache, tokens=1) -> None:
+    """Raises `ValueError` if writing `tokens` more tokens (int, or int `[B]` per sample) would overflow
+    the `max_length` slots of a concrete `cache`; does nothing for a traced one (inside `jit`, where the
+    overflowing outputs are NaN instead: module docstring)."""
+    if isinstance(cache.length, jax.core.Tracer) or isinstance(tokens, jax.core.Tracer):
+        return
+    slots = cache.key.shape[1]
+    need = np.asarray(cache.length) + np.asarray(tokens)   # [B]: the cache length after the tokens
+    over = np.flatnonzero(need > slots)
+    if over.size:
+        raise ValueError(
+            f"softmax decoding: the key/value cache has {slots} slots (the max_length given at init: the "
+            f"length of the sequence DropInAttention(decode=True) was initialised with) and sample(s) "
+            f"{over.tolist()} would write token {int(need[over].max())}; "
+            f"init the cache with max_length >= the tokens you decode")
 
 
 def _prepare(q, k, v, mask, causal):
@@ -283,9 +306,12 @@ def softmax_step(cache: KVCache, q_t: Array, k_t: Array, v_t: Array, *,
         index: the token index passed to `dropout`.
 
     Returns:
-        (new cache, y_t `[B, H, M]` float32; NaN where the cache was already full).
+        (new cache, y_t `[B, H, M]` float32; NaN where this or an earlier token was written past the
+        cache, which a concrete cache raises instead: `check_room`).
     """
     validation.check_cache(cache, q_t, k_t, v_t)
+    check_room(cache, 1 if append is None or isinstance(append, jax.core.Tracer)
+               else np.asarray(append, bool).astype(np.int32))
     dt = jnp.promote_types(cache.key.dtype, as_float(q_t).dtype)
     q_t, k_t, v_t = (x.astype(dt) for x in (q_t, k_t, v_t))
     append = jnp.ones(q_t.shape[:1], bool) if append is None else jnp.asarray(append, bool)
@@ -300,7 +326,7 @@ def softmax_step(cache: KVCache, q_t: Array, k_t: Array, v_t: Array, *,
     if dropout is not None:
         w = dropout(w, index)
     y = jnp.einsum("bhl,blhm->bhm", w, jnp.where(valid[..., None, None], value, 0.0))
-    full = cache.length >= cache.key.shape[1]
+    full = length > cache.key.shape[1]   # overflowed by now (a padded token that writes nothing is not)
     return KVCache(key, value, length), jnp.where(full[:, None, None], jnp.nan, y)
 
 
@@ -318,6 +344,7 @@ def softmax_scan(q: Array, k: Array, v: Array, *, cache: KVCache, mask: Optional
     """
     validation.check_kernel_inputs(q, k, v, None)
     append = jnp.ones(q.shape[:2], bool) if mask is None else jnp.asarray(mask).astype(bool)
+    check_room(cache, q.shape[1] if mask is None else append.sum(axis=1, dtype=jnp.int32))
 
     def body(c, xs):
         i, q_t, k_t, v_t, a_t = xs

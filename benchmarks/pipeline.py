@@ -4,6 +4,7 @@
     python -m benchmarks.pipeline --data_dir /tmp/zoo_data --config configs/agf/lra_listops.py \
         --config configs/samovar/synthetic_var.py:kind=lintrans --seconds 10 --paths memory,stream
     python -m benchmarks.pipeline --tiny                               # smoke configs, a temp data dir
+    python -m benchmarks.pipeline --synthetic 270,4096,20000 --batch_size 16 --seconds 5   # the order alone
 
 Each `--config` (a config file with its optional ':args', as the training commands take it) has its
 data prepared into `--data_dir` by the trainer's `prepare_data` (a first run generates it), then the
@@ -14,6 +15,12 @@ the decode time (memory) and the time to the first batch are recorded, then `--w
 taken and the batches of `--seconds` are counted, the paths interleaved in `--rounds` rounds. The load
 average is printed and recorded before and after each config: the rates fall with the load, so compare
 rows measured under the same load.
+
+`--synthetic SIZES` times the memory path alone over synthetic in-memory splits of those sizes (float32
+inputs [n, 64], int32 targets [n]; no data is prepared): the cost of the training order itself
+(`shuffle.epoch_permutation`, one per epoch) against the batch gather, as batches/s and as batches per
+CPU-second of this process (what an idle core would give), written to
+benchmarks/results/pipeline_synthetic.json unless --out names another file.
 """
 from __future__ import annotations
 
@@ -78,14 +85,45 @@ def time_path(source, config, path: str, *, warmup: int, seconds: float) -> dict
     first_s = time.perf_counter() - t0
     for _ in range(warmup):
         next(it)
-    count, t0 = 0, time.perf_counter()
+    count, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     while (elapsed := time.perf_counter() - t0) < seconds:
         next(it)
         count += 1
+    cpu_s = time.process_time() - cpu0   # this process's CPU time, its read-ahead threads included
     if hasattr(it, "close"):
         it.close()
     return dict(decode_s=round(decode_s, 4), first_batch_s=round(first_s, 4), batches=count, seconds=round(elapsed, 4),
-                batches_per_s=round(count / elapsed, 2))
+                batches_per_s=round(count / elapsed, 2), cpu_s=round(cpu_s, 4))
+
+
+def synthetic_source(n: int):
+    """An in-memory split of n examples: float32 'inputs' [n, 64] and int32 'targets' [n]."""
+    import numpy as np
+
+    from zoo_core.data import arrays
+
+    rng = np.random.default_rng(n)
+    return arrays.ArraySource({"inputs": rng.standard_normal((n, 64), np.float32),
+                               "targets": np.arange(n, dtype=np.int32)}, widths={})
+
+
+def measure_synthetic(n: int, *, batch_size: int, warmup: int, seconds: float, rounds: int) -> dict:
+    """One synthetic split's record: the memory path's rate over `rounds` runs of `seconds / rounds`."""
+    from types import SimpleNamespace
+
+    record = dict(config=f"synthetic:{n}", dataset="synthetic", examples=n, batch_size=batch_size,
+                  batches_per_epoch=round(n / batch_size, 2), cpu_count=os.cpu_count(), load_before=_load())
+    config = SimpleNamespace(batch_size=batch_size, seed=0)
+    runs = [time_path(synthetic_source(n), config, "memory", warmup=warmup, seconds=seconds / rounds)
+            for _ in range(rounds)]
+    batches, secs = sum(r["batches"] for r in runs), sum(r["seconds"] for r in runs)
+    cpu = sum(r["cpu_s"] for r in runs)
+    # Batches per CPU-second: what one idle core would give; on a shared machine batches/s falls with the load.
+    record["paths"] = dict(memory=dict(batches_per_s=round(batches / secs, 2), batches=batches, seconds=round(secs, 3),
+                                       batches_per_cpu_s=round(batches / max(cpu, 1e-9), 2), cpu_s=round(cpu, 3),
+                                       round_batches_per_s=[r["batches_per_s"] for r in runs]))
+    record["load_after"] = _load()
+    return record
 
 
 def measure(spec: str, *, data_dir: str, paths, warmup: int, seconds: float, rounds: int, tiny: bool) -> dict:
@@ -127,6 +165,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=checks.nonnegative_int, default=5, help="batches before the timing")
     p.add_argument("--rounds", type=checks.positive_int, default=None, help="interleaved rounds (default 2; "
                    "--tiny 1)")
+    p.add_argument("--synthetic", type=checks.positive_ints, default=None, metavar="SIZES",
+                   help="comma-separated split sizes: time the memory path over synthetic in-memory splits "
+                   "instead of configs (e.g. 270,4096,20000)")
+    p.add_argument("--batch_size", type=checks.positive_int, default=16, help="batch of --synthetic (default 16)")
     p.add_argument("--tiny", action="store_true", help="the configs' smoke variants, a second (CPU test)")
     p.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/pipeline.json, "
                    "none with --tiny)")
@@ -136,8 +178,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad or not paths:
         p.error(f"--paths: {', '.join(bad) or 'none given'}; expected a subset of {', '.join(PATHS)}")
     args.paths = paths
+    if args.synthetic:
+        if args.config:
+            p.error("--synthetic times synthetic splits: give it or --config, not both")
+        small = [n for n in args.synthetic if n < args.batch_size]
+        if small:
+            p.error(f"--synthetic: {', '.join(map(str, small))} examples < --batch_size {args.batch_size}")
     checks.check_output_paths(p, args, dirs=["data_dir"], files=["out"])
-    args.config = args.config or list(MAIN_CONFIGS)
+    args.config = [] if args.synthetic else args.config or list(MAIN_CONFIGS)
     args.seconds = args.seconds or (0.2 if args.tiny else 10.0)
     args.rounds = args.rounds or (1 if args.tiny else 2)
     return args
@@ -150,6 +198,14 @@ def main(argv=None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = args.data_dir or (tmp if args.tiny else pipeline.resolve_data_dir(None))
         records = []
+        for n in args.synthetic or ():
+            record = measure_synthetic(n, batch_size=args.batch_size, warmup=args.warmup, seconds=args.seconds,
+                                       rounds=args.rounds)
+            records.append(record)
+            rate = record["paths"]["memory"]
+            print(f"{record['config']}: {n} examples, batch {args.batch_size}: memory {rate['batches_per_s']:.0f} "
+                  f"batches/s ({rate['batches_per_cpu_s']:.0f} per CPU-second); load average "
+                  f"{record['load_before']} -> {record['load_after']}", flush=True)
         for spec in args.config:
             record = measure(spec, data_dir=data_dir, paths=args.paths, warmup=args.warmup, seconds=args.seconds,
                              rounds=args.rounds, tiny=args.tiny)
@@ -163,7 +219,8 @@ def main(argv=None) -> dict[str, Any]:
                             memory_limit_bytes=arrays.memory_limit(), read_threads=pipeline.read_threads(),
                             time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
                   records=records)
-    out = args.out or (None if args.tiny else str(REPO / "benchmarks" / "results" / "pipeline.json"))
+    name = "pipeline_synthetic.json" if args.synthetic else "pipeline.json"
+    out = args.out or (None if args.tiny else str(REPO / "benchmarks" / "results" / name))
     if out:
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out).write_text(json.dumps(result, indent=1) + "\n")

@@ -94,6 +94,26 @@ def check(name: str, nb) -> None:
         raise RuntimeError(f"{name}: " + "; ".join(problems))
 
 
+def kernel_config(socket_dir: str):
+    """The kernel manager's settings: the IPC transport, Unix sockets in `socket_dir`, where the platform
+    has it. A local kernel needs no TCP port, and over TCP ipykernel warns at every start that it runs
+    without encryption; over IPC the sockets are files only this user can reach, and there is no warning.
+    Windows (no IPC in ZeroMQ) and a socket folder too long for a socket path keep TCP."""
+    from traitlets.config import Config
+
+    if os.name == "nt" or len(os.path.join(socket_dir, "kernel-99")) > 100:
+        return Config()
+    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(socket_dir, "kernel")}})
+
+
+def notebook_client(nb, *, timeout: int, path: str | os.PathLike, socket_dir: str):
+    """The nbclient client that runs `nb` in a fresh `python3` kernel, working directory `path`."""
+    import nbclient
+
+    return nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                                   resources={"metadata": {"path": str(path)}}, config=kernel_config(socket_dir))
+
+
 def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = None,
             figures_dir: str | os.PathLike | None = None, platform: str = "cpu", timeout: int = 1800,
             xla_flags: str = ""):
@@ -104,7 +124,6 @@ def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = No
     xla_flags: the kernel's XLA_FLAGS.
     Returns the executed notebook (nbformat node).
     """
-    import nbclient
     import nbformat
 
     src = notebook_path(name)
@@ -121,12 +140,13 @@ def execute(name: str, *, smoke: bool, output_dir: str | os.PathLike | None = No
     rc.write_text(f"figure.dpi: {DPI}\n")
     env = kernel_env(smoke=smoke, platform=platform, tmpdir=tmp, xla_flags=xla_flags)
     env["MATPLOTLIBRC"] = str(rc)
-    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                                     resources={"metadata": {"path": str(target.parent)}})
+    sockets = tempfile.mkdtemp(prefix="zk_")   # short: a Unix socket path has at most ~100 characters
+    client = notebook_client(nb, timeout=timeout, path=target.parent, socket_dir=sockets)
     try:
         client.execute(env=env)            # raises CellExecutionError on the first failing cell
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
     nb.metadata["run_notebooks"] = {"smoke": smoke}
     check(name, nb)
 

@@ -41,3 +41,35 @@ def test_trains_and_cached_decoding_equals_recomputation(encoder, decoder, cross
     recomputed = jax.jit(train.recomputed_logits, static_argnums=3)(params, batch["inputs"], tokens, config)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(recomputed), **F32_MODEL)
     np.testing.assert_array_equal(np.asarray(jnp.argmax(recomputed, -1)), np.asarray(tokens))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--encoder", "cross_graph"], "--encoder 'cross_graph' cannot be the encoder self-attention; choose one of"),
+    (["--decoder", "nope"], "--decoder 'nope' is not a mechanism; choose one of"),
+    (["--cross", "window_graph"], "--cross 'window_graph' cannot be the cross-attention; choose one of"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--examples", "0"], "--examples must be 1 to 992"),
+    (["--examples", "993"], "--examples must be 1 to 992"),
+])
+def test_bad_arguments_are_one_error_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and ": error: " + message in err[-1], err
+
+
+def test_the_command_runs_by_path_from_any_folder(tmp_path):
+    # Without the repository on PYTHONPATH and from another folder: the script finds its own packages
+    # (the bad --steps shows it got as far as its argument checks, after every import).
+    import os
+    import subprocess
+    import sys
+
+    from tests.environment import ROOT, command_env
+
+    env = {k: v for k, v in command_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "wmt" / "train.py"), "--steps", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "train.py: error: --steps must be >= 1, got 0" in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == []
+    assert "`python -m examples.wmt.train` from the repository root only" in train.__doc__

@@ -107,3 +107,21 @@ def test_script_names_the_extra_when_a_package_is_missing(monkeypatch, capsys):
     assert run_notebooks.main(["agf_filters", "--smoke"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ['error: nbclient not installed; the notebooks need the extra: pip install -e ".[notebooks]"']
+
+
+def test_the_kernel_starts_without_the_unencrypted_tcp_warning(tmp_path, capfd):
+    # The kernel talks over IPC sockets in a private folder, so ipykernel's "running over TCP without
+    # encryption" warning (printed to the inherited stderr at every start) is not raised at all.
+    import os
+    import sys
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    sockets = tmp_path / "s"
+    sockets.mkdir()
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    run_notebooks.notebook_client(nb, timeout=120, path=tmp_path, socket_dir=str(sockets)).execute(env=env)
+    assert nb.cells[0].outputs[0]["text"] == "42\n"
+    err = capfd.readouterr().err
+    assert "without encryption" not in err, err
+    assert dict(run_notebooks.kernel_config(str(sockets)))["KernelManager"]["transport"] == "ipc"
+    assert list(sockets.iterdir()) == []   # the socket files are removed with the kernel

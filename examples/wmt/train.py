@@ -5,22 +5,34 @@ The data are made in memory by `zoo_core.data.number_words.make_example` (no dow
 build). Decoding follows flax's convention: `initialize_cache` runs `init` of the `decode=True` model
 on the full target length, and each step applies the decoder to one token with `mutable=['cache']`.
 
-    python -m examples.wmt.train --encoder favor --decoder linear --cross cross_graph --steps 300
+    python examples/wmt/train.py --encoder favor --decoder linear --cross cross_graph --steps 300
+
+Run it by its path from any folder (it puts its repository first on `sys.path`), or as
+`python -m examples.wmt.train` from the repository root only: `examples` is not an installed package.
 """
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 from typing import Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:   # run by path: `examples` and this checkout's packages importable
+    sys.path.insert(0, str(REPO))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from examples.wmt.models import Transformer, TransformerConfig, shift_right
-from zoo_core.data import number_words
+from examples.wmt.models import Transformer, TransformerConfig, shift_right  # noqa: E402 - after the path
+from zoo_core import attention  # noqa: E402
+from zoo_core.data import number_words  # noqa: E402
 
 BOS = number_words.BOS_ID
+NUMBERS = 1000   # the numbers the command draws its training and test examples from
+TEST_EXAMPLES = 8
 
 # Small options for the mechanisms whose defaults are sized for long sequences.
 SMALL_OPTIONS = {"favor": (("num_features", 16),), "window_graph": (("window", 2),),
@@ -122,22 +134,44 @@ def train(config: TransformerConfig, batch: dict, *, steps: int, learning_rate: 
     return params, losses
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command's arguments; a mechanism outside its role, or a count out of range, is a usage error
+    (exit 2, one `error:` line) before anything is built."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--encoder", default="agf")
-    parser.add_argument("--decoder", default="favor")
-    parser.add_argument("--cross", default="softmax")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--examples", type=int, default=256)
+    parser.add_argument("--encoder", default="agf", help=f"encoder self-attention: {', '.join(attention.names('self'))}")
+    parser.add_argument("--decoder", default="favor",
+                        help=f"decoder causal self-attention: {', '.join(attention.names('causal', 'decode'))}")
+    parser.add_argument("--cross", default="softmax", help=f"cross-attention: {', '.join(attention.names('cross'))}")
+    parser.add_argument("--steps", type=int, default=300, help="Adam steps (>= 1)")
+    parser.add_argument("--examples", type=int, default=256,
+                        help=f"training examples (1 to {NUMBERS - TEST_EXAMPLES}; {TEST_EXAMPLES} more are decoded)")
     args = parser.parse_args(argv)
+    roles = (("--encoder", args.encoder, ("self",), "encoder self-attention"),
+             ("--decoder", args.decoder, ("causal", "decode"), "decoder (causal self-attention with a decode cache)"),
+             ("--cross", args.cross, ("cross",), "cross-attention"))
+    for flag, name, needs, role in roles:
+        if name not in attention.names(*needs):
+            what = "is not a mechanism" if name not in attention.names() else f"cannot be the {role}"
+            parser.error(f"{flag} {name!r} {what}; choose one of {', '.join(attention.names(*needs))}")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.examples <= NUMBERS - TEST_EXAMPLES:
+        parser.error(f"--examples must be 1 to {NUMBERS - TEST_EXAMPLES} (numbers below {NUMBERS}, "
+                     f"{TEST_EXAMPLES} kept for decoding), got {args.examples}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     config = config_for(args.encoder, args.decoder, args.cross, dropout_rate=0.1)
-    numbers = np.random.default_rng(0).choice(1000, size=args.examples + 8, replace=False)
-    train_batch, test_batch = number_words_batch(numbers[:-8]), number_words_batch(numbers[-8:])
+    numbers = np.random.default_rng(0).choice(NUMBERS, size=args.examples + TEST_EXAMPLES, replace=False)
+    train_batch = number_words_batch(numbers[:-TEST_EXAMPLES])
+    test_batch = number_words_batch(numbers[-TEST_EXAMPLES:])
     params, losses = train(config, train_batch, steps=args.steps)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     tokens, _ = jax.jit(greedy_decode, static_argnums=(2, 3))(
         params, jnp.asarray(test_batch["inputs"]), config, test_batch["targets"].shape[1])
-    for n, ids in zip(numbers[-8:], np.asarray(tokens)):
+    for n, ids in zip(numbers[-TEST_EXAMPLES:], np.asarray(tokens)):
         print(n, "->", number_words.ids_to_text(ids, "de"))
 
 

@@ -216,3 +216,42 @@ def test_the_layer_without_dropout_takes_the_fused_path_on_a_gpu():
 
     assert not any("f32" in ops for ops in dots(True)), dots(True)
     assert any("f32" in ops for ops in dots(False)), dots(False)   # dropout keeps the XLA form
+
+
+def test_decoding_past_the_cache_is_an_error_where_the_length_is_concrete():
+    q, k, v = _inputs(t=3)
+    cache = sm.init_cache(B, 2, H, D)
+    for t in range(2):
+        cache, y = sm.softmax_step(cache, q[:, t], k[:, t], v[:, t])
+        assert np.all(np.isfinite(np.asarray(y)))
+    with pytest.raises(ValueError, match=r"cache has 2 slots .* sample\(s\) \[0, 1\] would write token 3"):
+        sm.softmax_step(cache, q[:, 2], k[:, 2], v[:, 2])
+    # A padded token is not written: the full cache still takes it, and only sample 1's real token raises.
+    sm.softmax_step(cache, q[:, 2], k[:, 2], v[:, 2], append=np.array([False, False]))
+    with pytest.raises(ValueError, match=r"sample\(s\) \[1\] would write token 3"):
+        sm.softmax_step(cache, q[:, 2], k[:, 2], v[:, 2], append=np.array([False, True]))
+    # The scan counts the tokens it writes: 3 into 2 slots raises, 2 valid of 3 (a padded one) fits.
+    with pytest.raises(ValueError, match=r"cache has 2 slots .* would write token 3"):
+        sm.softmax_scan(q, k, v, cache=sm.init_cache(B, 2, H, D))
+    y, final = sm.softmax_scan(q, k, v, cache=sm.init_cache(B, 2, H, D), mask=np.array([[1, 1, 0], [1, 0, 1]]))
+    assert final.length.tolist() == [2, 2] and np.all(np.isfinite(np.asarray(y)))
+    # Under jit the length is traced: the overflowing token's output is NaN, and check_room says why.
+    _, y = jax.jit(sm.softmax_step)(cache, q[:, 2], k[:, 2], v[:, 2])
+    assert np.all(np.isnan(np.asarray(y)))
+    with pytest.raises(ValueError, match=r"init the cache with max_length >= the tokens you decode"):
+        sm.check_room(cache)
+
+
+def test_dropin_decoding_past_its_init_length_is_an_error():
+    from zoo_core import attention
+
+    dec = attention.make("softmax", num_heads=H, qkv_features=16, causal=True, decode=True)
+    x = jnp.ones((B, 3, 16))
+    variables = dec.init(jax.random.PRNGKey(0), x)
+    params, cache = variables["params"], variables["cache"]
+    for _ in range(3):
+        y, state = dec.apply({"params": params, "cache": cache}, x[:, :1], mutable=["cache"])
+        cache = state["cache"]
+        assert np.all(np.isfinite(np.asarray(y)))
+    with pytest.raises(ValueError, match=r"cache has 3 slots \(the max_length given at init"):
+        dec.apply({"params": params, "cache": cache}, x[:, :1], mutable=["cache"])

@@ -4,7 +4,10 @@
 These tasks need data that cannot be generated or shipped (IMDB, the ACL Anthology Network pairs,
 CIFAR-10, Pathfinder), so each builder reads files that the user puts in the directory option
 `source_dir`. Splits: 'train' and 'test' are required, 'validation' is built when its file exists
-(LRA uses IMDB's test split as its text validation set; image and pathfinder carve one out of train).
+(LRA uses IMDB's test split as its text validation set; image and pathfinder carve one out of train),
+except for retrieval, whose 'validation' is required: LRA's release ships it (new_aan_pairs.eval.tsv)
+and the retrieval configs select checkpoints on it, so a missing one is reported with the others
+before any file is read, not after the other splits are prepared.
 
 Files and features (tokenisation as `lra_benchmarks/*/input_pipeline.py`, htgn.md §4.2):
 
@@ -48,7 +51,6 @@ MULTI_DATASET = True
 TEXT_VOCAB_SIZE = 257   # 0 = padding, byte b -> b + 1
 PIXEL_VOCAB_SIZE = 256  # pixel values 0..255 are the tokens
 SPLITS = ("train", "validation", "test")
-REQUIRED_SPLITS = ("train", "test")
 
 
 @dataclasses.dataclass
@@ -179,6 +181,8 @@ class _LraFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     EXT = ""
     FORMAT = ""
     NUM_CLASSES = 2
+    REQUIRED = ("train", "test")   # the splits whose files must exist; the others are built when present
+    RELEASE = ""   # where LRA's release has these files, for the missing-files message
 
     def _split_generators(self, dl_manager):
         paths = check_files(self.name, self.builder_config.source_dir)
@@ -214,6 +218,8 @@ class LraRetrieval(_LraFiles):
     EXT = ".tsv"
     FORMAT = ("one pair per line 'label<TAB>text1<TAB>text2' or LRA's AAN "
               "'label<TAB>id1<TAB>id2<TAB>text1<TAB>text2', label 0/1")
+    REQUIRED = ("train", "validation", "test")
+    RELEASE = "lra_release/tsv_data/new_aan_pairs.{train,eval,test}.tsv, renamed"
 
     def _info(self):
         c = self.builder_config
@@ -270,17 +276,24 @@ _CONFIGS = {"lra_text": LraTextConfig, "lra_retrieval": LraRetrievalConfig, "lra
 
 
 def check_files(name: str, source_dir: str | None) -> dict[str, str]:
-    """{split: path} of the files of dataset `name` in `source_dir` (validation only if present).
+    """{split: path} of the files of dataset `name` in `source_dir`: its required splits (`REQUIRED`),
+    and the others that are present. Reads no file.
 
     Raises:
-      ValueError: one line saying which files to put where, and in which format.
+      ValueError: one line naming every missing required file, which files to put where, and their format.
     """
     cls = BUILDERS[name]
-    wanted = f"DIR/train{cls.EXT} and DIR/test{cls.EXT} (optional DIR/validation{cls.EXT})"
+    files = [f"DIR/{split}{cls.EXT}" for split in cls.REQUIRED]
+    wanted = ", ".join(files[:-1]) + f" and {files[-1]}"
+    optional = [f"DIR/{split}{cls.EXT}" for split in SPLITS if split not in cls.REQUIRED]
+    if optional:
+        wanted += f" (optional {', '.join(optional)})"
+    if cls.RELEASE:
+        wanted += f" (LRA: {cls.RELEASE})"
     if source_dir is None:
         raise ValueError(f"{name} reads prepared files: pass source_dir=DIR with {wanted}, {cls.FORMAT}")
     paths = {split: os.path.join(source_dir, split + cls.EXT) for split in SPLITS}
-    missing = [paths[s] for s in REQUIRED_SPLITS if not os.path.isfile(paths[s])]
+    missing = [paths[s] for s in cls.REQUIRED if not os.path.isfile(paths[s])]
     if missing:
         raise ValueError(f"{name}: missing {', '.join(missing)}; put {wanted} there (source_dir={source_dir!r}), "
                          f"{cls.FORMAT}")

@@ -1,22 +1,28 @@
 """The training order of `pipeline.train_batches` as numpy arrays: grain's index shuffle, vectorised.
 
 `grain.MapDataset.range(n).shuffle(seed).repeat()` puts example `index_shuffle(i, n - 1, seed + e, 4)` at
-position i of epoch e. Grain computes it one Python call per example (a few microseconds each: the
-limit of a 256-example batch). This module computes a whole epoch at once with the same cipher
-(grain's `index_shuffle.cc`: a Simon block cipher on B = max(16, ceil(log2(max_index))) rounded-up-even
-bits, keyed by `std::seed_seq{seed}`, cycle-walked into [0, max_index]); `tests/zoo_core/data/
-shuffle_test.py` checks it equal to grain's function element by element.
+position i of epoch e. Grain computes it one Python call per example (a few microseconds each, and up to
+~100 us when n is far below 2**16: each call walks ~2**16 / n encryptions). This module computes a whole
+epoch at once with the same cipher (grain's `index_shuffle.cc`: a Simon block cipher on
+B = max(16, ceil(log2(max_index))) rounded-up-even bits, keyed by `std::seed_seq{seed}`, cycle-walked into
+[0, max_index]), in one of two ways:
+  * n > 2**16 (2**B < 4n): encrypt [0, n) and re-encrypt the few values outside [0, n) (`index_shuffle`);
+  * n <= 2**16 (B = 16, so 2**B may be thousands of times n): the cipher as a table over all 2**16 blocks,
+    then each start's first value in [0, n) along its cycle by pointer doubling (`_table_walk`): about
+    log2(2**16 / n) whole-table gathers and a few [n] ones, not one Python step per encryption.
+`tests/zoo_core/data/shuffle_test.py` checks both equal to grain's function element by element and to
+grain's dataset order. Grain's quirk is copied too: for n = 2**k + 1 with k even and >= 16, index 2**k does
+not fit the k-bit block, so its "permutation" repeats one example and leaves one out.
 """
 from __future__ import annotations
 
 import math
 
-from grain.experimental import index_shuffle as grain_index_shuffle
 import numpy as np
 
-_WALK_LIMIT = 8   # above this many encryptions per example on average, the scalar C++ function
 ROUNDS = 4   # what grain's ShuffleMapDataset uses
 _M32 = 0xFFFFFFFF
+_TABLE_BITS = 16   # grain's smallest block: every n <= 2**16 shuffles in it
 
 
 def seed_seq_keys(seed: int, count: int) -> list[int]:
@@ -78,13 +84,57 @@ def index_shuffle(index: np.ndarray, max_index: int, seed: int, rounds: int = RO
     return out.astype(np.int64)
 
 
+def _simon_f8(x: np.ndarray) -> np.ndarray:
+    """Simon's round function on 8-bit halves (rotl 1 & rotl 8 ^ rotl 2; rotl 8 is the identity)."""
+    return (((x << 1) | (x >> 7)) & x) ^ ((x << 2) | (x >> 6))
+
+
+_BYTE = np.arange(256, dtype=np.uint8)
+_WORD = np.arange(1 << _TABLE_BITS, dtype=np.uint16)
+# The two half-rounds of a 16-bit block v = left << 8 | right without their key, as tables over v:
+# `left ^= f(right)` and `right ^= f(left)` (the round key is xored in after the lookup).
+_LEFT_ROUND = _WORD ^ (_simon_f8(_BYTE)[_WORD & 0xFF].astype(np.uint16) << 8)
+_RIGHT_ROUND = _WORD ^ _simon_f8(_BYTE)[_WORD >> 8].astype(np.uint16)
+
+
+def _cipher_table(seed: int, rounds: int = ROUNDS) -> np.ndarray:
+    """uint16 [2**16]: grain's 16-bit block cipher (`index_shuffle`'s one encryption) of every block."""
+    keys = [k & 0xFF for k in seed_seq_keys(seed, rounds)]
+    table = _LEFT_ROUND ^ np.uint16(keys[0] << 8)
+    for i in range(0, rounds, 2):
+        if i:
+            table = np.take(_LEFT_ROUND, table) ^ np.uint16(keys[i] << 8)
+        table = np.take(_RIGHT_ROUND, table) ^ np.uint16(keys[i + 1])
+    return table
+
+
+def _table_walk(table: np.ndarray, n: int) -> np.ndarray:
+    """int64 [n]: for each start s in [0, n), the first of table[s], table[table[s]], ... in [0, n).
+
+    Cycle walking by pointer doubling: in `jump` the nodes of [0, n) stay put and any other node x goes to
+    table[x]; squaring it (`jump[jump]`) doubles the steps a node takes, stopping in [0, n). After k
+    squarings, when 2**k is the mean walk N / n, the walks from table[s] end in a few more jumps.
+    """
+    size = len(table)
+    jump = table.astype(np.intp)
+    jump[:n] = np.arange(n)
+    spare = np.empty_like(jump)
+    for _ in range(max(0, math.ceil(math.log2(size / n)))):
+        np.take(jump, jump, out=spare, mode="clip")   # "clip": unbuffered; every index is in range
+        jump, spare = spare, jump
+    walk = table[:n].astype(np.intp)
+    for _ in range(size):   # a walk from [0, n) ends within N steps: `table` is a permutation
+        if walk.max() < n:
+            return walk.astype(np.int64)
+        walk = np.take(jump, walk)
+    raise AssertionError(f"the cipher table of {size} blocks is not a permutation")
+
+
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """int64 [n]: the example at each position of `epoch` in `range(n).shuffle(seed).repeat()`."""
     seed = (seed + epoch) % 2**32
-    if n > 1 and (1 << _block_bits(n - 1)) > _WALK_LIMIT * n:
-        # Cycle walking takes 2**B / n encryptions per example: grain's C++ loop is cheaper there.
-        return np.array([grain_index_shuffle(i, max_index=n - 1, seed=seed, rounds=ROUNDS) for i in range(n)],
-                        np.int64)
+    if 1 < n <= 1 << _TABLE_BITS:
+        return _table_walk(_cipher_table(seed), n)
     return index_shuffle(np.arange(n), n - 1, seed)
 
 

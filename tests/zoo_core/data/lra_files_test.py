@@ -118,5 +118,25 @@ def test_malformed_lines_name_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"bad/train\.tsv, line 2: label b'7' is not an integer in \[0, 2\)"):
         _build("lra_text", tmp_path, source_dir=str(src))
     _write(src / "train.tsv", "1\tone\ttwo\n1\tonly one\n")
+    _write(src / "validation.tsv", "0\ta\tb\n")   # required by retrieval
     with pytest.raises(ValueError, match=r"train\.tsv, line 2: expected 'label<TAB>text1<TAB>text2'"):
         _build("lra_retrieval", tmp_path, source_dir=str(src))
+
+
+def test_retrieval_names_every_missing_file_before_reading_any(tmp_path):
+    # LRA's release ships train/eval/test pairs and the configs select on validation: all three are
+    # required, checked when the builder is made, so a malformed train.tsv is not even read.
+    src = tmp_path / "aan"
+    _write(src / "train.tsv", "7\tnot a pair\n")
+    _write(src / "test.tsv", "0\ta\tb\n")
+    prepared = tmp_path / "prepared"
+    with pytest.raises(ValueError, match=r"lra_retrieval: missing \S*aan/validation\.tsv; put DIR/train\.tsv, "
+                       r"DIR/validation\.tsv and DIR/test\.tsv \(LRA: \S*new_aan_pairs\.\{train,eval,test\}\.tsv, renamed\) there"):
+        zoo_data.make_builder("lra_retrieval", str(prepared), source_dir=str(src))
+    (src / "test.tsv").unlink()
+    with pytest.raises(ValueError, match=r"missing \S*aan/validation\.tsv, \S*aan/test\.tsv; put") as e:
+        zoo_data.make_builder("lra_retrieval", str(prepared), source_dir=str(src))
+    assert "\n" not in str(e.value) and not prepared.exists()
+    with pytest.raises(ValueError, match=r"pass source_dir=DIR with DIR/train\.tsv, DIR/validation\.tsv and "
+                       r"DIR/test\.tsv \(LRA: "):
+        zoo_data.make_builder("lra_retrieval", str(prepared))

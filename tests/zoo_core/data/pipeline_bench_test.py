@@ -51,3 +51,29 @@ def test_a_config_that_does_not_exist_is_named():
         bench_pipeline.load_config("configs/agf/nothing.py", tiny=True)
     config = bench_pipeline.load_config("configs/samovar/synthetic_var.py:kind=lintrans", tiny=True)
     assert config.model.kind == "lintrans" and config.total_steps == 2   # the argument and the smoke variant
+
+
+def test_synthetic_splits_time_the_memory_path(tmp_path, capsys):
+    out = tmp_path / "synthetic.json"
+    result = bench_pipeline.main(["--synthetic", "40,100", "--batch_size", "8", "--seconds", "0.1", "--warmup", "1",
+                                  "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [(r["config"], r["examples"], r["batch_size"]) for r in result["records"]] == [
+        ("synthetic:40", 40, 8), ("synthetic:100", 100, 8)]
+    for record in result["records"]:
+        rate = record["paths"]["memory"]
+        assert set(record["paths"]) == {"memory"} and rate["batches"] > 0 and rate["batches_per_cpu_s"] > 0
+        assert len(record["load_before"]) == len(record["load_after"]) == 3
+    printed = capsys.readouterr().out
+    assert "synthetic:100: 100 examples, batch 8: memory" in printed and "per CPU-second); load average" in printed
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--synthetic", "8", "--batch_size", "16"], "--synthetic: 8 examples < --batch_size 16"),
+    (["--synthetic", "0"], "--synthetic"),
+    (["--synthetic", "40", "--config", "configs/agf/lra_listops.py"], "give it or --config, not both"),
+])
+def test_bad_synthetic_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_pipeline.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -33,3 +33,20 @@ def test_order_is_grains_repeated_shuffle(n, seed):
     order = shuffle.Order(n, seed)
     for start, stop in [(0, 5), (n - 3, n + 4), (3 * n - 1, 5 * n + 2), (2, 3)]:   # epoch boundaries, 2+ epochs
         np.testing.assert_array_equal(order.positions(start, stop), [stream[i] for i in range(start, stop)])
+
+
+# Fixed random sizes: two in the 16-bit block (the table walk), one above it (index_shuffle's walk).
+_RANDOM_N = [int(x) for x in np.random.default_rng(43).integers([6, 6, 2**16 + 1], [2**16, 2**16, 2**18])]
+
+
+@pytest.mark.parametrize("n,seed", list(zip([1, 2, 3, 5, 17, 270, 1000, 4096, 4097, 20000] + _RANDOM_N,
+                                            [0, 7, 2**32 - 1, 1, 2**31, 2**32 - 1, 0, 12345, 7, 2**32 - 1, 3, 99, 0])))
+def test_epoch_permutation_is_grains_shuffled_dataset(n, seed):
+    # Against grain's own dataset (not its index function): epochs 0 and 1 (seed + 1, wrapping at 2**32).
+    stream = grain.MapDataset.range(n).shuffle(seed=seed).repeat()
+    rng = np.random.default_rng(n)
+    positions = np.arange(n) if n <= 5000 else np.unique(np.r_[0, n - 1, rng.integers(0, n, 1500)])
+    for epoch in (0, 1):
+        got = shuffle.epoch_permutation(n, seed, epoch)
+        assert got.dtype == np.int64 and got.shape == (n,)
+        np.testing.assert_array_equal(got[positions], [stream[epoch * n + int(i)] for i in positions])
