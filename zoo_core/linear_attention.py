@@ -375,6 +375,25 @@ def causal_scan(q: Array, k: Array, v: Array, *, state: Optional[LinearState] = 
     return _guard(poisoned, num, den, final)
 
 
+def summary(k: Array, v: Array, *, mask: Optional[Array] = None,
+            denominator: bool = False) -> LinearState:
+    """The state a block of keys and values adds: `num = sum_s k_s v_s^T` `[B, H, D, M]`, `den =
+    sum_s k_s` `[B, H, D]` (or None), over the valid positions (`mask` `[B, S]`, padding removed with
+    `jnp.where`), in the accumulation dtype. Summaries of disjoint blocks add: the fold of context
+    parallelism (`zoo_core.context_parallel`) and of the global form below."""
+    acc = acc_dtype(k, v)
+    k, v = masking.zero_padding(k.astype(acc), mask), masking.zero_padding(v.astype(acc), mask)
+    return LinearState(jnp.einsum("bshd,bshm->bhdm", k, v), jnp.sum(k, axis=1) if denominator else None)
+
+
+def read(q: Array, state: LinearState, *, query_mask: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
+    """What queries q `[B, T, H, D]` read from a state: `num_t = q_t S` `[B, T, H, M]`, `den_t = q_t .
+    z` `[B, T, H]` (None without `state.den`); padded queries (`query_mask` False) read 0."""
+    q = masking.zero_padding(q.astype(acc_dtype(q, state.num)), query_mask)
+    num = jnp.einsum("bthd,bhdm->bthm", q, state.num)
+    return num, None if state.den is None else jnp.einsum("bthd,bhd->bth", q, state.den)
+
+
 def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
               query_mask: Optional[Array] = None,
               denominator: bool = False) -> tuple[Array, Optional[Array]]:
@@ -384,8 +403,8 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
         den_t = q_t . sum_s k_s                                         (with `denominator`)
 
     the non-causal form of Katharopoulos et al. 2020 ("Transformers are RNNs"), eq. (4)-(5), with
-    the feature map left to the caller. Queries and keys may have different lengths (cross-attention:
-    T queries, S keys). O((T + S) D M) time, O(D M) for the summary S.
+    the feature map left to the caller: `read(q, summary(k, v))`. Queries and keys may have different
+    lengths (cross-attention: T queries, S keys). O((T + S) D M) time, O(D M) for the summary S.
 
     Masking is NaN-safe: padded keys and values (`mask` False) and padded queries (`query_mask`
     False) are replaced by 0 with `jnp.where` before any product, so whatever they hold changes no
@@ -408,9 +427,5 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
     masking.check_mask(mask, k.shape[:2], "mask", "[B, S]")
     masking.check_mask(query_mask, q.shape[:2], "query_mask", "[B, T]")
     acc = acc_dtype(q, k, v)
-    q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
-    k, v = masking.zero_padding(k, mask), masking.zero_padding(v, mask)
-    q = masking.zero_padding(q, query_mask)
-    num = jnp.einsum("bthd,bhdm->bthm", q, jnp.einsum("bshd,bshm->bhdm", k, v))
-    den = jnp.einsum("bthd,bhd->bth", q, jnp.sum(k, axis=1)) if denominator else None
-    return num, den
+    return read(q.astype(acc), summary(k.astype(acc), v, mask=mask, denominator=denominator),
+                query_mask=query_mask)

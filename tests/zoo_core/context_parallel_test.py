@@ -1,0 +1,142 @@
+"""Context parallelism (zoo_core/context_parallel.py): a sequence split over a `sequence` mesh axis gives
+the single-device numbers, values and gradients, NaN-safety included, and moves a number of bytes that
+does not grow with the length."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tests.environment import command_env
+from zoo_core import context_parallel, linear_attention
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+B, T, H, D, M, CHUNK = 2, 24, 2, 4, 3, 5
+
+
+def _inputs(seed=0, t=T):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.nn.elu(jax.random.normal(ks[0], (B, t, H, D))) + 1
+    k = jax.nn.elu(jax.random.normal(ks[1], (B, t, H, D))) + 1
+    v = jax.random.normal(ks[2], (B, t, H, M))
+    mask = np.arange(t)[None] < np.array([[t], [t - 7]])
+    return q, k, v, mask
+
+
+def _mesh(p, axis_type=jax.sharding.AxisType.Auto):
+    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(axis_type,))
+
+
+def _assert_grads_equal(form, mesh, q, k, v, mask):
+    """Gradients in float64: the float32 sums' rounding, amplified by the loss, is not the question."""
+    with jax.enable_x64(True):
+        q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+        grads = jax.jit(jax.grad(_loss(form(mesh, mask)), argnums=(0, 1, 2)))(q, k, v)
+        assert_trees_close(grads, jax.grad(_loss(form(None, mask)), argnums=(0, 1, 2))(q, k, v), **F64)
+
+
+def _loss(fn):
+    def loss(q, k, v):
+        num, den = fn(q, k, v)
+        return jnp.sum(jnp.sin(num)) + jnp.sum(jnp.cos(den))
+    return loss
+
+
+def _causal(mesh, mask):
+    if mesh is None:
+        return lambda q, k, v: linear_attention.causal_chunked(q, k, v, chunk_size=CHUNK, mask=mask,
+                                                                denominator=True)[:2]
+    return lambda q, k, v: context_parallel.causal(q, k, v, chunk_size=CHUNK, mesh=mesh, mask=mask,
+                                                   denominator=True)
+
+
+def _noncausal(mesh, mask):
+    if mesh is None:
+        return lambda q, k, v: linear_attention.noncausal(q, k, v, mask=mask, query_mask=mask, denominator=True)
+    return lambda q, k, v: context_parallel.noncausal(q, k, v, mesh=mesh, mask=mask, query_mask=mask,
+                                                      denominator=True)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("form", [_causal, _noncausal], ids=["causal", "noncausal"])
+def test_two_shards_equal_one_device(form, axis_type):
+    q, k, v, mask = _inputs()
+    mesh = _mesh(2, getattr(jax.sharding.AxisType, axis_type))
+    expected, actual = form(None, mask), jax.jit(form(mesh, mask))
+    assert_trees_close(actual(q, k, v), expected(q, k, v), **F32_SIMPLE)
+    _assert_grads_equal(form, mesh, q, k, v, mask)
+
+
+@pytest.mark.parametrize("form", [_causal, _noncausal], ids=["causal", "noncausal"])
+def test_nan_in_padding_changes_nothing_and_a_nan_key_reaches_only_later_shards(form):
+    q, k, v, mask = _inputs(1)
+    mesh = _mesh(2)
+    fn = jax.jit(form(mesh, mask))
+    clean = fn(q, k, v)
+    dirty = [jnp.where(~mask[..., None, None], jnp.nan, x) for x in (q, k, v)]
+    assert_trees_close(fn(*dirty), clean, **F32_SIMPLE)
+    if form is _causal:   # a non-finite valid key in the first shard: NaN from there on, as the recurrence gives
+        bad = k.at[0, 3, 1, 0].set(jnp.nan)
+        num, den = fn(q, bad, v)
+        ref_num, ref_den = form(None, mask)(q, bad, v)
+        np.testing.assert_array_equal(np.isnan(num), np.isnan(ref_num))
+        np.testing.assert_array_equal(np.isnan(den), np.isnan(ref_den))
+        assert np.isnan(num[0, T - 1, 1]).all() and np.isfinite(num[0, :3]).all() and np.isfinite(num[1]).all()
+
+
+def test_bad_layout_is_one_line():
+    q, k, v, _ = _inputs(t=T + 1)
+    with pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
+        context_parallel.causal(q, k, v, chunk_size=CHUNK, mesh=_mesh(2))
+    with pytest.raises(ValueError, match="the mesh has no axis 'seq'"):
+        context_parallel.noncausal(q, k, v, mesh=_mesh(2), axis_name="seq")
+
+
+def test_bytes_between_devices_do_not_grow_with_the_length():
+    """Forward and backward of the causal form at T and 4T over 2 devices: the collectives move the
+    same bytes (the summaries' all-gather and its transpose), where jit's own partitioning of the
+    unsharded form moves bytes in proportion to T."""
+    mesh = _mesh(2)
+
+    def moved(fn, t):
+        s = jax.ShapeDtypeStruct((1, t, H, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, "sequence")))
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v)[0])
+        return collective_bytes(jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(s, s, s).compile().as_text())
+
+    ours = [moved(lambda q, k, v: context_parallel.causal(q, k, v, chunk_size=64, mesh=mesh), t)
+            for t in (1024, 4096)]
+    auto = [moved(lambda q, k, v: linear_attention.causal_chunked(q, k, v, chunk_size=64), t) for t in (1024, 4096)]
+    assert 0 < ours[0] and ours[1] <= 1.5 * ours[0], ours
+    assert auto[1] >= 3 * auto[0] and ours[1] < auto[1], (ours, auto)
+
+
+def test_up_to_eight_shards_equal_one_device():
+    """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
+    env = command_env()
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=8"])
+    out = subprocess.run([sys.executable, "-m", "tests.zoo_core.context_parallel_test"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
+
+
+def _check_all_shard_counts():
+    q, k, v, mask = _inputs(2, t=48)
+    for p in (1, 2, 4, 8):
+        for form in (_causal, _noncausal):
+            expected = form(None, mask)
+            assert_trees_close(jax.jit(form(_mesh(p), mask))(q, k, v), expected(q, k, v), **F32_SIMPLE)
+            _assert_grads_equal(form, _mesh(p), q, k, v, mask)
+        print(f"P={p}")
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+    _check_all_shard_counts()
