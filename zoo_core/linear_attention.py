@@ -505,13 +505,13 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
 
 
 # Chunk length of the causal passes that make the packed global form.
-_SEGMENT_CHUNK = 64
+SEGMENT_CHUNK = 64
 
 
 def _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids):
     """`noncausal` per packed document: forward + backward inclusive causal sums - the diagonal."""
     flip = lambda x: None if x is None else jnp.flip(x, axis=1)
-    kwargs = dict(chunk_size=_SEGMENT_CHUNK, denominator=denominator)
+    kwargs = dict(chunk_size=SEGMENT_CHUNK, denominator=denominator)
     fwd_num, fwd_den, _ = causal_chunked_batched(q, k, v, mask=mask, segment_ids=segment_ids, **kwargs)
     bwd_num, bwd_den, _ = causal_chunked_batched(flip(q), flip(k), flip(v), mask=flip(mask),
                                                  segment_ids=flip(segment_ids), **kwargs)

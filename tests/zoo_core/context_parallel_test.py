@@ -29,16 +29,30 @@ def _inputs(seed=0, t=T):
     return q, k, v, mask
 
 
+def _packed(t=T):
+    """Documents of lengths that cross every shard boundary for P up to 8 (and padding between)."""
+    ids = np.zeros((B, t), np.int32)
+    for b, lengths in enumerate(([5, 9, 2, 7], [1, 10, 3, 4])):
+        pos = 0
+        for doc, n in enumerate(lengths * t):
+            if pos >= t:
+                break
+            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0     # every fourth run is padding
+            pos += n
+    return ids
+
+
 def _mesh(p, axis_type=jax.sharding.AxisType.Auto):
     return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(axis_type,))
 
 
-def _assert_grads_equal(form, mesh, q, k, v, mask):
+def _assert_grads_equal(form, mesh, q, k, v, mask, segment_ids=None):
     """Gradients in float64: the float32 sums' rounding, amplified by the loss, is not the question."""
     with jax.enable_x64(True):
         q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-        grads = jax.jit(jax.grad(_loss(form(mesh, mask)), argnums=(0, 1, 2)))(q, k, v)
-        assert_trees_close(grads, jax.grad(_loss(form(None, mask)), argnums=(0, 1, 2))(q, k, v), **F64)
+        grads = jax.jit(jax.grad(_loss(form(mesh, mask, segment_ids)), argnums=(0, 1, 2)))(q, k, v)
+        expected = jax.jit(jax.grad(_loss(form(None, mask, segment_ids)), argnums=(0, 1, 2)))(q, k, v)
+        assert_trees_close(grads, expected, **F64)
 
 
 def _loss(fn):
@@ -48,29 +62,47 @@ def _loss(fn):
     return loss
 
 
-def _causal(mesh, mask):
+def _causal(mesh, mask, segment_ids=None):
     if mesh is None:
         return lambda q, k, v: linear_attention.causal_chunked(q, k, v, chunk_size=CHUNK, mask=mask,
-                                                                denominator=True)[:2]
+                                                                denominator=True, segment_ids=segment_ids)[:2]
     return lambda q, k, v: context_parallel.causal(q, k, v, chunk_size=CHUNK, mesh=mesh, mask=mask,
-                                                   denominator=True)
+                                                   denominator=True, segment_ids=segment_ids)
 
 
-def _noncausal(mesh, mask):
+def _noncausal(mesh, mask, segment_ids=None):
     if mesh is None:
-        return lambda q, k, v: linear_attention.noncausal(q, k, v, mask=mask, query_mask=mask, denominator=True)
+        return lambda q, k, v: linear_attention.noncausal(q, k, v, mask=mask, query_mask=mask, denominator=True,
+                                                          segment_ids=segment_ids)
     return lambda q, k, v: context_parallel.noncausal(q, k, v, mesh=mesh, mask=mask, query_mask=mask,
-                                                      denominator=True)
+                                                      denominator=True, segment_ids=segment_ids)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("form", [_causal, _noncausal], ids=["causal", "noncausal"])
-def test_two_shards_equal_one_device(form, axis_type):
+def test_two_shards_equal_one_device(form, axis_type, packed):
     q, k, v, mask = _inputs()
+    ids = _packed() if packed else None
     mesh = _mesh(2, getattr(jax.sharding.AxisType, axis_type))
-    expected, actual = form(None, mask), jax.jit(form(mesh, mask))
+    expected, actual = jax.jit(form(None, mask, ids)), jax.jit(form(mesh, mask, ids))
     assert_trees_close(actual(q, k, v), expected(q, k, v), **F32_SIMPLE)
-    _assert_grads_equal(form, mesh, q, k, v, mask)
+    _assert_grads_equal(form, mesh, q, k, v, mask, ids)
+
+
+def test_packed_documents_across_shards_equal_each_document_alone():
+    """The packed single-device forms are tested equal to separate documents in packing_test; here a
+    document that spans the shard boundary, computed sharded, equals it computed alone."""
+    q, k, v, mask = _inputs(4)
+    ids = _packed()
+    for form in (_causal, _noncausal):
+        num, den = jax.jit(form(_mesh(2), None, ids))(q, k, v)
+        for b in range(B):
+            doc = ids[b, T // 2]
+            idx = np.flatnonzero(ids[b] == doc)
+            assert idx[0] < T // 2 <= idx[-1] or doc == 0
+            alone = form(None, None)(q[b:b + 1, idx], k[b:b + 1, idx], v[b:b + 1, idx])
+            assert_trees_close((num[b, idx], den[b, idx]), (alone[0][0], alone[1][0]), **F32_SIMPLE)
 
 
 @pytest.mark.parametrize("form", [_causal, _noncausal], ids=["causal", "noncausal"])
@@ -131,9 +163,10 @@ def _check_all_shard_counts():
     q, k, v, mask = _inputs(2, t=48)
     for p in (1, 2, 4, 8):
         for form in (_causal, _noncausal):
-            expected = form(None, mask)
-            assert_trees_close(jax.jit(form(_mesh(p), mask))(q, k, v), expected(q, k, v), **F32_SIMPLE)
-            _assert_grads_equal(form, _mesh(p), q, k, v, mask)
+            for ids in (None, _packed(48)):
+                expected = jax.jit(form(None, mask, ids))
+                assert_trees_close(jax.jit(form(_mesh(p), mask, ids))(q, k, v), expected(q, k, v), **F32_SIMPLE)
+                _assert_grads_equal(form, _mesh(p), q, k, v, mask, ids)
         print(f"P={p}")
 
 
