@@ -148,6 +148,17 @@ def test_bytes_between_devices_do_not_grow_with_the_length():
     assert auto[1] >= 3 * auto[0] and ours[1] < auto[1], (ours, auto)
 
 
+def test_the_benchmark_records_memory_bytes_and_time(tmp_path):
+    from benchmarks import context_parallel as bench_cp
+
+    rows = bench_cp.main(["--lengths", "128", "--shards", "1,2", "--heads", "1", "--head_dim", "4", "--chunk", "16",
+                          "--time_up_to", "128", "--cases", "linear,auto", "--out", str(tmp_path / "cp.json")])
+    assert [(r["case"], r["shards"]) for r in rows] == [("linear", 1), ("linear", 2), ("auto", 1), ("auto", 2)]
+    sharded = rows[1]
+    assert sharded["moved_bytes"] > 0 and sharded["memory"]["total_bytes"] > 0 and sharded["time"]["median_s"] > 0
+    assert (tmp_path / "cp.json").exists()
+
+
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
     env = command_env()
