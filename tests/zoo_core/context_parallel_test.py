@@ -170,6 +170,61 @@ def test_up_to_eight_shards_equal_one_device():
     assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
 
 
+def test_two_processes_split_one_sequence():
+    """jax.distributed over 2 local processes of 2 CPU devices each: the sequence axis spans the
+    processes, and both get the single-device numbers, values and gradients, packed and not."""
+    port = _free_port()
+    env = command_env()
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=2"])
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.zoo_core.context_parallel_test", str(i), str(port)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        assert out.split()[-1] == "ok", out
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_two_processes(process_id: int, port: int):
+    from jax.experimental import multihost_utils
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    assert jax.device_count() == 4 and jax.process_count() == 2
+    mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P(None, "sequence"))
+    jax.config.update("jax_enable_x64", True)    # gradients in float64, as in the one-process tests
+    q, k, v = (np.asarray(x, np.float64) for x in _inputs(5)[:3])
+    mask = _inputs(5)[3]
+    glob = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    gather = lambda tree: jax.tree_util.tree_map(
+        lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+    local = jax.local_devices()[0]
+    for form in (_causal, _noncausal):
+        for ids in (None, _packed()):
+            # mask and ids are arguments: a jitted function may not close over arrays of other processes
+            run = jax.jit(lambda q, k, v, m, i: form(mesh, m, i)(q, k, v))
+            grads = jax.jit(lambda q, k, v, m, i: jax.grad(_loss(form(mesh, m, i)), argnums=(0, 1, 2))(q, k, v))
+            args = [glob(x) for x in (q, k, v)] + [glob(mask), None if ids is None else glob(ids)]
+            with jax.default_device(local):
+                expected = form(None, mask, ids)
+                want = jax.jit(expected)(q, k, v)
+                want_grads = jax.jit(jax.grad(_loss(expected), argnums=(0, 1, 2)))(q, k, v)
+            assert_trees_close(gather(run(*args)), want, **F64)
+            assert_trees_close(gather(grads(*args)), want_grads, **F64)
+    jax.distributed.shutdown()
+    print("ok")
+
+
 def _check_all_shard_counts():
     q, k, v, mask = _inputs(2, t=48)
     for p in (1, 2, 4, 8):
@@ -182,5 +237,8 @@ def _check_all_shard_counts():
 
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
-    _check_all_shard_counts()
+    if len(sys.argv) == 3:
+        _check_two_processes(int(sys.argv[1]), int(sys.argv[2]))
+    else:
+        assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+        _check_all_shard_counts()
