@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from zoo_core import masking, xla_forms
+from zoo_core import masking, packing, xla_forms
 from zoo_core.checks import check_int
 
 Array = jax.Array
@@ -76,12 +76,15 @@ def init_state(batch_size: int, num_heads: int, key_dim: int, value_dim: int, *,
     return LinearState(num, den)
 
 
-def _check(q: Array, k: Array, v: Array, mask: Optional[Array], rank: int) -> None:
-    """Structural asserts on q, k, v (the layers build them); the user-given mask's shape check."""
+def _check(q: Array, k: Array, v: Array, mask: Optional[Array], rank: int,
+           segment_ids: Optional[Array] = None) -> None:
+    """Structural asserts on q, k, v (the layers build them); the user-given mask's and segment ids'
+    shape checks."""
     assert q.ndim == rank and k.shape == q.shape and v.shape[:-1] == q.shape[:-1], (
         f"causal linear attention expects q [B, T, H, D] (or [B, H, D] for a step), k like q, "
         f"v [..., M]; got q {q.shape}, k {k.shape}, v {v.shape}")
     masking.check_mask(mask, q.shape[:2])
+    packing.check_segment_ids(segment_ids, q.shape[:2])
 
 
 def _check_state(state: LinearState, q: Array, v: Array, denominator: bool) -> None:
@@ -95,12 +98,15 @@ def _check_state(state: LinearState, q: Array, v: Array, denominator: bool) -> N
         raise ValueError(f"state.den must be [B, H, D] = {(b, h, d)}, got {tuple(state.den.shape)}")
 
 
-def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array]):
+def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array], segment_ids: Optional[Array] = None):
     """Casts to the accumulation dtype and removes padding and non-finite keys/values with `where`.
 
     Returns (q, k, v, poisoned) where poisoned `[B, T, H]` is True at and after the first valid
-    position whose key or value is not finite (see the module docstring).
+    position whose key or value is not finite (see the module docstring); with `segment_ids` (0 =
+    padding), only within that position's document.
     """
+    if segment_ids is not None:
+        mask = packing.valid(segment_ids, mask)
     acc = acc_dtype(q, k, v)
     q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
     bad = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))   # [B, T, H]
@@ -113,6 +119,8 @@ def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array]):
         drop = bad
     k = jnp.where(drop[..., None], 0.0, k)
     v = jnp.where(drop[..., None], 0.0, v)
+    if segment_ids is not None:
+        return q, k, v, packing.poisoned(bad, packing.starts(segment_ids))
     poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
     return q, k, v, poisoned
 
@@ -138,7 +146,8 @@ def _initial(state: Optional[LinearState], q: Array, v: Array, denominator: bool
 
 
 def causal_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
-                    denominator: bool = False) -> tuple[Array, Optional[Array]]:
+                    denominator: bool = False,
+                    segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
     """Masked quadratic form `tril(Q K^T) V` (and `tril(Q K^T) 1`).
 
     Args:
@@ -147,15 +156,20 @@ def causal_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = Non
       v: `[B, T, H, M]` values.
       mask: optional `[B, T]` bool key-padding mask, True = valid.
       denominator: also return den.
+      segment_ids: optional int `[B, T]` packed documents (`zoo_core.packing`; 0 = padding): a token
+        attends only within its document.
 
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
     """
-    _check(q, k, v, mask, 4)
-    q, k, v, poisoned = _prepare(q, k, v, mask)
+    _check(q, k, v, mask, 4, segment_ids)
+    q, k, v, poisoned = _prepare(q, k, v, mask, segment_ids)
     t = q.shape[1]
     scores = jnp.einsum("bthd,bshd->bhts", q, k)
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, 0.0)
+    allowed = jnp.tril(jnp.ones((t, t), bool))
+    if segment_ids is not None:
+        allowed = allowed & packing.same_segment(segment_ids, segment_ids)[:, None]
+    scores = jnp.where(allowed, scores, 0.0)
     num = jnp.einsum("bhts,bshm->bthm", scores, v)
     den = jnp.swapaxes(jnp.sum(scores, axis=-1), 1, 2) if denominator else None
     num, den, _ = _guard(poisoned, num, den, None)
@@ -164,7 +178,8 @@ def causal_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = Non
 
 def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
                    state: Optional[LinearState] = None, mask: Optional[Array] = None,
-                   denominator: bool = False) -> tuple[Array, Optional[Array], LinearState]:
+                   denominator: bool = False,
+                   segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array], LinearState]:
     """Chunkwise form: quadratic inside chunks of C tokens, the state across them.
 
     T is zero-padded at the end to a multiple of C; padded tokens have k = v = 0, so they add nothing
@@ -181,14 +196,21 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
       chunks whose body is rematerialised (`jax.checkpoint`), so that the backward pass stores one
       state per chunk instead of the per-chunk score blocks. Memory O(T (D + M) + D M).
 
+    With `segment_ids`, every platform takes the batched form with the state cut at each document
+    start (`_chunked_segments`); `state` is read by the first document only, and the final state is
+    the last document's.
+
     Args:
-      q, k, v, mask, denominator: as in `causal_parallel`.
+      q, k, v, mask, denominator, segment_ids: as in `causal_parallel`.
       chunk_size: C >= 1 (clipped to T).
       state: optional `LinearState` of earlier tokens (zeros if None).
 
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
     """
+    if segment_ids is not None:
+        return causal_chunked_batched(q, k, v, chunk_size=chunk_size, state=state, mask=mask,
+                                      denominator=denominator, segment_ids=segment_ids)
     q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator)
     num, den, final = jax.lax.platform_dependent(q, k, v, state, cpu=functools.partial(_chunked_cpu, c),
                                                  default=functools.partial(_chunked_batched, c))
@@ -197,7 +219,8 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
 
 def causal_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
                            state: Optional[LinearState] = None, mask: Optional[Array] = None,
-                           denominator: bool = False) -> tuple[Array, Optional[Array], LinearState]:
+                           denominator: bool = False,
+                           segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array], LinearState]:
     """The accelerator form of `causal_chunked`, on any platform: no loop over chunks or heads.
 
     With chunks `Q_j, K_j, V_j` of C tokens and `S_j = sum_{i < j} K_i^T V_i` (plus the carried
@@ -209,15 +232,17 @@ def causal_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
 
     Args and Returns: as in `causal_chunked`.
     """
-    q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator)
+    q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator, segment_ids)
+    if segment_ids is not None:
+        return _guard(poisoned, *_chunked_segments(c, q, k, v, state, segment_ids))
     return _guard(poisoned, *_chunked_batched(c, q, k, v, state))
 
 
-def _chunked_inputs(q, k, v, chunk_size, state, mask, denominator):
+def _chunked_inputs(q, k, v, chunk_size, state, mask, denominator, segment_ids=None):
     """Checks and `_prepare` of the chunked forms: (q, k, v, poisoned, initial state, C)."""
     check_int("chunk_size", chunk_size, 1)   # a user-chosen argument of a public kernel
-    _check(q, k, v, mask, 4)
-    q, k, v, poisoned = _prepare(q, k, v, mask)
+    _check(q, k, v, mask, 4, segment_ids)
+    q, k, v, poisoned = _prepare(q, k, v, mask, segment_ids)
     state = _initial(state, q, v, denominator, q.dtype)
     return q, k, v, poisoned, state, max(1, min(chunk_size, q.shape[1]))
 
@@ -274,6 +299,37 @@ def _chunked_batched(c: int, q: Array, k: Array, v: Array, state: LinearState):
                + jnp.einsum("bnihd,bnhd->bnih", qc, entering_den))
         final = LinearState(final.num, entering_den[:, -1] + ksum[:, -1])
     return _from_chunks(num, den, q.shape[1]) + (final,)
+
+
+def _chunked_segments(c: int, q: Array, k: Array, v: Array, state: LinearState, segment_ids: Array):
+    """`_chunked_batched` over packed documents (`zoo_core.packing`): inside a chunk, pairs of one
+    document only; across chunks the gated chain `S_{j+1} = keep_j ? S_j + b_j : b_j`, b_j the state of
+    chunk j's last document, keep_j = no document starts in chunk j; a chunk's first document reads
+    the entering state (the others read nothing from before the chunk)."""
+    start = _to_chunks(packing.starts(segment_ids), c)                            # [B, n, C], pad: False
+    ids = _to_chunks(segment_ids, c)
+    # The end padding of the last chunk continues its last document (its k, v are 0 and its rows dropped).
+    ids = jnp.where(_to_chunks(jnp.ones_like(segment_ids, bool), c), ids, segment_ids[:, -1:, None])
+    qc, kc, vc = _to_chunks(q, c), _to_chunks(k, c), _to_chunks(v, c)             # [B, n, C, H, .]
+    allowed = jnp.tril(jnp.ones((c, c), bool)) & (ids[..., :, None] == ids[..., None, :])  # [B, n, C, C]
+    scores = jnp.where(allowed[:, :, None], jnp.einsum("bnihd,bnjhd->bnhij", qc, kc), 0.0)
+    tail = masking.expand(packing.last_segment(start, axis=2), 5)                 # [B, n, C, 1, 1]
+    kc_tail = jnp.where(tail, kc, 0.0)
+    adds = [jnp.einsum("bnjhd,bnjhm->bnhdm", kc_tail, vc)]
+    initial = [state.num]
+    if state.den is not None:
+        adds.append(jnp.sum(kc_tail, axis=2))
+        initial.append(state.den)
+    entering, final = packing.gated_prefix(~jnp.any(start, axis=2), adds, initial)
+    # `where` on the product, not on q: a NaN entering state must not reach a later document.
+    head = masking.expand(packing.first_segment(start, axis=2), 5)[..., 0]       # [B, n, C, 1]
+    num = (jnp.einsum("bnhij,bnjhm->bnihm", scores, vc)
+           + jnp.where(head[..., None], jnp.einsum("bnihd,bnhdm->bnihm", qc, entering[0]), 0.0))
+    den = None
+    if state.den is not None:
+        den = (jnp.swapaxes(jnp.sum(scores, axis=-1), 2, 3)
+               + jnp.where(head, jnp.einsum("bnihd,bnhd->bnih", qc, entering[1]), 0.0))
+    return _from_chunks(num, den, q.shape[1]) + (LinearState(final[0], final[1] if den is not None else None),)
 
 
 def _prefix_sum_fits(t: int, c: int, d: int, m: int) -> bool:
@@ -348,44 +404,70 @@ def causal_step(state: LinearState, q_t: Array, k_t: Array,
 
 
 def causal_scan(q: Array, k: Array, v: Array, *, state: Optional[LinearState] = None,
-                mask: Optional[Array] = None,
-                denominator: bool = False) -> tuple[Array, Optional[Array], LinearState]:
+                mask: Optional[Array] = None, denominator: bool = False,
+                segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array], LinearState]:
     """Recurrent form: `jax.lax.scan` of `causal_step` over the tokens.
 
     Autodiff through it stores every state (O(T D M)); train with `causal_chunked`.
 
     Args:
-      q, k, v, mask, denominator: as in `causal_parallel`.
+      q, k, v, mask, denominator, segment_ids: as in `causal_parallel` (the state is reset to zero
+        at each document start; `state` is read by the first document).
       state: optional `LinearState` of earlier tokens (zeros if None).
 
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
     """
-    _check(q, k, v, mask, 4)
-    q, k, v, poisoned = _prepare(q, k, v, mask)
+    _check(q, k, v, mask, 4, segment_ids)
+    q, k, v, poisoned = _prepare(q, k, v, mask, segment_ids)
     state = _initial(state, q, v, denominator, q.dtype)
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
+    if segment_ids is not None:
+        xs += (jnp.swapaxes(packing.starts(segment_ids), 0, 1),)
 
     def body(carry, xs):
+        if segment_ids is not None:
+            xs, start = xs[:3], xs[3]
+            carry = jax.tree_util.tree_map(lambda s: jnp.where(masking.expand(start, s.ndim), 0.0, s), carry)
         num, den, carry = causal_step(carry, *xs)
         return carry, (num, jnp.zeros((), q.dtype) if den is None else den)
 
-    final, (num, den) = jax.lax.scan(body, state, tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v)))
+    final, (num, den) = jax.lax.scan(body, state, xs)
     num = jnp.swapaxes(num, 0, 1)
     den = jnp.swapaxes(den, 0, 1) if denominator else None
     return _guard(poisoned, num, den, final)
 
 
+def summary(k: Array, v: Array, *, mask: Optional[Array] = None,
+            denominator: bool = False) -> LinearState:
+    """The state a block of keys and values adds: `num = sum_s k_s v_s^T` `[B, H, D, M]`, `den =
+    sum_s k_s` `[B, H, D]` (or None), over the valid positions (`mask` `[B, S]`, padding removed with
+    `jnp.where`), in the accumulation dtype. Summaries of disjoint blocks add: the fold of context
+    parallelism (`zoo_core.context_parallel`) and of the global form below."""
+    acc = acc_dtype(k, v)
+    k, v = masking.zero_padding(k.astype(acc), mask), masking.zero_padding(v.astype(acc), mask)
+    return LinearState(jnp.einsum("bshd,bshm->bhdm", k, v), jnp.sum(k, axis=1) if denominator else None)
+
+
+def read(q: Array, state: LinearState, *, query_mask: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
+    """What queries q `[B, T, H, D]` read from a state: `num_t = q_t S` `[B, T, H, M]`, `den_t = q_t .
+    z` `[B, T, H]` (None without `state.den`); padded queries (`query_mask` False) read 0."""
+    q = masking.zero_padding(q.astype(acc_dtype(q, state.num)), query_mask)
+    num = jnp.einsum("bthd,bhdm->bthm", q, state.num)
+    return num, None if state.den is None else jnp.einsum("bthd,bhd->bth", q, state.den)
+
+
 def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
-              query_mask: Optional[Array] = None,
-              denominator: bool = False) -> tuple[Array, Optional[Array]]:
+              query_mask: Optional[Array] = None, denominator: bool = False,
+              segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
     """Global (non-causal) linear attention, every query over every valid key.
 
         num_t = sum_s (q_t . k_s) v_s = q_t S,   S = sum_s k_s v_s^T   [B, H, D, M]
         den_t = q_t . sum_s k_s                                         (with `denominator`)
 
     the non-causal form of Katharopoulos et al. 2020 ("Transformers are RNNs"), eq. (4)-(5), with
-    the feature map left to the caller. Queries and keys may have different lengths (cross-attention:
-    T queries, S keys). O((T + S) D M) time, O(D M) for the summary S.
+    the feature map left to the caller: `read(q, summary(k, v))`. Queries and keys may have different
+    lengths (cross-attention: T queries, S keys). O((T + S) D M) time, O(D M) for the summary S.
 
     Masking is NaN-safe: padded keys and values (`mask` False) and padded queries (`query_mask`
     False) are replaced by 0 with `jnp.where` before any product, so whatever they hold changes no
@@ -398,19 +480,43 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
       mask: optional `[B, S]` bool key-padding mask, True = valid.
       query_mask: optional `[B, T]` bool query mask, True = valid.
       denominator: also return den.
+      segment_ids: optional int `[B, T]` packed documents of a self-attention (T = S; 0 = padding):
+        each query reads the sum over its own document only, computed as the inclusive causal
+        form forward plus the same backward, less the diagonal counted twice (O(T) memory, no
+        per-document table).
 
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
     """
+    if segment_ids is not None:
+        assert q.shape == k.shape and v.shape[:3] == q.shape[:3], (
+            f"packed non-causal linear attention is a self-attention: q, k [B, T, H, D], v [B, T, H, M]; "
+            f"got q {q.shape}, k {k.shape}, v {v.shape}")
+        masking.check_mask(query_mask, q.shape[:2], "query_mask", "[B, T]")
+        return _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids)
     assert q.ndim == k.ndim == v.ndim == 4 and k.shape[:1] + k.shape[2:] == q.shape[:1] + q.shape[2:] \
         and v.shape[:3] == k.shape[:3], (f"non-causal linear attention expects q [B, T, H, D], "
                                          f"k [B, S, H, D], v [B, S, H, M]; got q {q.shape}, k {k.shape}, v {v.shape}")
     masking.check_mask(mask, k.shape[:2], "mask", "[B, S]")
     masking.check_mask(query_mask, q.shape[:2], "query_mask", "[B, T]")
     acc = acc_dtype(q, k, v)
-    q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
-    k, v = masking.zero_padding(k, mask), masking.zero_padding(v, mask)
-    q = masking.zero_padding(q, query_mask)
-    num = jnp.einsum("bthd,bhdm->bthm", q, jnp.einsum("bshd,bshm->bhdm", k, v))
-    den = jnp.einsum("bthd,bhd->bth", q, jnp.sum(k, axis=1)) if denominator else None
+    return read(q.astype(acc), summary(k.astype(acc), v, mask=mask, denominator=denominator),
+                query_mask=query_mask)
+
+
+# Chunk length of the causal passes that make the packed global form.
+SEGMENT_CHUNK = 64
+
+
+def _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids):
+    """`noncausal` per packed document: forward + backward inclusive causal sums - the diagonal."""
+    flip = lambda x: None if x is None else jnp.flip(x, axis=1)
+    kwargs = dict(chunk_size=SEGMENT_CHUNK, denominator=denominator)
+    fwd_num, fwd_den, _ = causal_chunked_batched(q, k, v, mask=mask, segment_ids=segment_ids, **kwargs)
+    bwd_num, bwd_den, _ = causal_chunked_batched(flip(q), flip(k), flip(v), mask=flip(mask),
+                                                 segment_ids=flip(segment_ids), **kwargs)
+    qp, kp, vp, _ = _prepare(q, k, v, mask, segment_ids)
+    diag = jnp.einsum("bthd,bthd->bth", qp, kp)                                   # q_t . k_t  [B, T, H]
+    num = masking.zero_padding(fwd_num + flip(bwd_num) - diag[..., None] * vp, query_mask)
+    den = None if not denominator else masking.zero_padding(fwd_den + flip(bwd_den) - diag, query_mask)
     return num, den

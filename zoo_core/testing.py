@@ -117,3 +117,28 @@ def exported_program(fn, *args: Any, platform: str = "cuda") -> str:
 def while_loops(program: str) -> int:
     """How many while loops a StableHLO text holds (a `lax.scan`/`fori_loop` each lowers to one)."""
     return program.count("stablehlo.while")
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+               "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def collective_bytes(hlo_text: str) -> int:
+    """The bytes of the results of every cross-device collective (all-gather, all-reduce,
+    collective-permute, all-to-all, reduce-scatter, and their async `-start` forms counted once) in a
+    compiled program's text (`jax.jit(f).lower(...).compile().as_text()`): what one call moves between
+    devices, per device."""
+    import re
+
+    total = 0
+    for line in hlo_text.splitlines():
+        m = re.search(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(", line)
+        if not m:
+            continue
+        shapes = re.findall(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]", m.group(1))
+        if m.group(3):   # an async start returns (operands, results): count the results only
+            shapes = shapes[len(shapes) // 2:]
+        for dtype, dims in shapes:
+            total += _ITEM_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total

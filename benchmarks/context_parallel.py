@@ -1,0 +1,138 @@
+"""Context parallelism: per-device memory, bytes between devices and time against shards P and length.
+
+For each mechanism, length T and shard count P, the forward + backward (`jax.grad` of a sum) of the
+sequence split over a `sequence` mesh axis of P host devices, compiled from shapes only
+(`jax.ShapeDtypeStruct`, nothing allocated), so lengths up to 1M tokens fit this machine:
+
+* `memory`: XLA's memory analysis of the compiled SPMD program (`zoo_core.costs.memory_of`): the bytes
+  of one device's arguments, outputs and temporaries, what one device of a pod would hold;
+* `moved`: the bytes of the results of every collective in the compiled program
+  (`zoo_core.testing.collective_bytes`), what one call sends between devices;
+* `time`: measured only for T <= --time_up_to (host devices share this machine's cores, so the time
+  shows the overhead of the collectives, not a pod's speed-up).
+
+Mechanisms (docs/specs/context_parallel.md):
+
+* `linear`: causal linear attention (`zoo_core.context_parallel.causal`, LASP-2's all-gather of the
+  shards' states and a local fold), with elu+1 features on raw inputs;
+* `linear_global`: the non-causal global form (a psum of the states);
+* `linear_packed`: `linear` over packed documents of 1,000 tokens (`segment_ids`);
+* `auto`: the single-device `linear_attention.causal_chunked` with its inputs sharded along T and
+  jit's automatic partitioning deciding the collectives, the baseline.
+
+Run from the repo root (the script gives itself 8 host devices):
+
+    python -m benchmarks.context_parallel
+    python -m benchmarks.context_parallel --lengths 8192,32768 --shards 1,4 --cases linear,auto
+
+Writes benchmarks/results/context_parallel.json (or --out) and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+if "jax" not in __import__("sys").modules:   # host devices must be set before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from zoo_core import bench, checks, context_parallel, linear_attention  # noqa: E402
+from zoo_core.testing import collective_bytes  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+CASES = ("linear", "linear_global", "linear_packed", "auto")
+DOCUMENT = 1000
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
+    p.add_argument("--lengths", type=checks.positive_ints, default=[8192, 32768, 131072, 1048576])
+    p.add_argument("--shards", type=checks.positive_ints, default=[1, 2, 4, 8])
+    p.add_argument("--heads", type=checks.positive_int, default=8)
+    p.add_argument("--head_dim", type=checks.positive_int, default=64)
+    p.add_argument("--chunk", type=checks.positive_int, default=64)
+    p.add_argument("--time_up_to", type=int, default=32768, help="time the calls up to this length (0: none)")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS / "context_parallel.json")
+    args = p.parse_args(argv)
+    args.cases = checks.choice_list(p, "--cases", args.cases, CASES)
+    if max(args.shards) > jax.device_count():
+        p.error(f"--shards up to {max(args.shards)} needs that many devices; this process has {jax.device_count()}")
+    return args
+
+
+def loss_fn(case: str, mesh, t: int, chunk: int):
+    """(q, k, v) -> scalar for `case`; q, k, v `[1, T, H, D]` (features: elu + 1)."""
+    feature = lambda x: jax.nn.elu(x) + 1
+    ids = jnp.asarray(np.arange(t)[None] // DOCUMENT + 1, jnp.int32)
+
+    def loss(q, k, v):
+        q, k = feature(q), feature(k)
+        if case == "auto":
+            out = linear_attention.causal_chunked(q, k, v, chunk_size=chunk)[0]
+        elif case == "linear_global":
+            out = context_parallel.noncausal(q, k, v, mesh=mesh)[0]
+        else:
+            out = context_parallel.causal(q, k, v, chunk_size=chunk, mesh=mesh,
+                                          segment_ids=ids if case == "linear_packed" else None)[0]
+        return jnp.sum(out)
+
+    return loss
+
+
+def measure(case: str, t: int, shards: int, args) -> dict:
+    mesh = jax.make_mesh((shards,), ("sequence",), devices=jax.devices()[:shards],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P(None, "sequence"))
+    shape = jax.ShapeDtypeStruct((1, t, args.heads, args.head_dim), jnp.float32, sharding=sharding)
+    fn = jax.jit(jax.grad(loss_fn(case, mesh, t, args.chunk), argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    compiled = fn.lower(shape, shape, shape).compile()
+    row = dict(case=case, length=t, shards=shards, compile_s=round(time.perf_counter() - start, 2),
+               memory=bench.memory_of(compiled), moved_bytes=collective_bytes(compiled.as_text()))
+    if t <= args.time_up_to:
+        xs = [jax.device_put(jax.random.normal(jax.random.PRNGKey(i), shape.shape), sharding) for i in range(3)]
+        row["time"] = bench.time_jitted(fn, *xs, warmup=1, repeats=3)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"
+    out = ["| case | T | P | memory / device (MiB) | vs P=1 | moved (MiB) | median s |", "|---|---|---|---|---|---|---|"]
+    base = {(r["case"], r["length"]): r["memory"]["total_bytes"] for r in rows if r["shards"] == 1}
+    for r in rows:
+        total = r["memory"]["total_bytes"]
+        ratio = base.get((r["case"], r["length"]))
+        ratio = f"{total / ratio:.3f}" if ratio else "-"
+        timed = f"{r['time']['median_s']:.3f}" if "time" in r else "-"
+        out.append(f"| {r['case']} | {r['length']:,} | {r['shards']} | {mib(total)} | {ratio} | "
+                   f"{mib(r['moved_bytes'])} | {timed} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    rows = []
+    for case in args.cases:
+        for t in args.lengths:
+            for shards in args.shards:
+                if t % shards:
+                    continue
+                rows.append(measure(case, t, shards, args))
+                print(f"{case} T={t} P={shards}: {rows[-1]['memory']['total_bytes'] / 2**20:,.1f} MiB/device, "
+                      f"moved {rows[-1]['moved_bytes'] / 2**20:,.2f} MiB", flush=True)
+                bench.write_json(args.out, rows, meta=dict(benchmark="context_parallel", heads=args.heads,
+                                                           head_dim=args.head_dim, chunk=args.chunk,
+                                                           loadavg=os.getloadavg()))
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

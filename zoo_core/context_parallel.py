@@ -1,0 +1,198 @@
+"""Context parallelism for linear attention: one sequence split over a `sequence` mesh axis.
+
+The pattern of LASP-2 (Sun et al. 2025, arXiv 2502.07563) and of fla's context parallelism
+(docs/specs/context_parallel.md §1). A causal linear form carries a state S = sum_s k_s v_s^T; a
+shard p of the sequence, computed from a zero state, gives its outputs y_p^0 and its summary S_p
+(the state its tokens add). The state entering shard p is the exclusive fold of the summaries of
+the shards before it, here a sum (plain linear attention has the identity transition):
+
+    S_in(p) = sum_{i < p} S_i,        y_p = y_p^0 + q S_in(p)   (and den likewise)
+
+One `all_gather` of the summaries over the sequence axis and a local fold give every shard its
+S_in: O(P B H D M) bytes per call, independent of the length (autodiff turns the all-gather into
+a reduce-scatter of the same size). The non-causal global form needs one `psum` of the summaries.
+
+Each `shard_*` function is the body to run under `jax.shard_map` with q, k, v split along T on
+`axis_name`; `causal` and `noncausal` wrap them for a jit-level caller whose inputs are (or will
+be) sharded `P(batch_axis, axis_name)`. Both give the numbers of the unsharded
+`linear_attention.causal_chunked` / `noncausal`, NaN-safety included: a non-finite key or value
+makes its shard's summary NaN, which the fold passes on to every later shard, as the recurrence
+would.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zoo_core import linear_attention, masking, packing
+from zoo_core.linear_attention import LinearState
+
+Array = jax.Array
+
+
+def exclusive_fold(state: LinearState, axis_name: str) -> LinearState:
+    """Inside `shard_map`: the sum of the states of the shards before this one on `axis_name`
+    (zeros on the first). One all-gather of each leaf `[B, H, ...]` -> `[P, B, H, ...]`; the later
+    shards' entries are removed with `jnp.where` (a NaN there must not reach this shard)."""
+    index = jax.lax.axis_index(axis_name)
+
+    def fold(x):
+        gathered = jax.lax.all_gather(x, axis_name)                         # [P, B, H, ...]
+        before = jnp.arange(gathered.shape[0]) < index
+        return jnp.sum(jnp.where(before.reshape((-1,) + (1,) * x.ndim), gathered, 0), axis=0)
+
+    return jax.tree_util.tree_map(fold, state)
+
+
+def _segment_fold(local: LinearState, segment_ids: Array, axis_name: str, reverse: bool):
+    """Inside `shard_map`, packed: the state entering this shard and whether the shard's first
+    document continues the previous shard's last one (`[B]`). Each shard acts on the incoming state
+    as `keep ? S_in + b : b` (b: its last document's state `local`; keep: no document starts in it,
+    its first token included); one all-gather of (keep, b, last id) and a local gated fold in shard
+    order (`reverse`: from the last shard down)."""
+    size = jax.lax.psum(1, axis_name)
+    index = jax.lax.axis_index(axis_name)
+    position = size - 1 - index if reverse else index
+    order = (lambda x: jnp.flip(x, axis=0)) if reverse else (lambda x: x)
+    last_ids = order(jax.lax.all_gather(segment_ids[:, -1], axis_name))             # [P, B]
+    previous = jnp.take(last_ids, jnp.maximum(position - 1, 0), axis=0)
+    continues = (position > 0) & (segment_ids[:, 0] == previous)                     # [B]
+    keep = continues & ~jnp.any(packing.starts(segment_ids), axis=1)
+    gathered = [order(jax.lax.all_gather(x, axis_name)) for x in (keep,) + tuple(local)
+                if x is not None]                                                    # [P, B, ...]
+    to_b = lambda x: jnp.moveaxis(x, 0, 1)
+    adds = [to_b(x) for x in gathered[1:]]
+    entering, _ = packing.gated_prefix(to_b(gathered[0]), adds, [jnp.zeros_like(x[:, 0]) for x in adds])
+    entering = [jnp.take(x, position, axis=1) for x in entering]
+    return LinearState(entering[0], entering[1] if local.den is not None else None), continues
+
+
+def _shard_causal(q, k, v, *, axis_name, chunk_size, mask, denominator, segment_ids, reverse=False):
+    """`shard_causal`, also over the shards in reverse order (for the packed global form's
+    backward pass, on inputs flipped along T)."""
+    num, den, local = linear_attention.causal_chunked_batched(q, k, v, chunk_size=chunk_size, mask=mask,
+                                                              denominator=denominator, segment_ids=segment_ids)
+    if segment_ids is None:
+        entering = exclusive_fold(local, axis_name)
+        num_in, den_in = linear_attention.read(q, entering, query_mask=mask)
+        final = jax.tree_util.tree_map(jnp.add, entering, local)
+        return num + num_in, None if den is None else den + den_in, final
+    entering, continues = _segment_fold(local, segment_ids, axis_name, reverse)
+    start = packing.starts(segment_ids)
+    # Only the first document reads the entering state, and only if it began in an earlier shard;
+    # `where` on the product, so that a NaN state never reaches another document.
+    head = packing.first_segment(start) & continues[:, None]                         # [B, T_p]
+    num_in, den_in = linear_attention.read(q, entering, query_mask=packing.valid(segment_ids, mask))
+    num = num + jnp.where(head[..., None, None], num_in, 0.0)
+    den = None if den is None else den + jnp.where(head[..., None], den_in, 0.0)
+    keep = continues & ~jnp.any(start, axis=1)
+    final = jax.tree_util.tree_map(
+        lambda s_in, b: jnp.where(masking.expand(keep, b.ndim), s_in, 0.0) + b, entering, local)
+    return num, den, final
+
+
+def shard_causal(q: Array, k: Array, v: Array, *, axis_name: str, chunk_size: int,
+                 mask: Optional[Array] = None, denominator: bool = False,
+                 segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array], LinearState]:
+    """Causal linear attention of this shard (the body under `shard_map`).
+
+    Args:
+      q, k: `[B, T_p, H, D]`, this shard's queries and keys (or their features).
+      v: `[B, T_p, H, M]`.
+      axis_name: the mesh axis the sequence is split over; shard i holds tokens i T_p ... .
+      chunk_size, mask, denominator: as in `linear_attention.causal_chunked` (mask `[B, T_p]`).
+      segment_ids: optional int `[B, T_p]` packed documents (`zoo_core.packing`); a document may
+        span shards.
+
+    Returns:
+      (num `[B, T_p, H, M]`, den `[B, T_p, H]` or None, the state after this shard's last token).
+    """
+    # The batched form on every platform: no loop over chunks, whose carried state shard_map would
+    # have to type as varying over the axis.
+    return _shard_causal(q, k, v, axis_name=axis_name, chunk_size=chunk_size, mask=mask,
+                         denominator=denominator, segment_ids=segment_ids)
+
+
+def shard_noncausal(q: Array, k: Array, v: Array, *, axis_name: str, mask: Optional[Array] = None,
+                    query_mask: Optional[Array] = None, denominator: bool = False,
+                    segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
+    """Global linear attention of this shard's queries over every shard's keys (the body under
+    `shard_map`): the `psum` of the shards' summaries, read by the local queries. Arguments as in
+    `linear_attention.noncausal`, each along this shard's part of the sequence. Packed
+    (`segment_ids`): per document, as the causal fold forward plus the same over the shards in
+    reverse, less the diagonal (`linear_attention.noncausal`'s packed form)."""
+    if segment_ids is None:
+        local = linear_attention.summary(k, v, mask=mask, denominator=denominator)
+        total = jax.tree_util.tree_map(functools.partial(jax.lax.psum, axis_name=axis_name), local)
+        return linear_attention.read(q, total, query_mask=query_mask)
+    flip = lambda x: None if x is None else jnp.flip(x, axis=1)
+    kwargs = dict(axis_name=axis_name, chunk_size=linear_attention.SEGMENT_CHUNK, denominator=denominator)
+    fwd_num, fwd_den, _ = _shard_causal(q, k, v, mask=mask, segment_ids=segment_ids, **kwargs)
+    bwd_num, bwd_den, _ = _shard_causal(flip(q), flip(k), flip(v), mask=flip(mask),
+                                        segment_ids=flip(segment_ids), reverse=True, **kwargs)
+    valid = packing.valid(segment_ids, mask)
+    acc = linear_attention.acc_dtype(q, k, v)
+    qz, kz, vz = (masking.zero_padding(x.astype(acc), valid) for x in (q, k, v))
+    diag = jnp.einsum("bthd,bthd->bth", qz, kz)
+    num = masking.zero_padding(fwd_num + flip(bwd_num) - diag[..., None] * vz, query_mask)
+    den = None if not denominator else masking.zero_padding(fwd_den + flip(bwd_den) - diag, query_mask)
+    return num, den
+
+
+def _sharded(body, mesh, axis_name: str, batch_axis: Optional[str], arrays: dict, out_specs):
+    """`body(**arrays)` under `jax.shard_map`, each array `[B, T, ...]` split along T on `axis_name`
+    and along B on `batch_axis` (None: not split); None entries are passed as None."""
+    given = {name: x for name, x in arrays.items() if x is not None}
+    spec = P(batch_axis, axis_name)
+
+    def run(*xs):
+        return body(**{**dict.fromkeys(arrays), **dict(zip(given, xs))})
+
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    xs = list(given.values())
+    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit
+    if explicit:   # an explicit mesh refuses inputs not yet split along T; an Auto one reshards them itself
+        xs = [jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)) for x in xs]
+    return jax.shard_map(run, mesh=mesh, in_specs=(spec,) * len(given), out_specs=out_specs)(*xs)
+
+
+def causal(q: Array, k: Array, v: Array, *, chunk_size: int, mesh=None, axis_name: str = "sequence",
+           batch_axis: Optional[str] = None, mask: Optional[Array] = None, denominator: bool = False,
+           segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
+    """`linear_attention.causal_chunked` with the sequence split over `axis_name` of `mesh` (None: the
+    mesh of `jax.set_mesh`). T must divide by the axis size. Returns (num `[B, T, H, M]`, den
+    `[B, T, H]` or None), sharded like the inputs."""
+    _check_length(q.shape[1], mesh, axis_name)
+    body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size,
+                             denominator=denominator)
+    spec = P(batch_axis, axis_name)
+    return _sharded(lambda **a: body(**a)[:2], mesh, axis_name, batch_axis,
+                    dict(q=q, k=k, v=v, mask=mask, segment_ids=segment_ids), (spec, spec if denominator else None))
+
+
+def noncausal(q: Array, k: Array, v: Array, *, mesh=None, axis_name: str = "sequence",
+              batch_axis: Optional[str] = None, mask: Optional[Array] = None,
+              query_mask: Optional[Array] = None, denominator: bool = False,
+              segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
+    """`linear_attention.noncausal` (self-attention lengths, T = S) with the sequence split over
+    `axis_name`; arguments and results as in `causal`."""
+    _check_length(q.shape[1], mesh, axis_name)
+    body = functools.partial(shard_noncausal, axis_name=axis_name, denominator=denominator)
+    spec = P(batch_axis, axis_name)
+    return _sharded(body, mesh, axis_name, batch_axis,
+                    dict(q=q, k=k, v=v, mask=mask, query_mask=query_mask, segment_ids=segment_ids),
+                    (spec, spec if denominator else None))
+
+
+def _check_length(t: int, mesh, axis_name: str) -> None:
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); build it "
+                         f"with a sequence axis or pass axis_name=")
+    size = mesh.shape[axis_name]
+    if t % size:
+        raise ValueError(f"the sequence length {t} must divide by the {axis_name!r} axis size {size}")
