@@ -27,7 +27,8 @@ import sys
 import pytest
 from absl import flags
 
-from zoo_core import main, trainer
+from zoo_core import trainer
+from zoo_core.run import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*/*.py") if "def get_config(" in p.read_text())

@@ -20,7 +20,8 @@ import pytest
 from absl import flags
 
 from tests.environment import command_env
-from zoo_core import main, mlp_classifier, run_log, trainer
+from zoo_core import mlp_classifier, trainer
+from zoo_core.run import log as run_log, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = "tests/zoo_core/cli_configs/toy.py"

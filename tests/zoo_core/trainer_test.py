@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from configs.core import synthetic
 from tests.environment import command_env
 from zoo_core import metrics as metrics_lib
-from zoo_core import loop, mlp_classifier, optim, run_guard, run_log, sharding, tasks, trainer
+from zoo_core import mlp_classifier, optim, sharding, tasks, trainer
+from zoo_core.run import guard as run_guard, log as run_log, loop
 from zoo_core.data import pipeline
 from zoo_core.testing import assert_trees_close
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zoo_core import flag_errors
+from zoo_core.run import flag_errors
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
                                           lock_config=True)
@@ -58,7 +58,7 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "change what is trained (model, optim, schedule, data, seed, batch_size, ...); without it such a resume "
     "is refused naming the fields. The differences are logged and config.json is replaced. Fields that only "
     "change logging, evaluation or checkpointing (and a longer total_steps under a constant or "
-    "warmup_rsqrt schedule) may always change: zoo_core.resume.SAFE_ON_RESUME")
+    "warmup_rsqrt schedule) may always change: zoo_core.run.resume.SAFE_ON_RESUME")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir",
     os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(
@@ -190,7 +190,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     except trainer.NonFiniteError as e:
         _fail(str(e), status=3)
     except KeyboardInterrupt as e:
-        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run_guard.Terminate); this is one
+        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run.guard.Terminate); this is one
         # outside it (preparing data, compiling) or a second Ctrl-C inside it. Nothing is half-written
         # either way: checkpoints are written atomically and a dataset being prepared is removed.
         name = getattr(e, "signal_name", "Ctrl-C")
@@ -271,7 +271,7 @@ def _print_help() -> None:
     """The entry point's docstring and every flag of this command line (absl's own --help lists only
     flags defined in the __main__ module, which defines none here, and exits with status 1)."""
     doc = (sys.modules["__main__"].__doc__ or "").strip()
-    ours = flags.FLAGS.module_help(__name__).strip().split("\n", 1)[1]    # without its 'zoo_core.main:'
+    ours = flags.FLAGS.module_help(__name__).strip().split("\n", 1)[1]    # without its "zoo_core.run.main:"
     lines = [doc, ""] if doc else []
     lines += ["flags (--helpfull lists absl's and JAX's too):", ours,
               "  --config.<field>=<value>: overrides any field of the config, e.g. --config.model.num_layers=3"]

@@ -13,13 +13,13 @@ import jax
 from zoo_core import checkpoint as ckpt_lib
 from zoo_core import metrics as metrics_lib, sharding
 from zoo_core.data import pipeline
-from zoo_core.errors import ConfigError, NonFiniteError
-from zoo_core.evaluation import evaluate_params
-from zoo_core.resume import check_resume
-from zoo_core.run_guard import Terminate, lock_workdir
-from zoo_core.run_log import log_run, log_through_tqdm, mean_metrics
-from zoo_core.run_setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
-from zoo_core.setup_checks import check_workdir
+from zoo_core.run.errors import ConfigError, NonFiniteError
+from zoo_core.run.evaluation import evaluate_params
+from zoo_core.run.resume import check_resume
+from zoo_core.run.guard import Terminate, lock_workdir
+from zoo_core.run.log import log_run, log_through_tqdm, mean_metrics
+from zoo_core.run.setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
+from zoo_core.run.setup_checks import check_workdir
 
 
 def evals_between(config, after: int, upto: int) -> int:

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo_core import checks, optim, sharding
-from zoo_core.errors import ConfigError
-from zoo_core.steps import eval_step, feature_step_kwargs, uses_feature_step
+from zoo_core.run.errors import ConfigError
+from zoo_core.run.steps import eval_step, feature_step_kwargs, uses_feature_step
 
 
 PARALLEL_MODES = ("jit", "pmap")
@@ -42,7 +42,7 @@ def validate_config(config) -> None:
                          f"got {config.eval_also_at_step}")
     devices = jax.device_count()
     accum = int(config.optim.grad_accum_steps)
-    # Applied by the training command before JAX starts (zoo_core.main); checked here for every caller.
+    # Applied by the training command before JAX starts (zoo_core.run.main); checked here for every caller.
     sharding.check_cpu_devices(config.parallel.cpu_devices)
     if accum < 1:
         raise ValueError(f"optim.grad_accum_steps must be >= 1, got {accum}")

@@ -15,11 +15,11 @@ import numpy as np
 from zoo_core import checkpoint as ckpt_lib
 from zoo_core import metrics as metrics_lib, sharding, tasks
 from zoo_core.data import pipeline
-from zoo_core.errors import ConfigError, config_error
-from zoo_core.prepare import prepare_data
-from zoo_core.resume import check_eval_config
-from zoo_core.setup_checks import validate_config
-from zoo_core.steps import eval_feature_step, eval_step, feature_step_kwargs
+from zoo_core.run.errors import ConfigError, config_error
+from zoo_core.run.prepare import prepare_data
+from zoo_core.run.resume import check_eval_config
+from zoo_core.run.setup_checks import validate_config
+from zoo_core.run.steps import eval_feature_step, eval_step, feature_step_kwargs
 
 
 def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, model, to_device,

@@ -9,7 +9,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from zoo_core.steps import WEIGHT_PREFIX
+from zoo_core.run.steps import WEIGHT_PREFIX
 
 
 def parameter_overview(params) -> str:
