@@ -707,6 +707,34 @@ def test_a_run_builds_its_model_task_optimiser_and_data_builder_once(data_dir, t
     assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
 
 
+@pytest.mark.parametrize("mode", ["jit", "pmap"])
+def test_evaluate_checkpoint_builds_through_the_run_setup_once(data_dir, tmp_path, monkeypatch, mode):
+    """--eval_only takes the training run's path: `check_setup` then `compile_steps` (jit or pmap), each
+    piece built once, and scores the checkpoint as the run's own evaluation did."""
+    from zoo_core import data as data_lib
+    from zoo_core.run import evaluation
+    c = _config(data_dir, total_steps=2, eval_every_steps=2, eval_max_examples=0, **{"parallel.mode": mode})
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
+    logged = [r for r in metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/loss" in r][-1]
+    calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0, "check_setup": 0, "compile_steps": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
+    monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
+    monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
+    monkeypatch.setattr(evaluation, "check_setup", counted("check_setup", evaluation.check_setup))
+    monkeypatch.setattr(evaluation, "compile_steps", counted("compile_steps", evaluation.compile_steps))
+    result = trainer.evaluate_checkpoint(c, str(tmp_path), counted("model", mlp_classifier.Model), which="latest")
+    assert result["step"] == logged["step"] == 2
+    np.testing.assert_allclose(result["eval/loss"], logged["eval/loss"], rtol=1e-5)
+    assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1, "check_setup": 1, "compile_steps": 1}
+
+
 def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoints(data_dir, tmp_path, capsys,
                                                                                     caplog):
     c = _config(data_dir, total_steps=4, eval_every_steps=2, checkpoint_every_steps=2)

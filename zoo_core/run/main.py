@@ -41,6 +41,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zoo_core.run import flag_errors
+from zoo_core.run.errors import ConfigError, NonFiniteError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
                                           lock_config=True)
@@ -129,7 +130,9 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
-    from zoo_core import sharding, trainer
+    # Imported here, not at the top: --help and a flag mistake answer without loading JAX.
+    from zoo_core import sharding
+    from zoo_core.run import evaluation, loop, setup
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
@@ -156,16 +159,16 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
             _fail(str(e))
         if _EVAL_ONLY.value:
             if _EVAL_SPLIT.value is not None:
-                config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
+                config = evaluation.with_eval_split(config, _EVAL_SPLIT.value)
             evaluators = _evaluators(evaluators_fn, config)
             try:
-                result = trainer.evaluate_checkpoint(config, workdir, build_model,
-                                                     which=_CHECKPOINT.value or "best", evaluators=evaluators)
-            except trainer.ConfigError as e:
+                result = evaluation.evaluate_checkpoint(config, workdir, build_model,
+                                                        which=_CHECKPOINT.value or "best", evaluators=evaluators)
+            except ConfigError as e:
                 # The split came from the flag: name it, not the config field it was written into.
                 if _EVAL_SPLIT.value is None or not str(e).startswith("data.eval_split "):
                     raise
-                raise trainer.ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
+                raise ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
             print(json.dumps(result, sort_keys=True))
             return
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
@@ -175,19 +178,19 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         # first evaluation), so their mistakes come before the data is built; they may add metric
         # names (eval/bleu), which the setup check allows.
         evaluators = _evaluators(evaluators_fn, config)
-        setup = trainer.check_setup(config, build_model, has_evaluators=bool(evaluators))
+        checked = setup.check_setup(config, build_model, has_evaluators=bool(evaluators))
         # Then the workdir and the resume, before the data is built or anything is written; prints the
         # run's closing summary line at its end.
-        trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
-                                   allow_config_change=_ALLOW_CONFIG_CHANGE.value, print_summary=True,
-                                   setup=setup)
-    except trainer.ConfigError as e:
+        loop.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
+                                allow_config_change=_ALLOW_CONFIG_CHANGE.value, print_summary=True,
+                                setup=checked)
+    except ConfigError as e:
         _fail(e.command_line)
     except FileNotFoundError as e:
         if not _EVAL_ONLY.value:
             raise
         _fail(str(e).splitlines()[0])
-    except trainer.NonFiniteError as e:
+    except NonFiniteError as e:
         _fail(str(e), status=3)
     except KeyboardInterrupt as e:
         # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run.guard.Terminate); this is one
@@ -214,18 +217,17 @@ def _stop_on_sigterm(signum, frame):
 def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence[Any]:
     """The architecture's extra evaluators. Building one only reads and checks its config options
     (the data and programs come at the first evaluation), so its ValueError is a config mistake."""
-    from zoo_core import trainer
     try:
         evaluators = evaluators_fn(config) if evaluators_fn is not None else ()
     except ValueError as e:
-        raise trainer.ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(str(e).splitlines()[0]) from None
     # `test_split` is read by an evaluator that reports a split (its `split` attribute), never by the
     # trainer itself: where no evaluator reads it, it would be silently ignored.
     split = config.get("test_split", "")
     if split and not any(getattr(e, "split", None) == split for e in evaluators):
-        raise trainer.ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
-                                  f"(SAMoVAR's are); score the split after training with --eval_only "
-                                  f"--eval_split={split}")
+        raise ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
+                          f"(SAMoVAR's are); score the split after training with --eval_only "
+                          f"--eval_split={split}")
     return evaluators
 
 
