@@ -304,7 +304,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("parallel.mode", "spmd", "unknown parallel.mode"),
     ("data.name", "nope", "unknown dataset"),
     ("model.hidden", -1, "hidden"),
-    ("eval_also_at_step", 10**6, "eval_also_at_step"),
+    ("eval_also_at_step", -1, "eval_also_at_step must be >= 0"),
     ("optim.grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
     ("eval_every_steps", -5, "eval_every_steps must be >= 0"),
     ("checkpoint.best_metric", "eval/acuracy", "best_metric 'eval/acuracy' is not an eval metric"),
@@ -748,10 +748,27 @@ def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoin
     want = (f"end of run: 4 of 4 steps; best {c.checkpoint.best_metric}={metric:.6g} at step {step} in "
             f"{tmp_path / 'best'}; latest checkpoint (step 4) in {tmp_path / 'checkpoints'}")
     assert printed == [want]
-    assert want in caplog.text
+    # Printed once: the log (stderr on the command line) does not repeat it; without printing, it is logged.
+    assert "end of run" not in caplog.text
     # A finished run says the same when called again, with nothing left to train.
-    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model, print_summary=True)
-    assert capsys.readouterr().out.strip().splitlines() == [want]
+    caplog.clear()
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
+    assert capsys.readouterr().out == "" and caplog.text.count(want) == 1
+
+
+def test_a_shorter_total_steps_needs_no_other_step_field_changed():
+    """`--config.total_steps=1` on the UEA config (eval_also_at_step = one epoch = 17) runs: an extra
+    evaluation past the end is none, as an eval_every_steps past the end is."""
+    from configs.agf import uea
+    from zoo_core.run import setup_checks
+    c = uea.get_config("dataset=JapaneseVowels")
+    assert c.eval_also_at_step == 17 and c.eval_every_steps == 34
+    c.total_steps = 1
+    setup_checks.validate_config(c)
+    assert [s for s in range(1, 2) if trainer.is_eval_step(c, s)] == [1]
+    assert trainer.evals_between(c, 0, 1) == 1
+    c.total_steps = 40   # a longer run evaluates there again
+    assert [s for s in range(1, 41) if trainer.is_eval_step(c, s)] == [17, 34, 40]
 
 
 def test_a_setup_checked_for_another_config_is_refused(data_dir, tmp_path):

@@ -59,7 +59,9 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
     (jit over the 'data' mesh, or pmap under parallel.mode 'pmap'), so the evaluation of a checkpoint
     reproduces the evaluation logged when it was saved.
 
-    Writes the result to `workdir/eval_<which>_<split>.json` (with the checkpoint's step) and returns it.
+    Writes the result to `workdir/eval_<which>_<split>.json` (with the checkpoint's step) and returns it;
+    where that file cannot be written (a read-only run directory) it logs one warning line and still
+    returns it.
 
     Args:
       config: the run's config (the same model and data options as the training run).
@@ -99,9 +101,13 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
                              model=s.model, to_device=steps.to_device, pmapped=steps.pmapped,
                              evaluators=evaluators, host_params=host_params)
     result["step"] = int(step)
-    name = f"eval_{which}_{config.data.eval_split}.json"
     if jax.process_index() == 0:
-        metrics_lib.write_json(os.path.join(workdir, name), result)
+        path = os.path.join(workdir, f"eval_{which}_{config.data.eval_split}.json")
+        try:
+            metrics_lib.write_json(path, result)
+        except OSError as e:   # a read-only run directory: the result is still returned (and printed)
+            logging.warning("%s could not be written (%s); the result is only returned (--eval_only prints "
+                            "it)", path, e.strerror or e)
     logging.info("%s checkpoint (step %d) on %s: %s", which, step, config.data.eval_split,
                  ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items()) if k != "step"))
     return result

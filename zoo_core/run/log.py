@@ -77,6 +77,22 @@ def log_through_tqdm() -> Callable[[], None]:
     return restore
 
 
+def close_progress_bars() -> None:
+    """Closes every tqdm bar still shown (a data set being prepared when an error came: TFDS shows nested
+    ones), innermost first, the outermost left at its last state on a line that ends, so that what is
+    printed next (an `error:` line) starts a line of its own instead of following a bar's text or its
+    cursor-up codes."""
+    import sys
+    if "tqdm" not in sys.modules:   # no bar was ever made
+        return
+    from tqdm import tqdm
+    # tqdm keeps its live bars in the class's `_instances` (there is no public list).
+    bars = sorted(list(getattr(tqdm, "_instances", ())), key=lambda bar: -abs(getattr(bar, "pos", 0)))
+    for i, bar in enumerate(bars):
+        bar.leave = i == len(bars) - 1
+        bar.close()
+
+
 def log_run(s: Any, workdir: str, changes: list[str], *, allow_config_change: bool) -> None:
     logging.info("config:\n%s", s.config)
     logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),
@@ -85,6 +101,9 @@ def log_run(s: Any, workdir: str, changes: list[str], *, allow_config_change: bo
         logging.warning("resuming %s with a changed config (%s): %s", workdir,
                         "allowed by allow_config_change" if allow_config_change else "fields safe to change",
                         "; ".join(changes))
+    also, total = int(s.config.eval_also_at_step), int(s.config.total_steps)
+    if also > total:
+        logging.info("eval_also_at_step=%d is after total_steps=%d: no extra evaluation in this run", also, total)
     logging.info("parameters:\n%s", parameter_overview(s.abstract.params))
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(s.abstract.params))
     logging.info("parameter count: %s", f"{num_params:,}")

@@ -10,12 +10,15 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--help` lists them
 (an error in the config file itself, an empty --workdir, a config of another architecture included) end
 the run with one line on stderr and exit status 2, before anything is compiled.
 
-A training run ends with one summary line on stdout (also logged): the steps done, the best checkpoint's
-metric and value (with checkpoint.best_metric) and where the checkpoints are.
+A training run ends with one summary line on stdout (printed once, not logged again on stderr): the
+steps done, the best checkpoint's metric and value (with checkpoint.best_metric) and where the
+checkpoints are. A progress bar still shown when a run fails is closed before its `error:` line.
 
 Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
 a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
-report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json.
+report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json
+(where that file cannot be written, e.g. a read-only run directory, one warning line says so and the
+command still exits 0: the printed line is the result).
 
 Resuming: a --workdir holding checkpoints is resumed only with the config it was trained with (its
 config.json); a difference in what is trained (model, optimiser, schedule, data, seed, batch) is refused
@@ -40,7 +43,7 @@ from typing import Any, Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zoo_core.run import flag_errors
+from zoo_core.run import flag_errors, log as run_log
 from zoo_core.run.errors import ConfigError, NonFiniteError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
@@ -260,8 +263,10 @@ def default_workdir(config_arg: str) -> str:
 
 
 def _fail(message: str, status: int = 2) -> None:
-    """Prints the one line `error: <message>` on stderr (not also through logging) and exits."""
+    """Prints the one line `error: <message>` on stderr (not also through logging) and exits; a progress
+    bar still shown is closed first, so that the line starts a line of its own."""
     message = " ".join(str(message).split())
+    run_log.close_progress_bars()
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
@@ -285,6 +290,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP for arg in argv[1:]):
         _print_help()
         sys.exit(0)
+    problem = flag_errors.config_path_problem(argv)
+    if problem:
+        _fail(problem)
     try:
         rest = flags.FLAGS(argv)
     except Exception as e:
