@@ -77,22 +77,6 @@ def log_through_tqdm() -> Callable[[], None]:
     return restore
 
 
-def close_progress_bars() -> None:
-    """Closes every tqdm bar still shown (a data set being prepared when an error came: TFDS shows nested
-    ones), innermost first, the outermost left at its last state on a line that ends, so that what is
-    printed next (an `error:` line) starts a line of its own instead of following a bar's text or its
-    cursor-up codes."""
-    import sys
-    if "tqdm" not in sys.modules:   # no bar was ever made
-        return
-    from tqdm import tqdm
-    # tqdm keeps its live bars in the class's `_instances` (there is no public list).
-    bars = sorted(list(getattr(tqdm, "_instances", ())), key=lambda bar: -abs(getattr(bar, "pos", 0)))
-    for i, bar in enumerate(bars):
-        bar.leave = i == len(bars) - 1
-        bar.close()
-
-
 def log_run(s: Any, workdir: str, changes: list[str], *, allow_config_change: bool) -> None:
     logging.info("config:\n%s", s.config)
     logging.info("devices: %d total, %d local, process %d/%d: %s", jax.device_count(), jax.local_device_count(),

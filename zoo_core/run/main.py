@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zoo_core.run import flag_errors, log as run_log
+from zoo_core.run import flag_errors
 from zoo_core.run.errors import ConfigError, NonFiniteError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
@@ -266,9 +266,24 @@ def _fail(message: str, status: int = 2) -> None:
     """Prints the one line `error: <message>` on stderr (not also through logging) and exits; a progress
     bar still shown is closed first, so that the line starts a line of its own."""
     message = " ".join(str(message).split())
-    run_log.close_progress_bars()
+    _close_progress_bars()
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def _close_progress_bars() -> None:
+    """Closes every tqdm bar still shown (a data set being prepared when an error came: TFDS shows nested
+    ones), innermost first, the outermost left at its last state on a line that ends, so that what is
+    printed next (an `error:` line) starts a line of its own instead of following a bar's text or its
+    cursor-up codes."""
+    if "tqdm" not in sys.modules:   # no bar was ever made
+        return
+    from tqdm import tqdm
+    # tqdm keeps its live bars in the class's `_instances` (there is no public list).
+    bars = sorted(list(getattr(tqdm, "_instances", ())), key=lambda bar: -abs(getattr(bar, "pos", 0)))
+    for i, bar in enumerate(bars):
+        bar.leave = i == len(bars) - 1
+        bar.close()
 
 
 _HELP = ("--help", "-help", "-h", "-?", "--helpshort")
