@@ -644,6 +644,15 @@ def test_a_training_run_ends_with_one_summary_line_on_stdout(env, tmp_path, capf
     assert "best eval/accuracy=" in lines[0] and f"in {work / 'best'}; latest checkpoint" in lines[0], lines[0]
 
 
+def test_the_command_line_module_loads_without_jax():
+    """zoo_core.run.main imports the trainer's modules (and JAX) only where a run starts, so that --help
+    and a flag mistake answer at once."""
+    code = "import sys, zoo_core.run.main; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=command_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
 def test_eval_only_on_a_read_only_run_prints_the_result_and_one_line_for_the_json(env, tmp_path, capfd,
                                                                                   monkeypatch, caplog):
     """A run directory the JSON cannot be written to (read-only; root ignores chmod, so the write is
