@@ -6,7 +6,8 @@
 The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.main for
 the flags.
 """
-from zoo_core import allocator, main
+from zoo_core import allocator
+from zoo_core.run import main
 from agf_jax import model
 
 if __name__ == "__main__":

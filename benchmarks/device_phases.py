@@ -434,7 +434,7 @@ def phase_throughput(check) -> dict[str, Any]:
 def _estimate_run_s(step_s: float, config, tiny: bool) -> float:
     """The steps, the evaluations (a forward pass: about a third of a training step per example) and
     REFERENCE_OVERHEAD_S."""
-    from zoo_core import loop
+    from zoo_core.run import loop
 
     total = int(config.total_steps)
     n_evals = loop.evals_between(config, 0, total)

@@ -340,7 +340,7 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
     if args.clear_xla_flags:
         env.pop("XLA_FLAGS", None)
     from configs.agf import uea
-    from zoo_core import loop
+    from zoo_core.run import loop
 
     c = uea.get_config("dataset=JapaneseVowels" + (",smoke" if args.tiny else ""))
     steps_per_epoch = int(c.log_every_steps)

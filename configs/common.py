@@ -78,7 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_max_examples = 0           # 0 = the whole eval split; >0 caps it (smoke runs) (safe on resume)
     c.log_every_steps = 50            # train metrics to metrics.jsonl / TensorBoard, averaged (safe on resume)
     c.eval_every_steps = 500          # also at total_steps and eval_also_at_step; 0 = no eval at all (safe on resume)
-    c.eval_also_at_step = 0           # one more eval (UEA: end of epoch 1, as the reference); 0 = none (safe on resume)
+    c.eval_also_at_step = 0           # one more eval (UEA: end of epoch 1, as the reference); 0 or past
+                                      # total_steps = none in this run (safe on resume)
     c.checkpoint_every_steps = 500    # 0 = only at the end (and on SIGTERM) (safe on resume)
     c.progress_bar = True             # tqdm bar with ETA and live loss on process 0 (safe on resume)
 

@@ -7,7 +7,8 @@ Seq2seq configs (task.name == 'seq2seq') also decode the eval split and log eval
 eval/chrf and eval/exact_match (`htgn_jax.decoding.evaluators_for`).
 """
 from htgn_jax import decoding, model
-from zoo_core import allocator, main
+from zoo_core import allocator
+from zoo_core.run import main
 
 if __name__ == "__main__":
     allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator

@@ -8,7 +8,8 @@ or 'dlinear'. Configs with a `test_split` also evaluate it at every eval (`samov
 See zoo_core.main for the flags.
 """
 from samovar_jax import evaluation, model
-from zoo_core import allocator, main
+from zoo_core import allocator
+from zoo_core.run import main
 
 if __name__ == "__main__":
     allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator

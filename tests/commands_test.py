@@ -4,7 +4,7 @@ The commands are read from the docstrings of configs/<folder>/<file>.py and from
 ```bash blocks and inline `python -m <package>.train ...` spans), so a new one is covered without
 editing this file. A README command's optional parts `[A | B]` are expanded into each variant (none,
 A, B); `kind=K` becomes each SAMoVAR kind the config takes; a command still holding a placeholder (`<...>`, `ARGS`) is
-the generic form and is left out. Each runs in-process through `zoo_core.main` (a subprocess costs 5-10 s)
+the generic form and is left out. Each runs in-process through `zoo_core.run.main` (a subprocess costs 5-10 s)
 with its --workdir moved under a temporary folder:
 
   * as printed, up to the training call: flags, config arguments and overrides, `check_setup` and the
@@ -27,7 +27,7 @@ import sys
 import pytest
 from absl import flags
 
-from zoo_core import main, trainer
+from zoo_core.run import loop, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*/*.py") if "def get_config(" in p.read_text())
@@ -138,7 +138,7 @@ def _run(module: str, argv: list[str], capfd, monkeypatch, *, train: bool):
     """Runs the entry point in this process; returns (exit status, stderr)."""
     build_model, evaluators_fn = _entry(module)
     if not train:   # the evaluators are built (that checks their options); they read data only when run
-        monkeypatch.setattr(trainer, "train_and_evaluate", lambda *a, **k: {})
+        monkeypatch.setattr(loop, "train_and_evaluate", lambda *a, **k: {})
     for name in [n for n in flags.FLAGS if n.startswith("config.")]:
         delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
     flags.FLAGS.unparse_flags()
@@ -197,9 +197,9 @@ def test_a_readme_command_passes_every_check(command, tmp_path, capfd, monkeypat
 
 
 def test_the_main_docstring_example_overrides_a_model_size(tmp_path, capfd, monkeypatch):
-    """zoo_core.main's (and the README's) example: a model size from the command line."""
+    """zoo_core.run.main's (and the README's) example: a model size from the command line."""
     seen = {}
-    monkeypatch.setattr(trainer, "train_and_evaluate", lambda config, *a, **k: seen.setdefault("c", config))
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda config, *a, **k: seen.setdefault("c", config))
     status, err = _run("agf_jax.train", ["--config", "configs/agf/lra_listops.py", "--config.model.num_layers=3",
                                          "--workdir", str(tmp_path / "listops")], capfd, monkeypatch, train=True)
     assert status == 0, err[-2000:]

@@ -104,12 +104,31 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_imports_it_should():
     graph = _graph()
-    assert "zoo_core.costs" in graph["zoo_core.bench"] and "zoo_core.costs" in graph["zoo_core.run_setup"]
-    assert "zoo_core.run_setup" in graph["zoo_core.bench"]   # the benchmark's step is the trainer's
-    assert "zoo_core.main" in graph["agf_jax.train"]
-    assert "zoo_core.data.pipeline" in graph["zoo_core.loop"]
+    assert "zoo_core.costs" in graph["zoo_core.bench.train_step"] and "zoo_core.costs" in graph["zoo_core.run.setup"]
+    assert "zoo_core.run.setup" in graph["zoo_core.bench.train_step"]   # the benchmark's step is the trainer's
+    assert "zoo_core.run.main" in graph["agf_jax.train"]
+    assert "zoo_core.data.pipeline" in graph["zoo_core.run.loop"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_trainer_and_the_harness_are_packages_in_layers():
+    """zoo_core.run holds the trainer and zoo_core.bench the harness; `costs` is the leaf both read, the
+    harness builds on the trainer, never the reverse, and `run/__init__` imports nothing (the public
+    facade is zoo_core.trainer)."""
+    graph = _graph()
+    run = {m for m in graph if m.startswith("zoo_core.run.")}
+    bench = {m for m in graph if m == "zoo_core.bench" or m.startswith("zoo_core.bench.")}
+    assert {"zoo_core.run.main", "zoo_core.run.setup", "zoo_core.run.loop", "zoo_core.run.steps"} <= run
+    assert {"zoo_core.bench.timing", "zoo_core.bench.sweep", "zoo_core.bench.report"} <= bench
+    assert not graph["zoo_core.run"]
+    assert not {m for m in graph["zoo_core.costs"] if m.startswith("zoo_core.")}
+    assert not [(a, b) for a in run for b in graph[a] if b in bench]
+    # No flat trainer or harness module is left beside the packages.
+    flat = {"zoo_core." + m for m in ("loop", "steps", "run_setup", "setup_checks", "resume", "prepare",
+                                      "evaluation", "run_guard", "run_log", "errors", "main", "flag_errors",
+                                      "bench_timing", "bench_sweep", "bench_report")}
+    assert not flat & set(graph)
 
 
 def test_no_import_circle_among_first_party_modules():

@@ -1,6 +1,6 @@
 """XLA's own accounting of a compiled function: FLOPs and bytes (`cost_of`) and buffer sizes (`memory_of`).
 
-A leaf module: the trainer reads a step's FLOPs from it (`run_setup.step_flops`) and the benchmark
+A leaf module: the trainer reads a step's FLOPs from it (`zoo_core.run.setup.step_flops`) and the benchmark
 harness (`zoo_core.bench`) its costs and memory, without either importing the other.
 """
 from __future__ import annotations

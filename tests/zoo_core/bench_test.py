@@ -1,4 +1,4 @@
-"""Tests of the benchmark harness (zoo_core/bench.py) on tiny functions."""
+"""Tests of the benchmark harness (the zoo_core.bench package) on tiny functions."""
 import gc
 import importlib.util
 import json
@@ -244,7 +244,8 @@ def test_train_step_setup_times_the_step_the_trainer_runs(tmp_path, monkeypatch)
     """The benchmark's step comes from the trainer's own setup (`run_setup.compile_steps`), and it lowers
     to the very program that `train_and_evaluate` compiles and runs for the same config."""
     from configs.core import synthetic
-    from zoo_core import loop, mlp_classifier, run_setup, trainer
+    from zoo_core import mlp_classifier, trainer
+    from zoo_core.run import loop, setup as run_setup
 
     c = synthetic.get_config("smoke")
     with c.unlocked():

@@ -20,7 +20,8 @@ import pytest
 from absl import flags
 
 from tests.environment import command_env
-from zoo_core import main, mlp_classifier, run_log, trainer
+from zoo_core import mlp_classifier, trainer
+from zoo_core.run import log as run_log, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = "tests/zoo_core/cli_configs/toy.py"
@@ -115,7 +116,11 @@ CASES = [
     ("--config.log_every_steps=0", "log_every_steps must be >= 1"),
     ("--config.eval_every_steps=-1", "eval_every_steps must be >= 0"),
     ("--config.checkpoint_every_steps=-1", "checkpoint_every_steps must be >= 0"),
-    ("--config.eval_also_at_step=999999", "eval_also_at_step must be in [0, total_steps=2]"),
+    ("--config.eval_also_at_step=-1", "eval_also_at_step must be >= 0, got -1"),
+    ("CONFIG=configs/agf", "--config configs/agf is a directory, not a config file; give one of its "
+     "files, e.g. configs/agf/lra_image.py (configs/agf has: lra_image.py, lra_listops.py"),
+    ("CONFIG=configs/core/:smoke", "--config configs/core/ is a directory, not a config file; give "
+     "one of its files, e.g. configs/core/synthetic.py:smoke"),
     ("--config.checkpoint.keep=0", "checkpoint.keep must be >= 1"),
     ("--config.checkpoint.best_mode=median", "checkpoint.best_mode must be 'max' or 'min'"),
     ("--config.checkpoint.best_metric=accuracy", "must name an eval metric 'eval/<name>'"),
@@ -624,6 +629,8 @@ def test_the_compiled_steps_go_to_the_persistent_cache(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert cache.is_dir() and any(cache.iterdir()), "nothing was written to the compilation cache"
+    # The closing line once on the terminal: on stdout, not again in the log on stderr.
+    assert proc.stdout.count("end of run:") == 1 and "end of run" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_training_run_ends_with_one_summary_line_on_stdout(env, tmp_path, capfd):
@@ -633,7 +640,66 @@ def test_a_training_run_ends_with_one_summary_line_on_stdout(env, tmp_path, capf
     assert status == 0, err[-3000:]
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("end of run: "), out
+    assert "end of run" not in err, err[-2000:]   # printed once: not logged again on stderr
     assert "best eval/accuracy=" in lines[0] and f"in {work / 'best'}; latest checkpoint" in lines[0], lines[0]
+
+
+def test_the_command_line_module_loads_without_jax():
+    """zoo_core.run.main imports the trainer's modules (and JAX) only where a run starts, so that --help
+    and a flag mistake answer at once."""
+    code = "import sys, zoo_core.run.main; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=command_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_eval_only_on_a_read_only_run_prints_the_result_and_one_line_for_the_json(env, tmp_path, capfd,
+                                                                                  monkeypatch, caplog):
+    """A run directory the JSON cannot be written to (read-only; root ignores chmod, so the write is
+    refused here as the file system would) still gets its result printed, exit 0, no traceback, and one
+    warning line in the log (stderr on the command line) naming the file."""
+    from zoo_core import metrics as metrics_lib
+    work = tmp_path / "run"
+    _train(env, work, capfd)
+    write_json = metrics_lib.write_json
+
+    def read_only(path, obj):
+        if os.path.basename(path).startswith("eval_"):
+            raise PermissionError(13, "Permission denied", path + ".tmp")
+        write_json(path, obj)
+
+    monkeypatch.setattr(metrics_lib, "write_json", read_only)
+    caplog.set_level(py_logging.INFO)
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", work, "--eval_only",
+                            f"--config.data.data_dir={env / 'data'}"], capfd)
+    assert status == 0 and "Traceback" not in err, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["step"] == 2 and "eval/accuracy" in result
+    unsaved = [r for r in caplog.records if "eval_best_test.json" in r.getMessage()]
+    assert len(unsaved) == 1 and unsaved[0].levelno == py_logging.WARNING, caplog.text[-3000:]
+    assert "could not be written (Permission denied)" in unsaved[0].getMessage()
+    assert "\n" not in unsaved[0].getMessage()
+    assert not (work / "eval_best_test.json").exists()
+
+
+def test_an_error_line_starts_its_own_line_after_a_progress_bar(env, tmp_path, capfd, monkeypatch):
+    """A data set that fails while its progress bars are shown (TFDS shows nested ones): the bars are
+    closed first, so their text and cursor-up codes never share the `error:` line."""
+    from tqdm.auto import tqdm
+    from zoo_core.run import setup
+
+    def failing(config, *, builder=None):
+        outer = tqdm(total=2, desc="Generating splits...", leave=False, file=sys.stderr)
+        inner = tqdm(total=40, desc="Generating train examples...", leave=False, file=sys.stderr)
+        outer.update(1)
+        inner.update(7)
+        raise ValueError("the source file is damaged at line 3")
+
+    monkeypatch.setattr(setup, "prepare_data", failing)
+    status, out, err = cli(["--config", "configs/core/synthetic.py:smoke", "--workdir", tmp_path / "run",
+                            f"--config.data.data_dir={env / 'data'}"], capfd)
+    assert status == 2, err[-2000:]
+    assert "error: the source file is damaged at line 3" in err.split("\n"), repr(err[-600:])
 
 
 def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, tmp_path, capfd, monkeypatch):

@@ -139,7 +139,7 @@ def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_pat
 
 
 def test_the_default_workdir_names_the_config_and_its_args():
-    from zoo_core.main import default_workdir
+    from zoo_core.run.main import default_workdir
     assert default_workdir("configs/agf/lra_listops.py") == os.path.join("runs", "lra_listops")
     assert default_workdir("configs/agf/lra_listops.py:smoke") == os.path.join("runs", "lra_listops_smoke")
     assert default_workdir("c/uea_japanese_vowels.py:smoke,attention=softmax") == os.path.join(

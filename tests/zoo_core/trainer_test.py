@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from configs.core import synthetic
 from tests.environment import command_env
 from zoo_core import metrics as metrics_lib
-from zoo_core import loop, mlp_classifier, optim, run_guard, run_log, sharding, tasks, trainer
+from zoo_core import mlp_classifier, optim, sharding, tasks, trainer
+from zoo_core.run import guard as run_guard, log as run_log, loop
 from zoo_core.data import pipeline
 from zoo_core.testing import assert_trees_close
 
@@ -303,7 +304,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     ("parallel.mode", "spmd", "unknown parallel.mode"),
     ("data.name", "nope", "unknown dataset"),
     ("model.hidden", -1, "hidden"),
-    ("eval_also_at_step", 10**6, "eval_also_at_step"),
+    ("eval_also_at_step", -1, "eval_also_at_step must be >= 0"),
     ("optim.grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
     ("eval_every_steps", -5, "eval_every_steps must be >= 0"),
     ("checkpoint.best_metric", "eval/acuracy", "best_metric 'eval/acuracy' is not an eval metric"),
@@ -706,6 +707,34 @@ def test_a_run_builds_its_model_task_optimiser_and_data_builder_once(data_dir, t
     assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
 
 
+@pytest.mark.parametrize("mode", ["jit", "pmap"])
+def test_evaluate_checkpoint_builds_through_the_run_setup_once(data_dir, tmp_path, monkeypatch, mode):
+    """--eval_only takes the training run's path: `check_setup` then `compile_steps` (jit or pmap), each
+    piece built once, and scores the checkpoint as the run's own evaluation did."""
+    from zoo_core import data as data_lib
+    from zoo_core.run import evaluation
+    c = _config(data_dir, total_steps=2, eval_every_steps=2, eval_max_examples=0, **{"parallel.mode": mode})
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
+    logged = [r for r in metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/loss" in r][-1]
+    calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0, "check_setup": 0, "compile_steps": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tasks, "make_task", counted("task", tasks.make_task))
+    monkeypatch.setattr(optim, "make_optimizer", counted("optimizer", optim.make_optimizer))
+    monkeypatch.setattr(data_lib, "make_builder", counted("builder", data_lib.make_builder))
+    monkeypatch.setattr(evaluation, "check_setup", counted("check_setup", evaluation.check_setup))
+    monkeypatch.setattr(evaluation, "compile_steps", counted("compile_steps", evaluation.compile_steps))
+    result = trainer.evaluate_checkpoint(c, str(tmp_path), counted("model", mlp_classifier.Model), which="latest")
+    assert result["step"] == logged["step"] == 2
+    np.testing.assert_allclose(result["eval/loss"], logged["eval/loss"], rtol=1e-5)
+    assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1, "check_setup": 1, "compile_steps": 1}
+
+
 def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoints(data_dir, tmp_path, capsys,
                                                                                     caplog):
     c = _config(data_dir, total_steps=4, eval_every_steps=2, checkpoint_every_steps=2)
@@ -719,10 +748,27 @@ def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoin
     want = (f"end of run: 4 of 4 steps; best {c.checkpoint.best_metric}={metric:.6g} at step {step} in "
             f"{tmp_path / 'best'}; latest checkpoint (step 4) in {tmp_path / 'checkpoints'}")
     assert printed == [want]
-    assert want in caplog.text
+    # Printed once: the log (stderr on the command line) does not repeat it; without printing, it is logged.
+    assert "end of run" not in caplog.text
     # A finished run says the same when called again, with nothing left to train.
-    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model, print_summary=True)
-    assert capsys.readouterr().out.strip().splitlines() == [want]
+    caplog.clear()
+    trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)
+    assert capsys.readouterr().out == "" and caplog.text.count(want) == 1
+
+
+def test_a_shorter_total_steps_needs_no_other_step_field_changed():
+    """`--config.total_steps=1` on the UEA config (eval_also_at_step = one epoch = 17) runs: an extra
+    evaluation past the end is none, as an eval_every_steps past the end is."""
+    from configs.agf import uea
+    from zoo_core.run import setup_checks
+    c = uea.get_config("dataset=JapaneseVowels")
+    assert c.eval_also_at_step == 17 and c.eval_every_steps == 34
+    c.total_steps = 1
+    setup_checks.validate_config(c)
+    assert [s for s in range(1, 2) if trainer.is_eval_step(c, s)] == [1]
+    assert trainer.evals_between(c, 0, 1) == 1
+    c.total_steps = 40   # a longer run evaluates there again
+    assert [s for s in range(1, 41) if trainer.is_eval_step(c, s)] == [17, 34, 40]
 
 
 def test_a_setup_checked_for_another_config_is_refused(data_dir, tmp_path):

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from zoo_core.errors import ConfigError
+from zoo_core.run.errors import ConfigError
 
 
 # Config fields that may change between a run and its resumption: they decide what is logged,

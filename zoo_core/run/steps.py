@@ -1,6 +1,6 @@
 """The pure steps of training: `TrainState`, `init_state`, `train_step` and `eval_step`.
 
-Functions of arrays only, jitted (or pmapped) by `run_setup.compile_steps`; the model, optimiser, task and
+Functions of arrays only, jitted (or pmapped) by `zoo_core.run.setup.compile_steps`; the model, optimiser, task and
 schedule are static and bound with functools.partial. A model that `uses_feature_step` receives the
 training-step index as `feature_step=` in every call (`feature_step_kwargs`); `step` alone means the
 one-token method of a layer or model.

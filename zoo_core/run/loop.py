@@ -13,13 +13,13 @@ import jax
 from zoo_core import checkpoint as ckpt_lib
 from zoo_core import metrics as metrics_lib, sharding
 from zoo_core.data import pipeline
-from zoo_core.errors import ConfigError, NonFiniteError
-from zoo_core.evaluation import evaluate_params
-from zoo_core.resume import check_resume
-from zoo_core.run_guard import Terminate, lock_workdir
-from zoo_core.run_log import log_run, log_through_tqdm, mean_metrics
-from zoo_core.run_setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
-from zoo_core.setup_checks import check_workdir
+from zoo_core.run.errors import ConfigError, NonFiniteError
+from zoo_core.run.evaluation import evaluate_params
+from zoo_core.run.resume import check_resume
+from zoo_core.run.guard import Terminate, lock_workdir
+from zoo_core.run.log import log_run, log_through_tqdm, mean_metrics
+from zoo_core.run.setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
+from zoo_core.run.setup_checks import check_workdir
 
 
 def evals_between(config, after: int, upto: int) -> int:
@@ -176,7 +176,8 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
         fields that change what is trained (see `check_resume`); the differences are logged and
         config.json is replaced. Without it such a resume is refused (`SAFE_ON_RESUME` fields, and a
         longer total_steps under a step-free schedule, are always allowed).
-      print_summary: also print the run's closing summary line (`closing_summary`, always logged) on stdout.
+      print_summary: print the run's closing summary line (`closing_summary`) on stdout instead of
+        logging it (process 0; the others log it), so that a terminal shows it once.
       setup: `check_setup(config, build_model, has_evaluators=bool(evaluators))` when the caller made it
         already (the command line checks the setup before anything else); None: made here.
 
@@ -208,9 +209,10 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     finally:
         if lock is not None:
             lock.close()   # releases the lock (so does the process ending, however it ends)
-    logging.info("%s", summary)
     if print_summary and jax.process_index() == 0:
-        print(summary, flush=True)
+        print(summary, flush=True)   # not logged too: on the command line the log is the same terminal
+    else:
+        logging.info("%s", summary)
     return result
 
 

@@ -1,6 +1,7 @@
 """The wording of the training command's flag mistakes: each parse error of absl or ml_collections (an
 unknown --config.a.b override, a bad value, a config file that does not load or raises) as one line that
-names the flag, the file and line, or the fields like a mistyped one (`flag_error`).
+names the flag, the file and line, or the fields like a mistyped one (`flag_error`), and a --config that
+names a directory (`config_path_problem`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,31 @@ def flag_error(e: Exception, argv: Sequence[str]) -> str | None:
     if "Did you mean" not in detail:
         detail += suggestion(detail, bad, argv)
     return f"invalid config override: {detail or type(e).__name__} (overrides given: {', '.join(bad) or 'none'})"
+
+
+def config_path_problem(argv: Sequence[str]) -> str | None:
+    """The one line for a --config naming a directory, with the config files in it (absl's own answer
+    is 'Configuration is not available because of an earlier failure to load: [Errno 21]'); None for
+    anything else."""
+    given, colon, args = config_argument(argv).partition(":")
+    if not given or not os.path.isdir(given):
+        return None
+    files = sorted(name for name in os.listdir(given) if name.endswith(".py") and _defines_a_config(
+        os.path.join(given, name)))
+    head = f"bad flag: --config {given} is a directory, not a config file"
+    if not files:
+        return f"{head} (none in it defines get_config); give a file such as configs/core/synthetic.py:smoke"
+    return (f"{head}; give one of its files, e.g. {os.path.join(given, files[0])}{colon}{args} "
+            f"({given.rstrip('/')} has: {', '.join(files)})")
+
+
+def _defines_a_config(path: str) -> bool:
+    """Whether the Python file at `path` defines `get_config` (a folder's common.py only helps them)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "\ndef get_config(" in f.read()
+    except (OSError, UnicodeError):
+        return False
 
 
 def last_line(message: str) -> str:

@@ -3,7 +3,6 @@ trained) and `load_params` (a run's model and parameters, for notebooks and deco
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Any, Callable, Iterable, Mapping
@@ -13,13 +12,12 @@ import jax
 import numpy as np
 
 from zoo_core import checkpoint as ckpt_lib
-from zoo_core import metrics as metrics_lib, sharding, tasks
+from zoo_core import metrics as metrics_lib, sharding
 from zoo_core.data import pipeline
-from zoo_core.errors import ConfigError, config_error
-from zoo_core.prepare import prepare_data
-from zoo_core.resume import check_eval_config
-from zoo_core.setup_checks import validate_config
-from zoo_core.steps import eval_feature_step, eval_step, feature_step_kwargs
+from zoo_core.run.errors import ConfigError
+from zoo_core.run.resume import check_eval_config
+from zoo_core.run.setup import check_setup, compile_steps
+from zoo_core.run.steps import eval_feature_step, feature_step_kwargs
 
 
 def evaluate_params(params, steps_done: int, *, p_eval, eval_source, config, model, to_device,
@@ -56,7 +54,14 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
                         evaluators: Iterable[Callable[..., Mapping[str, float]]] = ()) -> dict[str, float]:
     """Evaluates a saved checkpoint of a run on one split; nothing is trained or changed in the run.
 
-    Writes the result to `workdir/eval_<which>_<split>.json` (with the checkpoint's step) and returns it.
+    The same setup and compiled eval step as training: `check_setup(...).prepare()` (the config, the
+    model, task and data, each built once and checked as training checks them) and `compile_steps`
+    (jit over the 'data' mesh, or pmap under parallel.mode 'pmap'), so the evaluation of a checkpoint
+    reproduces the evaluation logged when it was saved.
+
+    Writes the result to `workdir/eval_<which>_<split>.json` (with the checkpoint's step) and returns it;
+    where that file cannot be written (a read-only run directory) it logs one warning line and still
+    returns it.
 
     Args:
       config: the run's config (the same model and data options as the training run).
@@ -79,28 +84,30 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
         raise ConfigError(f"which must be 'best' or 'latest', got {which!r}")
     if split is not None:
         config = with_eval_split(config, split)
+    evaluators = list(evaluators)
     # Before the data is built (minutes for some data sets): an empty or mistyped workdir fails at once.
     folder = "best" if which == "best" else "checkpoints"
     ckpt_lib.require_checkpoints(workdir, folder)
     check_eval_config(json.loads(config.to_json_best_effort()), workdir)
-    try:
-        validate_config(config)
-        _, eval_source = prepare_data(config)
-        model = build_model(**config.model.to_dict())
-        task = tasks.make_task(config)
-    except (ValueError, TypeError, KeyError) as e:
-        raise config_error(e) from e
+    s = check_setup(config, build_model, has_evaluators=bool(evaluators)).prepare()
     mesh = sharding.make_mesh()
     replicated = sharding.replicated(mesh)
+    steps = compile_steps(s, mesh, replicated)   # only its eval step runs (jit compiles on first call)
     # Restored straight into the global replicated sharding: each process reads its own shards.
-    _, params, step = load_params(workdir, build_model, config, which=folder, target_sharding=replicated)
-    p_eval = jax.jit(functools.partial(eval_step, model=model, task=task), out_shardings=replicated)
-    result = evaluate_params(params, step, p_eval=p_eval, eval_source=eval_source, config=config, model=model,
-                             to_device=lambda b: sharding.global_batch(b, mesh), evaluators=evaluators)
+    host_params, step = ckpt_lib.restore_params(workdir, which=folder,
+                                                target_sharding=None if steps.pmapped else replicated)
+    params = sharding.replicate_for_pmap(host_params) if steps.pmapped else host_params
+    result = evaluate_params(params, step, p_eval=steps.eval, eval_source=s.eval_source, config=config,
+                             model=s.model, to_device=steps.to_device, pmapped=steps.pmapped,
+                             evaluators=evaluators, host_params=host_params)
     result["step"] = int(step)
-    name = f"eval_{which}_{config.data.eval_split}.json"
     if jax.process_index() == 0:
-        metrics_lib.write_json(os.path.join(workdir, name), result)
+        path = os.path.join(workdir, f"eval_{which}_{config.data.eval_split}.json")
+        try:
+            metrics_lib.write_json(path, result)
+        except OSError as e:   # a read-only run directory: the result is still returned (and printed)
+            logging.warning("%s could not be written (%s); the result is only returned (--eval_only prints "
+                            "it)", path, e.strerror or e)
     logging.info("%s checkpoint (step %d) on %s: %s", which, step, config.data.eval_split,
                  ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.items()) if k != "step"))
     return result

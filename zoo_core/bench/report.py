@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from zoo_core import checks
-from zoo_core.bench_sweep import OK, Result, as_dicts, format_table, run_scaling
-from zoo_core.bench_timing import default_bandwidth_bytes, default_max_bytes, psutil, reference_bandwidth, roofline
+from zoo_core.bench.sweep import OK, Result, as_dicts, format_table, run_scaling
+from zoo_core.bench.timing import default_bandwidth_bytes, default_max_bytes, psutil, reference_bandwidth, roofline
 
 def machine_meta() -> dict[str, Any]:
     """Versions, backend, device and CPU facts, load and the XLA settings that affect timings."""

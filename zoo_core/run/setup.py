@@ -3,7 +3,7 @@
 `check_setup` builds what needs no prepared data (the optimiser and schedule, the task, the model, the
 data builder with its options checked) and, where the dataset declares its feature shapes in advance,
 traces the model on them; `RunSetup.prepare` then prepares the data and traces the model on a real
-example. Between the two, the training loop checks the workdir and the resume (`zoo_core.loop`).
+example. Between the two, the training loop checks the workdir and the resume (`zoo_core.run.loop`).
 `restore_or_init` gives the state and `compile_steps` the compiled steps, which the training loop and
 the benchmarks (`zoo_core.bench.train_step_setup`) share.
 """
@@ -22,11 +22,11 @@ from zoo_core import checkpoint as ckpt_lib
 from zoo_core import costs, metrics as metrics_lib, optim, sharding, tasks
 from zoo_core import data as data_lib
 from zoo_core.data import pipeline
-from zoo_core.errors import ConfigError, config_error
-from zoo_core.prepare import prepare_data
-from zoo_core.setup_checks import (check_classes, check_eval_metrics, example_from_features, make_model,
-                                   validate_config)
-from zoo_core.steps import TrainState, eval_step, init_state, train_step
+from zoo_core.run.errors import ConfigError, config_error
+from zoo_core.run.prepare import prepare_data
+from zoo_core.run.setup_checks import (check_classes, check_eval_metrics, example_from_features, make_model,
+                                       validate_config)
+from zoo_core.run.steps import TrainState, eval_step, init_state, train_step
 
 
 @dataclasses.dataclass

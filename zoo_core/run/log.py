@@ -9,7 +9,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from zoo_core.steps import WEIGHT_PREFIX
+from zoo_core.run.steps import WEIGHT_PREFIX
 
 
 def parameter_overview(params) -> str:
@@ -85,6 +85,9 @@ def log_run(s: Any, workdir: str, changes: list[str], *, allow_config_change: bo
         logging.warning("resuming %s with a changed config (%s): %s", workdir,
                         "allowed by allow_config_change" if allow_config_change else "fields safe to change",
                         "; ".join(changes))
+    also, total = int(s.config.eval_also_at_step), int(s.config.total_steps)
+    if also > total:
+        logging.info("eval_also_at_step=%d is after total_steps=%d: no extra evaluation in this run", also, total)
     logging.info("parameters:\n%s", parameter_overview(s.abstract.params))
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(s.abstract.params))
     logging.info("parameter count: %s", f"{num_params:,}")

@@ -12,7 +12,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from zoo_core.errors import ConfigError
+from zoo_core.run.errors import ConfigError
 
 
 class Terminate:

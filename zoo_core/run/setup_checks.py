@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo_core import checks, optim, sharding
-from zoo_core.errors import ConfigError
-from zoo_core.steps import eval_step, feature_step_kwargs, uses_feature_step
+from zoo_core.run.errors import ConfigError
+from zoo_core.run.steps import eval_step, feature_step_kwargs, uses_feature_step
 
 
 PARALLEL_MODES = ("jit", "pmap")
@@ -30,19 +30,19 @@ def validate_config(config) -> None:
     for name in ("total_steps", "batch_size", "eval_batch_size", "log_every_steps"):
         if int(config[name]) < 1:
             raise ValueError(f"{name} must be >= 1, got {config[name]}")
+    # eval_also_at_step past total_steps is no evaluation in this run, as eval_every_steps past it is:
+    # a shorter --config.total_steps needs no second field changed.
     for name, value in (("eval_every_steps", config.eval_every_steps),
+                        ("eval_also_at_step", config.eval_also_at_step),
                         ("checkpoint_every_steps", config.checkpoint_every_steps),
                         ("eval_max_examples", config.eval_max_examples),
                         ("optim.grad_clip_norm", config.optim.grad_clip_norm),
                         ("schedule.warmup_steps", config.schedule.warmup_steps)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    if not 0 <= int(config.eval_also_at_step) <= int(config.total_steps):
-        raise ValueError(f"eval_also_at_step must be in [0, total_steps={config.total_steps}], "
-                         f"got {config.eval_also_at_step}")
     devices = jax.device_count()
     accum = int(config.optim.grad_accum_steps)
-    # Applied by the training command before JAX starts (zoo_core.main); checked here for every caller.
+    # Applied by the training command before JAX starts (zoo_core.run.main); checked here for every caller.
     sharding.check_cpu_devices(config.parallel.cpu_devices)
     if accum < 1:
         raise ValueError(f"optim.grad_accum_steps must be >= 1, got {accum}")

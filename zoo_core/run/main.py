@@ -10,12 +10,15 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `--help` lists them
 (an error in the config file itself, an empty --workdir, a config of another architecture included) end
 the run with one line on stderr and exit status 2, before anything is compiled.
 
-A training run ends with one summary line on stdout (also logged): the steps done, the best checkpoint's
-metric and value (with checkpoint.best_metric) and where the checkpoints are.
+A training run ends with one summary line on stdout (printed once, not logged again on stderr): the
+steps done, the best checkpoint's metric and value (with checkpoint.best_metric) and where the
+checkpoints are. A progress bar still shown when a run fails is closed before its `error:` line.
 
 Evaluation only (nothing is trained): `--eval_only --eval_split=test [--checkpoint=best|latest]` evaluates
 a finished run's best (or newest) checkpoint on a split, e.g. the LRA protocol "select on validation,
-report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json.
+report test"; the result is printed as one JSON line and written to workdir/eval_<checkpoint>_<split>.json
+(where that file cannot be written, e.g. a read-only run directory, one warning line says so and the
+command still exits 0: the printed line is the result).
 
 Resuming: a --workdir holding checkpoints is resumed only with the config it was trained with (its
 config.json); a difference in what is trained (model, optimiser, schedule, data, seed, batch) is refused
@@ -40,7 +43,8 @@ from typing import Any, Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from zoo_core import flag_errors
+from zoo_core.run import flag_errors
+from zoo_core.run.errors import ConfigError, NonFiniteError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
                                           lock_config=True)
@@ -58,7 +62,7 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     "change what is trained (model, optim, schedule, data, seed, batch_size, ...); without it such a resume "
     "is refused naming the fields. The differences are logged and config.json is replaced. Fields that only "
     "change logging, evaluation or checkpointing (and a longer total_steps under a constant or "
-    "warmup_rsqrt schedule) may always change: zoo_core.resume.SAFE_ON_RESUME")
+    "warmup_rsqrt schedule) may always change: zoo_core.run.resume.SAFE_ON_RESUME")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir",
     os.environ.get("JAX_COMPILATION_CACHE_DIR", os.path.join(
@@ -129,7 +133,9 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
-    from zoo_core import sharding, trainer
+    # Imported here, not at the top: --help and a flag mistake answer without loading JAX.
+    from zoo_core import sharding
+    from zoo_core.run import evaluation, loop, setup
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")
@@ -156,16 +162,16 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
             _fail(str(e))
         if _EVAL_ONLY.value:
             if _EVAL_SPLIT.value is not None:
-                config = trainer.with_eval_split(config, _EVAL_SPLIT.value)
+                config = evaluation.with_eval_split(config, _EVAL_SPLIT.value)
             evaluators = _evaluators(evaluators_fn, config)
             try:
-                result = trainer.evaluate_checkpoint(config, workdir, build_model,
-                                                     which=_CHECKPOINT.value or "best", evaluators=evaluators)
-            except trainer.ConfigError as e:
+                result = evaluation.evaluate_checkpoint(config, workdir, build_model,
+                                                        which=_CHECKPOINT.value or "best", evaluators=evaluators)
+            except ConfigError as e:
                 # The split came from the flag: name it, not the config field it was written into.
                 if _EVAL_SPLIT.value is None or not str(e).startswith("data.eval_split "):
                     raise
-                raise trainer.ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
+                raise ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
             print(json.dumps(result, sort_keys=True))
             return
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
@@ -175,22 +181,22 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
         # first evaluation), so their mistakes come before the data is built; they may add metric
         # names (eval/bleu), which the setup check allows.
         evaluators = _evaluators(evaluators_fn, config)
-        setup = trainer.check_setup(config, build_model, has_evaluators=bool(evaluators))
+        checked = setup.check_setup(config, build_model, has_evaluators=bool(evaluators))
         # Then the workdir and the resume, before the data is built or anything is written; prints the
         # run's closing summary line at its end.
-        trainer.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
-                                   allow_config_change=_ALLOW_CONFIG_CHANGE.value, print_summary=True,
-                                   setup=setup)
-    except trainer.ConfigError as e:
+        loop.train_and_evaluate(config, workdir, build_model, evaluators=evaluators,
+                                allow_config_change=_ALLOW_CONFIG_CHANGE.value, print_summary=True,
+                                setup=checked)
+    except ConfigError as e:
         _fail(e.command_line)
     except FileNotFoundError as e:
         if not _EVAL_ONLY.value:
             raise
         _fail(str(e).splitlines()[0])
-    except trainer.NonFiniteError as e:
+    except NonFiniteError as e:
         _fail(str(e), status=3)
     except KeyboardInterrupt as e:
-        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run_guard.Terminate); this is one
+        # Ctrl-C or SIGTERM in the training loop saves and exits cleanly (run.guard.Terminate); this is one
         # outside it (preparing data, compiling) or a second Ctrl-C inside it. Nothing is half-written
         # either way: checkpoints are written atomically and a dataset being prepared is removed.
         name = getattr(e, "signal_name", "Ctrl-C")
@@ -214,18 +220,17 @@ def _stop_on_sigterm(signum, frame):
 def _evaluators(evaluators_fn: Callable[[Any], list] | None, config) -> Sequence[Any]:
     """The architecture's extra evaluators. Building one only reads and checks its config options
     (the data and programs come at the first evaluation), so its ValueError is a config mistake."""
-    from zoo_core import trainer
     try:
         evaluators = evaluators_fn(config) if evaluators_fn is not None else ()
     except ValueError as e:
-        raise trainer.ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(str(e).splitlines()[0]) from None
     # `test_split` is read by an evaluator that reports a split (its `split` attribute), never by the
     # trainer itself: where no evaluator reads it, it would be silently ignored.
     split = config.get("test_split", "")
     if split and not any(getattr(e, "split", None) == split for e in evaluators):
-        raise trainer.ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
-                                  f"(SAMoVAR's are); score the split after training with --eval_only "
-                                  f"--eval_split={split}")
+        raise ConfigError(f"test_split={split!r} is not reported by this architecture's evaluators "
+                          f"(SAMoVAR's are); score the split after training with --eval_only "
+                          f"--eval_split={split}")
     return evaluators
 
 
@@ -258,10 +263,27 @@ def default_workdir(config_arg: str) -> str:
 
 
 def _fail(message: str, status: int = 2) -> None:
-    """Prints the one line `error: <message>` on stderr (not also through logging) and exits."""
+    """Prints the one line `error: <message>` on stderr (not also through logging) and exits; a progress
+    bar still shown is closed first, so that the line starts a line of its own."""
     message = " ".join(str(message).split())
+    _close_progress_bars()
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def _close_progress_bars() -> None:
+    """Closes every tqdm bar still shown (a data set being prepared when an error came: TFDS shows nested
+    ones), innermost first, the outermost left at its last state on a line that ends, so that what is
+    printed next (an `error:` line) starts a line of its own instead of following a bar's text or its
+    cursor-up codes."""
+    if "tqdm" not in sys.modules:   # no bar was ever made
+        return
+    from tqdm import tqdm
+    # tqdm keeps its live bars in the class's `_instances` (there is no public list).
+    bars = sorted(list(getattr(tqdm, "_instances", ())), key=lambda bar: -abs(getattr(bar, "pos", 0)))
+    for i, bar in enumerate(bars):
+        bar.leave = i == len(bars) - 1
+        bar.close()
 
 
 _HELP = ("--help", "-help", "-h", "-?", "--helpshort")
@@ -271,7 +293,7 @@ def _print_help() -> None:
     """The entry point's docstring and every flag of this command line (absl's own --help lists only
     flags defined in the __main__ module, which defines none here, and exits with status 1)."""
     doc = (sys.modules["__main__"].__doc__ or "").strip()
-    ours = flags.FLAGS.module_help(__name__).strip().split("\n", 1)[1]    # without its 'zoo_core.main:'
+    ours = flags.FLAGS.module_help(__name__).strip().split("\n", 1)[1]    # without its "zoo_core.run.main:"
     lines = [doc, ""] if doc else []
     lines += ["flags (--helpfull lists absl's and JAX's too):", ours,
               "  --config.<field>=<value>: overrides any field of the config, e.g. --config.model.num_layers=3"]
@@ -283,6 +305,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP for arg in argv[1:]):
         _print_help()
         sys.exit(0)
+    problem = flag_errors.config_path_problem(argv)
+    if problem:
+        _fail(problem)
     try:
         rest = flags.FLAGS(argv)
     except Exception as e:
