@@ -2,6 +2,8 @@
 
 * `linformer`: Linformer (Wang et al., 2020), keys and values projected along the sequence.
 * `nystromformer`: Nyströmformer (Xiong et al., 2021), landmarks and an iterative pseudo-inverse.
+* `reformer`: Reformer (Kitaev et al., 2020), shared-QK LSH attention in sorted chunks.
+* `longformer`: Longformer (Beltagy et al., 2020), a sliding window plus global tokens.
 
 Each module holds the maths as pure `jnp` functions and a Flax layer that follows the zoo's layer
 contract (README "Layer contract"); the registry (`zoo_core.attention`) names them. The layers
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo_core import checks, masking, xla_forms
-from zoo_core.dropout import Dropout
+from zoo_core.dropout import Dropout, keep_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -89,6 +91,17 @@ class ProjectedAttention(nn.Module):
         if deterministic or self.dropout_rate == 0.0:
             return None
         return lambda w: self.dropout(w, deterministic=False)
+
+    def _indexed_dropout(self, deterministic: bool) -> Optional[Callable[[Array, int], Array]]:
+        """`(w, index) -> dropout(w)` for kernels that drop several weight arrays of one call (each
+        index its own bits, folded into one 'dropout' key), or None when no dropout applies."""
+        if deterministic or self.dropout_rate == 0.0:
+            return None
+        rng, keep = self.make_rng("dropout"), 1.0 - self.dropout_rate
+
+        def drop(w, index):
+            return jnp.where(keep_mask(jax.random.fold_in(rng, index), keep, w.shape), w / keep, 0.0)
+        return drop
 
     @staticmethod
     def _check_inputs(x: Any, mask: Optional[Any]) -> None:

@@ -33,17 +33,15 @@ non-causal and causal self-attention, no `scan` / `step` / decode form and no cr
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zoo_core import checks, masking, xla_forms
-from zoo_core.dropout import keep_mask
+from zoo_core import checks, masking
+from zoo_core.baselines import ProjectedAttention
 
 Array = jax.Array
-Initializer = Callable[..., Array]
 DropoutFn = Optional[Callable[[Array, int], Array]]   # (weights, index) -> weights
 
 MASKED = -1e9   # logit of a key a query may not see (finite: an all-masked padded row stays finite)
@@ -151,12 +149,7 @@ def longformer_attention(q: Array, k: Array, v: Array, *, window: int, num_globa
     return jnp.swapaxes(o, 1, 2)
 
 
-def torch_linear_kernel_init() -> Initializer:
-    """PyTorch's `nn.Linear` weight init U(+-1/sqrt(fan_in)), the default of `SoftmaxAttention`."""
-    return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-
-
-class LongformerAttention(nn.Module):
+class LongformerAttention(ProjectedAttention):
     """Longformer self-attention: sliding window plus global tokens (module docstring), the zoo's
     layer contract.
 
@@ -182,40 +175,16 @@ class LongformerAttention(nn.Module):
         kernel_init, bias_init: initialisers of the projections (`SoftmaxAttention`'s defaults).
         out_bias_init: bias initialiser of `out` (None: `bias_init`).
     """
-    num_heads: int
-    head_dim: int
-    out_features: Optional[int] = None
     causal: bool = False
     window: int = 64
     num_global: int = 1
-    dropout_rate: float = 0.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = torch_linear_kernel_init()
-    bias_init: Initializer = nn.initializers.zeros_init()
-    out_bias_init: Optional[Initializer] = None
 
     def setup(self):
-        checks.check_int("num_heads", self.num_heads, 1)
-        checks.check_int("head_dim", self.head_dim, 1)
-        checks.check_optional_int("out_features", self.out_features, 1)
+        self._check_common()
         checks.check_int("window", self.window, 1)
         checks.check_int("num_global", self.num_global, 0)
-        checks.check_rate("dropout_rate", self.dropout_rate)
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
-
-    def _projection(self, name: str) -> nn.Module:
-        return xla_forms.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
-                                      param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                                      bias_init=self.bias_init, name=name)
-
-    @nn.compact
-    def _out(self, o: Array, width: int) -> Array:
-        # Declared here (not in setup) because E' defaults to the input width.
-        return xla_forms.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
-                                      param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                                      bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 
     def __call__(self, x: Array, *, mask: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
@@ -223,17 +192,8 @@ class LongformerAttention(nn.Module):
 
         `deterministic=False` with `dropout_rate` > 0 drops attention weights (the 'dropout' rng).
         """
-        checks.check_tokens("x", x, "[B, T, E]")
-        masking.check_mask(mask, jnp.shape(x)[:2])
-        drop = None
-        if not deterministic and self.dropout_rate > 0.0:
-            rng, rate = self.make_rng("dropout"), self.dropout_rate
-
-            def drop(w, index):
-                m = keep_mask(jax.random.fold_in(rng, index), 1.0 - rate, w.shape)
-                return jnp.where(m, w / (1.0 - rate), 0.0)
+        self._check_inputs(x, mask)
         o = longformer_attention(self.query(x), self.key(x), self.value(x), window=self.window,
                                  num_global=self.num_global, mask=mask, causal=self.causal,
-                                 dropout=drop)
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
-        return self._out(o.astype(dtype), x.shape[-1]), {}
+                                 dropout=self._indexed_dropout(deterministic))
+        return self._finish(o, x), {}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 

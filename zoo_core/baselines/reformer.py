@@ -40,17 +40,15 @@ and causal self-attention, no `scan` / `step` / decode form and no cross form.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zoo_core import checks, masking, xla_forms
-from zoo_core.dropout import keep_mask
+from zoo_core import checks, masking
+from zoo_core.baselines import ProjectedAttention
 
 Array = jax.Array
-Initializer = Callable[..., Array]
 DropoutFn = Optional[Callable[[Array, int], Array]]   # (weights, index) -> weights
 
 MASKED = -1e9      # logit of a key a query may not see (finite: an all-masked padded row stays finite)
@@ -217,12 +215,7 @@ def _rounds(q, k, v, bucket, position, valid, bad, *, chunk_length, causal, drop
     return (o.reshape(shape + o.shape[-1:])[:, :, :, :t], lse.reshape(shape)[:, :, :, :t])
 
 
-def torch_linear_kernel_init() -> Initializer:
-    """PyTorch's `nn.Linear` weight init U(+-1/sqrt(fan_in)), the default of `SoftmaxAttention`."""
-    return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-
-
-class ReformerAttention(nn.Module):
+class ReformerAttention(ProjectedAttention):
     """Reformer self-attention: shared-QK LSH attention (module docstring), the zoo's layer contract.
 
     Parameters have `SoftmaxAttention`'s names and shapes except that there is no `key` projection
@@ -247,45 +240,21 @@ class ReformerAttention(nn.Module):
         kernel_init, bias_init: initialisers of the projections (`SoftmaxAttention`'s defaults).
         out_bias_init: bias initialiser of `out` (None: `bias_init`).
     """
-    num_heads: int
-    head_dim: int
-    out_features: Optional[int] = None
     causal: bool = False
     num_buckets: int = 8
     num_hashes: int = 2
     chunk_length: int = 64
     hash_seed: int = 0
-    dropout_rate: float = 0.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    kernel_init: Initializer = torch_linear_kernel_init()
-    bias_init: Initializer = nn.initializers.zeros_init()
-    out_bias_init: Optional[Initializer] = None
 
     def setup(self):
-        checks.check_int("num_heads", self.num_heads, 1)
-        checks.check_int("head_dim", self.head_dim, 1)
-        checks.check_optional_int("out_features", self.out_features, 1)
+        self._check_common()
         checks.check_int("num_buckets", self.num_buckets, 1)
         if self.num_buckets != 1 and self.num_buckets % 2:
             checks.fail(f"`num_buckets` must be 1 or even (h(x) = argmax([xR; -xR])), got {self.num_buckets}")
         checks.check_int("num_hashes", self.num_hashes, 1)
         checks.check_int("chunk_length", self.chunk_length, 1)
         checks.check_int("hash_seed", self.hash_seed, 0)
-        checks.check_rate("dropout_rate", self.dropout_rate)
         self.query, self.value = self._projection("query"), self._projection("value")
-
-    def _projection(self, name: str) -> nn.Module:
-        return xla_forms.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
-                                      param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                                      bias_init=self.bias_init, name=name)
-
-    @nn.compact
-    def _out(self, o: Array, width: int) -> Array:
-        # Declared here (not in setup) because E' defaults to the input width.
-        return xla_forms.DenseGeneral(self.out_features or width, axis=(-2, -1), dtype=self.dtype,
-                                      param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-                                      bias_init=self.out_bias_init or self.bias_init, name="out")(o)
 
     def rotations(self) -> Array:
         """The random rotations, `[H, num_hashes, D, num_buckets // 2]` float32."""
@@ -298,16 +267,8 @@ class ReformerAttention(nn.Module):
 
         `deterministic=False` with `dropout_rate` > 0 drops attention weights (the 'dropout' rng).
         """
-        checks.check_tokens("x", x, "[B, T, E]")
-        masking.check_mask(mask, jnp.shape(x)[:2])
-        drop = None
-        if not deterministic and self.dropout_rate > 0.0:
-            rng, rate = self.make_rng("dropout"), self.dropout_rate
-
-            def drop(w, index):
-                m = keep_mask(jax.random.fold_in(rng, index), 1.0 - rate, w.shape)
-                return jnp.where(m, w / (1.0 - rate), 0.0)
+        self._check_inputs(x, mask)
         o = lsh_attention(self.query(x), self.value(x), self.rotations(), num_buckets=self.num_buckets,
-                          chunk_length=self.chunk_length, mask=mask, causal=self.causal, dropout=drop)
-        dtype = self.dtype if self.dtype is not None else jnp.result_type(x, self.param_dtype)
-        return self._out(o.astype(dtype), x.shape[-1]), {}
+                          chunk_length=self.chunk_length, mask=mask, causal=self.causal,
+                          dropout=self._indexed_dropout(deterministic))
+        return self._finish(o, x), {}
