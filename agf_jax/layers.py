@@ -83,17 +83,14 @@ class _Attention(nn.Module):
     kernel_init: Initializer = torch_linear_kernel_init()
     bias_init: Initializer = nn.initializers.zeros_init()
     out_bias_init: Optional[Initializer] = None
-    plain: tuple[str, ...] = ()
 
-    # Parts a layer can compute in their plain form (`plain`): 'dense' flax's DenseGeneral for
-    # the projections (not the 2-D matmuls of `xla_forms.DenseGeneral`), 'dropout' flax's Dropout.
-    PLAIN = ("dense", "dropout")
-
+    # Inside `xla_forms.plain('dense')` the projections are flax's DenseGeneral (not the 2-D matmuls
+    # of `xla_forms.DenseGeneral`), inside `xla_forms.plain('dropout')` the dropout is flax's.
     def _dense_cls(self) -> type:
-        return nn.DenseGeneral if "dense" in self.plain else xla_forms.DenseGeneral
+        return nn.DenseGeneral if xla_forms.is_plain("dense") else xla_forms.DenseGeneral
 
     def _dropout(self) -> nn.Module:
-        return (nn.Dropout if "dropout" in self.plain else Dropout)(self.dropout_rate)
+        return (nn.Dropout if xla_forms.is_plain("dropout") else Dropout)(self.dropout_rate)
 
     def _projection(self, name: str) -> nn.Module:
         return self._dense_cls()(features=(self.num_heads, self.head_dim), dtype=self.dtype,
@@ -158,9 +155,10 @@ class AGFAttention(_Attention):
         out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
-        plain: names from `AGFAttention.PLAIN` computed in their plain form, with the same
-            parameters and values: 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout),
-            'agf_backward' (autodiff of the plain non-causal maths); for timing the zoo's forms.
+
+    Traced inside `zoo_core.xla_forms.plain(...)` (timing only; same parameters and values), the
+    layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
+    (autodiff of the plain non-causal maths) in their plain forms.
 
     The causal forms keep AGF's own kernels rather than `zoo_core.linear_attention`: AGF normalises
     each of the D features by its own prefix sum under a running maximum (an online softmax), which
@@ -176,10 +174,6 @@ class AGFAttention(_Attention):
     ortho_scale: float = 1.0
     ortho_count_padding: bool = False
     theta_init: Initializer = nn.initializers.zeros_init()
-
-    # 'agf_backward': the non-causal output and regulariser by autodiff of the plain maths
-    # (`ops.agf_with_orthogonality_plain`), not the hand-written backward.
-    PLAIN = _Attention.PLAIN + ("agf_backward",)
 
     def setup(self):
         validation.check_agf_fields(self)
@@ -227,8 +221,8 @@ class AGFAttention(_Attention):
         c = self.coefficients()
         if not self.causal:
             # The output and the regulariser in one pass (a hand-written backward pass, or
-            # autodiff of the plain maths with plain=('agf_backward',)).
-            fused = (ops.agf_with_orthogonality_plain if "agf_backward" in self.plain
+            # autodiff of the plain maths inside xla_forms.plain('agf_backward')).
+            fused = (ops.agf_with_orthogonality_plain if xla_forms.is_plain("agf_backward")
                      else ops.agf_with_orthogonality)
             o, ortho = fused(zu, zv, zs, val, c, mask=mask, count_padding=self.ortho_count_padding,
                              **self._basis_kwargs())
@@ -310,7 +304,8 @@ class SoftmaxAttention(_Attention):
         max_length: causal only: the `KVCache` slots of `init_state` (required there).
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
-        plain: 'dense' and/or 'dropout', as in `AGFAttention`.
+
+    Inside `zoo_core.xla_forms.plain('dense' / 'dropout')` as `AGFAttention`.
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.

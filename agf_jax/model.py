@@ -73,17 +73,9 @@ AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight"
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "relu": nn.relu}
 
-# Parts a model can compute in their plain form (the `plain` field), each with the same parameters
-# and values, so that a bfloat16 step can be timed with one of its zoo forms swapped out:
-#   'embed'        flax's Embed (its lookup's backward a scatter-add in the compute dtype), not
-#                  `xla_forms.Embed` (that scatter-add in float32);
-#   'layer_norm'   flax's LayerNorm (autodiff), not `xla_forms.LayerNorm` (a hand-written backward);
-#   'add_to_each'  x + table[None] (autodiff), not `xla_forms.add_to_each` (a dot for the table's grad);
-#   'dense'        flax's Dense / DenseGeneral, not `xla_forms`' 2-D matmul forms (also in attention);
-#   'dropout'      flax's Dropout (its own random bits), not `zoo_core.dropout.Dropout`;
-#   'agf_backward' autodiff of AGF's plain maths, not the hand-written backward of
-#                  `ops.agf_with_orthogonality` (its optimisation barrier and variadic reduce).
-PLAIN_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
+# Traced inside `xla_forms.plain(...)` (the bfloat16 bisect), the parts named there ('embed',
+# 'layer_norm', 'add_to_each', 'dense', 'dropout', 'agf_backward'; `xla_forms.PLAIN_FORMS`) are
+# computed in their plain form, with the same parameters and values.
 
 
 def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
@@ -91,7 +83,6 @@ def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Mo
     layer_cls = AGFAttention if owner.attention == "agf" else SoftmaxAttention
     init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
                 bias_init=torch_linear_bias_init(owner.d_model),
-                plain=tuple(p for p in owner.plain if p in layer_cls.PLAIN),
                 out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
     checks.check_choice("attention", owner.attention, ATTENTIONS)
     if owner.attention == "agf":
@@ -113,23 +104,23 @@ def merge_aux(auxes: Sequence[dict]) -> dict:
 
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
-    cls = nn.Dense if "dense" in m.plain else xla_forms.Dense
+    cls = nn.Dense if xla_forms.is_plain("dense") else xla_forms.Dense
     return cls(features, dtype=m.dtype, param_dtype=m.param_dtype,
                kernel_init=torch_linear_kernel_init(), bias_init=torch_linear_bias_init(fan_in),
                name=name)
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:
-    cls = nn.LayerNorm if "layer_norm" in m.plain else xla_forms.LayerNorm
+    cls = nn.LayerNorm if xla_forms.is_plain("layer_norm") else xla_forms.LayerNorm
     return cls(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
 
 
 def _dropout(m) -> nn.Module:
-    return (nn.Dropout if "dropout" in m.plain else Dropout)(m.dropout_rate)
+    return (nn.Dropout if xla_forms.is_plain("dropout") else Dropout)(m.dropout_rate)
 
 
 def _embed(m, num: int, init) -> nn.Embed:
-    cls = nn.Embed if "embed" in m.plain else xla_forms.Embed
+    cls = nn.Embed if xla_forms.is_plain("embed") else xla_forms.Embed
     return cls(num, m.d_model, embedding_init=init, dtype=m.dtype, param_dtype=m.param_dtype)
 
 
@@ -165,7 +156,6 @@ class _BlockFields(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
-    plain: tuple[str, ...] = ()
 
 
 def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
@@ -227,7 +217,8 @@ class LRAEncoder(_BlockFields, kw_only=True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
         # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/xla_forms.py).
-        add = (lambda x, table: x + table[None]) if "add_to_each" in self.plain else xla_forms.add_to_each
+        add = ((lambda x, table: x + table[None]) if xla_forms.is_plain("add_to_each")
+               else xla_forms.add_to_each)
         x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
@@ -263,8 +254,6 @@ class _LRABase(_BlockFields, kw_only=True):
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
-        plain: names from `PLAIN_FORMS`: parts computed in their plain form (same parameters and
-            values), to time a step with one of the zoo's forms swapped out.
     """
     num_classes: int
     vocab_size: int
@@ -418,8 +407,6 @@ class UEAClassifier(_BlockFields, kw_only=True):
         pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
-        plain: names from `PLAIN_FORMS`: parts computed in their plain form (same parameters and
-            values), to time a step with one of the zoo's forms swapped out.
     """
     num_classes: int
     feat_dim: int
@@ -502,7 +489,6 @@ def _check_options(kind: str, args: dict) -> None:
     checks.check_choice("attention", get("attention"), ATTENTIONS)
     checks.check_rate("dropout_rate", get("dropout_rate"))
     checks.check_rate("attention_dropout", get("attention_dropout"))
-    validation.check_plain(get("plain"), PLAIN_FORMS)
     given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
     if get("attention") == "softmax" and given:
         checks.fail(f"{given} apply only to attention='agf' (got attention='softmax')")
@@ -547,8 +533,6 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         # so that overriding d_model or num_heads alone stays consistent.
         args.pop("head_dim", None)
     args.update(kwargs)
-    if isinstance(args.get("plain"), list):   # a config's sequence; module fields are hashable
-        args["plain"] = tuple(args["plain"])
     missing = [f.name for f in dataclasses.fields(KINDS[kind])
                if f.name not in ("parent", "name") and f.default is dataclasses.MISSING
                and f.name not in args]

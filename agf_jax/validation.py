@@ -25,19 +25,8 @@ from zoo_core import checks, masking
 # ---------------------------------------------------------------------------------------------
 
 
-def check_plain(plain: Any, choices: tuple[str, ...]) -> None:
-    """`plain` is a tuple of distinct names from `choices` (the parts computed in their plain form)."""
-    if not isinstance(plain, tuple):
-        checks.fail(f"`plain` must be a tuple of names from {choices}, got {plain!r}")
-    for name in plain:
-        checks.check_choice("plain", name, choices)
-    if len(set(plain)) != len(plain):
-        checks.fail(f"`plain` names a part twice: {plain}")
-
-
 def _check_common_fields(layer: Any) -> None:
-    """The fields both attention layers have: H, D, chunk_size (causal only), dropout_rate, plain."""
-    check_plain(layer.plain, layer.PLAIN)
+    """The fields both attention layers have: H, D, chunk_size (causal only), dropout_rate."""
     checks.check_int("num_heads", layer.num_heads, 1)
     checks.check_int("head_dim", layer.head_dim, 1)
     checks.check_chunk_size(layer.chunk_size, layer.causal)

@@ -6,7 +6,7 @@ import pytest
 
 from agf_jax import model as model_lib
 from agf_jax.model import VARIANTS, Model
-from zoo_core import testing
+from zoo_core import testing, xla_forms
 from zoo_core.testing import F32_MODEL, assert_trees_close, param_shapes
 
 B, T, C, K = 2, 7, 3, 4
@@ -204,27 +204,32 @@ def test_biases_follow_pytorch_linear_init(kind):
     assert {"query", "out", "head_out" if kind != "uea_classifier" else "output"} <= seen
 
 
-@pytest.mark.parametrize("plain", model_lib.PLAIN_FORMS)
+@pytest.mark.parametrize("plain", xla_forms.PLAIN_FORMS)
 @pytest.mark.parametrize("kind", ["lra_classifier", "uea_classifier"])
 def test_each_plain_form_has_the_same_parameters_values_and_gradients(kind, plain):
-    # Each part the bf16 bisection swaps computes the same numbers in its plain form (dropout:
-    # other random bits, so compared without dropout).
+    # Each part the bf16 bisection swaps (`xla_forms.plain`, read at trace time) computes the same
+    # numbers in its plain form (dropout: other random bits, so compared without dropout).
     kwargs, batch = CASES[kind]
-    zoo, swapped = Model(kind=kind, **kwargs), Model(kind=kind, **kwargs, plain=(plain,))
-    variables = {"params": _perturb_thetas(zoo.init(jax.random.key(4), batch)["params"])}
-    assert param_shapes(swapped.init(jax.random.key(4), batch)["params"]) == param_shapes(
-        variables["params"])
+    model = Model(kind=kind, **kwargs)
+    variables = {"params": _perturb_thetas(model.init(jax.random.key(4), batch)["params"])}
+    with xla_forms.plain(plain):
+        assert param_shapes(model.init(jax.random.key(4), batch)["params"]) == param_shapes(
+            variables["params"])
 
-    def loss(model):
+    def loss():
         def f(params):
             out, aux = model.apply({"params": params}, batch)
             return jnp.sum(jnp.sin(out["logits"])) + aux["loss/orthogonality"]
         return jax.jit(jax.value_and_grad(f))(variables["params"])
 
-    assert_trees_close(loss(swapped), loss(zoo), **F32_MODEL)
+    zoo = loss()
+    with xla_forms.plain(plain):
+        swapped = loss()
+    assert_trees_close(swapped, zoo, **F32_MODEL)
     if plain == "dropout":   # train mode runs with the plain layer's own bits
-        out, _ = jax.jit(swapped.apply, static_argnames=("train",))(
-            variables, batch, train=True, rngs={"dropout": jax.random.key(5)})
+        with xla_forms.plain(plain):
+            out, _ = jax.jit(model.apply, static_argnames=("train",))(
+                variables, batch, train=True, rngs={"dropout": jax.random.key(5)})
         assert bool(jnp.all(jnp.isfinite(out["logits"])))
 
 
@@ -232,15 +237,16 @@ def test_a_bf16_lra_step_scatters_its_embedding_gradient_in_float32():
     # The token lookup's backward is a scatter-add of every token's gradient into the table's
     # rows; in bfloat16 a GPU serialises it (a compare-and-swap loop), so it runs in float32.
     kwargs, batch = CASES["lra_classifier"]
+    model = Model(kind="lra_classifier", **kwargs, dtype=jnp.bfloat16)
+    params = model.init(jax.random.key(6), batch)["params"]
+
+    def grad(params, ids):
+        return jax.grad(lambda p: jnp.sum(model.apply({"params": p}, {"inputs": ids})[0][
+            "logits"]))(params)
+
     for plain, want in (((), "f32"), (("embed",), "bf16")):
-        model = Model(kind="lra_classifier", **kwargs, dtype=jnp.bfloat16, plain=plain)
-        params = model.init(jax.random.key(6), batch)["params"]
-
-        def grad(params, ids):
-            return jax.grad(lambda p: jnp.sum(model.apply({"params": p}, {"inputs": ids})[0][
-                "logits"]))(params)
-
-        program = testing.exported_program(grad, params, batch["inputs"], platform="cuda")
+        with xla_forms.plain(*plain):
+            program = testing.exported_program(grad, params, batch["inputs"], platform="cuda")
         scatters = [line for line in program.split("\n") if "scatter-add" in line
                     and "^bb0" in line]
         assert scatters and all(f"tensor<{want}>" in line for line in scatters), (plain, scatters)
