@@ -21,6 +21,9 @@ Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
     out    (`ff` / `out_projection`)                     kernel [H, D, E'], bias [E']
     theta  (`poly.thetas.1..K`)                          [K]   (absent when K = 0)
     theta_0 (`poly.thetas.0`, only if learn_c0)          []
+
+With `graph_filter='uvt'` or `'svd'` (the paper's Table 6 ablations, agf.md §2.8) there is no
+`sigma`, `theta` or `theta_0`; 'svd' adds `singular_values` [H, D] (initialised to one).
 """
 from __future__ import annotations
 
@@ -129,6 +132,13 @@ class AGFAttention(_Attention):
         num_heads: H.
         head_dim: D, the width of the singular vectors and of the per-head values.
         out_features: output width E' (default: the input width E).
+        graph_filter: the spectrum between U and V^T (the paper's Table 6; agf.md §2.8):
+            'agf' (default): g = sum_k c_k P_k(sigmoid(X W_Sigma)), token-specific and filtered;
+            'uvt' (H_UV^T): the singular values fixed at one, g = 1 (no `sigma`, no filter);
+            'svd' (H_SVD): learnable singular values `singular_values` [H, D], initialised to one
+            and shared by all tokens, g = singular_values (no `sigma`, no filter).
+            The basis, order, alpha, beta and learn_c0 fields apply to 'agf' only. The
+            orthogonality regulariser is the same in all three: it acts on U and V only.
         basis: 'jacobi' | 'chebyshev' | 'legendre' | 'monomial' (agf.md §2.4).
         order: polynomial order K >= 0 (K+1 coefficients).
         alpha: Jacobi alpha (only for basis='jacobi'; default 1.0).
@@ -166,6 +176,7 @@ class AGFAttention(_Attention):
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.
+    graph_filter: str = "agf"
     basis: str = "jacobi"
     order: int = 3
     alpha: Optional[float] = None
@@ -178,24 +189,42 @@ class AGFAttention(_Attention):
     def setup(self):
         validation.check_agf_fields(self)
         self.query, self.key = self._projection("query"), self._projection("key")
-        self.sigma, self.value = self._projection("sigma"), self._projection("value")
-        if self.order > 0:
-            self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
-        if self.learn_c0:
-            self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
+        self.value = self._projection("value")
+        if self.graph_filter == "agf":
+            self.sigma = self._projection("sigma")
+            if self.order > 0:
+                self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
+            if self.learn_c0:
+                self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
+        elif self.graph_filter == "svd":
+            self.singular_values = self.param("singular_values", nn.initializers.ones_init(),
+                                              (self.num_heads, self.head_dim), self.param_dtype)
         self.dropout = self._dropout()
 
     def coefficients(self) -> Array:
-        """Effective filter coefficients c_0..c_K, `[K+1]` float32."""
+        """Effective filter coefficients c_0..c_K, `[K+1]` float32 ('uvt' / 'svd': `[1.0]`, no
+        filter: g is the spectrum itself)."""
+        if self.graph_filter != "agf":
+            return ops.filter_coefficients(None)
         theta = self.theta if self.order > 0 else None
         theta_0 = self.theta_0 if self.learn_c0 else None
         return ops.filter_coefficients(theta, theta_0)
 
+    def spectrum(self) -> Optional[Array]:
+        """The fixed spectrum of 'uvt' (ones) and 'svd' (`singular_values`), `[H, D]` float32;
+        None for 'agf', whose spectrum is the token-specific filter."""
+        if self.graph_filter == "uvt":
+            return jnp.ones((self.num_heads, self.head_dim), jnp.float32)
+        if self.graph_filter == "svd":
+            return ops.as_float(self.singular_values)
+        return None
+
     def _basis_kwargs(self) -> dict:
-        return dict(basis=self.basis, alpha=self.alpha, beta=self.beta)
+        return dict(basis=self.basis, alpha=self.alpha, beta=self.beta, spectrum=self.spectrum())
 
     def _project(self, x: Array):
-        return self.query(x), self.key(x), self.sigma(x), self.value(x)
+        zs = self.sigma(x) if self.graph_filter == "agf" else None
+        return self.query(x), self.key(x), zs, self.value(x)
 
     def _finish(self, o: Array, x: Array, deterministic: bool) -> Array:
         o = self.dropout(o.astype(self._compute_dtype(x)), deterministic=deterministic)
@@ -213,8 +242,9 @@ class AGFAttention(_Attention):
 
         Returns:
             (y `[B, T, E']`, aux) with aux['loss/orthogonality'] the batch mean of
-            'orthogonality/per_sample' `[B]` = ortho_scale * regulariser, and
-            'filter/coefficients' `[K+1]` (all float32).
+            'orthogonality/per_sample' `[B]` = ortho_scale * regulariser,
+            'filter/coefficients' `[K+1]` and, for graph_filter='svd', 'filter/singular_values'
+            `[H, D]` (all float32).
         """
         validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)
@@ -238,6 +268,8 @@ class AGFAttention(_Attention):
         ortho = self.ortho_scale * ortho
         aux = {"loss/orthogonality": jnp.mean(ortho), "orthogonality/per_sample": ortho,
                "filter/coefficients": c}
+        if self.graph_filter == "svd":
+            aux["filter/singular_values"] = self.spectrum()
         return self._finish(o, x, deterministic), aux
 
     def factors(self, x: Array, *, mask: Optional[Array] = None) -> dict:
@@ -248,8 +280,9 @@ class AGFAttention(_Attention):
             mask: `[B, T]` or None.
 
         Returns:
-            dict with 'zu', 'zv', 'zs' `[B, T, H, D]` logits, 'value' `[B, T, H, D]`, 'u', 'v', 's',
-            'g' (`ops.AGFFactors`, V over the whole sequence) and 'coeffs' `[K+1]`.
+            dict with 'zu', 'zv', 'zs' `[B, T, H, D]` logits (zs None for 'uvt' / 'svd'), 'value'
+            `[B, T, H, D]`, 'u', 'v', 's', 'g' (`ops.AGFFactors`, V over the whole sequence; s = g
+            = the spectrum for 'uvt' / 'svd') and 'coeffs' `[K+1]`.
         """
         validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)

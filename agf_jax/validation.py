@@ -33,9 +33,17 @@ def _check_common_fields(layer: Any) -> None:
     checks.check_rate("dropout_rate", layer.dropout_rate)
 
 
+GRAPH_FILTERS = ("agf", "uvt", "svd")
+
+
 def check_agf_fields(layer: Any) -> None:
-    """`AGFAttention`'s fields: the common ones, order K >= 0, and the basis with its alpha/beta."""
+    """`AGFAttention`'s fields: the common ones, graph_filter, order K >= 0, and the basis with its
+    alpha/beta."""
     _check_common_fields(layer)
+    checks.check_choice("graph_filter", layer.graph_filter, GRAPH_FILTERS)
+    if layer.graph_filter != "agf" and layer.learn_c0:
+        checks.fail(f"`learn_c0` applies only to graph_filter='agf' (got graph_filter="
+                    f"{layer.graph_filter!r}, which has no polynomial filter)")
     checks.check_int("order", layer.order, 0)
     ops.resolve_basis(layer.basis, layer.alpha, layer.beta, layer.order)
 
