@@ -8,7 +8,12 @@
     projection times sqrt(d_model), learnable positional table, post-LN blocks with a 1x1-conv FFN,
     final LN, activation, padding mask, flatten [B, T*E] -> Linear.
 
-Each takes `attention='agf' | 'softmax'` so the vanilla Transformer baseline runs on the same code.
+Each takes `attention=` any self-attention name of the zoo's registry (`zoo_core.attention.names('self')`,
+read when the model is built): 'agf' and 'softmax' (the vanilla Transformer baseline) are built here
+with PyTorch's inits, every other name by `zoo_core.attention.layer` (or `make` for a mechanism whose
+non-causal form has no contract layer, such as linear attention's global form) with its own options
+from `attention_options`, so the linear Transformers the paper compares against run on the same code.
+AGF's `graph_filter` selects the paper's Table 6 ablations ('uvt', 'svd'; `AGFAttention`).
 `Model(**config.model)` builds one of them from a `kind`, a `VARIANTS` size preset and overrides.
 
 Interface (the zoo's model contract): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
@@ -17,7 +22,8 @@ returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=
 encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
 (`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
 
-aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
+aux (attention='agf'; with 'softmax' it is empty, there is no regulariser; another registry
+attention passes its own `loss/*` terms, summed over layers, e.g. window_graph's 'loss/kl'):
     'loss/orthogonality': scalar, mean over the batch of 'orthogonality/per_sample' (already
         weighted; the shared trainer adds it to the task loss). The reference averages over layers
         (agf.md §2.5), so this is weight / L times the encoder's summed 'loss/orthogonality'; it is
@@ -27,7 +33,8 @@ aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
         reg applied inside each layer) or eta * `ortho_mean` (UEA, eta applied outside).
     'orthogonality/per_layer': [L, B], what each layer returns as in the reference: times `reg`
         for LRA, unweighted for UEA. Retrieval averages the two towers.
-    'filter/coefficients': [L, K+1], the effective c_k of each layer.
+    'filter/coefficients': [L, K+1], the effective c_k of each layer ([L, 1] ones for 'uvt'/'svd').
+    'filter/singular_values': [L, H, D], graph_filter='svd' only.
 Larger intermediates are sown (collection 'intermediates', only when made mutable):
     'hidden_states' (embedded input and the output of every block, [B, T, E] each) and 'token_out'
     (the encoder output after the final LN; LRA: times the mask). See `agf_jax.analysis`.
@@ -38,7 +45,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -48,6 +55,7 @@ import numpy as np
 from agf_jax import validation
 from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
                              torch_linear_kernel_init)
+from zoo_core import attention as zoo_attention
 from zoo_core import checks, xla_forms
 from zoo_core.remat import call_block
 from zoo_core.dropout import Dropout
@@ -64,11 +72,20 @@ VARIANTS: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=16, mlp_dim=32, num_heads=2, head_dim=8, num_layers=2),
 }
 
-ATTENTIONS = ("agf", "softmax")
+# The attentions built here with PyTorch's inits; every other registry name comes from
+# `zoo_core.attention` (`attentions()`).
+OWN_ATTENTIONS = ("agf", "softmax")
 # PyTorch LayerNorm epsilon (Flax's default is 1e-6).
 LN_EPS = 1e-5
 # Keyword arguments that only make sense with attention='agf'.
-AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
+AGF_ONLY_KWARGS = ("graph_filter", "basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
+# Keyword arguments of AGF's polynomial filter, meaningless for graph_filter='uvt' | 'svd'.
+FILTER_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0")
+
+
+def attentions() -> tuple[str, ...]:
+    """The names `attention=` takes: every self-attention of the registry, read at call time."""
+    return zoo_attention.names("self")
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "relu": nn.relu}
@@ -79,20 +96,49 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "rel
 
 
 def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
-    """Builds the attention layer of a block from the owner's fields, with PyTorch's inits."""
-    layer_cls = AGFAttention if owner.attention == "agf" else SoftmaxAttention
+    """Builds the attention layer of a block from the owner's fields: 'agf' and 'softmax' with
+    PyTorch's inits, any other registry name by `registry_attention`."""
+    if owner.attention not in OWN_ATTENTIONS:
+        return registry_attention(owner.attention, num_heads=owner.num_heads,
+                                  head_dim=owner.head_dim, dtype=owner.dtype,
+                                  param_dtype=owner.param_dtype,
+                                  options=dict(owner.attention_options)).clone(parent=owner,
+                                                                               name=name)
     init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
                 bias_init=torch_linear_bias_init(owner.d_model),
                 out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
-    checks.check_choice("attention", owner.attention, ATTENTIONS)
     if owner.attention == "agf":
         # The reference regulariser counts padded rows of U (agf.md §2.5): kept for parity.
         return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
                             order=owner.order, alpha=owner.alpha, beta=owner.beta,
                             learn_c0=learn_c0, ortho_scale=ortho_scale, ortho_count_padding=True,
-                            **init)
+                            graph_filter=owner.graph_filter, **init)
     return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
                             dropout_rate=owner.attention_dropout, **init)
+
+
+def registry_attention(name: str, *, num_heads: int, head_dim: int, dtype: Any, param_dtype: Any,
+                       options: dict) -> nn.Module:
+    """Registry attention `name`, non-causal, in the layer contract (`(y, aux)`), for a block.
+
+    `zoo_core.attention.layer` gives the mechanism's own contract layer; a mechanism whose
+    non-causal form it does not offer (linear attention's global form) is built by
+    `zoo_core.attention.make`, whose call returns y alone (`call_attention` then takes aux as {}).
+    Its own initialisers and defaults, `options` its fields (e.g. FAVOR+'s `num_features`).
+    """
+    kw = dict(num_heads=num_heads, qkv_features=num_heads * head_dim, dtype=dtype,
+              param_dtype=param_dtype, **options)
+    try:
+        return zoo_attention.layer(name, **kw)
+    except ValueError:
+        # No causal=False contract layer: the drop-in's global form (or the same error again).
+        return zoo_attention.make(name, **kw)
+
+
+def call_attention(layer: nn.Module, x: Array, *, mask, deterministic: bool) -> tuple[Array, dict]:
+    """`(y, aux)` of a block's attention, whether a contract layer or a drop-in (aux {})."""
+    out = layer(x, mask=mask, deterministic=deterministic)
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def merge_aux(auxes: Sequence[dict]) -> dict:
@@ -125,15 +171,21 @@ def _embed(m, num: int, init) -> nn.Embed:
 
 
 def _aux(aux: dict, weight: float) -> dict:
-    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1)."""
+    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1).
+
+    AGF's regulariser is averaged over layers (agf.md §2.5); another mechanism's `loss/*` terms
+    pass through as `merge_aux` summed them."""
     if "orthogonality/per_sample" not in aux:
-        return {}
+        return {k: v for k, v in aux.items() if k.startswith("loss/")}
     per_layer = aux["orthogonality/per_sample"]                # [L, B]
     per_sample = weight * jnp.mean(per_layer, axis=0)          # [B]
-    return {"loss/orthogonality": jnp.mean(per_sample),
-            "orthogonality/per_sample": per_sample,
-            "orthogonality/per_layer": per_layer,
-            "filter/coefficients": aux["filter/coefficients"]}
+    out = {"loss/orthogonality": jnp.mean(per_sample),
+           "orthogonality/per_sample": per_sample,
+           "orthogonality/per_layer": per_layer,
+           "filter/coefficients": aux["filter/coefficients"]}
+    if "filter/singular_values" in aux:
+        out["filter/singular_values"] = aux["filter/singular_values"]
+    return out
 
 
 class _BlockFields(nn.Module, kw_only=True):
@@ -147,6 +199,8 @@ class _BlockFields(nn.Module, kw_only=True):
     num_heads: int
     head_dim: int
     attention: str = "agf"
+    attention_options: Any = ()
+    graph_filter: str = "agf"
     basis: str = "jacobi"
     order: int = 3
     alpha: Optional[float] = None
@@ -186,8 +240,8 @@ class LRABlock(_BlockFields, kw_only=True):
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
-        y, aux = self.attention_layer(self.attention_norm(x), mask=mask,
-                                      deterministic=deterministic)
+        y, aux = call_attention(self.attention_layer, self.attention_norm(x), mask=mask,
+                                deterministic=deterministic)
         x = x + self.dropout(y, deterministic=deterministic)
         h = self.dropout(xla_forms.gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
         x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
@@ -245,11 +299,15 @@ class _LRABase(_BlockFields, kw_only=True):
         num_heads: H (`num_head`).
         head_dim: D (`head_dim`).
         num_layers: L.
-        attention: 'agf' | 'softmax'.
+        attention: a name of `attentions()` (`zoo_core.attention.names('self')`): 'agf', 'softmax'
+            (the vanilla Transformer), or another registry mechanism (its defaults and inits).
+        attention_options: that other mechanism's own fields, a mapping (e.g. {'num_features':
+            64} for 'favor'); empty for 'agf' and 'softmax', whose options are fields here.
+        graph_filter: 'agf' | 'uvt' | 'svd' (`AGFAttention`; the paper's Table 6).
         basis, order, alpha, beta: the AGF filter (`poly_type`, `K`, `alpha`, `beta`).
         ortho_weight: gamma = `reg`, applied inside each layer as in the reference.
         dropout_rate: `dropout_prob` (embeddings, attention output, MLP).
-        attention_dropout: softmax attention only.
+        attention_dropout: softmax attention only (other mechanisms: `attention_options`).
         pooling: 'mean' (the reference's MEAN: over all T positions) or 'cls' (the reference's CLS:
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
@@ -327,7 +385,7 @@ class LRARetrieval(_LRABase, kw_only=True):
         x0, a0 = self._encode(self._ids(batch, "inputs1"), not train)
         x1, a1 = self._encode(self._ids(batch, "inputs2"), not train)
         z = jnp.concatenate([x0, x1, x0 * x1, x0 - x1], axis=-1)
-        aux = {k: 0.5 * (a0[k] + a1[k]) if k != "filter/coefficients" else a0[k] for k in a0}
+        aux = {k: 0.5 * (a0[k] + a1[k]) if not k.startswith("filter/") else a0[k] for k in a0}
         return {"logits": self._head(z)}, _aux(aux, 1.0)
 
 
@@ -357,7 +415,7 @@ class UEABlock(_BlockFields, kw_only=True):
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
         the reference UEA attention is never masked, padding is zero input (agf.md §2.2)."""
-        y, aux = self.attention_layer(x, mask=mask, deterministic=deterministic)
+        y, aux = call_attention(self.attention_layer, x, mask=mask, deterministic=deterministic)
         x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
         h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
         h = self.dropout(self.ffn_out(h), deterministic=deterministic)
@@ -397,7 +455,8 @@ class UEAClassifier(_BlockFields, kw_only=True):
         num_heads: H.
         head_dim: D (None: d_model // num_heads, as the reference).
         num_layers: L.
-        attention: 'agf' | 'softmax'.
+        attention, attention_options: as in `LRAClassifier`.
+        graph_filter: 'agf' | 'uvt' | 'svd' (`AGFAttention`; the paper's Table 6).
         basis, order, alpha, beta: the AGF filter.
         learn_c0: True = reference without `--fixI` (c_0 = tanh(theta_0), filter 0 at init).
         ortho_weight: gamma = `eta`, applied to the layer-mean regulariser.
@@ -486,14 +545,32 @@ def _check_options(kind: str, args: dict) -> None:
         checks.check_int(name, get(name), 1)
     checks.check_nonnegative("ortho_weight", get("ortho_weight"))
     checks.check_optional_int("head_dim", get("head_dim"))
-    checks.check_choice("attention", get("attention"), ATTENTIONS)
+    name = get("attention")
+    checks.check_choice("attention", name, attentions())
     checks.check_rate("dropout_rate", get("dropout_rate"))
     checks.check_rate("attention_dropout", get("attention_dropout"))
     given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
-    if get("attention") == "softmax" and given:
-        checks.fail(f"{given} apply only to attention='agf' (got attention='softmax')")
-    if get("attention") == "agf" and get("attention_dropout"):
-        checks.fail("`attention_dropout` applies only to attention='softmax' (AGF has none)")
+    if name != "agf" and given:
+        checks.fail(f"{given} apply only to attention='agf' (got attention={name!r})")
+    if name != "softmax" and get("attention_dropout"):
+        checks.fail(f"`attention_dropout` applies only to attention='softmax' (got attention={name!r}"
+                    f"{'' if name == 'agf' else '; pass dropout_rate in attention_options'})")
+    checks.check_choice("graph_filter", get("graph_filter"), validation.GRAPH_FILTERS)
+    unused = sorted(k for k in FILTER_KWARGS if k in args)
+    if get("graph_filter") != "agf" and unused:
+        checks.fail(f"{unused} apply only to graph_filter='agf' (got graph_filter="
+                    f"{get('graph_filter')!r}, which has no polynomial filter)")
+    options = get("attention_options")
+    if not isinstance(options, (dict, tuple)) or (isinstance(options, tuple) and not all(
+            isinstance(o, tuple) and len(o) == 2 for o in options)):
+        checks.fail(f"`attention_options` must be a mapping of option names to values, got {options!r}")
+    if name in OWN_ATTENTIONS and options:
+        checks.fail(f"`attention_options` apply to registry attentions other than {OWN_ATTENTIONS} "
+                    f"(got attention={name!r}, whose options are model fields)")
+    if name not in OWN_ATTENTIONS:   # the registry checks the mechanism's own options, one line each
+        head_dim = get("head_dim") or get("d_model") // get("num_heads")
+        registry_attention(name, num_heads=get("num_heads"), head_dim=head_dim, dtype=None,
+                           param_dtype=jnp.float32, options=dict(options))
     if kind == "uea_classifier":
         checks.check_choice("activation", get("activation"), ACTIVATIONS)
         checks.check_choice("pos_encoding", get("pos_encoding"), ("learnable", "fixed"))
@@ -538,5 +615,11 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
                and f.name not in args]
     if missing:
         checks.fail(f"Model(kind={kind!r}) is missing required kwargs {missing}")
+    if isinstance(args.get("attention_options"), Mapping) or hasattr(args.get("attention_options"),
+                                                                       "to_dict"):
+        # A config's mapping; module fields stay hashable as sorted (name, value) pairs.
+        options = args["attention_options"]
+        options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+        args["attention_options"] = tuple(sorted(options.items()))
     _check_options(kind, args)
     return KINDS[kind](**args)
