@@ -250,3 +250,63 @@ def test_a_bf16_lra_step_scatters_its_embedding_gradient_in_float32():
         scatters = [line for line in program.split("\n") if "scatter-add" in line
                     and "^bb0" in line]
         assert scatters and all(f"tensor<{want}>" in line for line in scatters), (plain, scatters)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Table 6 variants and the registry's attentions in the AGF models.
+# ---------------------------------------------------------------------------------------------
+
+_NO_FILTER = ("order", "alpha", "beta")
+
+
+@pytest.mark.parametrize("graph_filter", ["uvt", "svd"])
+@pytest.mark.parametrize("kind", ["lra_retrieval", "uea_classifier"])
+def test_graph_filter_variants_in_the_models(kind, graph_filter):
+    kwargs, batch = CASES[kind]
+    kwargs = {k: v for k, v in kwargs.items() if k not in _NO_FILTER}
+    model = Model(kind=kind, **kwargs, graph_filter=graph_filter)
+    params = model.init(jax.random.key(1), batch)["params"]
+    shapes = param_shapes(params)
+    layers, heads, d = (VARIANTS["tiny"][k] for k in ("num_layers", "num_heads", "head_dim"))
+    assert not any("sigma" in n or "theta" in n for n in shapes)
+    spectra = [n for n in shapes if n.endswith("/singular_values")]
+    assert len(spectra) == (layers if graph_filter == "svd" else 0)
+    assert all(shapes[n] == (heads, d) for n in spectra)
+    out, aux = jax.jit(model.apply)({"params": params}, batch)
+    assert bool(jnp.all(jnp.isfinite(out["logits"])))
+    assert aux["filter/coefficients"].shape == (layers, 1)
+    assert ("filter/singular_values" in aux) == (graph_filter == "svd")
+    assert float(aux["loss/orthogonality"]) > 0.0   # the regulariser stays in every variant
+    if graph_filter == "svd":   # singular values start at one: the same model as H_UV^T
+        uvt = Model(kind=kind, **kwargs, graph_filter="uvt")
+        drop = lambda tree: {k: drop(v) if isinstance(v, dict) else v   # noqa: E731
+                             for k, v in tree.items() if k != "singular_values"}
+        want, _ = jax.jit(uvt.apply)({"params": drop(params)}, batch)
+        np.testing.assert_allclose(out["logits"], want["logits"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in model_lib.attentions() if n not in model_lib.OWN_ATTENTIONS])
+@pytest.mark.parametrize("kind", ["lra_classifier", "uea_classifier"])
+def test_every_registry_self_attention_in_the_models(kind, name):
+    kwargs, batch = CASES[kind]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    model = Model(kind=kind, **kwargs, attention=name)
+    variables = model.init(jax.random.key(1), batch)
+    out, aux = jax.jit(model.apply)(variables, batch)
+    assert out["logits"].shape == (B, K) and bool(jnp.all(jnp.isfinite(out["logits"])))
+    assert all(k.startswith("loss/") for k in aux)   # no AGF diagnostics; the mechanism's own losses
+    blocks = variables["params"]["encoder"] if kind.startswith("lra") else variables["params"]
+    assert "attention" in blocks["block_00"]          # the same place as AGF's layer
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, batch)[0]["logits"] ** 2)))(
+        variables["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_attention_options_reach_the_registry_layer():
+    kwargs, batch = CASES["lra_classifier"]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    model = Model(kind="lra_classifier", **kwargs, attention="favor",
+                  attention_options={"num_features": 6})
+    assert model.attention_options == (("num_features", 6),)
+    bound = model.bind(model.init(jax.random.key(1), batch))
+    assert bound.encoder.blocks[0].attention_layer.num_features == 6
