@@ -73,8 +73,8 @@ def left_factor(zu: Array, zs: Optional[Array], coeffs: Array, *, basis: str = "
         coeffs: `[K+1]`.
         basis, alpha, beta: see `resolve_basis`.
         spectrum: None (AGF: g = sum_k c_k P_k(sigmoid(Z_S))), or `[H, D]` singular values used as
-            g directly, the same for every token (the Table 6 variants H_UV^T and H_SVD, agf.md
-            §2.8): zs, coeffs and the basis are then unused.
+            g directly, the same for every token (the Table 6 variants H_UV^T and H_SVD,
+            docs/agf_options.md): zs, coeffs and the basis are then unused.
 
     Returns:
         `[..., H, D]` float32.

@@ -22,8 +22,8 @@ Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
     theta  (`poly.thetas.1..K`)                          [K]   (absent when K = 0)
     theta_0 (`poly.thetas.0`, only if learn_c0)          []
 
-With `graph_filter='uvt'` or `'svd'` (the paper's Table 6 ablations, agf.md §2.8) there is no
-`sigma`, `theta` or `theta_0`; 'svd' adds `singular_values` [H, D] (initialised to one).
+With `graph_filter='uvt'` or `'svd'` (the paper's Table 6 ablations, docs/agf_options.md) there
+is no `sigma`, `theta` or `theta_0`; 'svd' adds `singular_values` [H, D] (initialised to one).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ class AGFAttention(_Attention):
         num_heads: H.
         head_dim: D, the width of the singular vectors and of the per-head values.
         out_features: output width E' (default: the input width E).
-        graph_filter: the spectrum between U and V^T (the paper's Table 6; agf.md §2.8):
+        graph_filter: the spectrum between U and V^T (the paper's Table 6; docs/agf_options.md):
             'agf' (default): g = sum_k c_k P_k(sigmoid(X W_Sigma)), token-specific and filtered;
             'uvt' (H_UV^T): the singular values fixed at one, g = 1 (no `sigma`, no filter);
             'svd' (H_SVD): learnable singular values `singular_values` [H, D], initialised to one

@@ -10,8 +10,9 @@ configs/common.py (parse_arg, base_config, set_lra / set_uea, finish). Their con
   attention=NAME     any self-attention of the zoo's registry (`zoo_core.attention.names('self')`,
                      e.g. favor, linear, window_graph) at the same size and budget, with its own
                      defaults (its options: `agf_jax.model.Model(attention_options=...)`)
-  graph_filter=uvt|svd  AGF's Table 6 ablations (agf.md §2.8): the singular values fixed at one, or
-                     learnable from one, with no polynomial filter (the regulariser is kept)
+  graph_filter=uvt|svd  AGF's Table 6 ablations (docs/agf_options.md): the singular values
+                     fixed at one, or learnable from one, with no polynomial filter (the
+                     orthogonality regulariser is kept)
   source_dir=DIR     (UEA only) the archive's .ts files; LRA file tasks take
                      --config.data.options.source_dir=DIR instead
 
