@@ -19,8 +19,7 @@ is flax's layer with a hand-written backward (`layer_norm`) that keeps fewer ful
 `plain(*names)` is a context manager for timing these forms against their plain counterparts (the
 bfloat16 bisect of benchmarks/device_phases.py): inside it, the models and layers that ask
 `is_plain(name)` while they are traced build the plain form of each named part instead (same
-parameters and values). It is read at trace time; entering and leaving it clears JAX's caches, so
-a jitted function is traced again with the forms in force.
+parameters and values). It is read at trace time, so jit the step inside it.
 """
 from __future__ import annotations
 
@@ -59,11 +58,11 @@ def plain(*names: str) -> Iterator[None]:
     """Within the block, the parts `names` (of `PLAIN_FORMS`) are traced in their plain form.
 
     For timing a step with some of the zoo's forms swapped out (the bfloat16 bisect); models and
-    layers ask `is_plain(name)` when they are traced, so run (trace) the step inside the block. JAX
-    caches a jitted function's trace by its arguments, not by this setting, so entering and leaving
-    a block that changes the set clears JAX's caches (`jax.clear_caches`): the next call traces
-    again. Nested blocks add their names; a bad or repeated name raises ValueError before the block
-    runs.
+    layers ask `is_plain(name)` when they are traced, so build and jit the step inside the block.
+    JAX caches a jitted function's trace by its argument types, not by this setting: a function
+    object jitted and called before the block keeps its forms when called again inside it (jit a
+    new one there). Nested blocks add their names; a bad or repeated name raises ValueError before
+    the block runs.
     """
     for name in names:
         if name not in PLAIN_FORMS:
@@ -71,16 +70,11 @@ def plain(*names: str) -> Iterator[None]:
     if len(set(names)) != len(names):
         raise ValueError(f"`plain` names a part twice: {names}")
     before = getattr(_plain_state, "names", frozenset())
-    inside = before | frozenset(names)
-    _plain_state.names = inside
-    if inside != before:
-        jax.clear_caches()
+    _plain_state.names = before | frozenset(names)
     try:
         yield
     finally:
         _plain_state.names = before
-        if inside != before:
-            jax.clear_caches()
 
 
 def is_plain(name: str) -> bool:

@@ -240,11 +240,11 @@ def test_a_bf16_lra_step_scatters_its_embedding_gradient_in_float32():
     model = Model(kind="lra_classifier", **kwargs, dtype=jnp.bfloat16)
     params = model.init(jax.random.key(6), batch)["params"]
 
-    def grad(params, ids):
-        return jax.grad(lambda p: jnp.sum(model.apply({"params": p}, {"inputs": ids})[0][
-            "logits"]))(params)
-
     for plain, want in (((), "f32"), (("embed",), "bf16")):
+        def grad(params, ids):   # a new function per block: jit caches a function's trace
+            return jax.grad(lambda p: jnp.sum(model.apply({"params": p}, {"inputs": ids})[0][
+                "logits"]))(params)
+
         with xla_forms.plain(*plain):
             program = testing.exported_program(grad, params, batch["inputs"], platform="cuda")
         scatters = [line for line in program.split("\n") if "scatter-add" in line
