@@ -9,7 +9,8 @@ configs/common.py (parse_arg, base_config, set_lra / set_uea, finish). Their con
                      orthogonality regulariser)
   attention=NAME     any self-attention of the zoo's registry (`zoo_core.attention.names('self')`,
                      e.g. favor, linear, window_graph) at the same size and budget, with its own
-                     defaults (its options: `agf_jax.model.Model(attention_options=...)`)
+                     defaults; its options as (name, value) pairs:
+                     --config.model.attention_options="(('num_features', 64),)"
   graph_filter=uvt|svd  AGF's Table 6 ablations (docs/agf_options.md): the singular values
                      fixed at one, or learnable from one, with no polynomial filter (the
                      orthogonality regulariser is kept)
