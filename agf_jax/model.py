@@ -45,7 +45,7 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -53,9 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from agf_jax import validation
-from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
-                             torch_linear_kernel_init)
-from zoo_core import attention as zoo_attention
+from agf_jax.layers import torch_linear_bias_init, torch_linear_kernel_init
+# AGF_ONLY_KWARGS, OWN_ATTENTIONS and attentions are this module's public names too.
+from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions,  # noqa: F401
+                                     block_attention as _attention, call_attention,
+                                     check_attention_options, options_tuple)
 from zoo_core import checks, xla_forms
 from zoo_core.remat import call_block
 from zoo_core.dropout import Dropout
@@ -72,20 +74,8 @@ VARIANTS: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=16, mlp_dim=32, num_heads=2, head_dim=8, num_layers=2),
 }
 
-# The attentions built here with PyTorch's inits; every other registry name comes from
-# `zoo_core.attention` (`attentions()`).
-OWN_ATTENTIONS = ("agf", "softmax")
 # PyTorch LayerNorm epsilon (Flax's default is 1e-6).
 LN_EPS = 1e-5
-# Keyword arguments that only make sense with attention='agf'.
-AGF_ONLY_KWARGS = ("graph_filter", "basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
-# Keyword arguments of AGF's polynomial filter, meaningless for graph_filter='uvt' | 'svd'.
-FILTER_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0")
-
-
-def attentions() -> tuple[str, ...]:
-    """The names `attention=` takes: every self-attention of the registry, read at call time."""
-    return zoo_attention.names("self")
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "relu": nn.relu}
@@ -93,52 +83,6 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "rel
 # Traced inside `xla_forms.plain(...)` (the bfloat16 bisect), the parts named there ('embed',
 # 'layer_norm', 'add_to_each', 'dense', 'dropout', 'agf_backward'; `xla_forms.PLAIN_FORMS`) are
 # computed in their plain form, with the same parameters and values.
-
-
-def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
-    """Builds the attention layer of a block from the owner's fields: 'agf' and 'softmax' with
-    PyTorch's inits, any other registry name by `registry_attention`."""
-    if owner.attention not in OWN_ATTENTIONS:
-        return registry_attention(owner.attention, num_heads=owner.num_heads,
-                                  head_dim=owner.head_dim, dtype=owner.dtype,
-                                  param_dtype=owner.param_dtype,
-                                  options=dict(owner.attention_options)).clone(parent=owner,
-                                                                               name=name)
-    init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
-                bias_init=torch_linear_bias_init(owner.d_model),
-                out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
-    if owner.attention == "agf":
-        # The reference regulariser counts padded rows of U (agf.md §2.5): kept for parity.
-        return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
-                            order=owner.order, alpha=owner.alpha, beta=owner.beta,
-                            learn_c0=learn_c0, ortho_scale=ortho_scale, ortho_count_padding=True,
-                            graph_filter=owner.graph_filter, **init)
-    return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
-                            dropout_rate=owner.attention_dropout, **init)
-
-
-def registry_attention(name: str, *, num_heads: int, head_dim: int, dtype: Any, param_dtype: Any,
-                       options: dict) -> nn.Module:
-    """Registry attention `name`, non-causal, in the layer contract (`(y, aux)`), for a block.
-
-    `zoo_core.attention.layer` gives the mechanism's own contract layer; a mechanism whose
-    non-causal form it does not offer (linear attention's global form) is built by
-    `zoo_core.attention.make`, whose call returns y alone (`call_attention` then takes aux as {}).
-    Its own initialisers and defaults, `options` its fields (e.g. FAVOR+'s `num_features`).
-    """
-    kw = dict(num_heads=num_heads, qkv_features=num_heads * head_dim, dtype=dtype,
-              param_dtype=param_dtype, **options)
-    try:
-        return zoo_attention.layer(name, **kw)
-    except ValueError:
-        # No causal=False contract layer: the drop-in's global form (or the same error again).
-        return zoo_attention.make(name, **kw)
-
-
-def call_attention(layer: nn.Module, x: Array, *, mask, deterministic: bool) -> tuple[Array, dict]:
-    """`(y, aux)` of a block's attention, whether a contract layer or a drop-in (aux {})."""
-    out = layer(x, mask=mask, deterministic=deterministic)
-    return out if isinstance(out, tuple) else (out, {})
 
 
 def merge_aux(auxes: Sequence[dict]) -> dict:
@@ -545,32 +489,8 @@ def _check_options(kind: str, args: dict) -> None:
         checks.check_int(name, get(name), 1)
     checks.check_nonnegative("ortho_weight", get("ortho_weight"))
     checks.check_optional_int("head_dim", get("head_dim"))
-    name = get("attention")
-    checks.check_choice("attention", name, attentions())
     checks.check_rate("dropout_rate", get("dropout_rate"))
-    checks.check_rate("attention_dropout", get("attention_dropout"))
-    given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
-    if name != "agf" and given:
-        checks.fail(f"{given} apply only to attention='agf' (got attention={name!r})")
-    if name != "softmax" and get("attention_dropout"):
-        checks.fail(f"`attention_dropout` applies only to attention='softmax' (got attention={name!r}"
-                    f"{'' if name == 'agf' else '; pass dropout_rate in attention_options'})")
-    checks.check_choice("graph_filter", get("graph_filter"), validation.GRAPH_FILTERS)
-    unused = sorted(k for k in FILTER_KWARGS if k in args)
-    if get("graph_filter") != "agf" and unused:
-        checks.fail(f"{unused} apply only to graph_filter='agf' (got graph_filter="
-                    f"{get('graph_filter')!r}, which has no polynomial filter)")
-    options = get("attention_options")
-    if not isinstance(options, (dict, tuple)) or (isinstance(options, tuple) and not all(
-            isinstance(o, tuple) and len(o) == 2 for o in options)):
-        checks.fail(f"`attention_options` must be a mapping of option names to values, got {options!r}")
-    if name in OWN_ATTENTIONS and options:
-        checks.fail(f"`attention_options` apply to registry attentions other than {OWN_ATTENTIONS} "
-                    f"(got attention={name!r}, whose options are model fields)")
-    if name not in OWN_ATTENTIONS:   # the registry checks the mechanism's own options, one line each
-        head_dim = get("head_dim") or get("d_model") // get("num_heads")
-        registry_attention(name, num_heads=get("num_heads"), head_dim=head_dim, dtype=None,
-                           param_dtype=jnp.float32, options=dict(options))
+    check_attention_options(args, get)
     if kind == "uea_classifier":
         checks.check_choice("activation", get("activation"), ACTIVATIONS)
         checks.check_choice("pos_encoding", get("pos_encoding"), ("learnable", "fixed"))
@@ -615,11 +535,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
                and f.name not in args]
     if missing:
         checks.fail(f"Model(kind={kind!r}) is missing required kwargs {missing}")
-    if isinstance(args.get("attention_options"), Mapping) or hasattr(args.get("attention_options"),
-                                                                       "to_dict"):
-        # A config's mapping; module fields stay hashable as sorted (name, value) pairs.
-        options = args["attention_options"]
-        options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
-        args["attention_options"] = tuple(sorted(options.items()))
+    if "attention_options" in args:
+        args["attention_options"] = options_tuple(args["attention_options"])
     _check_options(kind, args)
     return KINDS[kind](**args)
