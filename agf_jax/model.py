@@ -154,6 +154,9 @@ class _BlockFields(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
+    # The longest input (a registry attention's length option, `model_attention.registry_attention`);
+    # the models declare it as a required field.
+    max_len: Optional[int] = None
 
 
 def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:

@@ -6,7 +6,7 @@ added there is available to the models with no change here (docs/agf_options.md)
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -39,7 +39,7 @@ def block_attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> 
     if owner.attention not in OWN_ATTENTIONS:
         return registry_attention(owner.attention, num_heads=owner.num_heads,
                                   head_dim=owner.head_dim, dtype=owner.dtype,
-                                  param_dtype=owner.param_dtype,
+                                  param_dtype=owner.param_dtype, max_len=owner.max_len,
                                   options=dict(owner.attention_options)).clone(parent=owner,
                                                                                name=name)
     init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
@@ -56,14 +56,20 @@ def block_attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> 
 
 
 def registry_attention(name: str, *, num_heads: int, head_dim: int, dtype: Any, param_dtype: Any,
-                       options: dict) -> nn.Module:
+                       options: dict, max_len: Optional[int] = None) -> nn.Module:
     """Registry attention `name`, non-causal, in the layer contract (`(y, aux)`), for a block.
 
     `zoo_core.attention.layer` gives the mechanism's own contract layer; a mechanism whose
     non-causal form it does not offer (linear attention's global form) is built by
     `zoo_core.attention.make`, whose call returns y alone (`call_attention` then takes aux as {}).
-    Its own initialisers and defaults, `options` its fields (e.g. FAVOR+'s `num_features`).
+    Its own initialisers and defaults, `options` its fields (e.g. FAVOR+'s `num_features`). Where
+    the registry names an option that bounds the input length (`zoo_core.attention.length_option`,
+    e.g. Linformer's `max_length`) and `options` leaves it unset, it is the model's `max_len`.
     """
+    length_option = getattr(zoo_attention, "length_option", None)   # registries that have one
+    key = length_option(name) if length_option is not None and max_len is not None else None
+    if key is not None and key not in options:
+        options = {**options, key: max_len}
     kw = dict(num_heads=num_heads, qkv_features=num_heads * head_dim, dtype=dtype,
               param_dtype=param_dtype, **options)
     try:
@@ -114,4 +120,4 @@ def check_attention_options(args: dict, get: Callable[[str], Any]) -> None:
     if name not in OWN_ATTENTIONS:   # the registry checks the mechanism's own options, one line each
         head_dim = get("head_dim") or get("d_model") // get("num_heads")
         registry_attention(name, num_heads=get("num_heads"), head_dim=head_dim, dtype=None,
-                           param_dtype=jnp.float32, options=dict(options))
+                           param_dtype=jnp.float32, options=dict(options), max_len=get("max_len"))

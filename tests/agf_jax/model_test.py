@@ -310,3 +310,17 @@ def test_attention_options_reach_the_registry_layer():
     assert model.attention_options == (("num_features", 6),)
     bound = model.bind(model.init(jax.random.key(1), batch))
     assert bound.encoder.blocks[0].attention_layer.num_features == 6
+
+
+def test_a_registry_length_option_is_the_models_max_len(monkeypatch):
+    # A mechanism whose registry row names a length option (Linformer's max_length) gets the
+    # model's max_len there unless attention_options set it; favor's num_features stands in.
+    from agf_jax import model_attention
+    monkeypatch.setattr(model_attention.zoo_attention, "length_option",
+                        lambda name: "num_features" if name == "favor" else None, raising=False)
+    kwargs, batch = CASES["lra_classifier"]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    for options, want in (({}, kwargs["max_len"]), ({"num_features": 6}, 6)):
+        model = Model(kind="lra_classifier", **kwargs, attention="favor", attention_options=options)
+        bound = model.bind(model.init(jax.random.key(1), batch))
+        assert bound.encoder.blocks[0].attention_layer.num_features == want
