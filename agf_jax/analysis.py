@@ -331,7 +331,7 @@ def attention_probes(model, variables, batch: Mapping[str, Any]) -> list[dict]:
         layer = layers_lib.AGFAttention(
             num_heads=model.num_heads, head_dim=head_dim, basis=model.basis, order=model.order,
             alpha=model.alpha, beta=model.beta, learn_c0=False if is_lra else model.learn_c0,
-            ortho_count_padding=True)
+            ortho_count_padding=True, graph_filter=model.graph_filter)
         x = jnp.asarray(hidden[i])
         if is_lra:   # pre-LN: the attention sees LN(h)
             norm = nn.LayerNorm(epsilon=model_lib.LN_EPS)

@@ -61,20 +61,27 @@ def masked_logits(zv: Array, mask: Optional[Array]) -> Array:
     return masking.zero_padding(zv, mask, fill=-MASK_OFFSET)
 
 
-def left_factor(zu: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
-                alpha: Optional[float] = None, beta: Optional[float] = None) -> Array:
+def left_factor(zu: Array, zs: Optional[Array], coeffs: Array, *, basis: str = "jacobi",
+                alpha: Optional[float] = None, beta: Optional[float] = None,
+                spectrum: Optional[Array] = None) -> Array:
     """A = U * g, the token-local part of AGF: softmax over D times the filtered spectrum.
 
     Args:
-        zu: `[..., D]` left-factor logits (the "query" projection).
-        zs: `[..., D]` singular-value logits (the "Sigma" projection).
+        zu: `[..., H, D]` left-factor logits (the "query" projection).
+        zs: `[..., H, D]` singular-value logits (the "Sigma" projection); unused (may be None)
+            when `spectrum` is given.
         coeffs: `[K+1]`.
         basis, alpha, beta: see `resolve_basis`.
+        spectrum: None (AGF: g = sum_k c_k P_k(sigmoid(Z_S))), or `[H, D]` singular values used as
+            g directly, the same for every token (the Table 6 variants H_UV^T and H_SVD,
+            docs/agf_options.md): zs, coeffs and the basis are then unused.
 
     Returns:
-        `[..., D]` float32.
+        `[..., H, D]` float32.
     """
     u = jax.nn.softmax(as_float(zu), axis=-1)
+    if spectrum is not None:
+        return u * as_float(spectrum).astype(u.dtype)
     g = graph_filter(jax.nn.sigmoid(as_float(zs)), coeffs, basis=basis, alpha=alpha, beta=beta)
     return u * g
 
@@ -94,16 +101,18 @@ class AGFFactors(NamedTuple):
     g: Array
 
 
-def agf_factors(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
-                alpha: Optional[float] = None, beta: Optional[float] = None,
-                mask: Optional[Array] = None) -> AGFFactors:
+def agf_factors(zu: Array, zv: Array, zs: Optional[Array], coeffs: Array, *,
+                basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
+                mask: Optional[Array] = None, spectrum: Optional[Array] = None) -> AGFFactors:
     """Computes U, V, s and g (agf.md §2.2-2.3), for analysis and the explicit reference.
 
     Args:
-        zu, zv, zs: `[B, T, H, D]` projections.
+        zu, zv, zs: `[B, T, H, D]` projections (zs unused, may be None, with `spectrum`).
         coeffs: `[K+1]`.
         basis, alpha, beta: see `resolve_basis`.
         mask: `[B, T]` padding mask applied to V only, or None.
+        spectrum: None, or `[H, D]` singular values (see `left_factor`); s and g are then both
+            that spectrum, broadcast to `[B, T, H, D]`.
 
     Returns:
         `AGFFactors`.
@@ -111,6 +120,9 @@ def agf_factors(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = 
     check_projections(zu, zv, zs)
     u = jax.nn.softmax(as_float(zu), axis=-1)
     v = jax.nn.softmax(masked_logits(zv, mask), axis=1)
+    if spectrum is not None:
+        s = g = jnp.broadcast_to(as_float(spectrum).astype(u.dtype), u.shape)
+        return AGFFactors(u, v, s, g)
     s = jax.nn.sigmoid(as_float(zs))
     g = graph_filter(s, coeffs, basis=basis, alpha=alpha, beta=beta)
     return AGFFactors(u, v, s, g)

@@ -52,9 +52,10 @@ def _check_state(state: AGFState, a: Array, val: Array, time_axis: bool = True):
                          f"not match [B, H, D, M] = {want}")
 
 
-def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+def agf_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                  basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
-                 mask: Optional[Array] = None, causal: bool = False) -> Array:
+                 mask: Optional[Array] = None, causal: bool = False,
+                 spectrum: Optional[Array] = None) -> Array:
     """AGF attention over a whole sequence, O(T D M) per head (agf.md §2.2-2.3).
 
     Non-causal: O = (U * g) (V^T Val), exactly the reference. Causal (extension, see module
@@ -70,6 +71,8 @@ def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
         basis, alpha, beta: see `resolve_basis`.
         mask: `[B, T]` padding mask (1/True = real), applied to V and Val only, or None.
         causal: prefix-normalised V.
+        spectrum: None (AGF's filter), or `[H, D]` singular values used as g for every token (the
+            Table 6 variants; zs and coeffs are then unused and zs may be None): see `left_factor`.
 
     Returns:
         `[B, T, H, M]` float32 (float64 for float64 inputs).
@@ -77,8 +80,8 @@ def agf_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     check_projections(zu, zv, zs, val)
     if not causal:
         return agf_with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta,
-                                      mask=mask)[0]
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+                                      mask=mask, spectrum=spectrum)[0]
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     zv = masked_logits(zv, mask)
     val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     # Per-token elements (m, z, N) = (Z_V, 1, 1 (x) Val): combining prefixes is an associative
@@ -126,10 +129,10 @@ class _Chunks(NamedTuple):
 
 
 def _chunk_inputs(zu, zv, zs, val, coeffs, *, chunk_size, basis, alpha, beta, mask,
-                  state) -> _Chunks:
+                  state, spectrum) -> _Chunks:
     check_projections(zu, zv, zs, val)
     _check_chunk_size(chunk_size)
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     zv = masked_logits(zv, mask)
     val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     # The intra-chunk sum multiplies the future weights (exactly 0) with the future values, and
@@ -164,10 +167,10 @@ def _poison(y: Array, state: AGFState, poisoned: Array) -> tuple[Array, AGFState
     return jnp.where(poisoned[..., None], jnp.nan, y), state
 
 
-def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, chunk_size: int,
+def agf_chunked(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *, chunk_size: int,
                 basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
-                mask: Optional[Array] = None,
-                state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+                mask: Optional[Array] = None, state: Optional[AGFState] = None,
+                spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF in chunks of C tokens, in the form that suits the platform it runs on.
 
     The CPU runs `agf_chunked_scan` (a `lax.scan` over the chunks, one chunk's temporaries at a
@@ -182,6 +185,7 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
         basis, alpha, beta: see `resolve_basis`.
         mask: `[B, T]` or None.
         state: `AGFState` of the tokens before this sequence, or None for an empty prefix.
+        spectrum: None or `[H, D]`, as in `agf_parallel`.
 
     Returns:
         (y `[B, T, H, M]`, final `AGFState`).
@@ -190,15 +194,17 @@ def agf_chunked(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *, c
     checks.check_int("chunk_size", chunk_size, 1)   # a user-chosen argument of a public kernel
     kw = dict(chunk_size=chunk_size, basis=basis, alpha=alpha, beta=beta)
     return jax.lax.platform_dependent(
-        zu, zv, zs, val, coeffs, mask, state,
-        cpu=lambda *x: agf_chunked_scan(*x[:5], mask=x[5], state=x[6], **kw),
-        default=lambda *x: agf_chunked_parallel(*x[:5], mask=x[5], state=x[6], **kw))
+        zu, zv, zs, val, coeffs, mask, state, spectrum,
+        cpu=lambda *x: agf_chunked_scan(*x[:5], mask=x[5], state=x[6], spectrum=x[7], **kw),
+        default=lambda *x: agf_chunked_parallel(*x[:5], mask=x[5], state=x[6], spectrum=x[7],
+                                                **kw))
 
 
-def agf_chunked_scan(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+def agf_chunked_scan(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                      chunk_size: int, basis: str = "jacobi", alpha: Optional[float] = None,
                      beta: Optional[float] = None, mask: Optional[Array] = None,
-                     state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+                     state: Optional[AGFState] = None,
+                     spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF as a `lax.scan` over chunks of C tokens: O(T C D + T D M) time, a carried O(D M)
     state per head, and one chunk's `[B, C, C, H, D]` weights alive at a time (the CPU form).
 
@@ -211,7 +217,7 @@ def agf_chunked_scan(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array,
     """
     a, zv, val, state, poisoned = _chunk_inputs(zu, zv, zs, val, coeffs, chunk_size=chunk_size,
                                                 basis=basis, alpha=alpha, beta=beta, mask=mask,
-                                                state=state)
+                                                state=state, spectrum=spectrum)
     b, c = a.shape[0], chunk_size
     n_chunks = a.shape[1] // c
 
@@ -244,10 +250,11 @@ def agf_chunked_scan(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array,
     return _poison(y, state, poisoned)
 
 
-def agf_chunked_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+def agf_chunked_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                          chunk_size: int, basis: str = "jacobi", alpha: Optional[float] = None,
                          beta: Optional[float] = None, mask: Optional[Array] = None,
-                         state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+                         state: Optional[AGFState] = None,
+                         spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF with every chunk of C tokens at once: no loop over chunks or tokens (the GPU/TPU form).
 
     The same numbers as `agf_chunked_scan`, in the state-passing form of chunked linear attention
@@ -272,7 +279,7 @@ def agf_chunked_parallel(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Ar
     """
     a, zv, val, state, poisoned = _chunk_inputs(zu, zv, zs, val, coeffs, chunk_size=chunk_size,
                                                 basis=basis, alpha=alpha, beta=beta, mask=mask,
-                                                state=state)
+                                                state=state, spectrum=spectrum)
     b, tc, h, d = a.shape
     c = chunk_size
     n = tc // c
@@ -313,10 +320,11 @@ def _step_core(state: AGFState, a_t: Array, zv_t: Array, val_t: Array) -> tuple[
     return AGFState(num, den, new_max), y
 
 
-def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+def agf_recurrent(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                   basis: str = "jacobi", alpha: Optional[float] = None,
                   beta: Optional[float] = None, mask: Optional[Array] = None,
-                  state: Optional[AGFState] = None) -> tuple[Array, AGFState]:
+                  state: Optional[AGFState] = None,
+                  spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF as a `jax.lax.scan` of `agf_step` over time (O(D M) state per head).
 
     Arguments as in `agf_chunked` (without chunk_size); returns (y `[B, T, H, M]`, final state).
@@ -324,7 +332,7 @@ def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     check_projections(zu, zv, zs, val)
     # The token-local factor is computed for the whole sequence first; only the parameter-free
     # online softmax is scanned.
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     zv = masked_logits(zv, mask)
     val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     b, _, h, d = a.shape
@@ -337,23 +345,27 @@ def agf_recurrent(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
     return jnp.moveaxis(ys, 0, 1), state
 
 
-def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Array, val_t: Array, coeffs: Array,
+def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Optional[Array], val_t: Array, coeffs: Array,
              *, basis: str = "jacobi", alpha: Optional[float] = None,
-             beta: Optional[float] = None) -> tuple[AGFState, Array]:
+             beta: Optional[float] = None,
+             spectrum: Optional[Array] = None) -> tuple[AGFState, Array]:
     """One causal AGF token, O(D M) per head: state of the prefix, zu_t, zv_t, zs_t `[B, H, D]`,
-    val_t `[B, H, M]` -> (new `AGFState`, y_t `[B, H, M]`); coeffs and basis as in `agf_parallel`.
+    val_t `[B, H, M]` -> (new `AGFState`, y_t `[B, H, M]`); coeffs, basis and spectrum as in
+    `agf_parallel`.
     """
     check_projections(zu_t, zv_t, zs_t, val_t, rank=3)
-    a_t = left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta)
+    a_t = left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta,
+                      spectrum=spectrum)
     val_t = as_float(val_t).astype(a_t.dtype)
     _check_state(state, a_t, val_t, time_axis=False)
     state = AGFState(*(s.astype(a_t.dtype) for s in state))
     return _step_core(state, a_t, as_float(zv_t).astype(a_t.dtype), val_t)
 
 
-def agf_attention_matrix(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basis: str = "jacobi",
+def agf_attention_matrix(zu: Array, zv: Array, zs: Optional[Array], coeffs: Array, *, basis: str = "jacobi",
                          alpha: Optional[float] = None, beta: Optional[float] = None,
-                         mask: Optional[Array] = None, causal: bool = False) -> Array:
+                         mask: Optional[Array] = None, causal: bool = False,
+                 spectrum: Optional[Array] = None) -> Array:
     """The implicit T x T attention matrix H_tj = sum_k U_tk g_tk V^(t)_jk; O(T^2 D), small T only.
 
     Used as the explicit reference in tests and by `agf_jax.analysis`. Non-causal: V^(t) = V.
@@ -361,7 +373,7 @@ def agf_attention_matrix(zu: Array, zv: Array, zs: Array, coeffs: Array, *, basi
     `agf_parallel` (no values); returns `[B, H, T, T]` (query t, key j), `O = H @ Val` per head.
     """
     check_projections(zu, zv, zs)
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta)
+    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     zv = masked_logits(zv, mask)
     if not causal:
         v = jax.nn.softmax(zv, axis=1)

@@ -19,10 +19,11 @@ Array = jax.Array
 
 
 
-def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
+def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                            basis: str = "jacobi", alpha: Optional[float] = None,
                            beta: Optional[float] = None, mask: Optional[Array] = None,
-                           count_padding: bool = True) -> tuple[Array, Array]:
+                           count_padding: bool = True,
+                           spectrum: Optional[Array] = None) -> tuple[Array, Array]:
     """`(agf_parallel(...), orthogonality_loss(...))` of the non-causal layer in one pass.
 
     The training form of the non-causal layer (agf.md §2.2-2.6): the same numbers as the two
@@ -41,11 +42,17 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
     Args:
         zu, zv, zs, val, coeffs, basis, alpha, beta, mask: as in `agf_parallel`.
         count_padding: as in `orthogonality_loss`.
+        spectrum: None, or `[H, D]` fixed singular values (`left_factor`; the Table 6 variants,
+            which have no polynomial filter): computed by `agf_with_orthogonality_plain`.
 
     Returns:
         (o `[B, T, H, M]`, regulariser `[B]`), float32 (float64 for float64 inputs).
     """
     check_projections(zu, zv, zs, val)
+    if spectrum is not None:
+        # The hand-written backward differentiates the polynomial filter; the variants have none.
+        return agf_with_orthogonality_plain(zu, zv, zs, val, coeffs, mask=mask,
+                                            count_padding=count_padding, spectrum=spectrum)
     a, b = resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
     valid = masking.as_bool(mask, jnp.shape(zu)[:2])
     dtype = jnp.result_type(*(as_float(x) for x in (zu, zv, zs, val)))
@@ -59,18 +66,20 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Array, val: Array, coeffs: 
     return jnp.stack(out, axis=2), reg / (h * d * d)
 
 
-def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Array, val: Array, coeffs: Array, *,
-                                 basis: str = "jacobi", alpha: Optional[float] = None,
-                                 beta: Optional[float] = None, mask: Optional[Array] = None,
-                                 count_padding: bool = True) -> tuple[Array, Array]:
+def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Optional[Array], val: Array,
+                                 coeffs: Array, *, basis: str = "jacobi",
+                                 alpha: Optional[float] = None, beta: Optional[float] = None,
+                                 mask: Optional[Array] = None, count_padding: bool = True,
+                                 spectrum: Optional[Array] = None) -> tuple[Array, Array]:
     """`agf_with_orthogonality`'s numbers from the plain maths, differentiated by autodiff.
 
     O = (U * g) (V^T Val) batched over heads, and `orthogonality_loss`; no custom backward, no
-    optimisation barrier, no variadic reduce. The plain form a model selects with
-    `plain=('agf_backward',)`, to time the hand-written backward against it. Arguments and result
-    as in `agf_with_orthogonality`.
+    optimisation barrier, no variadic reduce. The plain form a model takes inside
+    `zoo_core.xla_forms.plain('agf_backward')`, to time the hand-written backward against it, and
+    the form of the spectrum variants. Arguments and result as in `agf_with_orthogonality`.
     """
-    f = agf_factors(zu, zv, zs, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask)
+    f = agf_factors(zu, zv, zs, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                    spectrum=spectrum)
     kv = jnp.einsum("bthd,bthm->bhdm", f.v, as_float(masking.zero_padding(val, mask)).astype(f.v.dtype))
     o = jnp.einsum("bthd,bhdm->bthm", f.u * f.g, kv)
     return o, orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)

@@ -21,6 +21,9 @@ Parameter names (stable; `agf_jax.convert` maps the reference names onto them):
     out    (`ff` / `out_projection`)                     kernel [H, D, E'], bias [E']
     theta  (`poly.thetas.1..K`)                          [K]   (absent when K = 0)
     theta_0 (`poly.thetas.0`, only if learn_c0)          []
+
+With `graph_filter='uvt'` or `'svd'` (the paper's Table 6 ablations, docs/agf_options.md) there
+is no `sigma`, `theta` or `theta_0`; 'svd' adds `singular_values` [H, D] (initialised to one).
 """
 from __future__ import annotations
 
@@ -83,17 +86,14 @@ class _Attention(nn.Module):
     kernel_init: Initializer = torch_linear_kernel_init()
     bias_init: Initializer = nn.initializers.zeros_init()
     out_bias_init: Optional[Initializer] = None
-    plain: tuple[str, ...] = ()
 
-    # Parts a layer can compute in their plain form (`plain`): 'dense' flax's DenseGeneral for
-    # the projections (not the 2-D matmuls of `xla_forms.DenseGeneral`), 'dropout' flax's Dropout.
-    PLAIN = ("dense", "dropout")
-
+    # Inside `xla_forms.plain('dense')` the projections are flax's DenseGeneral (not the 2-D matmuls
+    # of `xla_forms.DenseGeneral`), inside `xla_forms.plain('dropout')` the dropout is flax's.
     def _dense_cls(self) -> type:
-        return nn.DenseGeneral if "dense" in self.plain else xla_forms.DenseGeneral
+        return nn.DenseGeneral if xla_forms.is_plain("dense") else xla_forms.DenseGeneral
 
     def _dropout(self) -> nn.Module:
-        return (nn.Dropout if "dropout" in self.plain else Dropout)(self.dropout_rate)
+        return (nn.Dropout if xla_forms.is_plain("dropout") else Dropout)(self.dropout_rate)
 
     def _projection(self, name: str) -> nn.Module:
         return self._dense_cls()(features=(self.num_heads, self.head_dim), dtype=self.dtype,
@@ -132,6 +132,13 @@ class AGFAttention(_Attention):
         num_heads: H.
         head_dim: D, the width of the singular vectors and of the per-head values.
         out_features: output width E' (default: the input width E).
+        graph_filter: the spectrum between U and V^T (the paper's Table 6; docs/agf_options.md):
+            'agf' (default): g = sum_k c_k P_k(sigmoid(X W_Sigma)), token-specific and filtered;
+            'uvt' (H_UV^T): the singular values fixed at one, g = 1 (no `sigma`, no filter);
+            'svd' (H_SVD): learnable singular values `singular_values` [H, D], initialised to one
+            and shared by all tokens, g = singular_values (no `sigma`, no filter).
+            The basis, order, alpha, beta and learn_c0 fields apply to 'agf' only. The
+            orthogonality regulariser is the same in all three: it acts on U and V only.
         basis: 'jacobi' | 'chebyshev' | 'legendre' | 'monomial' (agf.md §2.4).
         order: polynomial order K >= 0 (K+1 coefficients).
         alpha: Jacobi alpha (only for basis='jacobi'; default 1.0).
@@ -158,9 +165,10 @@ class AGFAttention(_Attention):
         out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
-        plain: names from `AGFAttention.PLAIN` computed in their plain form, with the same
-            parameters and values: 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout),
-            'agf_backward' (autodiff of the plain non-causal maths); for timing the zoo's forms.
+
+    Traced inside `zoo_core.xla_forms.plain(...)` (timing only; same parameters and values), the
+    layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
+    (autodiff of the plain non-causal maths) in their plain forms.
 
     The causal forms keep AGF's own kernels rather than `zoo_core.linear_attention`: AGF normalises
     each of the D features by its own prefix sum under a running maximum (an online softmax), which
@@ -168,6 +176,7 @@ class AGFAttention(_Attention):
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.
+    graph_filter: str = "agf"
     basis: str = "jacobi"
     order: int = 3
     alpha: Optional[float] = None
@@ -177,31 +186,45 @@ class AGFAttention(_Attention):
     ortho_count_padding: bool = False
     theta_init: Initializer = nn.initializers.zeros_init()
 
-    # 'agf_backward': the non-causal output and regulariser by autodiff of the plain maths
-    # (`ops.agf_with_orthogonality_plain`), not the hand-written backward.
-    PLAIN = _Attention.PLAIN + ("agf_backward",)
-
     def setup(self):
         validation.check_agf_fields(self)
         self.query, self.key = self._projection("query"), self._projection("key")
-        self.sigma, self.value = self._projection("sigma"), self._projection("value")
-        if self.order > 0:
-            self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
-        if self.learn_c0:
-            self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
+        self.value = self._projection("value")
+        if self.graph_filter == "agf":
+            self.sigma = self._projection("sigma")
+            if self.order > 0:
+                self.theta = self.param("theta", self.theta_init, (self.order,), self.param_dtype)
+            if self.learn_c0:
+                self.theta_0 = self.param("theta_0", self.theta_init, (), self.param_dtype)
+        elif self.graph_filter == "svd":
+            self.singular_values = self.param("singular_values", nn.initializers.ones_init(),
+                                              (self.num_heads, self.head_dim), self.param_dtype)
         self.dropout = self._dropout()
 
     def coefficients(self) -> Array:
-        """Effective filter coefficients c_0..c_K, `[K+1]` float32."""
+        """Effective filter coefficients c_0..c_K, `[K+1]` float32 ('uvt' / 'svd': `[1.0]`, no
+        filter: g is the spectrum itself)."""
+        if self.graph_filter != "agf":
+            return ops.filter_coefficients(None)
         theta = self.theta if self.order > 0 else None
         theta_0 = self.theta_0 if self.learn_c0 else None
         return ops.filter_coefficients(theta, theta_0)
 
+    def spectrum(self) -> Optional[Array]:
+        """The fixed spectrum of 'uvt' (ones) and 'svd' (`singular_values`), `[H, D]` float32;
+        None for 'agf', whose spectrum is the token-specific filter."""
+        if self.graph_filter == "uvt":
+            return jnp.ones((self.num_heads, self.head_dim), jnp.float32)
+        if self.graph_filter == "svd":
+            return ops.as_float(self.singular_values)
+        return None
+
     def _basis_kwargs(self) -> dict:
-        return dict(basis=self.basis, alpha=self.alpha, beta=self.beta)
+        return dict(basis=self.basis, alpha=self.alpha, beta=self.beta, spectrum=self.spectrum())
 
     def _project(self, x: Array):
-        return self.query(x), self.key(x), self.sigma(x), self.value(x)
+        zs = self.sigma(x) if self.graph_filter == "agf" else None
+        return self.query(x), self.key(x), zs, self.value(x)
 
     def _finish(self, o: Array, x: Array, deterministic: bool) -> Array:
         o = self.dropout(o.astype(self._compute_dtype(x)), deterministic=deterministic)
@@ -219,16 +242,17 @@ class AGFAttention(_Attention):
 
         Returns:
             (y `[B, T, E']`, aux) with aux['loss/orthogonality'] the batch mean of
-            'orthogonality/per_sample' `[B]` = ortho_scale * regulariser, and
-            'filter/coefficients' `[K+1]` (all float32).
+            'orthogonality/per_sample' `[B]` = ortho_scale * regulariser,
+            'filter/coefficients' `[K+1]` and, for graph_filter='svd', 'filter/singular_values'
+            `[H, D]` (all float32).
         """
         validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
         if not self.causal:
             # The output and the regulariser in one pass (a hand-written backward pass, or
-            # autodiff of the plain maths with plain=('agf_backward',)).
-            fused = (ops.agf_with_orthogonality_plain if "agf_backward" in self.plain
+            # autodiff of the plain maths inside xla_forms.plain('agf_backward')).
+            fused = (ops.agf_with_orthogonality_plain if xla_forms.is_plain("agf_backward")
                      else ops.agf_with_orthogonality)
             o, ortho = fused(zu, zv, zs, val, c, mask=mask, count_padding=self.ortho_count_padding,
                              **self._basis_kwargs())
@@ -244,6 +268,8 @@ class AGFAttention(_Attention):
         ortho = self.ortho_scale * ortho
         aux = {"loss/orthogonality": jnp.mean(ortho), "orthogonality/per_sample": ortho,
                "filter/coefficients": c}
+        if self.graph_filter == "svd":
+            aux["filter/singular_values"] = self.spectrum()
         return self._finish(o, x, deterministic), aux
 
     def factors(self, x: Array, *, mask: Optional[Array] = None) -> dict:
@@ -254,8 +280,9 @@ class AGFAttention(_Attention):
             mask: `[B, T]` or None.
 
         Returns:
-            dict with 'zu', 'zv', 'zs' `[B, T, H, D]` logits, 'value' `[B, T, H, D]`, 'u', 'v', 's',
-            'g' (`ops.AGFFactors`, V over the whole sequence) and 'coeffs' `[K+1]`.
+            dict with 'zu', 'zv', 'zs' `[B, T, H, D]` logits (zs None for 'uvt' / 'svd'), 'value'
+            `[B, T, H, D]`, 'u', 'v', 's', 'g' (`ops.AGFFactors`, V over the whole sequence; s = g
+            = the spectrum for 'uvt' / 'svd') and 'coeffs' `[K+1]`.
         """
         validation.check_inputs(x, mask)
         zu, zv, zs, val = self._project(x)
@@ -310,7 +337,8 @@ class SoftmaxAttention(_Attention):
         max_length: causal only: the `KVCache` slots of `init_state` (required there).
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
-        plain: 'dense' and/or 'dropout', as in `AGFAttention`.
+
+    Inside `zoo_core.xla_forms.plain('dense' / 'dropout')` as `AGFAttention`.
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.

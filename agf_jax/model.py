@@ -8,7 +8,12 @@
     projection times sqrt(d_model), learnable positional table, post-LN blocks with a 1x1-conv FFN,
     final LN, activation, padding mask, flatten [B, T*E] -> Linear.
 
-Each takes `attention='agf' | 'softmax'` so the vanilla Transformer baseline runs on the same code.
+Each takes `attention=` any self-attention name of the zoo's registry (`zoo_core.attention.names('self')`,
+read when the model is built): 'agf' and 'softmax' (the vanilla Transformer baseline) are built here
+with PyTorch's inits, every other name by `zoo_core.attention.layer` (or `make` for a mechanism whose
+non-causal form has no contract layer, such as linear attention's global form) with its own options
+from `attention_options`, so the linear Transformers the paper compares against run on the same code.
+AGF's `graph_filter` selects the paper's Table 6 ablations ('uvt', 'svd'; `AGFAttention`).
 `Model(**config.model)` builds one of them from a `kind`, a `VARIANTS` size preset and overrides.
 
 Interface (the zoo's model contract): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
@@ -17,7 +22,8 @@ returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=
 encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
 (`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
 
-aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
+aux (attention='agf'; with 'softmax' it is empty, there is no regulariser; another registry
+attention passes its own `loss/*` terms, summed over layers, e.g. window_graph's 'loss/kl'):
     'loss/orthogonality': scalar, mean over the batch of 'orthogonality/per_sample' (already
         weighted; the shared trainer adds it to the task loss). The reference averages over layers
         (agf.md §2.5), so this is weight / L times the encoder's summed 'loss/orthogonality'; it is
@@ -27,7 +33,8 @@ aux (attention='agf'; with 'softmax' it is empty, there is no regulariser):
         reg applied inside each layer) or eta * `ortho_mean` (UEA, eta applied outside).
     'orthogonality/per_layer': [L, B], what each layer returns as in the reference: times `reg`
         for LRA, unweighted for UEA. Retrieval averages the two towers.
-    'filter/coefficients': [L, K+1], the effective c_k of each layer.
+    'filter/coefficients': [L, K+1], the effective c_k of each layer ([L, 1] ones for 'uvt'/'svd').
+    'filter/singular_values': [L, H, D], graph_filter='svd' only.
 Larger intermediates are sown (collection 'intermediates', only when made mutable):
     'hidden_states' (embedded input and the output of every block, [B, T, E] each) and 'token_out'
     (the encoder output after the final LN; LRA: times the mask). See `agf_jax.analysis`.
@@ -46,8 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from agf_jax import validation
-from agf_jax.layers import (AGFAttention, SoftmaxAttention, torch_linear_bias_init,
-                             torch_linear_kernel_init)
+from agf_jax.layers import torch_linear_bias_init, torch_linear_kernel_init
+# AGF_ONLY_KWARGS, OWN_ATTENTIONS and attentions are this module's public names too.
+from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions,  # noqa: F401
+                                     block_attention as _attention, call_attention,
+                                     check_attention_options, options_tuple)
 from zoo_core import checks, xla_forms
 from zoo_core.remat import call_block
 from zoo_core.dropout import Dropout
@@ -64,44 +74,15 @@ VARIANTS: dict[str, dict[str, int]] = {
     "tiny": dict(d_model=16, mlp_dim=32, num_heads=2, head_dim=8, num_layers=2),
 }
 
-ATTENTIONS = ("agf", "softmax")
 # PyTorch LayerNorm epsilon (Flax's default is 1e-6).
 LN_EPS = 1e-5
-# Keyword arguments that only make sense with attention='agf'.
-AGF_ONLY_KWARGS = ("basis", "order", "alpha", "beta", "learn_c0", "ortho_weight")
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "relu": nn.relu}
 
-# Parts a model can compute in their plain form (the `plain` field), each with the same parameters
-# and values, so that a bfloat16 step can be timed with one of its zoo forms swapped out:
-#   'embed'        flax's Embed (its lookup's backward a scatter-add in the compute dtype), not
-#                  `xla_forms.Embed` (that scatter-add in float32);
-#   'layer_norm'   flax's LayerNorm (autodiff), not `xla_forms.LayerNorm` (a hand-written backward);
-#   'add_to_each'  x + table[None] (autodiff), not `xla_forms.add_to_each` (a dot for the table's grad);
-#   'dense'        flax's Dense / DenseGeneral, not `xla_forms`' 2-D matmul forms (also in attention);
-#   'dropout'      flax's Dropout (its own random bits), not `zoo_core.dropout.Dropout`;
-#   'agf_backward' autodiff of AGF's plain maths, not the hand-written backward of
-#                  `ops.agf_with_orthogonality` (its optimisation barrier and variadic reduce).
-PLAIN_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
-
-
-def _attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
-    """Builds the attention layer of a block from the owner's fields, with PyTorch's inits."""
-    layer_cls = AGFAttention if owner.attention == "agf" else SoftmaxAttention
-    init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
-                bias_init=torch_linear_bias_init(owner.d_model),
-                plain=tuple(p for p in owner.plain if p in layer_cls.PLAIN),
-                out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
-    checks.check_choice("attention", owner.attention, ATTENTIONS)
-    if owner.attention == "agf":
-        # The reference regulariser counts padded rows of U (agf.md §2.5): kept for parity.
-        return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
-                            order=owner.order, alpha=owner.alpha, beta=owner.beta,
-                            learn_c0=learn_c0, ortho_scale=ortho_scale, ortho_count_padding=True,
-                            **init)
-    return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
-                            dropout_rate=owner.attention_dropout, **init)
+# Traced inside `xla_forms.plain(...)` (the bfloat16 bisect), the parts named there ('embed',
+# 'layer_norm', 'add_to_each', 'dense', 'dropout', 'agf_backward'; `xla_forms.PLAIN_FORMS`) are
+# computed in their plain form, with the same parameters and values.
 
 
 def merge_aux(auxes: Sequence[dict]) -> dict:
@@ -113,36 +94,42 @@ def merge_aux(auxes: Sequence[dict]) -> dict:
 
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
-    cls = nn.Dense if "dense" in m.plain else xla_forms.Dense
+    cls = nn.Dense if xla_forms.is_plain("dense") else xla_forms.Dense
     return cls(features, dtype=m.dtype, param_dtype=m.param_dtype,
                kernel_init=torch_linear_kernel_init(), bias_init=torch_linear_bias_init(fan_in),
                name=name)
 
 
 def _layer_norm(m, name: str) -> nn.LayerNorm:
-    cls = nn.LayerNorm if "layer_norm" in m.plain else xla_forms.LayerNorm
+    cls = nn.LayerNorm if xla_forms.is_plain("layer_norm") else xla_forms.LayerNorm
     return cls(epsilon=LN_EPS, dtype=m.dtype, param_dtype=m.param_dtype, name=name)
 
 
 def _dropout(m) -> nn.Module:
-    return (nn.Dropout if "dropout" in m.plain else Dropout)(m.dropout_rate)
+    return (nn.Dropout if xla_forms.is_plain("dropout") else Dropout)(m.dropout_rate)
 
 
 def _embed(m, num: int, init) -> nn.Embed:
-    cls = nn.Embed if "embed" in m.plain else xla_forms.Embed
+    cls = nn.Embed if xla_forms.is_plain("embed") else xla_forms.Embed
     return cls(num, m.d_model, embedding_init=init, dtype=m.dtype, param_dtype=m.param_dtype)
 
 
 def _aux(aux: dict, weight: float) -> dict:
-    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1)."""
+    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1).
+
+    AGF's regulariser is averaged over layers (agf.md §2.5); another mechanism's `loss/*` terms
+    pass through as `merge_aux` summed them."""
     if "orthogonality/per_sample" not in aux:
-        return {}
+        return {k: v for k, v in aux.items() if k.startswith("loss/")}
     per_layer = aux["orthogonality/per_sample"]                # [L, B]
     per_sample = weight * jnp.mean(per_layer, axis=0)          # [B]
-    return {"loss/orthogonality": jnp.mean(per_sample),
-            "orthogonality/per_sample": per_sample,
-            "orthogonality/per_layer": per_layer,
-            "filter/coefficients": aux["filter/coefficients"]}
+    out = {"loss/orthogonality": jnp.mean(per_sample),
+           "orthogonality/per_sample": per_sample,
+           "orthogonality/per_layer": per_layer,
+           "filter/coefficients": aux["filter/coefficients"]}
+    if "filter/singular_values" in aux:
+        out["filter/singular_values"] = aux["filter/singular_values"]
+    return out
 
 
 class _BlockFields(nn.Module, kw_only=True):
@@ -156,6 +143,8 @@ class _BlockFields(nn.Module, kw_only=True):
     num_heads: int
     head_dim: int
     attention: str = "agf"
+    attention_options: Any = ()
+    graph_filter: str = "agf"
     basis: str = "jacobi"
     order: int = 3
     alpha: Optional[float] = None
@@ -165,7 +154,9 @@ class _BlockFields(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
-    plain: tuple[str, ...] = ()
+    # The longest input (a registry attention's length option, `model_attention.registry_attention`);
+    # the models declare it as a required field.
+    max_len: Optional[int] = None
 
 
 def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
@@ -196,8 +187,8 @@ class LRABlock(_BlockFields, kw_only=True):
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
-        y, aux = self.attention_layer(self.attention_norm(x), mask=mask,
-                                      deterministic=deterministic)
+        y, aux = call_attention(self.attention_layer, self.attention_norm(x), mask=mask,
+                                deterministic=deterministic)
         x = x + self.dropout(y, deterministic=deterministic)
         h = self.dropout(xla_forms.gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
         x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
@@ -227,7 +218,8 @@ class LRAEncoder(_BlockFields, kw_only=True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
         # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/xla_forms.py).
-        add = (lambda x, table: x + table[None]) if "add_to_each" in self.plain else xla_forms.add_to_each
+        add = ((lambda x, table: x + table[None]) if xla_forms.is_plain("add_to_each")
+               else xla_forms.add_to_each)
         x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
@@ -254,17 +246,19 @@ class _LRABase(_BlockFields, kw_only=True):
         num_heads: H (`num_head`).
         head_dim: D (`head_dim`).
         num_layers: L.
-        attention: 'agf' | 'softmax'.
+        attention: a name of `attentions()` (`zoo_core.attention.names('self')`): 'agf', 'softmax'
+            (the vanilla Transformer), or another registry mechanism (its defaults and inits).
+        attention_options: that other mechanism's own fields, a mapping (e.g. {'num_features':
+            64} for 'favor'); empty for 'agf' and 'softmax', whose options are fields here.
+        graph_filter: 'agf' | 'uvt' | 'svd' (`AGFAttention`; the paper's Table 6).
         basis, order, alpha, beta: the AGF filter (`poly_type`, `K`, `alpha`, `beta`).
         ortho_weight: gamma = `reg`, applied inside each layer as in the reference.
         dropout_rate: `dropout_prob` (embeddings, attention output, MLP).
-        attention_dropout: softmax attention only.
+        attention_dropout: softmax attention only (other mechanisms: `attention_options`).
         pooling: 'mean' (the reference's MEAN: over all T positions) or 'cls' (the reference's CLS:
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
-        plain: names from `PLAIN_FORMS`: parts computed in their plain form (same parameters and
-            values), to time a step with one of the zoo's forms swapped out.
     """
     num_classes: int
     vocab_size: int
@@ -338,7 +332,7 @@ class LRARetrieval(_LRABase, kw_only=True):
         x0, a0 = self._encode(self._ids(batch, "inputs1"), not train)
         x1, a1 = self._encode(self._ids(batch, "inputs2"), not train)
         z = jnp.concatenate([x0, x1, x0 * x1, x0 - x1], axis=-1)
-        aux = {k: 0.5 * (a0[k] + a1[k]) if k != "filter/coefficients" else a0[k] for k in a0}
+        aux = {k: 0.5 * (a0[k] + a1[k]) if not k.startswith("filter/") else a0[k] for k in a0}
         return {"logits": self._head(z)}, _aux(aux, 1.0)
 
 
@@ -368,7 +362,7 @@ class UEABlock(_BlockFields, kw_only=True):
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
         the reference UEA attention is never masked, padding is zero input (agf.md §2.2)."""
-        y, aux = self.attention_layer(x, mask=mask, deterministic=deterministic)
+        y, aux = call_attention(self.attention_layer, x, mask=mask, deterministic=deterministic)
         x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
         h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
         h = self.dropout(self.ffn_out(h), deterministic=deterministic)
@@ -408,7 +402,8 @@ class UEAClassifier(_BlockFields, kw_only=True):
         num_heads: H.
         head_dim: D (None: d_model // num_heads, as the reference).
         num_layers: L.
-        attention: 'agf' | 'softmax'.
+        attention, attention_options: as in `LRAClassifier`.
+        graph_filter: 'agf' | 'uvt' | 'svd' (`AGFAttention`; the paper's Table 6).
         basis, order, alpha, beta: the AGF filter.
         learn_c0: True = reference without `--fixI` (c_0 = tanh(theta_0), filter 0 at init).
         ortho_weight: gamma = `eta`, applied to the layer-mean regulariser.
@@ -418,8 +413,6 @@ class UEAClassifier(_BlockFields, kw_only=True):
         pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
-        plain: names from `PLAIN_FORMS`: parts computed in their plain form (same parameters and
-            values), to time a step with one of the zoo's forms swapped out.
     """
     num_classes: int
     feat_dim: int
@@ -499,15 +492,8 @@ def _check_options(kind: str, args: dict) -> None:
         checks.check_int(name, get(name), 1)
     checks.check_nonnegative("ortho_weight", get("ortho_weight"))
     checks.check_optional_int("head_dim", get("head_dim"))
-    checks.check_choice("attention", get("attention"), ATTENTIONS)
     checks.check_rate("dropout_rate", get("dropout_rate"))
-    checks.check_rate("attention_dropout", get("attention_dropout"))
-    validation.check_plain(get("plain"), PLAIN_FORMS)
-    given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
-    if get("attention") == "softmax" and given:
-        checks.fail(f"{given} apply only to attention='agf' (got attention='softmax')")
-    if get("attention") == "agf" and get("attention_dropout"):
-        checks.fail("`attention_dropout` applies only to attention='softmax' (AGF has none)")
+    check_attention_options(args, get)
     if kind == "uea_classifier":
         checks.check_choice("activation", get("activation"), ACTIVATIONS)
         checks.check_choice("pos_encoding", get("pos_encoding"), ("learnable", "fixed"))
@@ -547,12 +533,12 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         # so that overriding d_model or num_heads alone stays consistent.
         args.pop("head_dim", None)
     args.update(kwargs)
-    if isinstance(args.get("plain"), list):   # a config's sequence; module fields are hashable
-        args["plain"] = tuple(args["plain"])
     missing = [f.name for f in dataclasses.fields(KINDS[kind])
                if f.name not in ("parent", "name") and f.default is dataclasses.MISSING
                and f.name not in args]
     if missing:
         checks.fail(f"Model(kind={kind!r}) is missing required kwargs {missing}")
+    if "attention_options" in args:
+        args["attention_options"] = options_tuple(args["attention_options"])
     _check_options(kind, args)
     return KINDS[kind](**args)

@@ -25,28 +25,25 @@ from zoo_core import checks, masking
 # ---------------------------------------------------------------------------------------------
 
 
-def check_plain(plain: Any, choices: tuple[str, ...]) -> None:
-    """`plain` is a tuple of distinct names from `choices` (the parts computed in their plain form)."""
-    if not isinstance(plain, tuple):
-        checks.fail(f"`plain` must be a tuple of names from {choices}, got {plain!r}")
-    for name in plain:
-        checks.check_choice("plain", name, choices)
-    if len(set(plain)) != len(plain):
-        checks.fail(f"`plain` names a part twice: {plain}")
-
-
 def _check_common_fields(layer: Any) -> None:
-    """The fields both attention layers have: H, D, chunk_size (causal only), dropout_rate, plain."""
-    check_plain(layer.plain, layer.PLAIN)
+    """The fields both attention layers have: H, D, chunk_size (causal only), dropout_rate."""
     checks.check_int("num_heads", layer.num_heads, 1)
     checks.check_int("head_dim", layer.head_dim, 1)
     checks.check_chunk_size(layer.chunk_size, layer.causal)
     checks.check_rate("dropout_rate", layer.dropout_rate)
 
 
+GRAPH_FILTERS = ("agf", "uvt", "svd")
+
+
 def check_agf_fields(layer: Any) -> None:
-    """`AGFAttention`'s fields: the common ones, order K >= 0, and the basis with its alpha/beta."""
+    """`AGFAttention`'s fields: the common ones, graph_filter, order K >= 0, and the basis with its
+    alpha/beta."""
     _check_common_fields(layer)
+    checks.check_choice("graph_filter", layer.graph_filter, GRAPH_FILTERS)
+    if layer.graph_filter != "agf" and layer.learn_c0:
+        checks.fail(f"`learn_c0` applies only to graph_filter='agf' (got graph_filter="
+                    f"{layer.graph_filter!r}, which has no polynomial filter)")
     checks.check_int("order", layer.order, 0)
     ops.resolve_basis(layer.basis, layer.alpha, layer.beta, layer.order)
 

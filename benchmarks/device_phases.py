@@ -69,14 +69,12 @@ def factory(spec: str):
     raise ImportError("; ".join(errors))
 
 
-def main_config(name: str, tiny: bool, dtype: str = "float32", plain: tuple[str, ...] = ()):
+def main_config(name: str, tiny: bool, dtype: str = "float32"):
     module, arg, tiny_arg, _ = MAIN_CONFIGS[name]
     config = importlib.import_module(module).get_config(tiny_arg if tiny else arg)
     with config.unlocked():
         if dtype != "float32":
             config.model.dtype = dtype
-        if plain:
-            config.model.plain = tuple(plain)
     return config
 
 
@@ -90,11 +88,20 @@ def _hlo_counts(compiled) -> dict[str, int] | None:
 
 
 def time_step(check, name: str, dtype: str, plain: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Compiles and times the trainer's step of a main config: one record."""
+    """Compiles and times the trainer's step of a main config: one record. `plain` names the parts
+    traced in their plain form (`zoo_core.xla_forms.plain`, read while the step is traced, so the
+    step is set up, compiled and run inside it)."""
+    from zoo_core import xla_forms
+
+    with xla_forms.plain(*plain):
+        return _time_step(check, name, dtype, plain)
+
+
+def _time_step(check, name: str, dtype: str, plain: tuple[str, ...]) -> dict[str, Any]:
     from zoo_core import bench
 
     args = check.args
-    setup = bench.train_step_setup(main_config(name, args.tiny, dtype, plain), factory(MAIN_CONFIGS[name][3]))
+    setup = bench.train_step_setup(main_config(name, args.tiny, dtype), factory(MAIN_CONFIGS[name][3]))
     try:
         timing, _ = bench.time_state_step(setup["step"], setup["state"], setup["batch"], warmup=args.warmup,
                                           repeats=args.steps)

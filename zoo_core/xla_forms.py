@@ -15,11 +15,19 @@ values) computed as two-dimensional matmuls, whose gradients XLA's CPU backend r
 transposing copies of the activations; `heads` splits the head axis for per-head dots. `gelu` is
 PyTorch's exact GELU in PyTorch's own formula, which XLA computes faster than flax's. `LayerNorm`
 is flax's layer with a hand-written backward (`layer_norm`) that keeps fewer full-size arrays.
+
+`plain(*names)` is a context manager for timing these forms against their plain counterparts (the
+bfloat16 bisect of benchmarks/device_phases.py): inside it, the models and layers that ask
+`is_plain(name)` while they are traced build the plain form of each named part instead (same
+parameters and values). It is read at trace time, so jit the step inside it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
+from typing import Iterator
 
 import flax.linen as nn
 import jax
@@ -30,6 +38,50 @@ import jax.numpy as jnp
 Array = jax.Array
 
 _SQRT_HALF = 0.7071067811865476
+
+# The parts `plain` can swap for their plain form, each with the same parameters and values:
+#   'embed'        flax's Embed (its lookup's backward a scatter-add in the compute dtype), not `Embed`
+#                  (that scatter-add in float32);
+#   'layer_norm'   flax's LayerNorm (autodiff), not `LayerNorm` (a hand-written backward);
+#   'add_to_each'  x + table[None] (autodiff), not `add_to_each` (a dot for the table's gradient);
+#   'dense'        flax's Dense / DenseGeneral, not this module's 2-D matmul forms (also in attention);
+#   'dropout'      flax's Dropout (its own random bits), not `zoo_core.dropout.Dropout`;
+#   'agf_backward' autodiff of AGF's plain maths, not the hand-written backward of
+#                  `agf_jax.ops.agf_with_orthogonality` (its optimisation barrier and variadic reduce).
+PLAIN_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
+
+_plain_state = threading.local()
+
+
+@contextlib.contextmanager
+def plain(*names: str) -> Iterator[None]:
+    """Within the block, the parts `names` (of `PLAIN_FORMS`) are traced in their plain form.
+
+    For timing a step with some of the zoo's forms swapped out (the bfloat16 bisect); models and
+    layers ask `is_plain(name)` when they are traced, so build and jit the step inside the block.
+    JAX caches a jitted function's trace by its argument types, not by this setting: a function
+    object jitted and called before the block keeps its forms when called again inside it (jit a
+    new one there). Nested blocks add their names; a bad or repeated name raises ValueError before
+    the block runs.
+    """
+    for name in names:
+        if name not in PLAIN_FORMS:
+            raise ValueError(f"`plain` must be one of {PLAIN_FORMS}, got {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"`plain` names a part twice: {names}")
+    before = getattr(_plain_state, "names", frozenset())
+    _plain_state.names = before | frozenset(names)
+    try:
+        yield
+    finally:
+        _plain_state.names = before
+
+
+def is_plain(name: str) -> bool:
+    """Whether part `name` (of `PLAIN_FORMS`) is to be traced in its plain form (see `plain`)."""
+    if name not in PLAIN_FORMS:
+        raise ValueError(f"`plain` must be one of {PLAIN_FORMS}, got {name!r}")
+    return name in getattr(_plain_state, "names", frozenset())
 
 
 def heads(x: Array, axis: int = 2) -> list[Array]:

@@ -7,6 +7,13 @@ configs/common.py (parse_arg, base_config, set_lra / set_uea, finish). Their con
   smoke              a seconds-long run (2 steps, tiny model, tiny data; see `common.smoke`)
   attention=softmax  the vanilla Transformer baseline at the same size and budget (no filter, no
                      orthogonality regulariser)
+  attention=NAME     any self-attention of the zoo's registry (`zoo_core.attention.names('self')`,
+                     e.g. favor, linear, window_graph) at the same size and budget, with its own
+                     defaults; its options as (name, value) pairs:
+                     --config.model.attention_options="(('num_features', 64),)"
+  graph_filter=uvt|svd  AGF's Table 6 ablations (docs/agf_options.md): the singular values
+                     fixed at one, or learnable from one, with no polynomial filter (the
+                     orthogonality regulariser is kept)
   source_dir=DIR     (UEA only) the archive's .ts files; LRA file tasks take
                      --config.data.options.source_dir=DIR instead
 
@@ -29,10 +36,9 @@ from __future__ import annotations
 import ml_collections
 
 from agf_jax import model as agf_model
+from agf_jax.validation import GRAPH_FILTERS
 from configs import common
 from configs.tasks import lra, uea
-
-ATTENTIONS = ("agf", "softmax")
 
 # agf.md §3.1 table: batch, warm-up, train steps, eval every.
 LRA_HARNESS = {
@@ -45,16 +51,24 @@ LRA_HARNESS = {
 UEA_SEED = 666
 
 
-def _check_attention(attention: str) -> None:
-    if attention not in ATTENTIONS:
-        raise ValueError(f"config argument attention={attention!r}; choose one of "
-                         f"{', '.join(ATTENTIONS)}")
+def _check_attention(args) -> None:
+    """attention is a registry self-attention name (read now), graph_filter one of AGF's."""
+    names = agf_model.attentions()
+    if args.attention not in names:
+        raise ValueError(f"config argument attention={args.attention!r}; choose one of "
+                         f"{', '.join(names)}")
+    if args.graph_filter not in GRAPH_FILTERS:
+        raise ValueError(f"config argument graph_filter={args.graph_filter!r}; choose one of "
+                         f"{', '.join(GRAPH_FILTERS)}")
+    if args.graph_filter != "agf" and args.attention != "agf":
+        raise ValueError(f"config argument graph_filter={args.graph_filter!r} applies only to "
+                         f"attention=agf (got attention={args.attention!r})")
 
 
 def lra_args(arg) -> ml_collections.ConfigDict:
     """The `:args` of an LRA config."""
-    args = common.parse_arg(arg, smoke=False, attention="agf")
-    _check_attention(args.attention)
+    args = common.parse_arg(arg, smoke=False, attention="agf", graph_filter="agf")
+    _check_attention(args)
     return args
 
 
@@ -96,12 +110,14 @@ def set_lra(c: ml_collections.ConfigDict, task: str, args, *, order: int, alpha:
     m.dropout_rate = 0.1
     m.pooling = "mean"                         # the harness's MEAN over all positions
     if args.attention == "agf":
-        m.basis = "jacobi"                     # every best_agf.sh line uses --poly_type jacobi
-        m.order = order                        # K
-        m.alpha = float(alpha)
-        m.beta = float(beta)
+        m.graph_filter = args.graph_filter
+        if args.graph_filter == "agf":
+            m.basis = "jacobi"                 # every best_agf.sh line uses --poly_type jacobi
+            m.order = order                    # K
+            m.alpha = float(alpha)
+            m.beta = float(beta)
         m.ortho_weight = float(reg)            # gamma = --reg, applied inside each layer
-    else:
+    elif args.attention == "softmax":
         m.attention_dropout = 0.1              # the harness's softmax attention dropout
     if args.smoke:
         common.smoke(c)
@@ -120,8 +136,9 @@ def finish(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def uea_args(arg, **defaults) -> ml_collections.ConfigDict:
     """The `:args` of the UEA config (`defaults` adds the config's own, e.g. dataset)."""
-    args = common.parse_arg(arg, smoke=False, attention="agf", source_dir="", **defaults)
-    _check_attention(args.attention)
+    args = common.parse_arg(arg, smoke=False, attention="agf", graph_filter="agf", source_dir="",
+                            **defaults)
+    _check_attention(args)
     return args
 
 
@@ -133,7 +150,7 @@ def set_uea(c: ml_collections.ConfigDict, dataset: str, args, *, basis: str, ord
     Args:
       c: a config from `common.base_config()`.
       dataset: UEA dataset name.
-      args: from `uea_args` (smoke, attention, source_dir).
+      args: from `uea_args` (smoke, attention, graph_filter, source_dir).
       basis, order, alpha, beta: the filter (alpha/beta only for 'jacobi').
       fix_i: the reference's --fixI (c_0 frozen at 1); without it c_0 = tanh(theta_0) starts at 0.
       eta: gamma, the weight of the orthogonality regulariser.
@@ -172,14 +189,16 @@ def set_uea(c: ml_collections.ConfigDict, dataset: str, args, *, basis: str, ord
     m.activation = "gelu"
     m.pos_encoding = "learnable"
     if args.attention == "agf":
-        m.basis = basis
-        m.order = order                      # K
-        if basis == "jacobi":
-            m.alpha = float(alpha)
-            m.beta = float(beta)
-        m.learn_c0 = not fix_i               # no --fixI: c_0 = tanh(theta_0), filter 0 at init
+        m.graph_filter = args.graph_filter
+        if args.graph_filter == "agf":
+            m.basis = basis
+            m.order = order                  # K
+            if basis == "jacobi":
+                m.alpha = float(alpha)
+                m.beta = float(beta)
+            m.learn_c0 = not fix_i           # no --fixI: c_0 = tanh(theta_0), filter 0 at init
         m.ortho_weight = float(eta)          # gamma = --eta on the layer-mean regulariser
-    else:
+    elif args.attention == "softmax":
         m.attention_dropout = 0.1            # nn.MultiheadAttention(dropout=0.1) of the baseline
     if args.smoke:
         common.smoke(c)

@@ -3,6 +3,8 @@
     python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels --workdir runs/agf_jv
     python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels,attention=softmax --workdir runs/sm_jv
     python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels,smoke --workdir /tmp/agf_jv_smoke
+    python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels,graph_filter=svd --workdir runs/svd_jv
+    python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels,attention=favor --workdir runs/favor_jv
     python -m agf_jax.train --config configs/agf/uea.py:dataset=BasicMotions --workdir runs/agf_bm
     python -m agf_jax.train --config configs/agf/uea.py:dataset=Heartbeat --workdir runs/agf_heartbeat \
         --config.data.options.source_dir=/path/to/Multivariate_ts
@@ -11,7 +13,9 @@
     python -m agf_jax.train --config configs/agf/uea.py:dataset=Heartbeat,smoke --workdir /tmp/agf_smoke
 
 Arguments: dataset (a key of `REFERENCE`, default JapaneseVowels), attention = agf | softmax (the
-vanilla Transformer baseline at the same size and budget), source_dir=DIR (the archive's .ts
+vanilla Transformer baseline at the same size and budget) | any other registry self-attention name
+(e.g. favor, linear, window_graph), graph_filter = agf | uvt | svd (AGF's Table 6 ablations: no
+polynomial filter, the singular values fixed at one or learnable from one), source_dir=DIR (the archive's .ts
 files, same as --config.data.options.source_dir=DIR), smoke (2 steps, tiny model; a dataset that
 does not ship with sktime trains on JapaneseVowels instead).
 

@@ -31,6 +31,8 @@ def _mask(t):
 def _layer(kind, **kw):
     if kind == "agf":
         return AGFAttention(num_heads=H, head_dim=D, order=3, **kw)
+    if kind in ("uvt", "svd"):   # the Table 6 variants
+        return AGFAttention(num_heads=H, head_dim=D, graph_filter=kind, **kw)
     return SoftmaxAttention(num_heads=H, head_dim=D, **({"max_length": 16} if kw.get("causal")
                                                          else {}), **kw)
 
@@ -42,6 +44,8 @@ def _with_theta(variables, theta=(0.6, -0.5, 0.4), theta_0=None):
         params["theta"] = jnp.asarray(theta, jnp.float32)
     if theta_0 is not None:
         params["theta_0"] = jnp.asarray(theta_0, jnp.float32)
+    if "singular_values" in params:   # away from their initial ones
+        params["singular_values"] = 1.0 + 0.5 * jnp.sin(jnp.arange(H * D, dtype=jnp.float32)).reshape(H, D)
     return {"params": params}
 
 
@@ -354,3 +358,90 @@ def test_dropout_is_rng_driven(kind, form):
     assert not np.allclose(y_a, y_b)
     y_eval2 = _jit(_layer(kind, causal=True))(v, X, method=method)[0]
     assert_trees_close(y_eval, y_eval2, **F32_SIMPLE)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Table 6 variants (graph_filter='uvt' | 'svd').
+# ---------------------------------------------------------------------------------------------
+
+
+def test_graph_filter_variants_param_names_and_spectrum():
+    for variant, extra in (("uvt", {}), ("svd", {"singular_values": (H, D)})):
+        layer = _layer(variant)
+        shapes = param_shapes(jax.eval_shape(layer.init, jax.random.key(0), X)["params"])
+        assert shapes == {**{f"{n}/{p}": (E, H, D) if p == "kernel" else (H, D)
+                             for n in ("query", "key", "value") for p in ("kernel", "bias")},
+                          "out/kernel": (H, D, E), "out/bias": (E,), **extra}
+    v = _init_fn(_layer("svd"))(jax.random.key(1), X)
+    np.testing.assert_array_equal(v["params"]["singular_values"], np.ones((H, D)))   # H_SVD starts as H_UV^T
+    y_svd0 = _jit(_layer("svd"))(v, X, mask=MASK)[0]
+    p_uvt = {k: w for k, w in v["params"].items() if k != "singular_values"}
+    np.testing.assert_allclose(y_svd0, _jit(_layer("uvt"))({"params": p_uvt}, X, mask=MASK)[0],
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["uvt", "svd"])
+def test_graph_filter_variants_match_the_explicit_matrix(variant):
+    # y = out(H Val) with H_tj = sum_k U_tk sigma_hk V_jk (sigma = 1 for 'uvt'), non-causal and causal.
+    for causal in (False, True):
+        layer = _layer(variant, causal=causal)
+        v = _init(layer, 2)
+        y, aux = _jit(layer)(v, X, mask=MASK)
+        f = _jit(layer)(v, X, mask=MASK, method="factors")
+        assert f["zs"] is None and f["coeffs"].tolist() == [1.0]
+        want_g = v["params"].get("singular_values", jnp.ones((H, D)))
+        np.testing.assert_allclose(f["g"], np.broadcast_to(want_g, f["g"].shape), rtol=0, atol=0)
+        spectrum = None if variant == "uvt" else v["params"]["singular_values"]
+        m = ops.agf_attention_matrix(f["zu"], f["zv"], None, f["coeffs"], mask=MASK, causal=causal,
+                                     spectrum=jnp.ones((H, D)) if spectrum is None else spectrum)
+        val = jnp.where(MASK[:, :, None, None], f["value"], 0.0)
+        o = jnp.einsum("bhtj,bjhm->bthm", m, val)
+        want = jnp.einsum("bthm,hme->bte", o, v["params"]["out"]["kernel"]) + v["params"]["out"]["bias"]
+        np.testing.assert_allclose(y, want, **F32_SIMPLE)
+        assert aux["filter/coefficients"].tolist() == [1.0]
+        assert ("filter/singular_values" in aux) == (variant == "svd")
+        want_reg = ops.orthogonality_loss(f["zu"], f["zv"], mask=MASK, count_padding=False)
+        np.testing.assert_allclose(aux["orthogonality/per_sample"], want_reg, **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("variant", ["uvt", "svd"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_graph_filter_variants_causal_forms_agree(variant, masked):
+    v = _init(_layer(variant, causal=True), 4)
+    outs = _all_forms(variant, v, X16[:, :T], _mask(T) if masked else None, (3,))
+    assert np.all(np.isfinite(np.asarray(outs["parallel"])))
+    assert_forms_agree(outs, **F32_SIMPLE)
+    # The chunked form's GPU/TPU kernel (every chunk at once) gives the CPU scan's numbers.
+    layer = _layer(variant, causal=True)
+    f = _jit(layer)(v, X16[:, :T], method="factors")
+    spectrum = layer.bind(v).spectrum()
+    kw = dict(chunk_size=3, mask=_mask(T) if masked else None, spectrum=spectrum)
+    assert_forms_agree({"scan": ops.agf_chunked_scan(f["zu"], f["zv"], None, f["value"], f["coeffs"], **kw),
+                        "parallel": ops.agf_chunked_parallel(f["zu"], f["zv"], None, f["value"],
+                                                             f["coeffs"], **kw)}, **F32_SIMPLE)
+
+
+@pytest.mark.parametrize("variant,causal,form", [(k, False, "parallel") for k in ("uvt", "svd")] + [
+    ("svd", True, f) for f in ("parallel", "chunked", "scan", "step")])
+def test_graph_filter_variants_padding_and_future_cannot_leak(variant, causal, form):
+    test_padding_and_future_cannot_leak(variant, causal, form, np.nan)
+
+
+@pytest.mark.parametrize("variant", ["uvt", "svd"])
+def test_graph_filter_variants_gradients(variant):
+    layer = _layer(variant)
+    v = _init(layer, 3)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, X, mask=MASK)[0] ** 2)
+                             + layer.apply({"params": p}, X, mask=MASK)[1]["loss/orthogonality"]))(
+        v["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+    assert float(jnp.max(jnp.abs(grads["query"]["kernel"]))) > 0.0
+    if variant == "svd":
+        assert float(jnp.min(jnp.abs(grads["singular_values"]))) > 0.0
+
+
+def test_graph_filter_bad_values():
+    with pytest.raises(ValueError, match=r"`graph_filter` must be one of \(.agf., .uvt., .svd.\), got .svdd."):
+        _layer("agf", graph_filter="svdd").init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=r"`learn_c0` applies only to graph_filter='agf'"):
+        _layer("uvt", learn_c0=True).init(jax.random.key(0), X)

@@ -6,7 +6,7 @@ import pytest
 
 from agf_jax import model as model_lib
 from agf_jax.model import VARIANTS, Model
-from zoo_core import testing
+from zoo_core import testing, xla_forms
 from zoo_core.testing import F32_MODEL, assert_trees_close, param_shapes
 
 B, T, C, K = 2, 7, 3, 4
@@ -204,27 +204,32 @@ def test_biases_follow_pytorch_linear_init(kind):
     assert {"query", "out", "head_out" if kind != "uea_classifier" else "output"} <= seen
 
 
-@pytest.mark.parametrize("plain", model_lib.PLAIN_FORMS)
+@pytest.mark.parametrize("plain", xla_forms.PLAIN_FORMS)
 @pytest.mark.parametrize("kind", ["lra_classifier", "uea_classifier"])
 def test_each_plain_form_has_the_same_parameters_values_and_gradients(kind, plain):
-    # Each part the bf16 bisection swaps computes the same numbers in its plain form (dropout:
-    # other random bits, so compared without dropout).
+    # Each part the bf16 bisection swaps (`xla_forms.plain`, read at trace time) computes the same
+    # numbers in its plain form (dropout: other random bits, so compared without dropout).
     kwargs, batch = CASES[kind]
-    zoo, swapped = Model(kind=kind, **kwargs), Model(kind=kind, **kwargs, plain=(plain,))
-    variables = {"params": _perturb_thetas(zoo.init(jax.random.key(4), batch)["params"])}
-    assert param_shapes(swapped.init(jax.random.key(4), batch)["params"]) == param_shapes(
-        variables["params"])
+    model = Model(kind=kind, **kwargs)
+    variables = {"params": _perturb_thetas(model.init(jax.random.key(4), batch)["params"])}
+    with xla_forms.plain(plain):
+        assert param_shapes(model.init(jax.random.key(4), batch)["params"]) == param_shapes(
+            variables["params"])
 
-    def loss(model):
+    def loss():
         def f(params):
             out, aux = model.apply({"params": params}, batch)
             return jnp.sum(jnp.sin(out["logits"])) + aux["loss/orthogonality"]
         return jax.jit(jax.value_and_grad(f))(variables["params"])
 
-    assert_trees_close(loss(swapped), loss(zoo), **F32_MODEL)
+    zoo = loss()
+    with xla_forms.plain(plain):
+        swapped = loss()
+    assert_trees_close(swapped, zoo, **F32_MODEL)
     if plain == "dropout":   # train mode runs with the plain layer's own bits
-        out, _ = jax.jit(swapped.apply, static_argnames=("train",))(
-            variables, batch, train=True, rngs={"dropout": jax.random.key(5)})
+        with xla_forms.plain(plain):
+            out, _ = jax.jit(model.apply, static_argnames=("train",))(
+                variables, batch, train=True, rngs={"dropout": jax.random.key(5)})
         assert bool(jnp.all(jnp.isfinite(out["logits"])))
 
 
@@ -232,15 +237,90 @@ def test_a_bf16_lra_step_scatters_its_embedding_gradient_in_float32():
     # The token lookup's backward is a scatter-add of every token's gradient into the table's
     # rows; in bfloat16 a GPU serialises it (a compare-and-swap loop), so it runs in float32.
     kwargs, batch = CASES["lra_classifier"]
-    for plain, want in (((), "f32"), (("embed",), "bf16")):
-        model = Model(kind="lra_classifier", **kwargs, dtype=jnp.bfloat16, plain=plain)
-        params = model.init(jax.random.key(6), batch)["params"]
+    model = Model(kind="lra_classifier", **kwargs, dtype=jnp.bfloat16)
+    params = model.init(jax.random.key(6), batch)["params"]
 
-        def grad(params, ids):
+    for plain, want in (((), "f32"), (("embed",), "bf16")):
+        def grad(params, ids):   # a new function per block: jit caches a function's trace
             return jax.grad(lambda p: jnp.sum(model.apply({"params": p}, {"inputs": ids})[0][
                 "logits"]))(params)
 
-        program = testing.exported_program(grad, params, batch["inputs"], platform="cuda")
+        with xla_forms.plain(*plain):
+            program = testing.exported_program(grad, params, batch["inputs"], platform="cuda")
         scatters = [line for line in program.split("\n") if "scatter-add" in line
                     and "^bb0" in line]
         assert scatters and all(f"tensor<{want}>" in line for line in scatters), (plain, scatters)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Table 6 variants and the registry's attentions in the AGF models.
+# ---------------------------------------------------------------------------------------------
+
+_NO_FILTER = ("order", "alpha", "beta")
+
+
+@pytest.mark.parametrize("graph_filter", ["uvt", "svd"])
+@pytest.mark.parametrize("kind", ["lra_retrieval", "uea_classifier"])
+def test_graph_filter_variants_in_the_models(kind, graph_filter):
+    kwargs, batch = CASES[kind]
+    kwargs = {k: v for k, v in kwargs.items() if k not in _NO_FILTER}
+    model = Model(kind=kind, **kwargs, graph_filter=graph_filter)
+    params = model.init(jax.random.key(1), batch)["params"]
+    shapes = param_shapes(params)
+    layers, heads, d = (VARIANTS["tiny"][k] for k in ("num_layers", "num_heads", "head_dim"))
+    assert not any("sigma" in n or "theta" in n for n in shapes)
+    spectra = [n for n in shapes if n.endswith("/singular_values")]
+    assert len(spectra) == (layers if graph_filter == "svd" else 0)
+    assert all(shapes[n] == (heads, d) for n in spectra)
+    out, aux = jax.jit(model.apply)({"params": params}, batch)
+    assert bool(jnp.all(jnp.isfinite(out["logits"])))
+    assert aux["filter/coefficients"].shape == (layers, 1)
+    assert ("filter/singular_values" in aux) == (graph_filter == "svd")
+    assert float(aux["loss/orthogonality"]) > 0.0   # the regulariser stays in every variant
+    if graph_filter == "svd":   # singular values start at one: the same model as H_UV^T
+        uvt = Model(kind=kind, **kwargs, graph_filter="uvt")
+        drop = lambda tree: {k: drop(v) if isinstance(v, dict) else v   # noqa: E731
+                             for k, v in tree.items() if k != "singular_values"}
+        want, _ = jax.jit(uvt.apply)({"params": drop(params)}, batch)
+        np.testing.assert_allclose(out["logits"], want["logits"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in model_lib.attentions() if n not in model_lib.OWN_ATTENTIONS])
+@pytest.mark.parametrize("kind", ["lra_classifier", "uea_classifier"])
+def test_every_registry_self_attention_in_the_models(kind, name):
+    kwargs, batch = CASES[kind]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    model = Model(kind=kind, **kwargs, attention=name)
+    variables = model.init(jax.random.key(1), batch)
+    out, aux = jax.jit(model.apply)(variables, batch)
+    assert out["logits"].shape == (B, K) and bool(jnp.all(jnp.isfinite(out["logits"])))
+    assert all(k.startswith("loss/") for k in aux)   # no AGF diagnostics; the mechanism's own losses
+    blocks = variables["params"]["encoder"] if kind.startswith("lra") else variables["params"]
+    assert "attention" in blocks["block_00"]          # the same place as AGF's layer
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, batch)[0]["logits"] ** 2)))(
+        variables["params"])
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_attention_options_reach_the_registry_layer():
+    kwargs, batch = CASES["lra_classifier"]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    model = Model(kind="lra_classifier", **kwargs, attention="favor",
+                  attention_options={"num_features": 6})
+    assert model.attention_options == (("num_features", 6),)
+    bound = model.bind(model.init(jax.random.key(1), batch))
+    assert bound.encoder.blocks[0].attention_layer.num_features == 6
+
+
+def test_a_registry_length_option_is_the_models_max_len(monkeypatch):
+    # A mechanism whose registry row names a length option (Linformer's max_length) gets the
+    # model's max_len there unless attention_options set it; favor's num_features stands in.
+    from agf_jax import model_attention
+    monkeypatch.setattr(model_attention.zoo_attention, "length_option",
+                        lambda name: "num_features" if name == "favor" else None, raising=False)
+    kwargs, batch = CASES["lra_classifier"]
+    kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
+    for options, want in (({}, kwargs["max_len"]), ({"num_features": 6}, 6)):
+        model = Model(kind="lra_classifier", **kwargs, attention="favor", attention_options=options)
+        bound = model.bind(model.init(jax.random.key(1), batch))
+        assert bound.encoder.blocks[0].attention_layer.num_features == want

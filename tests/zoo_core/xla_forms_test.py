@@ -149,3 +149,45 @@ def test_embed_is_flax_embed_with_the_lookup_in_the_table_dtype(dtype):
                                grad(nn.Embed(4, 5))["params"]["embedding"], rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="integer"):
         ours.apply(v, ids.astype(jnp.float32))
+
+
+def test_plain_is_read_at_trace_time_nests_and_restores():
+    assert not any(xla_forms.is_plain(n) for n in xla_forms.PLAIN_FORMS)
+    with xla_forms.plain("embed"):
+        with xla_forms.plain("dense", "dropout"):
+            assert {n for n in xla_forms.PLAIN_FORMS if xla_forms.is_plain(n)} == {"embed", "dense", "dropout"}
+        assert {n for n in xla_forms.PLAIN_FORMS if xla_forms.is_plain(n)} == {"embed"}
+    assert not xla_forms.is_plain("embed")
+
+    class Proj(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return (nn.Dense if xla_forms.is_plain("dense") else xla_forms.Dense)(3)(x)
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 4))
+    params = Proj().init(jax.random.key(1), x)
+    fast = jax.jit(Proj().apply).lower(params, x).as_text()
+    with xla_forms.plain("dense"):
+        plain = jax.jit(Proj().apply).lower(params, x).as_text()
+        np.testing.assert_allclose(jax.jit(Proj().apply)(params, x), Proj().apply(params, x), rtol=1e-6)
+    # The 2-D matmul form reshapes to [B*T, E]; flax's Dense contracts [B, T, E] directly.
+    assert "10x4" in fast and "10x4" not in plain
+
+
+@pytest.mark.parametrize("names, message", [(("layernorm",), r"`plain` must be one of"),
+                                            (("dense", "dense"), r"`plain` names a part twice")])
+def test_plain_refuses_bad_names(names, message):
+    with pytest.raises(ValueError, match=message):
+        with xla_forms.plain(*names):
+            pass
+    assert not xla_forms.is_plain("dense")
+
+
+def test_plain_reaches_a_function_jitted_inside_the_block():
+    def f(x):
+        return x * (2.0 if xla_forms.is_plain("dense") else 3.0)
+
+    assert float(jax.jit(f)(1.0)) == 3.0
+    with xla_forms.plain("dense"):
+        assert float(jax.jit(lambda x: f(x))(1.0)) == 2.0
+    assert float(jax.jit(lambda x: f(x))(1.0)) == 3.0
