@@ -2,7 +2,8 @@
 and the encoder stack, configured by one frozen `BlockConfig`.
 
 Every residual branch is `x + DropPath_l(Dropout(f(LN(x))))` (Pre-LN), or x <- LN(x + branch(x))
-with `norm='post'`; DropPath rate p_l = drop_path * l / (L - 1):
+with `norm='post'`; DropPath rate p_l = p_0 + (drop_path - p_0) * l / (L - 1), p_0 =
+`drop_path_start` (0 by default; the card's schedule is 0.1 -> 0.3):
 
 * `EncoderBlock`: FAVOR+ self-attention (RoPE; globals at position 0) -> WinGAT (window +-w plus g
   global nodes) -> FFN (Dense -> GELU -> Dropout -> Dense);
@@ -26,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from htgn_jax import ops
 from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
@@ -46,7 +48,10 @@ class BlockConfig:
       attention: 'favor' (HTGN) | 'softmax' (exact softmax attention, the vanilla baseline).
       feature_map, num_features, redraw_every: FAVOR+ feature map, m random features, redraw
         period (`FavorAttention`).
+      qk_rank: r, per-head width of the low-rank query/key projections (None = d_h).
       window, num_global: WinGAT radius w and the g leading global nodes of the encoder.
+      skip_offsets: multi-scale skip edges beside the window in every graph layer (encoder,
+        causal decoder, Cross-Graph around c_i); () = none.
       grid_width: None (1-D window), or W: encoder tokens are image patches in raster order with
         rows of W and the WinGAT stencil is 2-D of radius w (htgn.md §5.12).
       cross_window, rho: Cross-Graph radius w_x and centre ratio (c_i = round(rho * i)).
@@ -54,6 +59,9 @@ class BlockConfig:
       kl_tau, kl_mode: the KL term's prior and mode (htgn.md §5.7).
       dropout_rate: dropout on residual branches and inside the FFN.
       attention_dropout: dropout on the graph-attention probabilities.
+      drop_path_start: DropPath rate of the first block of each stack (the stacks' `drop_path`
+        is the deepest block's rate; linear in between).
+      graph_activation: the card's sigma after the graph convolution, 'none' | 'relu'.
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
       dtype, param_dtype: compute and parameter dtypes.
@@ -65,9 +73,11 @@ class BlockConfig:
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    qk_rank: Optional[int] = None
     redraw_every: int = 0
     window: int = 4
     num_global: int = 0
+    skip_offsets: tuple[int, ...] = ()
     grid_width: Optional[int] = None
     cross_window: int = 4
     rho: float = 1.0
@@ -78,6 +88,8 @@ class BlockConfig:
     kl_mode: str = "prior"
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
+    drop_path_start: float = 0.0
+    graph_activation: str = "none"
     norm: str = "pre"
     chunk_size: int = 64
     dtype: Any = None
@@ -126,9 +138,12 @@ def merge_aux(*auxes: dict) -> dict:
     return out
 
 
-def drop_path_rate(p_max: float, layer: int, num_layers: int) -> float:
-    """p_l = p_max * l / (L - 1), l = 0..L-1 (htgn.md §5.8); 0 for a one-layer stack."""
-    return 0.0 if num_layers < 2 else p_max * layer / (num_layers - 1)
+def drop_path_rate(p_max: float, layer: int, num_layers: int, p_start: float = 0.0) -> float:
+    """p_l = p_start + (p_max - p_start) l / (L - 1), l = 0..L-1 (htgn.md §5.8 with the card's
+    first-layer rate p_start, e.g. 0.1 -> 0.3); p_start for a one-layer stack."""
+    if num_layers < 2:
+        return p_start
+    return p_start + (p_max - p_start) * layer / (num_layers - 1)
 
 
 def with_globals(mask: Array, num_global: int) -> Array:
@@ -160,7 +175,9 @@ class _Block(nn.Module):
         return FavorAttention(num_heads=c.num_heads, head_dim=c.head_dim, causal=causal,
                               chunk_size=c.chunk_size if causal and not exact else None,
                               feature_map=fmap,
-                              num_features=c.num_features if fmap == "softmax" else None,
+                              num_features=(c.num_features if fmap in ops.RANDOM_FEATURE_MAPS
+                                            else None),
+                              qk_rank=c.qk_rank,
                               redraw_every=c.redraw_every, use_rotary=rotary,
                               projection_seed=seed, dtype=c.dtype, param_dtype=c.param_dtype,
                               name=name)
@@ -169,6 +186,7 @@ class _Block(nn.Module):
         c = self.config
         return dict(num_heads=c.num_heads, head_dim=c.head_dim, version=c.gat_version,
                     use_relative_bias=c.use_hrpe, dropout_rate=c.attention_dropout,
+                    activation=c.graph_activation, skip_offsets=tuple(c.skip_offsets),
                     kl_tau=c.kl_tau, kl_mode=c.kl_mode, dtype=c.dtype, param_dtype=c.param_dtype)
 
     def _residual(self, x: Array, norm: nn.Module, fn, deterministic: bool) -> Array:
@@ -408,7 +426,8 @@ class Encoder(nn.Module):
         if c.num_global:
             self.global_tokens = self.param("global_tokens", nn.initializers.normal(0.02),
                                             (c.num_global, c.d_model), c.param_dtype)
-        self.blocks = [EncoderBlock(c, drop_path_rate(self.drop_path, i, self.num_layers),
+        self.blocks = [EncoderBlock(c, drop_path_rate(self.drop_path, i, self.num_layers,
+                                                      c.drop_path_start),
                                     2 * i if self.per_layer_features else 0, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         if c.norm == "pre":

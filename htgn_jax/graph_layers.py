@@ -104,10 +104,12 @@ class _GraphAttentionBase(nn.Module):
     head_dim: int | None = None
     window: int = 4
     num_global: int = 0
+    skip_offsets: tuple[int, ...] = ()
     version: str = "v2"
     use_relative_bias: bool = True
     negative_slope: float | None = None
     dropout_rate: float = 0.0
+    activation: str = "none"
     kl_tau: float | None = None
     kl_mode: str = "prior"
     kl_weight: float = 0.0
@@ -140,6 +142,13 @@ class _GraphAttentionBase(nn.Module):
                                               self.param_dtype)
         self.output = HeadsOutput(self.out_features, True, self.dtype, self.param_dtype,
                                   self.kernel_init, self.bias_init)
+
+    def _output(self, out: Array, width: int) -> Array:
+        """W_o sigma(out): the card's sigma (`activation`) on the aggregated messages `[..., H, D]`,
+        then the heads' output projection."""
+        if self.activation == "relu":
+            out = jax.nn.relu(out)
+        return self.output(out, width)
 
     def _self_features(self, x: Array) -> tuple[Array, Array, Array]:
         """(query `[..., H, C]`, key `[..., H, C]`, message `[..., H, D]`) of nodes x."""
@@ -226,6 +235,10 @@ class WindowGraphAttention(_GraphAttentionBase):
       head_dim: D per head; None means d // H (d must then be divisible by H).
       window: radius w >= 0; offsets -w..w, or -w..0 when causal.
       num_global: g leading global nodes (0 when causal).
+      skip_offsets: multi-scale skip edges beyond the window (the HTGN card's skip connections,
+        docs/htgn_options.md): token i also attends to i -/+ s for each s (only i - s when
+        causal; on a grid the dilated 8-neighbourhood at distance s), each with its own
+        `rel_bias` slot; () = none. The causal state then holds the last max(w, max s) tokens.
       causal: decoder form (offsets -w..0) with `init_state`, `scan` and `step`.
       chunk_size: form of the causal `__call__`: None = the parallel (unfold) form, an int C =
         chunks of C tokens with the window state carried across them (`causal_window_chunked`);
@@ -237,6 +250,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), htgn.md §5.2).
       negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
+      activation: the HTGN card's sigma on the aggregated messages before the output projection,
+        y_i = W_o sigma(sum_j alpha_ij W_s h_j): 'none' (default) or 'relu' (the card's choice).
       kl_tau: None (the KL term's uniform prior, htgn.md §5.7) or tau > 0 of the distance prior
         pi_i(j) proportional to exp(-dist / tau) (spec `kl_prior = "distance"`; dist = |j - i|,
         or max(|dr|, |dc|) on a grid, 1 to a global node).
@@ -260,7 +275,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     def setup(self):
         validation.check_window_graph_fields(self)
         self._has_global_bias = self.num_global > 0
-        num_slots = len(graph_ops.window_offsets(self.window, self.causal, self.grid_width))
+        num_slots = len(self._offsets)
         self._setup_common(num_slots, self._has_global_bias)
 
     def __call__(self, x: Array, *, mask: Array | None = None,
@@ -281,8 +296,18 @@ class WindowGraphAttention(_GraphAttentionBase):
             mask, out, st = self._chunked(x, mask, deterministic)
         else:
             mask, out, st = self._attend(x, mask, deterministic)
-        y = self.output(out, x.shape[-1])
+        y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
+
+    @property
+    def _offsets(self) -> tuple[int, ...]:
+        return graph_ops.window_offsets(self.window, self.causal, self.grid_width,
+                                        self.skip_offsets)
+
+    @property
+    def span(self) -> int:
+        """Tokens held by the causal state: max(window, max skip offset)."""
+        return max((self.window,) + tuple(self.skip_offsets))
 
     def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
         check_tokens("x", x, "[B, T, d]")
@@ -291,10 +316,11 @@ class WindowGraphAttention(_GraphAttentionBase):
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
             mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
-            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic))
+            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
+            offsets=self._offsets)
         kl_sum, kl_count = graph_causal.causal_window_kl(
             st["probs"], st["log_probs"], st["valid"], window=self.window, kl_tau=self.kl_tau,
-            kl_mode=self.kl_mode)
+            kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
         return mask, out, {"kl_sum": kl_sum, "kl_count": kl_count}
 
     def attention_weights(self, x: Array, *, mask: Array | None = None) -> dict[str, Array]:
@@ -324,7 +350,7 @@ class WindowGraphAttention(_GraphAttentionBase):
             causal=self.causal, grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
             global_bias=global_bias, negative_slope=self.negative_slope,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            kl_tau=self.kl_tau, kl_mode=self.kl_mode)
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
         return mask, out, st
 
     def init_state(self, batch_size: int) -> WindowState:
@@ -332,7 +358,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         valid yet (float32; `key` only for GAT v1)."""
         validation.check_window_graph_method(self, "init_state")
         c, d = self._head_dims()
-        return graph_causal.init_window_state(batch_size, self.window, self.num_heads, d,
+        return graph_causal.init_window_state(batch_size, self.span, self.num_heads, d,
                                               key_dim=c if self.version == "v1" else None)
 
     def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
@@ -361,8 +387,9 @@ class WindowGraphAttention(_GraphAttentionBase):
             validation.check_window_state(self, state, x.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state,
                                                      mask=mask, rel_bias=self._biases()[0],
-                                                     negative_slope=self.negative_slope)
-        y = self.output(out, x.shape[-1])
+                                                     negative_slope=self.negative_slope,
+                                                     offsets=self._offsets)
+        y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), state
 
     def step(self, state: WindowState, x_t: Array) -> tuple[Array, WindowState]:
@@ -382,8 +409,9 @@ class WindowGraphAttention(_GraphAttentionBase):
         validation.check_window_state(self, state, x_t.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
                                                      rel_bias=self._biases()[0],
-                                                     negative_slope=self.negative_slope)
-        return self.output(out, x_t.shape[-1]), state
+                                                     negative_slope=self.negative_slope,
+                                                     offsets=self._offsets)
+        return self._output(out, x_t.shape[-1]), state
 
 
 class CrossGraphAttention(_GraphAttentionBase):
@@ -415,7 +443,9 @@ class CrossGraphAttention(_GraphAttentionBase):
     def setup(self):
         validation.check_cross_graph_fields(self)
         self._has_global_bias = self.num_global > 0
-        self._setup_common(2 * self.window + 1, self._has_global_bias)
+        self._setup_common(len(graph_ops.window_offsets(self.window,
+                                                        skip_offsets=self.skip_offsets)),
+                           self._has_global_bias)
 
     def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
                  memory_mask: Array | None = None,
@@ -506,8 +536,8 @@ class CrossGraphAttention(_GraphAttentionBase):
             memory_mask=cache.mask, positions=positions, rel_bias=rel_bias,
             global_bias=global_bias, negative_slope=self.negative_slope,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            kl_tau=self.kl_tau, kl_mode=self.kl_mode)
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
         if stats_only:
             return st
-        y = self.output(out, x.shape[-1])
+        y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)

@@ -94,7 +94,10 @@ class FavorAttention(nn.Module):
 
     Attributes:
       num_heads: H.
-      head_dim: D, width of each head (queries, keys and values).
+      head_dim: D, width of each head (values; queries and keys too unless `qk_rank`).
+      qk_rank: r, the per-head width of the query and key projections (the HTGN card's low-rank
+        W^Q, W^K in R^{d x r}, r < D; htgn.md §5.4, docs/htgn_options.md); None = D. The kernel
+        is then exp(q^T k / sqrt(r)) on the r-dimensional queries and keys; values stay D wide.
       out_features: width of the output projection; None = the input width E.
       causal: unidirectional self-attention (data-independent key stabiliser, so that every form
         is exactly causal and streamable); enables `init_state`, `scan` and `step`.
@@ -102,11 +105,13 @@ class FavorAttention(nn.Module):
         (`linear_attention.causal_parallel`, O(T^2)), an int C >= 1 = the chunked form
         (`linear_attention.causal_chunked`).
         Must be None when not causal.
-      num_features: M random features for feature_map='softmax' (None = 256); must be None for
-        the deterministic maps ('relu', 'elu': M = D) and for 'exact'.
-      feature_map: 'softmax' (FAVOR+ positive random features), 'relu' (Performer-ReLU, relu + 1e-3,
-        LRA's default), 'elu' (elu + 1), or 'exact' (quadratic softmax oracle for tests / small T).
-      redraw_every: redraw Omega every this many training steps; 0 = never (softmax only).
+      num_features: M random features (feature_map 'softmax' or 'trig'; None = 256); must be None
+        for the deterministic maps ('relu', 'elu': M = D) and for 'exact'.
+      feature_map: 'softmax' (FAVOR+ positive random features), 'trig' (random Fourier sin/cos
+        features of the same kernel, 2M features, `ops.trig_kernel_features`), 'relu'
+        (Performer-ReLU, relu + 1e-3, LRA's default), 'elu' (elu + 1), or 'exact' (quadratic
+        softmax oracle for tests / small T).
+      redraw_every: redraw Omega every this many training steps; 0 = never (random maps only).
       use_rotary: rotate q and k (RoPE, HTGN's HRPE (a)) before the feature map; off by default
         (plain FAVOR+; the HTGN models turn it on); must be False for `cross`.
       rotary_base: RoPE frequency base.
@@ -126,6 +131,7 @@ class FavorAttention(nn.Module):
     out_features: Optional[int] = None
     causal: bool = False
     chunk_size: Optional[int] = None
+    qk_rank: Optional[int] = None
     num_features: Optional[int] = None
     feature_map: str = "softmax"
     redraw_every: int = 0
@@ -149,12 +155,13 @@ class FavorAttention(nn.Module):
         # float32 whatever `dtype` is: a bf16 q.w is off by about |q.w| 2^-8 inside exp(), i.e.
         # a relative error of the feature itself (values and the output projection use `dtype`).
         qk_dtype = None if self.dtype is None else jnp.promote_types(self.dtype, jnp.float32)
-        self.query = dense(name="query", dtype=qk_dtype)
-        self.key = dense(name="key", dtype=qk_dtype)
+        qk_features = (self.num_heads, self._qk_dim)
+        self.query = dense(name="query", dtype=qk_dtype, features=qk_features)
+        self.key = dense(name="key", dtype=qk_dtype, features=qk_features)
         self.value = dense(name="value")
         self.out = HeadsOutput(self.out_features, self.use_bias, self.dtype, self.param_dtype,
                                self.kernel_init, self.bias_init, name="out")
-        if self.feature_map == "softmax" and (
+        if self.feature_map in ops.RANDOM_FEATURE_MAPS and (
                 self.is_initializing() or self.has_variable("random_features", "projection")):
             self.projection = self.variable("random_features", "projection",
                                             lambda: self._draw(None))
@@ -164,19 +171,28 @@ class FavorAttention(nn.Module):
     # --- shared pieces ---------------------------------------------------------------------
 
     @property
+    def _qk_dim(self) -> int:
+        return self.head_dim if self.qk_rank is None else self.qk_rank
+
+    @property
+    def _num_random(self) -> int:
+        return self.num_features or DEFAULT_NUM_FEATURES
+
+    @property
     def _m(self) -> int:
-        if self.feature_map == "softmax":
-            return self.num_features or DEFAULT_NUM_FEATURES
-        return self.head_dim
+        """Width of the features (and of the state): M, 2M for 'trig', r or D when deterministic."""
+        if self.feature_map in ops.RANDOM_FEATURE_MAPS:
+            return self._num_random * (2 if self.feature_map == "trig" else 1)
+        return self._qk_dim
 
     def _draw(self, feature_step) -> Array:
         return ops.draw_projection(jax.random.PRNGKey(self.projection_seed), feature_step,
-                                   num_features=self._m, dim=self.head_dim,
+                                   num_features=self._num_random, dim=self._qk_dim,
                                    redraw_every=self.redraw_every)
 
     def _omega(self, feature_step, deterministic: bool) -> Array | None:
         """The projection in force (see the module docstring); None for deterministic maps."""
-        if self.feature_map != "softmax":
+        if self.feature_map not in ops.RANDOM_FEATURE_MAPS:
             return None  # deterministic maps: the features are the same at every step
         if feature_step is None:
             if not deterministic and self.redraw_every > 0:
@@ -221,7 +237,8 @@ class FavorAttention(nn.Module):
         return masking.zero_padding(x, mask)
 
     def _read_out(self, num, den, guard, v, width: int) -> Array:
-        return self.out(ops.normalize(num, den, guard).astype(v.dtype), width)
+        y = ops.normalize(num, den, guard, floor=self.feature_map == "trig")
+        return self.out(y.astype(v.dtype), width)
 
     # --- self-attention --------------------------------------------------------------------
 

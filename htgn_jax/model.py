@@ -116,9 +116,11 @@ class _HTGNModel(nn.Module, kw_only=True):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: int = 32
+    qk_rank: Optional[int] = None
     redraw_every: int = 0
     window: int = 4
     num_global: int = 2
+    skip_offsets: tuple[int, ...] = ()
     num_pe: int = 8
     use_graph_conv: bool = True
     use_hrpe: bool = True
@@ -129,6 +131,8 @@ class _HTGNModel(nn.Module, kw_only=True):
     dropout_rate: float = 0.1
     attention_dropout: float = 0.0
     drop_path: float = 0.0
+    drop_path_start: float = 0.0
+    graph_activation: str = "none"
     norm: str = "pre"
     per_layer_features: bool = False
     dtype: Any = None
@@ -154,10 +158,18 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       num_layers: depth of both stacks unless num_encoder_layers / num_decoder_layers are set.
       num_encoder_layers, num_decoder_layers: L_e, L_d (None = num_layers).
       attention: 'favor' (HTGN) | 'softmax' (vanilla Transformer: exact softmax attention).
-      feature_map: FAVOR+ map: 'softmax' (positive random features), 'relu', 'elu', 'exact'.
-      num_features: m random features (feature_map='softmax').
+      feature_map: FAVOR+ map: 'softmax' (positive random features), 'trig' (random Fourier
+        sin/cos features of the softmax kernel, Performer's trig map; docs/htgn_options.md),
+        'relu', 'elu', 'exact'.
+      num_features: m random features (feature_map 'softmax' or 'trig').
+      qk_rank: r, per-head width of the query/key projections (the card's low-rank W^Q, W^K,
+        r <= d_h; None = d_h, the full-rank default); every attention layer.
       window: WinGAT radius w (encoder +-w, decoder -w..0).
       num_global: g encoder global nodes.
+      skip_offsets: multi-scale skip edges (e.g. (8, 16)) beside the window in every graph
+        layer: token i also attends to i -/+ s (decoder: i - s; Cross-Graph: c_i -/+ s; classifier
+        grid: the dilated 8-neighbourhood at distance s), each s > window (and > cross_window),
+        one relative-bias slot each (HRPE (c) sees the same graph). Cost O(N (2w + 1 + 2|s| + g)).
       cross_window: Cross-Graph radius w_x.
       rho: Cross-Graph centre ratio (mean source length / mean target length).
       cross_graph_layers: 'all' | 'last' decoder blocks with Cross-Graph attention.
@@ -169,7 +181,13 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       kl_mode: 'prior' (KL(alpha_i || pi_i)) or 'neighbour' (KL(alpha_i || alpha_{i-1}) of
         consecutive rows aligned by offset, `graph_kl.neighbour_kl`; htgn.md §5.7).
       dropout_rate: embeddings, residual branches and FFN; attention_dropout: GAT probabilities.
-      drop_path: p_max of the DropPath schedule (htgn.md §5.8).
+      drop_path: p_max of the DropPath schedule (htgn.md §5.8), the deepest block's rate.
+      drop_path_start: the first block's rate p_0 (the card: "from 0.1 to 0.3"); each stack
+        (encoder, decoder) goes linearly from p_0 to drop_path (default 0: the spec's 0 -> p_max).
+      graph_activation: sigma after the graph convolution, applied to the aggregated messages
+        sum_j alpha_ij W_s h_j before the heads' output projection (the card's
+        h = sigma(sum_j alpha_ij W_g h_j), sigma = ReLU): 'none' (default, spec §3.4) | 'relu';
+        window, causal window and Cross-Graph layers alike.
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+.
       per_layer_features: a FAVOR+ projection per layer (default: one shared by all layers).
@@ -243,7 +261,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
                                self.per_layer_features, name="encoder")
         n_dec = self.decoder_layers
         self.decoder_blocks = [
-            DecoderBlock(config, drop_path_rate(self.drop_path, i, n_dec),
+            DecoderBlock(config, drop_path_rate(self.drop_path, i, n_dec, self.drop_path_start),
                          2 * (self.encoder_layers + i) + 2 if self.per_layer_features else 0,
                          self.cross_graph_layers == "all" or i == n_dec - 1,
                          name=f"decoder_block_{i:02d}")
@@ -503,6 +521,8 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
             if k not in kwargs:
                 args[k] = v
     args.update(kwargs)
+    if isinstance(args.get("skip_offsets"), list):   # a config's list: a hashable module field
+        args["skip_offsets"] = tuple(args["skip_offsets"])
     validation.check_switched_off(kwargs, args)
     fields = {f.name: f for f in dataclasses.fields(KINDS[kind])}
     missing = [n for n in allowed if fields[n].default is dataclasses.MISSING and n not in args]

@@ -28,7 +28,7 @@ PE_BASES = hrpe.BASES
 # Fields that only the graph layers / HRPE read: given explicitly while that part is switched off
 # they would be ignored, so the factory refuses them.
 GRAPH_ONLY_KWARGS = ("window", "cross_window", "rho", "cross_graph_layers", "gat_version",
-                     "kl_tau", "kl_mode")
+                     "kl_tau", "kl_mode", "graph_activation", "skip_offsets")
 HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
 
 
@@ -48,16 +48,27 @@ def check_common(a: dict) -> None:
         check_int(name, a[name], 1)
     check_int("window", a["window"], 0)
     check_int("num_global", a["num_global"], 0)
+    graph_ops.check_skip_offsets(a["skip_offsets"], a["window"])
     check_divisible("d_model", a["d_model"], "num_heads", a["num_heads"])
     if a["use_hrpe"] and (a["d_model"] // a["num_heads"]) % 2:
         fail(f"use_hrpe=True rotates channel pairs, so d_model / num_heads must be even, got "
              f"{a['d_model'] // a['num_heads']}")
-    if a["attention"] == "favor" and a["feature_map"] == "softmax":
+    if a["attention"] == "favor" and a["feature_map"] in ops.RANDOM_FEATURE_MAPS:
         check_int("num_features", a["num_features"], 1)
+    if a["qk_rank"] is not None:
+        check_int("qk_rank", a["qk_rank"], 1)
+        head = a["d_model"] // a["num_heads"]
+        if a["qk_rank"] > head:
+            fail(f"qk_rank={a['qk_rank']} must be <= the head width d_model / num_heads = {head} "
+                 f"(a low-rank query/key projection)")
+        if a["use_hrpe"] and a["qk_rank"] % 2:
+            fail(f"use_hrpe=True rotates query/key channel pairs, so qk_rank must be even, got "
+                 f"{a['qk_rank']}")
     if a["attention"] == "softmax" and a["feature_map"] != "softmax":
         fail(f"feature_map applies to attention='favor' only, got feature_map={a['feature_map']!r} "
              f"with attention='softmax'")
-    for name in ("dropout_rate", "attention_dropout", "drop_path"):
+    check_choice("graph_activation", a["graph_activation"], graph_ops.ACTIVATIONS)
+    for name in ("dropout_rate", "attention_dropout", "drop_path", "drop_path_start"):
         check_rate(name, a[name])
     graph_ops.check_kl(a["kl_tau"], a["kl_mode"])
     if _kl_options_set(a) and not a["use_graph_conv"]:
@@ -70,9 +81,10 @@ def check_common(a: dict) -> None:
         fail("attention_dropout acts on the graph-attention probabilities (htgn.md §5.6), but "
              "use_graph_conv=False")
     check_int("redraw_every", a["redraw_every"], 0)
-    if a["redraw_every"] and (a["attention"] != "favor" or a["feature_map"] != "softmax"):
+    if a["redraw_every"] and (a["attention"] != "favor"
+                              or a["feature_map"] not in ops.RANDOM_FEATURE_MAPS):
         fail(f"redraw_every redraws the FAVOR+ random features, so it needs attention='favor' and "
-             f"feature_map='softmax', got attention={a['attention']!r}, "
+             f"feature_map 'softmax' or 'trig', got attention={a['attention']!r}, "
              f"feature_map={a['feature_map']!r}")
     check_nonnegative("kl_weight", a["kl_weight"])
     if a["use_hrpe"]:
@@ -87,6 +99,7 @@ def check_seq2seq(a: dict) -> None:
     check_optional_int("num_encoder_layers", a["num_encoder_layers"])
     check_optional_int("num_decoder_layers", a["num_decoder_layers"])
     check_int("cross_window", a["cross_window"], 0)
+    graph_ops.check_skip_offsets(a["skip_offsets"], a["cross_window"], "cross_window")
     check_choice("cross_graph_layers", a["cross_graph_layers"], CROSS_GRAPH_LAYERS)
     check_choice("pe_basis", a["pe_basis"], PE_BASES)
     check_nonnegative("rho", a["rho"])
@@ -130,8 +143,9 @@ def check_switched_off(given: dict, a: dict) -> None:
     if a.get("attention", "favor") == "softmax" and "chunk_size" in given:
         fail("chunk_size applies to attention='favor' (the chunked causal FAVOR+ form) only")
     if given.get("num_features") is not None and (
-            a.get("attention", "favor") == "softmax" or a.get("feature_map", "softmax") != "softmax"):
-        fail("num_features applies to attention='favor' with feature_map='softmax' only")
+            a.get("attention", "favor") == "softmax"
+            or a.get("feature_map", "softmax") not in ops.RANDOM_FEATURE_MAPS):
+        fail("num_features applies to attention='favor' with feature_map='softmax' or 'trig' only")
 
 
 def check_feature_step(m, feature_step: Any) -> None:
@@ -207,12 +221,17 @@ def image(m, batch: dict):
 def check_favor_fields(m) -> None:
     """Field consistency of a `FavorAttention` `m` (called once from its setup)."""
     check_choice("feature_map", m.feature_map, ops.FEATURE_MAPS)
-    if m.use_rotary and m.head_dim % 2:
-        fail(f"`head_dim` must be even with use_rotary=True, got {m.head_dim}")
+    if m.qk_rank is not None:
+        check_int("qk_rank", m.qk_rank, 1)
+    qk = m.head_dim if m.qk_rank is None else m.qk_rank
+    if m.use_rotary and qk % 2:
+        fail(f"`{'head_dim' if m.qk_rank is None else 'qk_rank'}` must be even with "
+             f"use_rotary=True (RoPE rotates channel pairs), got {qk}")
     check_chunk_size(m.chunk_size, m.causal)
-    if m.feature_map != "softmax" and (m.num_features is not None or m.redraw_every):
-        fail(f"`num_features` and `redraw_every` apply to feature_map='softmax' only (random "
-             f"features), got {m.feature_map!r}")
+    if m.feature_map not in ops.RANDOM_FEATURE_MAPS and (m.num_features is not None
+                                                         or m.redraw_every):
+        fail(f"`num_features` and `redraw_every` apply to the random feature maps "
+             f"{ops.RANDOM_FEATURE_MAPS} only, got {m.feature_map!r}")
 
 
 def check_favor_method(m, method: str, *, causal: bool, state: bool = True) -> None:
@@ -233,6 +252,8 @@ def check_graph_fields(m) -> None:
     check_int("window", m.window, 0)
     check_choice("version", m.version, graph_ops.VERSIONS)
     check_rate("dropout_rate", m.dropout_rate)
+    graph_ops.check_skip_offsets(m.skip_offsets, m.window)
+    check_choice("activation", m.activation, graph_ops.ACTIVATIONS)
     if m.version == "dot" and m.attn_init is not None:
         fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
 
@@ -250,8 +271,8 @@ def check_window_state(m, state: Any, batch: int, head_dims: tuple[int, int]) ->
     """`state` is a `WindowState` of causal `WindowGraphAttention` `m` for `batch` sequences
     (C, D = `head_dims`): value `[B, w, H, D]`, key `[B, w, H, C]` for GAT v1 only, valid `[B, w]`."""
     c, d = head_dims
-    want = {"value": (batch, m.window, m.num_heads, d), "valid": (batch, m.window),
-            "key": (batch, m.window, m.num_heads, c) if m.version == "v1" else None}
+    want = {"value": (batch, m.span, m.num_heads, d), "valid": (batch, m.span),
+            "key": (batch, m.span, m.num_heads, c) if m.version == "v1" else None}
     for name, shape in want.items():
         got = getattr(state, name, None)
         if (None if got is None else tuple(jnp.shape(got))) != shape:

@@ -65,4 +65,5 @@ def get_config(arg=None):
         common.smoke(c)
         c.schedule.warmup_steps = 1
         c.model.num_layers = 1
+    htgn.set_card(c, args)
     return htgn.finish(c)

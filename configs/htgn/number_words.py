@@ -74,4 +74,5 @@ def get_config(arg=None):
         c.data.options.num_test = 16
         c.schedule.warmup_steps = 1
         c.model.num_layers = 1
+    htgn.set_card(c, args)
     return htgn.finish(c)

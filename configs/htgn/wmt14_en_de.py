@@ -82,4 +82,5 @@ def get_config(arg=None):
         c.schedule.warmup_steps = 1
     # GNMT's length penalty ranks beam hypotheses; greedy decoding (beam_size=1) has none to rank.
     c.decode.length_penalty = 0.6 if c.decode.beam_size > 1 else 0.0
+    htgn.set_card(c, args)
     return htgn.finish(c)
