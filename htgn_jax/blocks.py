@@ -31,6 +31,7 @@ from htgn_jax import ops
 from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
+from zoo_core import attention as zoo_attention
 from zoo_core.linear_attention import LinearState
 from zoo_core.remat import call_block
 
@@ -170,7 +171,7 @@ class _Block(nn.Module):
 
     def _favor(self, name: str, *, causal: bool, rotary: bool, seed: int) -> FavorAttention:
         c = self.config
-        exact = c.attention == "softmax"
+        exact = c.attention != "favor"   # softmax, and the decoder of a registry-encoder model
         fmap = "exact" if exact else c.feature_map
         return FavorAttention(num_heads=c.num_heads, head_dim=c.head_dim, causal=causal,
                               chunk_size=c.chunk_size if causal and not exact else None,
@@ -221,8 +222,13 @@ class EncoderBlock(_Block):
         c = self.config
         self._setup_residual()
         self.self_attention_norm = self._norm("self_attention_norm")
-        self.self_attention = self._favor("self_attention", causal=False, rotary=c.use_hrpe,
-                                          seed=self.projection_seed)
+        if c.attention in ("favor", "softmax"):
+            self.self_attention = self._favor("self_attention", causal=False, rotary=c.use_hrpe,
+                                              seed=self.projection_seed)
+        else:   # a registry self-attention (its own contract layer; no RoPE, no feature step)
+            self.self_attention = zoo_attention.layer(
+                c.attention, num_heads=c.num_heads, qkv_features=c.d_model,
+                dtype=c.dtype if c.dtype is not None else jnp.float32, param_dtype=c.param_dtype)
         if c.use_graph_conv:
             self.graph_norm = self._norm("graph_norm")
             self.graph = WindowGraphAttention(window=c.window, num_global=c.num_global,
@@ -246,10 +252,13 @@ class EncoderBlock(_Block):
                 return y
             return fn
 
-        x = self._residual(x, self.self_attention_norm, sub(
-            lambda h: self.self_attention(h, mask=mask, positions=positions,
-                                          deterministic=deterministic, feature_step=feature_step)),
-            deterministic)
+        if self.config.attention in ("favor", "softmax"):
+            attend = lambda h: self.self_attention(h, mask=mask, positions=positions,
+                                                   deterministic=deterministic,
+                                                   feature_step=feature_step)
+        else:
+            attend = lambda h: self.self_attention(h, mask=mask, deterministic=deterministic)
+        x = self._residual(x, self.self_attention_norm, sub(attend), deterministic)
         if self.config.use_graph_conv:
             x = self._residual(x, self.graph_norm, sub(
                 lambda h: self.graph(h, mask=mask, deterministic=deterministic)), deterministic)

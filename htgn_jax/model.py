@@ -70,7 +70,7 @@ import jax.numpy as jnp
 from htgn_jax import hrpe, validation
 from htgn_jax.blocks import (BlockConfig, DecoderBlock, Encoder, drop_path_rate, merge_aux,
                              with_globals)
-from htgn_jax.validation import ATTENTIONS  # noqa: F401  (the configs read it from here)
+from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (read by the configs)
 from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.remat import call_block
 
@@ -100,7 +100,9 @@ def _aux(m, aux: dict) -> dict[str, Array]:
     graph layer's (row, head) terms (htgn.md §5.7), formed once from the summed 'kl_sum'/'kl_count'."""
     zero = jnp.zeros((), jnp.float32)
     kl = aux.get("kl_sum", zero) / jnp.maximum(aux.get("kl_count", zero), 1.0)
-    return {"loss/kl": jnp.asarray(m.kl_weight, jnp.float32) * kl, "graph/kl": kl}
+    # A registry encoder attention's own losses (e.g. AGF's 'loss/orth'), summed over the layers.
+    own = {k: v for k, v in aux.items() if k.startswith("loss/") and k != "loss/kl"}
+    return {**own, "loss/kl": jnp.asarray(m.kl_weight, jnp.float32) * kl, "graph/kl": kl}
 
 
 class _HTGNModel(nn.Module, kw_only=True):
@@ -157,7 +159,12 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       d_model, num_heads, mlp_dim: d, H (d_h = d / H), d_ff.
       num_layers: depth of both stacks unless num_encoder_layers / num_decoder_layers are set.
       num_encoder_layers, num_decoder_layers: L_e, L_d (None = num_layers).
-      attention: 'favor' (HTGN) | 'softmax' (vanilla Transformer: exact softmax attention).
+      attention: 'favor' (HTGN) | 'softmax' (vanilla Transformer: exact softmax attention) | any
+        other self-attention of the zoo registry with a non-causal layer (`encoder_attentions()`,
+        e.g. 'agf', 'window_graph'; the card's baselines 'reformer', 'longformer' once
+        registered), built by `zoo_core.attention.layer` for the encoder self-attention only; the
+        decoder (causal self- and cross-attention) then uses exact softmax, and the baseline
+        defaults of 'softmax' apply (no graph layers, no HRPE, unless given).
       feature_map: FAVOR+ map: 'softmax' (positive random features), 'trig' (random Fourier
         sin/cos features of the softmax kernel, Performer's trig map; docs/htgn_options.md),
         'relu', 'elu', 'exact'.
@@ -516,7 +523,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
     if unknown:
         fail(f"unknown Model kwargs for kind={kind!r}: {unknown}; allowed: {list(allowed)}")
     args = {k: v for k, v in (VARIANTS[variant] if variant else {}).items() if k in allowed}
-    if kwargs.get("attention") == "softmax":
+    if kwargs.get("attention", "favor") != "favor":
         for k, v in {**SOFTMAX_BASELINE_DEFAULTS, **SOFTMAX_BASELINE_KIND_DEFAULTS[kind]}.items():
             if k not in kwargs:
                 args[k] = v

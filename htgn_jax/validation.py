@@ -17,7 +17,35 @@ from htgn_jax import graph_ops, hrpe, ops
 from zoo_core.checks import (check_choice, check_chunk_size, check_divisible, check_int, check_nonnegative,
                              check_optional_int, check_rate, fail)
 
-ATTENTIONS = ("favor", "softmax")
+ATTENTIONS = ("favor", "softmax")   # HTGN's own: every stack (encoder, causal decoder, cross)
+
+
+def encoder_attentions() -> tuple[str, ...]:
+    """The names `attention` accepts: 'favor', 'softmax' and every other self-attention of the
+    zoo's registry (`zoo_core.attention.names('self')`) that has a non-causal contract layer
+    (`zoo_core.attention.layer`), e.g. 'agf', 'window_graph' (and 'reformer', 'longformer' once
+    registered). Those drive the encoder only; a seq2seq decoder then uses exact softmax."""
+    from zoo_core import attention   # the registry imports the architecture packages lazily
+    out = list(ATTENTIONS)
+    for name in attention.names("self"):
+        if name in out:
+            continue
+        try:
+            attention.layer(name, num_heads=1, qkv_features=2)
+        except ValueError:            # no non-causal contract layer (e.g. 'linear': causal only)
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def check_attention(name) -> None:
+    """`attention` is one of `encoder_attentions()`, else one line naming the choices."""
+    if name in ATTENTIONS:
+        return
+    allowed = encoder_attentions()
+    if name not in allowed:
+        fail(f"`attention` must be one of {allowed} (favor / softmax anywhere; the other registry "
+             f"self-attentions with a non-causal layer for the encoder), got {name!r}")
 FEATURE_MAPS = ops.FEATURE_MAPS
 GAT_VERSIONS = graph_ops.VERSIONS
 NORMS = ("pre", "post")
@@ -40,7 +68,7 @@ def _kl_options_set(a: dict) -> list[str]:
 
 def check_common(a: dict) -> None:
     """Checks of the fields every HTGN model has (`a`: the resolved constructor kwargs)."""
-    check_choice("attention", a["attention"], ATTENTIONS)
+    check_attention(a["attention"])
     check_choice("feature_map", a["feature_map"], FEATURE_MAPS)
     check_choice("gat_version", a["gat_version"], GAT_VERSIONS)
     check_choice("norm", a["norm"], NORMS)
@@ -64,9 +92,12 @@ def check_common(a: dict) -> None:
         if a["use_hrpe"] and a["qk_rank"] % 2:
             fail(f"use_hrpe=True rotates query/key channel pairs, so qk_rank must be even, got "
                  f"{a['qk_rank']}")
-    if a["attention"] == "softmax" and a["feature_map"] != "softmax":
+    if a["attention"] != "favor" and a["feature_map"] != "softmax":
         fail(f"feature_map applies to attention='favor' only, got feature_map={a['feature_map']!r} "
-             f"with attention='softmax'")
+             f"with attention={a['attention']!r}")
+    if a["attention"] not in ATTENTIONS and a["qk_rank"] is not None:
+        fail(f"qk_rank applies to attention 'favor' or 'softmax' (the HTGN attention layers), got "
+             f"attention={a['attention']!r}")
     check_choice("graph_activation", a["graph_activation"], graph_ops.ACTIVATIONS)
     for name in ("dropout_rate", "attention_dropout", "drop_path", "drop_path_start"):
         check_rate(name, a[name])
@@ -140,10 +171,10 @@ def check_switched_off(given: dict, a: dict) -> None:
         unused = [k for k in HRPE_ONLY_KWARGS if k in given]
         if unused:
             fail(f"{unused} apply to HRPE, but use_hrpe=False")
-    if a.get("attention", "favor") == "softmax" and "chunk_size" in given:
+    if a.get("attention", "favor") != "favor" and "chunk_size" in given:
         fail("chunk_size applies to attention='favor' (the chunked causal FAVOR+ form) only")
     if given.get("num_features") is not None and (
-            a.get("attention", "favor") == "softmax"
+            a.get("attention", "favor") != "favor"
             or a.get("feature_map", "softmax") not in ops.RANDOM_FEATURE_MAPS):
         fail("num_features applies to attention='favor' with feature_map='softmax' or 'trig' only")
 

@@ -30,9 +30,9 @@ def htgn_args(arg, **defaults) -> ml_collections.ConfigDict:
     if args.ablation not in htgn_model.ABLATIONS:
         raise ValueError(f"config argument ablation={args.ablation!r} must be one of "
                          f"{tuple(htgn_model.ABLATIONS)}")
-    if args.attention not in htgn_model.ATTENTIONS:
+    if args.attention not in htgn_model.encoder_attentions():
         raise ValueError(f"config argument attention={args.attention!r} must be one of "
-                         f"{htgn_model.ATTENTIONS}")
+                         f"{htgn_model.encoder_attentions()}")
     if args.optimizer not in OPTIMIZERS:
         raise ValueError(f"config argument optimizer={args.optimizer!r} must be one of {OPTIMIZERS}")
     if args.attention != "favor" and args.ablation != "none":
@@ -47,7 +47,7 @@ def htgn_args(arg, **defaults) -> ml_collections.ConfigDict:
 
 # The HTGN card's own choices (docs/htgn_options.md), written by `set_card` for `:card`.
 CARD = dict(feature_map="trig", graph_activation="relu", drop_path_start=0.1, drop_path=0.3)
-CARD_GRAPH_KEYS = ("graph_activation",)     # graph-layer fields: left out with ablation=no_graph
+CARD_GRAPH_KEYS = ("graph_activation", "skip_offsets")   # graph fields: left out with no_graph
 
 
 def set_card(c, args):
@@ -62,6 +62,9 @@ def set_card(c, args):
         heads = args.heads or c.model.get("num_heads", sizes["num_heads"])
         # the card's r << d: half of the head width
         c.model.qk_rank = c.model.get("d_model", sizes["d_model"]) // heads // 2
+        if graph_on:   # skip edges at two scales beyond the window (grid: one, the image is small)
+            w = c.model.get("window", sizes["window"])
+            c.model.skip_offsets = (2 * w,) if c.model.kind == "classifier" else (2 * w, 4 * w)
     if args.heads:
         c.model.num_heads = args.heads
     if args.qk_rank:
@@ -103,7 +106,7 @@ def finish(c):
     graph layers, HRPE, the FAVOR+ features of the softmax baseline), so the model built is the
     same as from the preset."""
     m = c.model
-    softmax = m.get("attention", "favor") == "softmax"
+    softmax = m.get("attention", "favor") != "favor"   # softmax or a registry baseline
     if softmax:   # the baseline's defaults, explicit like every other field
         for key, value in {**htgn_model.SOFTMAX_BASELINE_DEFAULTS,
                            **htgn_model.SOFTMAX_BASELINE_KIND_DEFAULTS[m.kind]}.items():

@@ -311,3 +311,44 @@ def test_causal_skip_offsets_forms_agree_and_ignore_nan_future(version):
     future[:, 7:] = np.nan
     for a, b in zip(run(variables, future), (par, chk, scan, steps)):
         np.testing.assert_array_equal(np.asarray(a)[:, :7], np.asarray(b)[:, :7])
+
+
+# --- item 8: registry self-attentions in the encoder ------------------------------------------
+
+
+def test_encoder_accepts_registry_self_attentions():
+    """'agf' (registered today) drives the encoder through zoo_core.attention.layer; its own aux
+    loss reaches the model's aux; the decoder keeps exact softmax; other names are refused."""
+    from htgn_jax.model import encoder_attentions
+    assert {"favor", "softmax", "agf"} <= set(encoder_attentions())
+    assert "linear" not in encoder_attentions()          # causal-only contract layer
+    model = Model(**{**SEQ, "num_layers": 1}, attention="agf")
+    batch = {"inputs": np.full((B, 5), 3, np.int32), "targets": np.full((B, 4), 3, np.int32)}
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), batch)
+    params = variables["params"]
+    assert "theta" in params["encoder"]["block_00"]["self_attention"]       # AGF's own parameters
+    assert "query" in params["decoder_block_00"]["self_attention"]
+    out, aux = jax.jit(model.apply)(variables, batch)
+    assert out["logits"].shape == (B, 4, 9) and "loss/orthogonality" in aux
+    assert np.all(np.isfinite(np.asarray(out["logits"])))
+    with pytest.raises(ValueError, match="`attention` must be one of .* got 'cross_graph'"):
+        Model(**SEQ, attention="cross_graph")
+    with pytest.raises(ValueError, match="qk_rank applies to attention 'favor' or 'softmax'"):
+        Model(**SEQ, attention="agf", qk_rank=2)
+
+
+def test_configs_take_the_card_preset_and_sweeps():
+    from configs.htgn import digits, number_words, wmt14_en_de
+    c = number_words.get_config("smoke,card")
+    assert (c.model.feature_map, c.model.qk_rank, c.model.graph_activation) == ("trig", 8, "relu")
+    assert (c.model.drop_path_start, c.model.drop_path) == (0.1, 0.3)
+    assert tuple(c.model.skip_offsets) == (8, 16)
+    assert tuple(digits.get_config("card").model.skip_offsets) == (2,)
+    assert wmt14_en_de.get_config("card").model.qk_rank == 32
+    c = number_words.get_config("qk_rank=4,heads=2")
+    assert (c.model.qk_rank, c.model.num_heads) == (4, 2)
+    assert number_words.get_config("attention=agf").model.attention == "agf"
+    base = number_words.get_config("")
+    assert (base.model.feature_map, base.model.qk_rank, base.model.skip_offsets) == ("softmax", None, ())
+    with pytest.raises(ValueError, match="card sets HTGN's own choices, so it needs attention=favor"):
+        number_words.get_config("card,attention=softmax")
