@@ -63,6 +63,9 @@ class BlockConfig:
       drop_path_start: DropPath rate of the first block of each stack (the stacks' `drop_path`
         is the deepest block's rate; linear in between).
       graph_activation: the card's sigma after the graph convolution, 'none' | 'relu'.
+      graph_alpha: 'learned' (GAT scores) | 'attention' (alpha from the block's FAVOR+ kernel
+        scores over each node's neighbourhood: self-attention for the window graphs,
+        cross-attention for Cross-Graph).
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
       dtype, param_dtype: compute and parameter dtypes.
@@ -91,6 +94,7 @@ class BlockConfig:
     attention_dropout: float = 0.0
     drop_path_start: float = 0.0
     graph_activation: str = "none"
+    graph_alpha: str = "learned"
     norm: str = "pre"
     chunk_size: int = 64
     dtype: Any = None
@@ -106,6 +110,13 @@ class BlockConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def feature_width(self) -> int:
+        """M of the FAVOR+ features (2m for 'trig', the q/k width for 'relu' / 'elu')."""
+        if self.feature_map in ops.RANDOM_FEATURE_MAPS:
+            return self.num_features * (2 if self.feature_map == "trig" else 1)
+        return self.qk_rank or self.head_dim
 
 
 class DecoderState(NamedTuple):
@@ -188,6 +199,8 @@ class _Block(nn.Module):
         return dict(num_heads=c.num_heads, head_dim=c.head_dim, version=c.gat_version,
                     use_relative_bias=c.use_hrpe, dropout_rate=c.attention_dropout,
                     activation=c.graph_activation, skip_offsets=tuple(c.skip_offsets),
+                    alpha=c.graph_alpha,
+                    score_dim=c.feature_width if c.graph_alpha == "attention" else None,
                     kl_tau=c.kl_tau, kl_mode=c.kl_mode, dtype=c.dtype, param_dtype=c.param_dtype)
 
     def _residual(self, x: Array, norm: nn.Module, fn, deterministic: bool) -> Array:
@@ -260,8 +273,12 @@ class EncoderBlock(_Block):
             attend = lambda h: self.self_attention(h, mask=mask, deterministic=deterministic)
         x = self._residual(x, self.self_attention_norm, sub(attend), deterministic)
         if self.config.use_graph_conv:
-            x = self._residual(x, self.graph_norm, sub(
-                lambda h: self.graph(h, mask=mask, deterministic=deterministic)), deterministic)
+            def graph(h):
+                features = None if self.config.graph_alpha == "learned" else \
+                    self.self_attention.kernel_features(h, mask=mask, positions=positions,
+                                                        feature_step=feature_step)
+                return self.graph(h, mask=mask, deterministic=deterministic, features=features)
+            x = self._residual(x, self.graph_norm, sub(graph), deterministic)
         x = self._residual(x, self.mlp_norm, lambda h: self._mlp(h, deterministic), deterministic)
         return x, merge_aux(*auxes)
 
@@ -327,6 +344,13 @@ class DecoderBlock(_Block):
         """
         fs = dict(feature_step=feature_step)
         auxes = []
+        by_attention = self.config.graph_alpha == "attention"
+        self_feats = lambda h: (self.self_attention.kernel_features(h, **fs) if by_attention
+                                else None)
+        cross_feats = lambda h: ((self.cross_attention.query_features(h, **fs),
+                                  self.cross_attention.key_features(memory, memory_mask=memory_mask,
+                                                                    **fs))
+                                 if by_attention else None)
 
         def keep_aux(layer_call):
             def fn(h):
@@ -338,13 +362,14 @@ class DecoderBlock(_Block):
         y = self._wiring(y, deterministic, {
             "self_attention": keep_aux(
                 lambda h: self.self_attention(h, deterministic=deterministic, **fs)),
-            "graph": keep_aux(lambda h: self.graph(h, mask=mask, deterministic=deterministic)),
+            "graph": keep_aux(lambda h: self.graph(h, mask=mask, deterministic=deterministic,
+                                                   features=self_feats(h))),
             "cross_attention": keep_aux(
                 lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
                                                      deterministic=deterministic, **fs)),
             "cross_graph": keep_aux(
                 lambda h: self.cross_graph(h, memory, mask=mask, memory_mask=memory_mask,
-                                           deterministic=deterministic)),
+                                           deterministic=deterministic, features=cross_feats(h))),
         })
         return y, merge_aux(*auxes)
 
@@ -364,6 +389,18 @@ class DecoderBlock(_Block):
         """
         fs = dict(feature_step=feature_step)
         new = {}
+        by_attention = self.config.graph_alpha == "attention"
+
+        def self_feats(h):   # the token's (phi(q), phi(k)) `[B, H, M]`, as in the parallel form
+            if not by_attention:
+                return None
+            pos = jnp.reshape(position, (-1, 1) if jnp.ndim(position) else 1) \
+                if self.config.use_hrpe else None
+            phi_q, phi_k = self.self_attention.kernel_features(h[:, None], positions=pos, **fs)
+            return phi_q[:, 0], phi_k[:, 0]
+
+        cross_q = lambda h: (self.cross_attention.query_features(h[:, None], **fs)[:, 0]
+                             if by_attention else None)
 
         def keep_state(name, layer_step):
             def fn(h):
@@ -374,11 +411,13 @@ class DecoderBlock(_Block):
         y_t = self._wiring(y_t, True, {
             "self_attention": keep_state("self_attention", lambda h: self.self_attention.step(
                 state.self_attention, h, position=position, **fs)),
-            "graph": keep_state("graph", lambda h: self.graph.step(state.graph, h)),
+            "graph": keep_state("graph", lambda h: self.graph.step(state.graph, h,
+                                                                   features=self_feats(h))),
             "cross_attention": lambda h: self.cross_attention.cross_step(
                 memory.cross_attention, h, **fs),
             "cross_graph": lambda h: self.cross_graph.step(memory.cross_graph, h,
-                                                           position=position)[0],
+                                                           position=position,
+                                                           query_features=cross_q(h))[0],
         })
         return y_t, DecoderState(new["self_attention"], new.get("graph"))
 
@@ -406,7 +445,11 @@ class DecoderBlock(_Block):
         static = DecoderMemory(
             self.cross_attention.cross_cache(memory, memory_mask=memory_mask,
                                              feature_step=feature_step),
-            self.cross_graph.prepare_memory(memory, memory_mask=memory_mask)
+            self.cross_graph.prepare_memory(
+                memory, memory_mask=memory_mask,
+                key_features=self.cross_attention.key_features(
+                    memory, memory_mask=memory_mask, feature_step=feature_step)
+                if self.config.graph_alpha == "attention" else None)
             if self._has_cross_graph else None)
         state = DecoderState(self.self_attention.init_state(b),
                              self.graph.init_state(b) if self.config.use_graph_conv else None)

@@ -78,7 +78,7 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: Wind
     shared = state.key is None
     assert state.value.shape == (b, w) + value_t.shape[1:] and state.valid.shape == (b, w)
     assert shared or (key_t.shape == query_t.shape and state.key.shape == (b, w, heads, ch))
-    assert attn is None or attn.shape == (heads, ch)
+    assert attn is None or isinstance(attn, str) or attn.shape == (heads, ch)
     assert rel_bias is None or rel_bias.shape == (heads, len(offsets))
     valid_t = _bool_mask(valid_t, (b,))
     query_t, value_t = masking.zero_padding(query_t, valid_t), masking.zero_padding(value_t, valid_t)

@@ -110,6 +110,8 @@ class _GraphAttentionBase(nn.Module):
     negative_slope: float | None = None
     dropout_rate: float = 0.0
     activation: str = "none"
+    alpha: str = "learned"
+    score_dim: int | None = None
     kl_tau: float | None = None
     kl_mode: str = "prior"
     kl_weight: float = 0.0
@@ -124,7 +126,9 @@ class _GraphAttentionBase(nn.Module):
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
-        if self.version in ("v2", "dot"):
+        if self.alpha == "attention":      # scores come from the attention layer's features
+            self.source = _HeadProjection(arg=self._source_arg, **proj)
+        elif self.version in ("v2", "dot"):
             self.target = _HeadProjection(arg="x", **proj)
             self.source = _HeadProjection(arg=self._source_arg, **proj)
             if self.version == "v2":
@@ -150,8 +154,17 @@ class _GraphAttentionBase(nn.Module):
             out = jax.nn.relu(out)
         return self.output(out, width)
 
-    def _self_features(self, x: Array) -> tuple[Array, Array, Array]:
+    def _given(self, features, what: str):
+        """The attention features passed by the caller: required iff alpha='attention'."""
+        if (features is None) != (self.alpha != "attention"):
+            fail(f"`{what}` (the attention layer's kernel features) must be given exactly when "
+                 f"alpha='attention', got alpha={self.alpha!r}")
+        return features
+
+    def _self_features(self, x: Array, features=None) -> tuple[Array, Array, Array]:
         """(query `[..., H, C]`, key `[..., H, C]`, message `[..., H, D]`) of nodes x."""
+        if self._given(features, "features") is not None:
+            return features[0], features[1], self.source(x)
         if self.version != "v1":
             u = self.source(x)
             return self.target(x), u, u
@@ -160,19 +173,23 @@ class _GraphAttentionBase(nn.Module):
                                             self._head_vector("attn_source", z))
         return q, k, z
 
-    def _query_features(self, x: Array, head_dim: int) -> Array:
+    def _query_features(self, x: Array, head_dim: int, features=None) -> Array:
         """Receiver-side score features `[..., H, C]` (v1: a_t . W x, the same W as the senders).
 
         `head_dim` is the senders' D, so an unset head_dim follows the memory width.
         """
+        if self._given(features, "query_features") is not None:
+            return features
         if self.version != "v1":
             return self.target(x, head_dim)
         z = self.source(x)
         return jnp.einsum("...hd,hd->...h", z, self._head_vector("attn_target", z))[..., None]
 
-    def _source_features(self, m: Array) -> tuple[Array, Array]:
+    def _source_features(self, m: Array, features=None) -> tuple[Array, Array]:
         """(score key `[..., H, C]`, message `[..., H, D]`) of sender nodes m."""
         u = self.source(m)
+        if self._given(features, "key_features") is not None:
+            return features, u
         if self.version != "v1":
             return u, u
         return jnp.einsum("...hd,hd->...h", u, self._head_vector("attn_source", u))[..., None], u
@@ -181,7 +198,10 @@ class _GraphAttentionBase(nn.Module):
         return getattr(self, name)(z.shape[-1]).astype(z.dtype)
 
     def _attn_vector(self, value: Array) -> Array | None:
-        """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot'."""
+        """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot',
+        the kernel-score marker for alpha='attention'."""
+        if self.alpha == "attention":
+            return graph_ops.KERNEL
         if self.version == "v2":
             return self._head_vector("attn", value)
         if self.version == "dot":
@@ -207,6 +227,8 @@ class _GraphAttentionBase(nn.Module):
                 fail("`head_dim` is None and the layer has no parameters yet, so the state shape "
                       "is unknown: set head_dim or call init_state with initialised params")
             d = params["source"]["kernel"].shape[-1]
+        if self.alpha == "attention":
+            return self.score_dim, d
         return (1 if self.version == "v1" else d), d
 
 
@@ -250,6 +272,12 @@ class WindowGraphAttention(_GraphAttentionBase):
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), htgn.md §5.2).
       negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
+      alpha: 'learned' (GAT / GATv2 / dot scores of this layer's own parameters, `version`) or
+        'attention' (the card's "alpha derived from self-attention"): the caller passes the
+        kernel features (phi(q), phi(k)) of its FAVOR+ attention layer as `features`, and
+        alpha_ij = phi(q_i).phi(k_j) e^{b_ij} / sum over N(i) (window + skips + globals; b the
+        relative bias). The layer then has no score parameters (no `target`, no `attn`).
+      score_dim: M, the feature width of `features` (needed by `init_state` with 'attention').
       activation: the HTGN card's sigma on the aggregated messages before the output projection,
         y_i = W_o sigma(sum_j alpha_ij W_s h_j): 'none' (default) or 'relu' (the card's choice).
       kl_tau: None (the KL term's uniform prior, htgn.md §5.7) or tau > 0 of the distance prior
@@ -278,14 +306,15 @@ class WindowGraphAttention(_GraphAttentionBase):
         num_slots = len(self._offsets)
         self._setup_common(num_slots, self._has_global_bias)
 
-    def __call__(self, x: Array, *, mask: Array | None = None,
-                 deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, x: Array, *, mask: Array | None = None, deterministic: bool = True,
+                 features: tuple[Array, Array] | None = None) -> tuple[Array, dict[str, Array]]:
         """Graph attention over the whole sequence.
 
         Args:
           x: `[B, L, d]`, L = num_global + N.
           mask: `[B, L]` (True = real node), or None.
           deterministic: no attention dropout when True.
+          features: (phi(q), phi(k)), each `[B, L, H, M]`, with alpha='attention' only.
 
         Returns:
           y `[B, L, F]` (zero at padded nodes) and aux {'kl_sum', 'kl_count'}: the KL term (to the
@@ -293,9 +322,9 @@ class WindowGraphAttention(_GraphAttentionBase):
           unweighted) as a sum over its `kl_count` terms.
         """
         if self.causal and self.chunk_size is not None:
-            mask, out, st = self._chunked(x, mask, deterministic)
+            mask, out, st = self._chunked(x, mask, deterministic, features)
         else:
-            mask, out, st = self._attend(x, mask, deterministic)
+            mask, out, st = self._attend(x, mask, deterministic, features)
         y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
 
@@ -309,10 +338,10 @@ class WindowGraphAttention(_GraphAttentionBase):
         """Tokens held by the causal state: max(window, max skip offset)."""
         return max((self.window,) + tuple(self.skip_offsets))
 
-    def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
+    def _chunked(self, x: Array, mask: Array | None, deterministic: bool, features=None):
         check_tokens("x", x, "[B, T, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask))
+        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
             mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
@@ -340,10 +369,10 @@ class WindowGraphAttention(_GraphAttentionBase):
             out["global_probs"] = st["global_probs"]
         return out
 
-    def _attend(self, x: Array, mask: Array | None, deterministic: bool):
+    def _attend(self, x: Array, mask: Array | None, deterministic: bool, features=None):
         check_tokens("x", x, "[B, L, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, L]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask))
+        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         rel_bias, global_bias = self._biases()
         out, st = graph_ops.window_graph_attention(
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
@@ -358,11 +387,13 @@ class WindowGraphAttention(_GraphAttentionBase):
         valid yet (float32; `key` only for GAT v1)."""
         validation.check_window_graph_method(self, "init_state")
         c, d = self._head_dims()
+        keyed = self.version == "v1" or self.alpha == "attention"
         return graph_causal.init_window_state(batch_size, self.span, self.num_heads, d,
-                                              key_dim=c if self.version == "v1" else None)
+                                              key_dim=c if keyed else None)
 
     def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
-             deterministic: bool = True) -> tuple[Array, WindowState]:
+             deterministic: bool = True,
+             features: tuple[Array, Array] | None = None) -> tuple[Array, WindowState]:
         """Causal recurrent form: projections for the whole sequence, then a token `lax.scan`.
 
         Args:
@@ -380,7 +411,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         if not deterministic and self.dropout_rate:
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask))
+        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         if state is None:
             state = self.init_state(x.shape[0])
         else:
@@ -392,7 +423,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), state
 
-    def step(self, state: WindowState, x_t: Array) -> tuple[Array, WindowState]:
+    def step(self, state: WindowState, x_t: Array,
+             features: tuple[Array, Array] | None = None) -> tuple[Array, WindowState]:
         """One decoding step (causal only), O(w H D) attention work per token.
 
         Args:
@@ -405,7 +437,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         """
         validation.check_window_graph_method(self, "step")
         check_rank("x_t", x_t, 2, "[B, d]")
-        q, k, v = self._self_features(x_t)
+        q, k, v = self._self_features(x_t, features)
         validation.check_window_state(self, state, x_t.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
                                                      rel_bias=self._biases()[0],
@@ -448,8 +480,8 @@ class CrossGraphAttention(_GraphAttentionBase):
                            self._has_global_bias)
 
     def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
-                 memory_mask: Array | None = None,
-                 deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
+                 memory_mask: Array | None = None, deterministic: bool = True,
+                 features: tuple[Array, Array] | None = None) -> tuple[Array, dict[str, Array]]:
         """Cross-Graph attention for a whole (teacher-forced) target sequence.
 
         Args:
@@ -462,8 +494,9 @@ class CrossGraphAttention(_GraphAttentionBase):
         Returns:
           y `[B, T, F]` (zero at padded rows) and aux {'kl', 'kl_sum', 'kl_count'}.
         """
-        cache = self._memory_cache(x, memory, memory_mask)
-        return self._attend(cache, x, None, mask, deterministic)
+        qf, kf = (None, None) if features is None else features
+        cache = self._memory_cache(x, memory, memory_mask, kf)
+        return self._attend(cache, x, None, mask, deterministic, query_features=qf)
 
     def attention_weights(self, x: Array, memory: Array, *, mask: Array | None = None,
                           memory_mask: Array | None = None) -> dict[str, Array]:
@@ -481,15 +514,16 @@ class CrossGraphAttention(_GraphAttentionBase):
         st = self._attend(cache, x, None, mask, True, stats_only=True)
         return {"probs": st["probs"], "centres": st["centres"], "memory_mask": cache.mask}
 
-    def _memory_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> CrossGraphCache:
+    def _memory_cache(self, x: Array, memory: Array, memory_mask: Array | None,
+                      key_features=None) -> CrossGraphCache:
         """`prepare_memory(memory)` for the queries x `[B, T, d]` (checked to fit the memory)."""
         check_tokens("x", x, "[B, T, d]")
-        cache = self.prepare_memory(memory, memory_mask=memory_mask)
+        cache = self.prepare_memory(memory, memory_mask=memory_mask, key_features=key_features)
         validation.check_cross_graph_inputs(self, x, memory, cache.mask)
         return cache
 
-    def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None
-                       ) -> CrossGraphCache:
+    def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None,
+                       key_features: Array | None = None) -> CrossGraphCache:
         """Projects the encoder memory once for decoding.
 
         Args:
@@ -502,11 +536,12 @@ class CrossGraphAttention(_GraphAttentionBase):
         """
         check_tokens("memory", memory, "[B, L, d_m]")
         memory_mask = masking.as_bool(memory_mask, memory.shape[:2], "memory_mask", "[B, L]")
-        k, v = self._source_features(masking.zero_padding(memory, memory_mask))
-        return CrossGraphCache(v, memory_mask, k if self.version == "v1" else None)
+        k, v = self._source_features(masking.zero_padding(memory, memory_mask), key_features)
+        keyed = self.version == "v1" or self.alpha == "attention"
+        return CrossGraphCache(v, memory_mask, k if keyed else None)
 
-    def step(self, cache: CrossGraphCache, x_t: Array, *,
-             position: Array | int) -> tuple[Array, CrossGraphCache]:
+    def step(self, cache: CrossGraphCache, x_t: Array, *, position: Array | int,
+             query_features: Array | None = None) -> tuple[Array, CrossGraphCache]:
         """One decoding step from a `prepare_memory` cache.
 
         Args:
@@ -521,14 +556,16 @@ class CrossGraphAttention(_GraphAttentionBase):
         b = x_t.shape[0]
         validation.check_graph_position(position, b)
         pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))[:, None]
-        y, _ = self._attend(cache, x_t[:, None], pos, None, True)
+        qf = None if query_features is None else query_features[:, None]
+        y, _ = self._attend(cache, x_t[:, None], pos, None, True, query_features=qf)
         return y[:, 0], cache
 
-    def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False):
+    def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False,
+                query_features=None):
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
         x = masking.zero_padding(x, mask)
         v = cache.value
-        q = self._query_features(x, v.shape[-1])
+        q = self._query_features(x, v.shape[-1], query_features)
         rel_bias, global_bias = self._biases()
         out, st = graph_ops.cross_graph_attention(
             q, v if cache.key is None else cache.key, v, self._attn_vector(v),

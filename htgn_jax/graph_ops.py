@@ -77,6 +77,12 @@ Array = jax.Array
 VERSIONS = ("v1", "v2", "dot")
 # The card's sigma after the graph convolution: h_i = sigma(sum_j alpha_ij W_g h_j).
 ACTIVATIONS = ("none", "relu")
+# How alpha is formed (the card: "derived from self-attention or learned anew").
+ALPHAS = ("learned", "attention")
+# `attn` value of the kernelised scores: query/keys are the attention layer's features phi(q),
+# phi(k), and alpha_ij = phi(q_i).phi(k_j) e^{b_ij} / sum over N(i) (graph_alpha='attention').
+KERNEL = "kernel"
+KERNEL_FLOOR = 1e-30   # a non-positive estimate (trig features) gets weight ~0, never NaN
 # Default of the GAT-only LeakyReLU slope; the option defaults to None so that dot-product scoring,
 # which has none, can refuse any value given explicitly.
 NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
@@ -217,6 +223,9 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
     The shared kernel of every form here:
       e_mk = sum_c attn[h, c] LeakyReLU(query[m] + keys[m, k])[h, c] + bias[h, k]    (GATv2, GAT)
       e_mk = <query[m], keys[m, k]>_h / sqrt(C) + bias[h, k]                          (attn None)
+      e_mk = log max(<query[m], keys[m, k]>_h, 1e-30) + bias[h, k]               (attn 'kernel')
+    The last is graph_alpha='attention': query and keys are the attention layer's kernel
+    features phi(q), phi(k), so alpha is its kernelised attention renormalised over N(i).
     alpha = masked softmax over k; out_m = sum_k alpha_mk values[m, k].
 
     Args:
@@ -224,7 +233,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       keys: source-side score features of the neighbours `[B, M, K, H, C]` (W_s h_j).
       values: messages `[B, M, K, H, D]` (W_s h_j).
       valid: `[B, M, K]` boolean; an edge exists and both ends are real nodes.
-      attn: `[H, C]` attention vectors a_h, or None for scaled dot-product scoring.
+      attn: `[H, C]` attention vectors a_h, None for scaled dot-product scoring, or `KERNEL`.
       bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
       negative_slope: LeakyReLU slope of GAT/GATv2; None means 0.2. Dot-product scoring has none,
         so it must stay None then.
@@ -236,13 +245,17 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
       wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
-    if attn is None and negative_slope is not None:
-        fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
+    if (attn is None or isinstance(attn, str)) and negative_slope is not None:
+        fail(f"`negative_slope` shapes the GAT scores; dot-product and kernel scoring have no "
               f"LeakyReLU, got negative_slope={negative_slope!r}")
     slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
     # Logits, softmax and KL in at least float32 (float64 stays float64).
     acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
-    if attn is None:
+    if isinstance(attn, str):
+        assert attn == KERNEL, attn
+        scores = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
+        logits = jnp.log(jnp.maximum(scores, KERNEL_FLOOR))
+    elif attn is None:
         logits = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
         logits = logits * (query.shape[-1] ** -0.5)
     else:
@@ -320,7 +333,7 @@ def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any
     check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
     check_rank("value", value, 4, "[B, L, H, D]")
     check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
-    if attn is not None:
+    if attn is not None and not isinstance(attn, str):
         check_shape("attn", attn, (heads, ch), "[H, C]")
     if rel_bias is not None:
         check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, K]")

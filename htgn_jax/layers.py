@@ -410,3 +410,36 @@ class FavorAttention(nn.Module):
         num = jnp.einsum("bthm,bhmd->bthd", phi_q, cache.num.astype(phi_q.dtype))
         den = jnp.einsum("bthm,bhm->bth", phi_q, cache.den.astype(phi_q.dtype))
         return self._read_out(num, den, guard, q, x_t.shape[-1])[:, 0]
+
+    # --- kernel features for the graph layers' alpha='attention' (docs/htgn_options.md) -----
+
+    def kernel_features(self, x: Array, *, mask: Array | None = None,
+                        positions: Array | None = None,
+                        feature_step: Array | int | None = None) -> tuple[Array, Array]:
+        """(phi(q) `[B, T, H, M]`, phi(k) `[B, T, H, M]`) of the self-attention on x `[B, T, E]`,
+        exactly as `__call__` / `step` form them (same projections, RoPE, Omega, key stabiliser), so
+        phi(q_i).phi(k_j) is this layer's kernelised score of the edge i -> j."""
+        self._check_kernel("kernel_features")
+        x = self._inputs(x, mask)
+        q, k, _ = self._qkv(x, x, self._positions(positions, x))
+        phi_q, phi_k, _ = self._features(q, k, self._omega(feature_step, True), mask,
+                                         "constant" if self.causal else "max")
+        return phi_q, phi_k
+
+    def query_features(self, x: Array, *, feature_step: Array | int | None = None) -> Array:
+        """phi(q) `[B, T, H, M]` of the cross-attention's queries x `[B, T, E]` (as `cross`)."""
+        self._check_kernel("query_features")
+        q = self.query(x)
+        return self._features(q, q, self._omega(feature_step, True), None, "max")[0]
+
+    def key_features(self, memory: Array, *, memory_mask: Array | None = None,
+                     feature_step: Array | int | None = None) -> Array:
+        """phi(k) `[B, S, H, M]` of the cross-attention's memory keys (as `cross`, masked)."""
+        self._check_kernel("key_features")
+        memory = self._inputs(memory, memory_mask, "memory")
+        k = self.key(memory)
+        return self._features(k, k, self._omega(feature_step, True), memory_mask, "max")[1]
+
+    def _check_kernel(self, method: str) -> None:
+        if self.feature_map == "exact":
+            fail(f"`{method}` needs a kernel feature_map (exact softmax has no features)")

@@ -135,6 +135,7 @@ class _HTGNModel(nn.Module, kw_only=True):
     drop_path: float = 0.0
     drop_path_start: float = 0.0
     graph_activation: str = "none"
+    graph_alpha: str = "learned"
     norm: str = "pre"
     per_layer_features: bool = False
     dtype: Any = None
@@ -195,6 +196,10 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         sum_j alpha_ij W_s h_j before the heads' output projection (the card's
         h = sigma(sum_j alpha_ij W_g h_j), sigma = ReLU): 'none' (default, spec §3.4) | 'relu';
         window, causal window and Cross-Graph layers alike.
+      graph_alpha: 'learned' (default: GAT/GATv2 scores, `gat_version`) | 'attention' (the card's
+        "alpha derived from self-attention": alpha_ij = phi(q_i).phi(k_j) e^{b_ij} renormalised
+        over N(i), with phi the block's FAVOR+ features: its self-attention for the window graphs,
+        its cross-attention for Cross-Graph; needs attention='favor', a kernel feature_map).
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+.
       per_layer_features: a FAVOR+ projection per layer (default: one shared by all layers).

@@ -56,7 +56,7 @@ PE_BASES = hrpe.BASES
 # Fields that only the graph layers / HRPE read: given explicitly while that part is switched off
 # they would be ignored, so the factory refuses them.
 GRAPH_ONLY_KWARGS = ("window", "cross_window", "rho", "cross_graph_layers", "gat_version",
-                     "kl_tau", "kl_mode", "graph_activation", "skip_offsets")
+                     "kl_tau", "kl_mode", "graph_activation", "skip_offsets", "graph_alpha")
 HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
 
 
@@ -99,6 +99,14 @@ def check_common(a: dict) -> None:
         fail(f"qk_rank applies to attention 'favor' or 'softmax' (the HTGN attention layers), got "
              f"attention={a['attention']!r}")
     check_choice("graph_activation", a["graph_activation"], graph_ops.ACTIVATIONS)
+    check_choice("graph_alpha", a["graph_alpha"], graph_ops.ALPHAS)
+    if a["graph_alpha"] == "attention" and (a["attention"] != "favor" or a["feature_map"] == "exact"):
+        fail(f"graph_alpha='attention' reads the FAVOR+ kernel features, so it needs "
+             f"attention='favor' and a kernel feature_map, got attention={a['attention']!r}, "
+             f"feature_map={a['feature_map']!r}")
+    if a["graph_alpha"] == "attention" and a["gat_version"] != "v2":
+        fail(f"gat_version shapes the learned GAT scores; graph_alpha='attention' has none, got "
+             f"gat_version={a['gat_version']!r}")
     for name in ("dropout_rate", "attention_dropout", "drop_path", "drop_path_start"):
         check_rate(name, a[name])
     graph_ops.check_kl(a["kl_tau"], a["kl_mode"])
@@ -285,6 +293,11 @@ def check_graph_fields(m) -> None:
     check_rate("dropout_rate", m.dropout_rate)
     graph_ops.check_skip_offsets(m.skip_offsets, m.window)
     check_choice("activation", m.activation, graph_ops.ACTIVATIONS)
+    check_choice("alpha", m.alpha, graph_ops.ALPHAS)
+    if m.alpha == "attention" and (m.version != "v2" or m.negative_slope is not None
+                                   or m.attn_init is not None):
+        fail("`version`, `negative_slope` and `attn_init` shape learned GAT scores; "
+             "alpha='attention' takes its scores from the attention layer's features")
     if m.version == "dot" and m.attn_init is not None:
         fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
 
@@ -302,8 +315,9 @@ def check_window_state(m, state: Any, batch: int, head_dims: tuple[int, int]) ->
     """`state` is a `WindowState` of causal `WindowGraphAttention` `m` for `batch` sequences
     (C, D = `head_dims`): value `[B, w, H, D]`, key `[B, w, H, C]` for GAT v1 only, valid `[B, w]`."""
     c, d = head_dims
+    keyed = m.version == "v1" or m.alpha == "attention"
     want = {"value": (batch, m.span, m.num_heads, d), "valid": (batch, m.span),
-            "key": (batch, m.span, m.num_heads, c) if m.version == "v1" else None}
+            "key": (batch, m.span, m.num_heads, c) if keyed else None}
     for name, shape in want.items():
         got = getattr(state, name, None)
         if (None if got is None else tuple(jnp.shape(got))) != shape:

@@ -169,7 +169,9 @@ def test_trig_estimate_converges_as_one_over_sqrt_m():
     dict(feature_map="trig", qk_rank=4, graph_activation="relu"),
     dict(qk_rank=2, gat_version="v1", graph_activation="relu", drop_path_start=0.1,
          skip_offsets=(3, 5)),
-], ids=["trig-r4-relu", "r2-v1-relu-skips"])
+    dict(graph_alpha="attention", skip_offsets=(3,)),
+    dict(graph_alpha="attention", feature_map="trig", qk_rank=4, use_hrpe=False),
+], ids=["trig-r4-relu", "r2-v1-relu-skips", "alpha-attention-skips", "alpha-attention-trig"])
 def test_decoder_block_options_parallel_equals_step(options):
     block = DecoderBlock(dataclasses.replace(CONFIG, **options))
     t, s = 6, 5
@@ -233,6 +235,11 @@ def test_drop_path_start_schedule():
     (dict(skip_offsets=(3, 3)), r"`skip_offsets` must be distinct ints"),
     (dict(skip_offsets="8"), r"`skip_offsets` must be a tuple of ints"),
     (dict(window=1, cross_window=4, skip_offsets=(3,)), r"distinct ints > cross_window=4"),
+    (dict(graph_alpha="gcn"), "`graph_alpha` must be one of"),
+    (dict(graph_alpha="attention", feature_map="exact"), "graph_alpha='attention' reads the FAVOR"),
+    (dict(graph_alpha="attention", attention="softmax", use_graph_conv=True),
+     "graph_alpha='attention' reads the FAVOR"),
+    (dict(graph_alpha="attention", gat_version="v1"), "gat_version shapes the learned GAT scores"),
 ])
 def test_bad_option_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -352,3 +359,48 @@ def test_configs_take_the_card_preset_and_sweeps():
     assert (base.model.feature_map, base.model.qk_rank, base.model.skip_offsets) == ("softmax", None, ())
     with pytest.raises(ValueError, match="card sets HTGN's own choices, so it needs attention=favor"):
         number_words.get_config("card,attention=softmax")
+
+
+# --- item 4: alpha from the attention's kernel scores -------------------------------------------
+
+
+def test_alpha_attention_renormalises_the_kernel_scores_over_the_neighbourhood():
+    """alpha_ij = phi(q_i).phi(k_j) / sum over N(i) (window, skips, globals), checked densely."""
+    from htgn_jax.analysis import window_adjacency
+    from htgn_jax.graph_layers import WindowGraphAttention
+    layer = WindowGraphAttention(num_heads=2, window=1, num_global=1, skip_offsets=(3,),
+                                 alpha="attention", use_relative_bias=False)
+    length, m = 10, 5
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(B, length, 8)).astype(np.float32)
+    phi_q, phi_k = (rng.random(size=(B, length, 2, m)).astype(np.float32) for _ in range(2))
+    mask = np.arange(length)[None, :] < np.array([[length], [7]])
+    variables = layer.init(jax.random.PRNGKey(0), x, mask=mask, features=(phi_q, phi_k))
+    assert set(variables["params"]) == {"source", "output"}          # no learned score params
+    y, _ = jax.jit(lambda v: layer.apply(v, x, mask=mask, features=(phi_q, phi_k)))(variables)
+    adj = np.asarray(window_adjacency(mask, window=1, num_global=1, skip_offsets=(3,)))
+    scores = np.einsum("bihm,bjhm->bhij", phi_q, phi_k) * adj[:, None]
+    alpha = scores / np.maximum(scores.sum(-1, keepdims=True), 1e-30)
+    u = np.einsum("bld,dhk->blhk", x * mask[..., None], variables["params"]["source"]["kernel"])
+    agg = np.einsum("bhij,bjhk->bihk", alpha, u)
+    out = variables["params"]["output"]
+    want = np.einsum("bihk,hkf->bif", agg, out["kernel"]) + out["bias"]
+    np.testing.assert_allclose(np.asarray(y), want * mask[..., None], rtol=1e-4, atol=1e-5)
+
+
+def test_card_model_encoder_ignores_padding_and_alpha_attention_has_no_gat_params():
+    kw = dict(feature_map="trig", qk_rank=4, graph_activation="relu", graph_alpha="attention",
+              skip_offsets=(3,), drop_path_start=0.1, drop_path=0.3)
+    model = Model(**{**SEQ, "num_layers": 1}, **kw)
+    inputs = np.random.default_rng(2).integers(3, 11, (B, 6)).astype(np.int32)
+    inputs[1, 4:] = 0
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), {"inputs": inputs, "targets": inputs[:, :4]})
+    graph = variables["params"]["encoder"]["block_00"]["graph"]
+    assert "attn" not in graph and "target" not in graph and graph["rel_bias"].shape == (2, 5 + 2)
+    enc = jax.jit(lambda v, i, m: model.apply(v, i, m, method="encode"))
+    mem, mmask = enc(variables, inputs, inputs != 0)
+    longer = np.concatenate([inputs, np.zeros((B, 3), np.int32)], 1)
+    mem2, _ = enc(variables, longer, longer != 0)
+    valid = np.asarray(mmask)
+    np.testing.assert_allclose(np.asarray(mem2)[:, :mem.shape[1]][valid], np.asarray(mem)[valid],
+                               **F32_MODEL)
