@@ -12,6 +12,9 @@ call those pure functions. One parameter tree serves every entry point:
   an encoder memory), as the decoder's third sub-layer (htgn.md §5.1 step 3), and its decoding
   cache Z_M = phi(K_M)^T V_M, t_M = phi(K_M)^T 1 (htgn.md §5.4), so each decoding step is O(M D).
 
+* `kernel_features`, `query_features`, `key_features`: the features phi(q), phi(k) these forms use,
+  for the graph layers' `alpha='attention'` (docs/htgn_options.md).
+
 Random features (design, htgn.md §2.4 / §5.4). Omega `[M, D]` is a pure function of a fixed seed and
 the training step, `ops.draw_projection(PRNGKey(projection_seed), feature_step, redraw_every=k)`: the
 layer redraws every k steps deterministically (same seed and step, same matrix), and nothing is

@@ -48,6 +48,10 @@ Stabilisers (htgn.md §5.4):
     overflow) while M_w < 100, i.e. D up to ~140 at m=256; below M_w = 40 (D <= ~32) c = M_w
     exactly as in the spec.
 
+Trig features (`feature_map='trig'`, the HTGN card's sine-cosine kernel; docs/htgn_options.md):
+`trig_kernel_features`, sin/cos random Fourier features of the same softmax kernel (2M wide), whose
+denominator estimate can be 0 or negative; `normalize(..., floor=True)` floors it at eps.
+
 Random features: `gaussian_orthogonal_random_matrix` is the original Gaussian-orthogonal
 constructor (QR row blocks, rows rescaled by chi_D norms for `scaling=0`); with `fix_signs=False`
 a PRNG key gives the original's matrix. By default it adds the Haar sign correction of the QR

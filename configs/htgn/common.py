@@ -46,8 +46,10 @@ def htgn_args(arg, **defaults) -> ml_collections.ConfigDict:
 
 
 # The HTGN card's own choices (docs/htgn_options.md), written by `set_card` for `:card`.
-CARD = dict(feature_map="trig", graph_activation="relu", drop_path_start=0.1, drop_path=0.3)
-CARD_GRAPH_KEYS = ("graph_activation", "skip_offsets")   # graph fields: left out with no_graph
+CARD = dict(feature_map="trig", graph_activation="relu", graph_alpha="attention",
+            drop_path_start=0.1, drop_path=0.3)
+# graph fields: left out with ablation=no_graph
+CARD_GRAPH_KEYS = ("graph_activation", "graph_alpha", "skip_offsets")
 
 
 def set_card(c, args):
@@ -62,6 +64,8 @@ def set_card(c, args):
         heads = args.heads or c.model.get("num_heads", sizes["num_heads"])
         # the card's r << d: half of the head width
         c.model.qk_rank = c.model.get("d_model", sizes["d_model"]) // heads // 2
+        if c.model.get("gat_version", "v2") != "v2":   # ablation=gat_*: keep its learned alpha
+            c.model.graph_alpha = "learned"
         if graph_on:   # skip edges at two scales beyond the window (grid: one, the image is small)
             w = c.model.get("window", sizes["window"])
             c.model.skip_offsets = (2 * w,) if c.model.kind == "classifier" else (2 * w, 4 * w)

@@ -348,6 +348,8 @@ def test_configs_take_the_card_preset_and_sweeps():
     from configs.htgn import digits, number_words, wmt14_en_de
     c = number_words.get_config("smoke,card")
     assert (c.model.feature_map, c.model.qk_rank, c.model.graph_activation) == ("trig", 8, "relu")
+    assert c.model.graph_alpha == "attention"
+    assert number_words.get_config("card,ablation=gat_v1").model.graph_alpha == "learned"
     assert (c.model.drop_path_start, c.model.drop_path) == (0.1, 0.3)
     assert tuple(c.model.skip_offsets) == (8, 16)
     assert tuple(digits.get_config("card").model.skip_offsets) == (2,)
