@@ -290,7 +290,12 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     def _source_tokens(self, inputs: Array, mask: Array, deterministic: bool) -> Array:
         x = self._embed(self.source_embed, inputs)
         if self.use_hrpe:
-            pe = hrpe.masked_path_graph_pe(mask, self.num_pe, basis=self.pe_basis, dtype=x.dtype)
+            if self.skip_offsets:   # HRPE (b) on the graph the graph layers use
+                pe = hrpe.masked_skip_path_graph_pe(mask, self.num_pe, tuple(self.skip_offsets),
+                                                    basis=self.pe_basis, dtype=x.dtype)
+            else:
+                pe = hrpe.masked_path_graph_pe(mask, self.num_pe, basis=self.pe_basis,
+                                               dtype=x.dtype)
             x = self.encoder_input(jnp.concatenate([x, pe], axis=-1))
         else:
             x = x + self.source_pos_embed[:inputs.shape[1]].astype(x.dtype)[None]
@@ -298,6 +303,9 @@ class Seq2Seq(_HTGNModel, kw_only=True):
 
     def _decoder_pe(self) -> Array:
         """`[max_target_len, K_pe]`: the path PE on the fixed N_ref = max_target_len nodes."""
+        if self.skip_offsets:
+            return hrpe.skip_path_graph_pe(self.max_target_len, self.num_pe,
+                                           tuple(self.skip_offsets), basis=self.pe_basis)
         return hrpe.path_graph_pe(self.max_target_len, self.num_pe, basis=self.pe_basis)
 
     def _target_tokens(self, ids: Array, positions: Array, deterministic: bool) -> Array:
@@ -450,7 +458,9 @@ class Classifier(_HTGNModel, kw_only=True):
         patches = patches.reshape(b, gr * gr, p * p * self.channels)
         patches = patches.astype(self.dtype or jnp.promote_types(x.dtype, jnp.float32))
         if self.use_hrpe:
-            pe = hrpe.grid_graph_pe(gr, gr, self.num_pe, dtype=patches.dtype)
+            pe = (hrpe.skip_grid_graph_pe(gr, gr, self.num_pe, tuple(self.skip_offsets),
+                                          dtype=patches.dtype) if self.skip_offsets
+                  else hrpe.grid_graph_pe(gr, gr, self.num_pe, dtype=patches.dtype))
             h = self.patch_embed(jnp.concatenate(
                 [patches, jnp.broadcast_to(pe[None], (b,) + pe.shape)], axis=-1))
         else:

@@ -406,3 +406,19 @@ def test_card_model_encoder_ignores_padding_and_alpha_attention_has_no_gat_param
     valid = np.asarray(mmask)
     np.testing.assert_allclose(np.asarray(mem2)[:, :mem.shape[1]][valid], np.asarray(mem)[valid],
                                **F32_MODEL)
+
+
+def test_hrpe_spectral_encodings_follow_the_skip_graph():
+    """HRPE (b) on the path plus skip edges: eigh on no skips gives the closed form; the masked
+    (per-length) table gives each example the encodings of its own length; skips change them."""
+    from htgn_jax import hrpe
+    np.testing.assert_allclose(np.asarray(hrpe.skip_path_graph_pe(9, 4, ())),
+                               np.asarray(hrpe.path_graph_pe(9, 4)), atol=1e-6)
+    mask = np.arange(9)[None, :] < np.array([[9], [6]])
+    pe = np.asarray(hrpe.masked_skip_path_graph_pe(mask, 4, (3,)))
+    np.testing.assert_allclose(pe[1, :6], np.asarray(hrpe.skip_path_graph_pe(6, 4, (3,))), atol=1e-6)
+    np.testing.assert_allclose(pe[0], np.asarray(hrpe.skip_path_graph_pe(9, 4, (3,))), atol=1e-6)
+    assert np.all(pe[1, 6:] == 0)
+    assert not np.allclose(pe[0], np.asarray(hrpe.path_graph_pe(9, 4)), atol=1e-3)
+    adj = hrpe.skip_path_adjacency(6, (3,))
+    assert adj[0, 3] == 1 and adj[0, 2] == 0 and adj[0, 1] == 1
