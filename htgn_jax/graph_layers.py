@@ -459,9 +459,12 @@ class CrossGraphAttention(_GraphAttentionBase):
     token and uses no target length, so it equals the parallel form row by row.
 
     Attributes:
-      num_heads, version, use_relative_bias, negative_slope, dropout_rate, kl_tau, kl_mode,
-      out_features, dtype, param_dtype, kernel_init, attn_init, bias_init: as in
-      `WindowGraphAttention` (the distance prior measures |j - c_i|).
+      num_heads, version, use_relative_bias, negative_slope, dropout_rate, activation, alpha,
+      score_dim, kl_tau, kl_mode, out_features, dtype, param_dtype, kernel_init, attn_init,
+      bias_init: as in `WindowGraphAttention` (the distance prior measures |j - c_i|; with
+      alpha='attention' `__call__` takes `features=(phi(q) [B, T, H, M], phi(k) [B, L, H, M])`,
+      `prepare_memory` `key_features` and `step` `query_features` `[B, H, M]`).
+      skip_offsets: skip edges c_i -/+ s beside the window (each s > w_x).
       window: w_x >= 0, the encoder window radius.
       head_dim: D per head; None means d_m // H (memory width d_m divisible by H); the decoder
         side uses the same D.
