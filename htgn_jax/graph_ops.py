@@ -245,8 +245,11 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
       wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
-    if (attn is None or isinstance(attn, str)) and negative_slope is not None:
-        fail(f"`negative_slope` shapes the GAT scores; dot-product and kernel scoring have no "
+    if attn is None and negative_slope is not None:
+        fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
+              f"LeakyReLU, got negative_slope={negative_slope!r}")
+    if isinstance(attn, str) and negative_slope is not None:
+        fail(f"`negative_slope` shapes the GAT scores; kernel scoring (alpha='attention') has no "
               f"LeakyReLU, got negative_slope={negative_slope!r}")
     slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
     # Logits, softmax and KL in at least float32 (float64 stays float64).
