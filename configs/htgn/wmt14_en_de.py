@@ -9,7 +9,10 @@ newstest2013) and test.{en,de} (newstest2014), one aligned sentence per line (se
 32k SentencePiece vocabulary is trained while preparing; source, target and output embeddings
 are shared. Arguments: source_dir; attention = favor | softmax; ablation (as number_words);
 optimizer = adamw | lamb | ranger; beam_size (default 4; GNMT length penalty 0.6 when > 1; smoke: at
-most 2); steps; smoke.
+most 2); steps; smoke; card (the HTGN card's
+choices together: trig features, qk_rank = d_h / 2, ReLU after the graph convolution, alpha from the
+attention's kernel scores, skip edges, DropPath 0.1 -> 0.3; docs/htgn_options.md); qk_rank, heads
+(sweeps; 0 = the preset's).
 
 Evaluation: BLEU on dev (newstest2013) every 5,000 steps selects the best checkpoint; newstest2014
 is then scored once with the training command plus `--eval_only --eval_split=test`.
