@@ -37,9 +37,11 @@ Array = jax.Array
 
 
 def window_adjacency(mask: Array, *, window: int, num_global: int = 0,
-                     causal: bool = False, grid_width: int | None = None) -> Array:
+                     causal: bool = False, grid_width: int | None = None,
+                     skip_offsets: tuple[int, ...] = ()) -> Array:
     """`[B, L, L]` adjacency of the window + global graph over `[globals ; tokens]` nodes (with
-    `grid_width`: tokens within w rows and w columns of each other on the raster grid)."""
+    `grid_width`: tokens within w rows and w columns of each other on the raster grid), plus the
+    skip edges j - i = -/+s (causal: -s; grid: row and column offsets in {-s, 0, s})."""
     b, length = mask.shape
     g = num_global
     node = jnp.arange(length)
@@ -48,21 +50,30 @@ def window_adjacency(mask: Array, *, window: int, num_global: int = 0,
     tok_i, tok_j = i >= g, j >= g
     if grid_width is None:
         band = (rel >= -window) & (rel <= (0 if causal else window))
+        for s in skip_offsets:
+            band = band | (rel == -s) | (~causal & (rel == s))
     else:
         (ri, ci), (rj, cj) = divmod(i - g, grid_width), divmod(j - g, grid_width)
         band = (jnp.abs(ri - rj) <= window) & (jnp.abs(ci - cj) <= window)
+        for s in skip_offsets:
+            dr, dc = jnp.abs(rj - ri), jnp.abs(cj - ci)
+            band = band | (((dr == 0) | (dr == s)) & ((dc == 0) | (dc == s)) & (dr + dc > 0))
     adj = (tok_i & tok_j & band) | (tok_i & ~tok_j) | ~tok_i
     mask = mask.astype(bool)
     return adj[None] & mask[:, :, None] & mask[:, None, :]
 
 
 def cross_graph_adjacency(mask: Array, memory_mask: Array, centres: Array, *, window: int,
-                          num_global: int = 0) -> Array:
-    """`[B, T, L]` Cross-Graph adjacency: |j_tok - c_i| <= w, plus all encoder globals."""
+                          num_global: int = 0, skip_offsets: tuple[int, ...] = ()) -> Array:
+    """`[B, T, L]` Cross-Graph adjacency: |j_tok - c_i| <= w or = s (a skip), plus all encoder
+    globals."""
     length = memory_mask.shape[1]
     j = jnp.arange(length)[None, None, :]
     tok = j >= num_global
-    near = jnp.abs((j - num_global) - centres[:, :, None]) <= window
+    dist = jnp.abs((j - num_global) - centres[:, :, None])
+    near = dist <= window
+    for s in skip_offsets:
+        near = near | (dist == s)
     adj = (tok & near) | ~tok
     return adj & mask.astype(bool)[:, :, None] & memory_mask.astype(bool)[:, None, :]
 

@@ -2,7 +2,8 @@
 and the encoder stack, configured by one frozen `BlockConfig`.
 
 Every residual branch is `x + DropPath_l(Dropout(f(LN(x))))` (Pre-LN), or x <- LN(x + branch(x))
-with `norm='post'`; DropPath rate p_l = drop_path * l / (L - 1):
+with `norm='post'`; DropPath rate p_l = p_0 + (drop_path - p_0) * l / (L - 1), p_0 =
+`drop_path_start` (0 by default; the card's schedule is 0.1 -> 0.3):
 
 * `EncoderBlock`: FAVOR+ self-attention (RoPE; globals at position 0) -> WinGAT (window +-w plus g
   global nodes) -> FFN (Dense -> GELU -> Dropout -> Dense);
@@ -26,9 +27,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from htgn_jax import ops
 from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
+from zoo_core import attention as zoo_attention
 from zoo_core.linear_attention import LinearState
 from zoo_core.remat import call_block
 
@@ -46,7 +49,10 @@ class BlockConfig:
       attention: 'favor' (HTGN) | 'softmax' (exact softmax attention, the vanilla baseline).
       feature_map, num_features, redraw_every: FAVOR+ feature map, m random features, redraw
         period (`FavorAttention`).
+      qk_rank: r, per-head width of the low-rank query/key projections (None = d_h).
       window, num_global: WinGAT radius w and the g leading global nodes of the encoder.
+      skip_offsets: multi-scale skip edges beside the window in every graph layer (encoder,
+        causal decoder, Cross-Graph around c_i); () = none.
       grid_width: None (1-D window), or W: encoder tokens are image patches in raster order with
         rows of W and the WinGAT stencil is 2-D of radius w (htgn.md §5.12).
       cross_window, rho: Cross-Graph radius w_x and centre ratio (c_i = round(rho * i)).
@@ -54,6 +60,12 @@ class BlockConfig:
       kl_tau, kl_mode: the KL term's prior and mode (htgn.md §5.7).
       dropout_rate: dropout on residual branches and inside the FFN.
       attention_dropout: dropout on the graph-attention probabilities.
+      drop_path_start: DropPath rate of the first block of each stack (the stacks' `drop_path`
+        is the deepest block's rate; linear in between).
+      graph_activation: the card's sigma after the graph convolution, 'none' | 'relu'.
+      graph_alpha: 'learned' (GAT scores) | 'attention' (alpha from the block's FAVOR+ kernel
+        scores over each node's neighbourhood: self-attention for the window graphs,
+        cross-attention for Cross-Graph).
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
       dtype, param_dtype: compute and parameter dtypes.
@@ -65,9 +77,11 @@ class BlockConfig:
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: Optional[int] = 32
+    qk_rank: Optional[int] = None
     redraw_every: int = 0
     window: int = 4
     num_global: int = 0
+    skip_offsets: tuple[int, ...] = ()
     grid_width: Optional[int] = None
     cross_window: int = 4
     rho: float = 1.0
@@ -78,6 +92,9 @@ class BlockConfig:
     kl_mode: str = "prior"
     dropout_rate: float = 0.0
     attention_dropout: float = 0.0
+    drop_path_start: float = 0.0
+    graph_activation: str = "none"
+    graph_alpha: str = "learned"
     norm: str = "pre"
     chunk_size: int = 64
     dtype: Any = None
@@ -93,6 +110,13 @@ class BlockConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def feature_width(self) -> int:
+        """M of the FAVOR+ features (2m for 'trig', the q/k width for 'relu' / 'elu')."""
+        if self.feature_map in ops.RANDOM_FEATURE_MAPS:
+            return self.num_features * (2 if self.feature_map == "trig" else 1)
+        return self.qk_rank or self.head_dim
 
 
 class DecoderState(NamedTuple):
@@ -126,9 +150,12 @@ def merge_aux(*auxes: dict) -> dict:
     return out
 
 
-def drop_path_rate(p_max: float, layer: int, num_layers: int) -> float:
-    """p_l = p_max * l / (L - 1), l = 0..L-1 (htgn.md §5.8); 0 for a one-layer stack."""
-    return 0.0 if num_layers < 2 else p_max * layer / (num_layers - 1)
+def drop_path_rate(p_max: float, layer: int, num_layers: int, p_start: float = 0.0) -> float:
+    """p_l = p_start + (p_max - p_start) l / (L - 1), l = 0..L-1 (htgn.md §5.8 with the card's
+    first-layer rate p_start, e.g. 0.1 -> 0.3); p_start for a one-layer stack."""
+    if num_layers < 2:
+        return p_start
+    return p_start + (p_max - p_start) * layer / (num_layers - 1)
 
 
 def with_globals(mask: Array, num_global: int) -> Array:
@@ -155,12 +182,14 @@ class _Block(nn.Module):
 
     def _favor(self, name: str, *, causal: bool, rotary: bool, seed: int) -> FavorAttention:
         c = self.config
-        exact = c.attention == "softmax"
+        exact = c.attention != "favor"   # softmax, and the decoder of a registry-encoder model
         fmap = "exact" if exact else c.feature_map
         return FavorAttention(num_heads=c.num_heads, head_dim=c.head_dim, causal=causal,
                               chunk_size=c.chunk_size if causal and not exact else None,
                               feature_map=fmap,
-                              num_features=c.num_features if fmap == "softmax" else None,
+                              num_features=(c.num_features if fmap in ops.RANDOM_FEATURE_MAPS
+                                            else None),
+                              qk_rank=c.qk_rank,
                               redraw_every=c.redraw_every, use_rotary=rotary,
                               projection_seed=seed, dtype=c.dtype, param_dtype=c.param_dtype,
                               name=name)
@@ -169,6 +198,9 @@ class _Block(nn.Module):
         c = self.config
         return dict(num_heads=c.num_heads, head_dim=c.head_dim, version=c.gat_version,
                     use_relative_bias=c.use_hrpe, dropout_rate=c.attention_dropout,
+                    activation=c.graph_activation, skip_offsets=tuple(c.skip_offsets),
+                    alpha=c.graph_alpha,
+                    score_dim=c.feature_width if c.graph_alpha == "attention" else None,
                     kl_tau=c.kl_tau, kl_mode=c.kl_mode, dtype=c.dtype, param_dtype=c.param_dtype)
 
     def _residual(self, x: Array, norm: nn.Module, fn, deterministic: bool) -> Array:
@@ -203,8 +235,13 @@ class EncoderBlock(_Block):
         c = self.config
         self._setup_residual()
         self.self_attention_norm = self._norm("self_attention_norm")
-        self.self_attention = self._favor("self_attention", causal=False, rotary=c.use_hrpe,
-                                          seed=self.projection_seed)
+        if c.attention in ("favor", "softmax"):
+            self.self_attention = self._favor("self_attention", causal=False, rotary=c.use_hrpe,
+                                              seed=self.projection_seed)
+        else:   # a registry self-attention (its own contract layer; no RoPE, no feature step)
+            self.self_attention = zoo_attention.layer(
+                c.attention, num_heads=c.num_heads, qkv_features=c.d_model,
+                dtype=c.dtype if c.dtype is not None else jnp.float32, param_dtype=c.param_dtype)
         if c.use_graph_conv:
             self.graph_norm = self._norm("graph_norm")
             self.graph = WindowGraphAttention(window=c.window, num_global=c.num_global,
@@ -228,13 +265,20 @@ class EncoderBlock(_Block):
                 return y
             return fn
 
-        x = self._residual(x, self.self_attention_norm, sub(
-            lambda h: self.self_attention(h, mask=mask, positions=positions,
-                                          deterministic=deterministic, feature_step=feature_step)),
-            deterministic)
+        if self.config.attention in ("favor", "softmax"):
+            attend = lambda h: self.self_attention(h, mask=mask, positions=positions,
+                                                   deterministic=deterministic,
+                                                   feature_step=feature_step)
+        else:
+            attend = lambda h: self.self_attention(h, mask=mask, deterministic=deterministic)
+        x = self._residual(x, self.self_attention_norm, sub(attend), deterministic)
         if self.config.use_graph_conv:
-            x = self._residual(x, self.graph_norm, sub(
-                lambda h: self.graph(h, mask=mask, deterministic=deterministic)), deterministic)
+            def graph(h):
+                features = None if self.config.graph_alpha == "learned" else \
+                    self.self_attention.kernel_features(h, mask=mask, positions=positions,
+                                                        feature_step=feature_step)
+                return self.graph(h, mask=mask, deterministic=deterministic, features=features)
+            x = self._residual(x, self.graph_norm, sub(graph), deterministic)
         x = self._residual(x, self.mlp_norm, lambda h: self._mlp(h, deterministic), deterministic)
         return x, merge_aux(*auxes)
 
@@ -300,6 +344,13 @@ class DecoderBlock(_Block):
         """
         fs = dict(feature_step=feature_step)
         auxes = []
+        by_attention = self.config.graph_alpha == "attention"
+        self_feats = lambda h: (self.self_attention.kernel_features(h, **fs) if by_attention
+                                else None)
+        cross_feats = lambda h: ((self.cross_attention.query_features(h, **fs),
+                                  self.cross_attention.key_features(memory, memory_mask=memory_mask,
+                                                                    **fs))
+                                 if by_attention else None)
 
         def keep_aux(layer_call):
             def fn(h):
@@ -311,13 +362,14 @@ class DecoderBlock(_Block):
         y = self._wiring(y, deterministic, {
             "self_attention": keep_aux(
                 lambda h: self.self_attention(h, deterministic=deterministic, **fs)),
-            "graph": keep_aux(lambda h: self.graph(h, mask=mask, deterministic=deterministic)),
+            "graph": keep_aux(lambda h: self.graph(h, mask=mask, deterministic=deterministic,
+                                                   features=self_feats(h))),
             "cross_attention": keep_aux(
                 lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
                                                      deterministic=deterministic, **fs)),
             "cross_graph": keep_aux(
                 lambda h: self.cross_graph(h, memory, mask=mask, memory_mask=memory_mask,
-                                           deterministic=deterministic)),
+                                           deterministic=deterministic, features=cross_feats(h))),
         })
         return y, merge_aux(*auxes)
 
@@ -337,6 +389,18 @@ class DecoderBlock(_Block):
         """
         fs = dict(feature_step=feature_step)
         new = {}
+        by_attention = self.config.graph_alpha == "attention"
+
+        def self_feats(h):   # the token's (phi(q), phi(k)) `[B, H, M]`, as in the parallel form
+            if not by_attention:
+                return None
+            pos = jnp.reshape(position, (-1, 1) if jnp.ndim(position) else 1) \
+                if self.config.use_hrpe else None
+            phi_q, phi_k = self.self_attention.kernel_features(h[:, None], positions=pos, **fs)
+            return phi_q[:, 0], phi_k[:, 0]
+
+        cross_q = lambda h: (self.cross_attention.query_features(h[:, None], **fs)[:, 0]
+                             if by_attention else None)
 
         def keep_state(name, layer_step):
             def fn(h):
@@ -347,11 +411,13 @@ class DecoderBlock(_Block):
         y_t = self._wiring(y_t, True, {
             "self_attention": keep_state("self_attention", lambda h: self.self_attention.step(
                 state.self_attention, h, position=position, **fs)),
-            "graph": keep_state("graph", lambda h: self.graph.step(state.graph, h)),
+            "graph": keep_state("graph", lambda h: self.graph.step(state.graph, h,
+                                                                   features=self_feats(h))),
             "cross_attention": lambda h: self.cross_attention.cross_step(
                 memory.cross_attention, h, **fs),
             "cross_graph": lambda h: self.cross_graph.step(memory.cross_graph, h,
-                                                           position=position)[0],
+                                                           position=position,
+                                                           query_features=cross_q(h))[0],
         })
         return y_t, DecoderState(new["self_attention"], new.get("graph"))
 
@@ -379,7 +445,11 @@ class DecoderBlock(_Block):
         static = DecoderMemory(
             self.cross_attention.cross_cache(memory, memory_mask=memory_mask,
                                              feature_step=feature_step),
-            self.cross_graph.prepare_memory(memory, memory_mask=memory_mask)
+            self.cross_graph.prepare_memory(
+                memory, memory_mask=memory_mask,
+                key_features=self.cross_attention.key_features(
+                    memory, memory_mask=memory_mask, feature_step=feature_step)
+                if self.config.graph_alpha == "attention" else None)
             if self._has_cross_graph else None)
         state = DecoderState(self.self_attention.init_state(b),
                              self.graph.init_state(b) if self.config.use_graph_conv else None)
@@ -408,7 +478,8 @@ class Encoder(nn.Module):
         if c.num_global:
             self.global_tokens = self.param("global_tokens", nn.initializers.normal(0.02),
                                             (c.num_global, c.d_model), c.param_dtype)
-        self.blocks = [EncoderBlock(c, drop_path_rate(self.drop_path, i, self.num_layers),
+        self.blocks = [EncoderBlock(c, drop_path_rate(self.drop_path, i, self.num_layers,
+                                                      c.drop_path_start),
                                     2 * i if self.per_layer_features else 0, name=f"block_{i:02d}")
                        for i in range(self.num_layers)]
         if c.norm == "pre":

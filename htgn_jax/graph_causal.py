@@ -7,6 +7,11 @@ recurrent and chunked forms, as pure `jnp` functions: `causal_window_step` (one 
 parallel form `graph_ops.window_graph_attention(..., causal=True)`; masking is NaN-safe as there.
 These kernels assert their structure only: the layer (`WindowGraphAttention`) checks what a user
 passes (fields in `setup`, inputs and states in its methods, `validation`).
+
+Skip edges (`offsets` = `graph_ops.window_offsets(w, True, skip_offsets=...)`, e.g. -w..0 then -8,
+-16): the state then holds the last `span` = max(w, max skip) tokens and each token attends to the
+slots `span + o` of state ++ token, so every form still costs O(T (w + 1 + |skips|)) attention
+work and O(span) state. `offsets=None` means the plain window -span..0.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ class WindowState(NamedTuple):
     """Rolling cache of the causal window graph attention: the last w tokens, oldest first.
 
     Attributes:
-      value: `[B, w, H, D]` float32, W_s x of the last w tokens (for GATv2 and dot also the score
-        key); slot j holds offset j - w.
+      value: `[B, w, H, D]` float32, W_s x of the last w tokens (w: the span, max(window, max
+        skip offset)); for GATv2 and dot also the score key; slot j holds offset j - w.
       key: `[B, w, H, 1]` float32 score keys a_s . W x (GAT v1), or None (the key is `value`).
       valid: `[B, w]` bool, True where the slot holds a real token (False before the first token
         and for padding).
@@ -48,8 +53,8 @@ def init_window_state(batch_size: int, window: int, num_heads: int, head_dim: in
 
 def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: WindowState,
                        attn: Array | None, *, valid_t: Array | None = None,
-                       rel_bias: Array | None = None,
-                       negative_slope: float | None = None) -> tuple[Array, WindowState]:
+                       rel_bias: Array | None = None, negative_slope: float | None = None,
+                       offsets: tuple[int, ...] | None = None) -> tuple[Array, WindowState]:
     """One token of the causal window GAT with a rolling cache: O(w H C) per token.
 
     Args:
@@ -62,17 +67,19 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: Wind
         slot); None means real.
       rel_bias: `[H, w+1]` or None.
       negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
+      offsets: the slots (offsets <= 0 from the token) it attends to; None = -w..0.
 
     Returns:
       out_t `[B, H, D]` and the updated state (same shapes and dtypes).
     """
     b, heads, ch = query_t.shape
     w = state.value.shape[1]
+    offsets = _causal_offsets(offsets, w)
     shared = state.key is None
     assert state.value.shape == (b, w) + value_t.shape[1:] and state.valid.shape == (b, w)
     assert shared or (key_t.shape == query_t.shape and state.key.shape == (b, w, heads, ch))
-    assert attn is None or attn.shape == (heads, ch)
-    assert rel_bias is None or rel_bias.shape == (heads, w + 1)
+    assert attn is None or isinstance(attn, str) or attn.shape == (heads, ch)
+    assert rel_bias is None or rel_bias.shape == (heads, len(offsets))
     valid_t = _bool_mask(valid_t, (b,))
     query_t, value_t = masking.zero_padding(query_t, valid_t), masking.zero_padding(value_t, valid_t)
     vals = jnp.concatenate([state.value.astype(value_t.dtype), value_t[:, None]], axis=1)
@@ -80,29 +87,40 @@ def causal_window_step(query_t: Array, key_t: Array, value_t: Array, state: Wind
         [state.key.astype(key_t.dtype), masking.zero_padding(key_t, valid_t)[:, None]], axis=1)
     slots = jnp.concatenate([state.valid, valid_t[:, None]], axis=1)          # [B, w+1]
     bias = None if rel_bias is None else rel_bias[None, None]
-    out, _ = neighbour_attention(query_t[:, None], keys[:, None], vals[:, None],
-                                 (slots & valid_t[:, None])[:, None], attn, bias=bias,
+    pick = (lambda a: a) if offsets == tuple(range(-w, 1)) else (
+        lambda a: a[:, [w + o for o in offsets]])                            # the stencil's slots
+    out, _ = neighbour_attention(query_t[:, None], pick(keys)[:, None], pick(vals)[:, None],
+                                 (pick(slots) & valid_t[:, None])[:, None], attn, bias=bias,
                                  negative_slope=negative_slope)
     new = WindowState(vals[:, 1:].astype(state.value.dtype),
                       None if shared else keys[:, 1:].astype(state.key.dtype), slots[:, 1:])
     return out[:, 0], new
 
 
+def _causal_offsets(offsets, span: int) -> tuple[int, ...]:
+    offsets = tuple(range(-span, 1)) if offsets is None else tuple(offsets)
+    assert all(-span <= o <= 0 for o in offsets), (offsets, span)
+    return offsets
+
+
 def causal_window_kl(probs: Array, log_probs: Array, valid: Array, *, window: int,
-                     kl_tau: float | None = None, kl_mode: str = "prior") -> tuple[Array, Array]:
+                     kl_tau: float | None = None, kl_mode: str = "prior",
+                     skip_offsets: tuple[int, ...] = ()) -> tuple[Array, Array]:
     """(kl_sum, kl_count) of the causal window graph from its token rows' statistics, as
     `window_graph_attention(..., causal=True)` forms them."""
-    check_kl(kl_tau, kl_mode, window + 1)
+    check_kl(kl_tau, kl_mode, window + 1 + len(skip_offsets))
     if kl_mode == "neighbour":
         return neighbour_kl(probs, log_probs, valid)
-    prior = distance_prior_logits(window_distances(window, True), 0, kl_tau)
+    prior = distance_prior_logits(window_distances(window, True, skip_offsets=skip_offsets), 0,
+                                  kl_tau)
     return attention_kl(probs, log_probs, valid, prior)
 
 
 def causal_window_chunked(query: Array, key: Array, value: Array, attn: Array | None,
                           state: WindowState, *, chunk_size: int, mask: Array | None = None,
                           rel_bias: Array | None = None, negative_slope: float | None = None,
-                          dropout_rate: float = 0.0, dropout_rng: Array | None = None
+                          dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+                          offsets: tuple[int, ...] | None = None
                           ) -> tuple[Array, dict[str, Array], WindowState]:
     """The causal window GAT in chunks of C tokens, in the form that suits the platform:
     `causal_window_chunked_scan` on the CPU, `causal_window_chunked_parallel` elsewhere (an
@@ -114,13 +132,14 @@ def causal_window_chunked(query: Array, key: Array, value: Array, attn: Array | 
       state: `WindowState` of the tokens before these.
       chunk_size: C >= 1 (clipped to T; need not divide T).
       dropout_rate, dropout_rng: attention dropout (one key per chunk, `fold_in(rng, chunk)`).
+      offsets: the stencil's slots (module docstring); None = -w..0.
 
     Returns:
       (out `[B, T, H, D]`, {'probs', 'log_probs' `[B, T, H, w+1]`, 'valid' `[B, T, w+1]`}, final
       state); the statistics let the caller form the KL term exactly as the parallel form does.
     """
     kw = dict(chunk_size=chunk_size, mask=mask, rel_bias=rel_bias, negative_slope=negative_slope,
-              dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+              dropout_rate=dropout_rate, dropout_rng=dropout_rng, offsets=offsets)
     return jax.lax.platform_dependent(
         cpu=lambda: causal_window_chunked_scan(query, key, value, attn, state, **kw),
         default=lambda: causal_window_chunked_parallel(query, key, value, attn, state, **kw))
@@ -158,7 +177,8 @@ def causal_window_chunked_scan(query: Array, key: Array, value: Array, attn: Arr
                                state: WindowState, *, chunk_size: int,
                                mask: Array | None = None, rel_bias: Array | None = None,
                                negative_slope: float | None = None, dropout_rate: float = 0.0,
-                               dropout_rng: Array | None = None
+                               dropout_rng: Array | None = None,
+                               offsets: tuple[int, ...] | None = None
                                ) -> tuple[Array, dict[str, Array], WindowState]:
     """`causal_window_chunked` as a `lax.scan` over chunks carrying the `WindowState` of the last
     w tokens; inside a chunk the parallel (unfold) form. The CPU form: it keeps one chunk's
@@ -167,7 +187,7 @@ def causal_window_chunked_scan(query: Array, key: Array, value: Array, attn: Arr
     b, t = query.shape[:2]
     w = state.value.shape[1]
     shared = state.key is None
-    offsets = tuple(range(-w, 1))
+    offsets = _causal_offsets(offsets, w)
 
     def chunks(x):
         x = jnp.pad(x, [(0, 0), (0, n * c - t)] + [(0, 0)] * (x.ndim - 2))
@@ -200,7 +220,8 @@ def causal_window_chunked_parallel(query: Array, key: Array, value: Array, attn:
                                    state: WindowState, *, chunk_size: int,
                                    mask: Array | None = None, rel_bias: Array | None = None,
                                    negative_slope: float | None = None, dropout_rate: float = 0.0,
-                                   dropout_rng: Array | None = None
+                                   dropout_rng: Array | None = None,
+                                   offsets: tuple[int, ...] | None = None
                                    ) -> tuple[Array, dict[str, Array], WindowState]:
     """`causal_window_chunked` with every chunk at once, no loop: a window GAT's causal state is
     only the last w tokens, so the neighbour stack of all T tokens is one unfold of
@@ -211,7 +232,7 @@ def causal_window_chunked_parallel(query: Array, key: Array, value: Array, attn:
     b, t = query.shape[:2]
     w = state.value.shape[1]
     shared = state.key is None
-    offsets = tuple(range(-w, 1))
+    offsets = _causal_offsets(offsets, w)
     vals = jnp.concatenate([state.value.astype(value.dtype), value], axis=1)     # [B, w+T, H, D]
     keys = vals if shared else jnp.concatenate([state.key.astype(key.dtype), key], axis=1)
     slots = jnp.concatenate([state.valid, mask], axis=1)                        # [B, w+T]
@@ -242,14 +263,14 @@ def causal_window_chunked_parallel(query: Array, key: Array, value: Array, attn:
 
 def causal_window_scan(query: Array, key: Array, value: Array, attn: Array | None,
                        state: WindowState, *, mask: Array | None = None,
-                       rel_bias: Array | None = None,
-                       negative_slope: float | None = None) -> tuple[Array, WindowState]:
+                       rel_bias: Array | None = None, negative_slope: float | None = None,
+                       offsets: tuple[int, ...] | None = None) -> tuple[Array, WindowState]:
     """The causal window GAT as a `lax.scan` of `causal_window_step` over the tokens.
 
     Args:
       query, key, value: `[B, T, H, C]`, `[B, T, H, C]`, `[B, T, H, D]` (key unused when
         state.key is None).
-      attn, rel_bias, negative_slope: as in `causal_window_step`.
+      attn, rel_bias, negative_slope, offsets: as in `causal_window_step`.
       state: `WindowState` of the tokens before these (`init_window_state` for none).
       mask: optional `[B, T]` bool, True = real token.
 
@@ -263,7 +284,7 @@ def causal_window_scan(query: Array, key: Array, value: Array, attn: Array | Non
     def body(st, xs):
         q_t, k_t, v_t, m_t = xs
         out, st = causal_window_step(q_t, k_t, v_t, st, attn, valid_t=m_t, rel_bias=rel_bias,
-                                     negative_slope=negative_slope)
+                                     negative_slope=negative_slope, offsets=offsets)
         return st, out
 
     xs = tuple(jnp.swapaxes(a, 0, 1) for a in (query, key, value, mask))

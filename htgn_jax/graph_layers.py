@@ -104,10 +104,14 @@ class _GraphAttentionBase(nn.Module):
     head_dim: int | None = None
     window: int = 4
     num_global: int = 0
+    skip_offsets: tuple[int, ...] = ()
     version: str = "v2"
     use_relative_bias: bool = True
     negative_slope: float | None = None
     dropout_rate: float = 0.0
+    activation: str = "none"
+    alpha: str = "learned"
+    score_dim: int | None = None
     kl_tau: float | None = None
     kl_mode: str = "prior"
     kl_weight: float = 0.0
@@ -122,7 +126,9 @@ class _GraphAttentionBase(nn.Module):
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
-        if self.version in ("v2", "dot"):
+        if self.alpha == "attention":      # scores come from the attention layer's features
+            self.source = _HeadProjection(arg=self._source_arg, **proj)
+        elif self.version in ("v2", "dot"):
             self.target = _HeadProjection(arg="x", **proj)
             self.source = _HeadProjection(arg=self._source_arg, **proj)
             if self.version == "v2":
@@ -141,8 +147,24 @@ class _GraphAttentionBase(nn.Module):
         self.output = HeadsOutput(self.out_features, True, self.dtype, self.param_dtype,
                                   self.kernel_init, self.bias_init)
 
-    def _self_features(self, x: Array) -> tuple[Array, Array, Array]:
+    def _output(self, out: Array, width: int) -> Array:
+        """W_o sigma(out): the card's sigma (`activation`) on the aggregated messages `[..., H, D]`,
+        then the heads' output projection."""
+        if self.activation == "relu":
+            out = jax.nn.relu(out)
+        return self.output(out, width)
+
+    def _given(self, features, what: str):
+        """The attention features passed by the caller: required iff alpha='attention'."""
+        if (features is None) != (self.alpha != "attention"):
+            fail(f"`{what}` (the attention layer's kernel features) must be given exactly when "
+                 f"alpha='attention', got alpha={self.alpha!r}")
+        return features
+
+    def _self_features(self, x: Array, features=None) -> tuple[Array, Array, Array]:
         """(query `[..., H, C]`, key `[..., H, C]`, message `[..., H, D]`) of nodes x."""
+        if self._given(features, "features") is not None:
+            return features[0], features[1], self.source(x)
         if self.version != "v1":
             u = self.source(x)
             return self.target(x), u, u
@@ -151,19 +173,23 @@ class _GraphAttentionBase(nn.Module):
                                             self._head_vector("attn_source", z))
         return q, k, z
 
-    def _query_features(self, x: Array, head_dim: int) -> Array:
+    def _query_features(self, x: Array, head_dim: int, features=None) -> Array:
         """Receiver-side score features `[..., H, C]` (v1: a_t . W x, the same W as the senders).
 
         `head_dim` is the senders' D, so an unset head_dim follows the memory width.
         """
+        if self._given(features, "query_features") is not None:
+            return features
         if self.version != "v1":
             return self.target(x, head_dim)
         z = self.source(x)
         return jnp.einsum("...hd,hd->...h", z, self._head_vector("attn_target", z))[..., None]
 
-    def _source_features(self, m: Array) -> tuple[Array, Array]:
+    def _source_features(self, m: Array, features=None) -> tuple[Array, Array]:
         """(score key `[..., H, C]`, message `[..., H, D]`) of sender nodes m."""
         u = self.source(m)
+        if self._given(features, "key_features") is not None:
+            return features, u
         if self.version != "v1":
             return u, u
         return jnp.einsum("...hd,hd->...h", u, self._head_vector("attn_source", u))[..., None], u
@@ -172,7 +198,10 @@ class _GraphAttentionBase(nn.Module):
         return getattr(self, name)(z.shape[-1]).astype(z.dtype)
 
     def _attn_vector(self, value: Array) -> Array | None:
-        """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot'."""
+        """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot',
+        the kernel-score marker for alpha='attention'."""
+        if self.alpha == "attention":
+            return graph_ops.KERNEL
         if self.version == "v2":
             return self._head_vector("attn", value)
         if self.version == "dot":
@@ -198,6 +227,8 @@ class _GraphAttentionBase(nn.Module):
                 fail("`head_dim` is None and the layer has no parameters yet, so the state shape "
                       "is unknown: set head_dim or call init_state with initialised params")
             d = params["source"]["kernel"].shape[-1]
+        if self.alpha == "attention":
+            return self.score_dim, d
         return (1 if self.version == "v1" else d), d
 
 
@@ -226,6 +257,10 @@ class WindowGraphAttention(_GraphAttentionBase):
       head_dim: D per head; None means d // H (d must then be divisible by H).
       window: radius w >= 0; offsets -w..w, or -w..0 when causal.
       num_global: g leading global nodes (0 when causal).
+      skip_offsets: multi-scale skip edges beyond the window (the HTGN card's skip connections,
+        docs/htgn_options.md): token i also attends to i -/+ s for each s (only i - s when
+        causal; on a grid the dilated 8-neighbourhood at distance s), each with its own
+        `rel_bias` slot; () = none. The causal state then holds the last max(w, max s) tokens.
       causal: decoder form (offsets -w..0) with `init_state`, `scan` and `step`.
       chunk_size: form of the causal `__call__`: None = the parallel (unfold) form, an int C =
         chunks of C tokens with the window state carried across them (`causal_window_chunked`);
@@ -237,6 +272,14 @@ class WindowGraphAttention(_GraphAttentionBase):
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), htgn.md §5.2).
       negative_slope: LeakyReLU slope (None: 0.2; must be None with dot-product scoring).
       dropout_rate: dropout on alpha (active when deterministic=False, rng 'dropout').
+      alpha: 'learned' (GAT / GATv2 / dot scores of this layer's own parameters, `version`) or
+        'attention' (the card's "alpha derived from self-attention"): the caller passes the
+        kernel features (phi(q), phi(k)) of its FAVOR+ attention layer as `features`, and
+        alpha_ij = phi(q_i).phi(k_j) e^{b_ij} / sum over N(i) (window + skips + globals; b the
+        relative bias). The layer then has no score parameters (no `target`, no `attn`).
+      score_dim: M, the feature width of `features` (needed by `init_state` with 'attention').
+      activation: the HTGN card's sigma on the aggregated messages before the output projection,
+        y_i = W_o sigma(sum_j alpha_ij W_s h_j): 'none' (default) or 'relu' (the card's choice).
       kl_tau: None (the KL term's uniform prior, htgn.md §5.7) or tau > 0 of the distance prior
         pi_i(j) proportional to exp(-dist / tau) (spec `kl_prior = "distance"`; dist = |j - i|,
         or max(|dr|, |dc|) on a grid, 1 to a global node).
@@ -260,17 +303,18 @@ class WindowGraphAttention(_GraphAttentionBase):
     def setup(self):
         validation.check_window_graph_fields(self)
         self._has_global_bias = self.num_global > 0
-        num_slots = len(graph_ops.window_offsets(self.window, self.causal, self.grid_width))
+        num_slots = len(self._offsets)
         self._setup_common(num_slots, self._has_global_bias)
 
-    def __call__(self, x: Array, *, mask: Array | None = None,
-                 deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
+    def __call__(self, x: Array, *, mask: Array | None = None, deterministic: bool = True,
+                 features: tuple[Array, Array] | None = None) -> tuple[Array, dict[str, Array]]:
         """Graph attention over the whole sequence.
 
         Args:
           x: `[B, L, d]`, L = num_global + N.
           mask: `[B, L]` (True = real node), or None.
           deterministic: no attention dropout when True.
+          features: (phi(q), phi(k)), each `[B, L, H, M]`, with alpha='attention' only.
 
         Returns:
           y `[B, L, F]` (zero at padded nodes) and aux {'kl_sum', 'kl_count'}: the KL term (to the
@@ -278,23 +322,34 @@ class WindowGraphAttention(_GraphAttentionBase):
           unweighted) as a sum over its `kl_count` terms.
         """
         if self.causal and self.chunk_size is not None:
-            mask, out, st = self._chunked(x, mask, deterministic)
+            mask, out, st = self._chunked(x, mask, deterministic, features)
         else:
-            mask, out, st = self._attend(x, mask, deterministic)
-        y = self.output(out, x.shape[-1])
+            mask, out, st = self._attend(x, mask, deterministic, features)
+        y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
 
-    def _chunked(self, x: Array, mask: Array | None, deterministic: bool):
+    @property
+    def _offsets(self) -> tuple[int, ...]:
+        return graph_ops.window_offsets(self.window, self.causal, self.grid_width,
+                                        self.skip_offsets)
+
+    @property
+    def span(self) -> int:
+        """Tokens held by the causal state: max(window, max skip offset)."""
+        return max((self.window,) + tuple(self.skip_offsets))
+
+    def _chunked(self, x: Array, mask: Array | None, deterministic: bool, features=None):
         check_tokens("x", x, "[B, T, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask))
+        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
             mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
-            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic))
+            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
+            offsets=self._offsets)
         kl_sum, kl_count = graph_causal.causal_window_kl(
             st["probs"], st["log_probs"], st["valid"], window=self.window, kl_tau=self.kl_tau,
-            kl_mode=self.kl_mode)
+            kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
         return mask, out, {"kl_sum": kl_sum, "kl_count": kl_count}
 
     def attention_weights(self, x: Array, *, mask: Array | None = None) -> dict[str, Array]:
@@ -314,17 +369,17 @@ class WindowGraphAttention(_GraphAttentionBase):
             out["global_probs"] = st["global_probs"]
         return out
 
-    def _attend(self, x: Array, mask: Array | None, deterministic: bool):
+    def _attend(self, x: Array, mask: Array | None, deterministic: bool, features=None):
         check_tokens("x", x, "[B, L, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, L]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask))
+        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         rel_bias, global_bias = self._biases()
         out, st = graph_ops.window_graph_attention(
             q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
             causal=self.causal, grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
             global_bias=global_bias, negative_slope=self.negative_slope,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            kl_tau=self.kl_tau, kl_mode=self.kl_mode)
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
         return mask, out, st
 
     def init_state(self, batch_size: int) -> WindowState:
@@ -332,11 +387,13 @@ class WindowGraphAttention(_GraphAttentionBase):
         valid yet (float32; `key` only for GAT v1)."""
         validation.check_window_graph_method(self, "init_state")
         c, d = self._head_dims()
-        return graph_causal.init_window_state(batch_size, self.window, self.num_heads, d,
-                                              key_dim=c if self.version == "v1" else None)
+        keyed = self.version == "v1" or self.alpha == "attention"
+        return graph_causal.init_window_state(batch_size, self.span, self.num_heads, d,
+                                              key_dim=c if keyed else None)
 
     def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
-             deterministic: bool = True) -> tuple[Array, WindowState]:
+             deterministic: bool = True,
+             features: tuple[Array, Array] | None = None) -> tuple[Array, WindowState]:
         """Causal recurrent form: projections for the whole sequence, then a token `lax.scan`.
 
         Args:
@@ -354,18 +411,20 @@ class WindowGraphAttention(_GraphAttentionBase):
         if not deterministic and self.dropout_rate:
             raise NotImplementedError("attention dropout is not implemented in the recurrent form")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask))
+        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         if state is None:
             state = self.init_state(x.shape[0])
         else:
             validation.check_window_state(self, state, x.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state,
                                                      mask=mask, rel_bias=self._biases()[0],
-                                                     negative_slope=self.negative_slope)
-        y = self.output(out, x.shape[-1])
+                                                     negative_slope=self.negative_slope,
+                                                     offsets=self._offsets)
+        y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), state
 
-    def step(self, state: WindowState, x_t: Array) -> tuple[Array, WindowState]:
+    def step(self, state: WindowState, x_t: Array,
+             features: tuple[Array, Array] | None = None) -> tuple[Array, WindowState]:
         """One decoding step (causal only), O(w H D) attention work per token.
 
         Args:
@@ -378,12 +437,13 @@ class WindowGraphAttention(_GraphAttentionBase):
         """
         validation.check_window_graph_method(self, "step")
         check_rank("x_t", x_t, 2, "[B, d]")
-        q, k, v = self._self_features(x_t)
+        q, k, v = self._self_features(x_t, features)
         validation.check_window_state(self, state, x_t.shape[0], (q.shape[-1], v.shape[-1]))
         out, state = graph_causal.causal_window_step(q, k, v, state, self._attn_vector(v),
                                                      rel_bias=self._biases()[0],
-                                                     negative_slope=self.negative_slope)
-        return self.output(out, x_t.shape[-1]), state
+                                                     negative_slope=self.negative_slope,
+                                                     offsets=self._offsets)
+        return self._output(out, x_t.shape[-1]), state
 
 
 class CrossGraphAttention(_GraphAttentionBase):
@@ -399,9 +459,12 @@ class CrossGraphAttention(_GraphAttentionBase):
     token and uses no target length, so it equals the parallel form row by row.
 
     Attributes:
-      num_heads, version, use_relative_bias, negative_slope, dropout_rate, kl_tau, kl_mode,
-      out_features, dtype, param_dtype, kernel_init, attn_init, bias_init: as in
-      `WindowGraphAttention` (the distance prior measures |j - c_i|).
+      num_heads, version, use_relative_bias, negative_slope, dropout_rate, activation, alpha,
+      score_dim, kl_tau, kl_mode, out_features, dtype, param_dtype, kernel_init, attn_init,
+      bias_init: as in `WindowGraphAttention` (the distance prior measures |j - c_i|; with
+      alpha='attention' `__call__` takes `features=(phi(q) [B, T, H, M], phi(k) [B, L, H, M])`,
+      `prepare_memory` `key_features` and `step` `query_features` `[B, H, M]`).
+      skip_offsets: skip edges c_i -/+ s beside the window (each s > w_x).
       window: w_x >= 0, the encoder window radius.
       head_dim: D per head; None means d_m // H (memory width d_m divisible by H); the decoder
         side uses the same D.
@@ -415,11 +478,13 @@ class CrossGraphAttention(_GraphAttentionBase):
     def setup(self):
         validation.check_cross_graph_fields(self)
         self._has_global_bias = self.num_global > 0
-        self._setup_common(2 * self.window + 1, self._has_global_bias)
+        self._setup_common(len(graph_ops.window_offsets(self.window,
+                                                        skip_offsets=self.skip_offsets)),
+                           self._has_global_bias)
 
     def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
-                 memory_mask: Array | None = None,
-                 deterministic: bool = True) -> tuple[Array, dict[str, Array]]:
+                 memory_mask: Array | None = None, deterministic: bool = True,
+                 features: tuple[Array, Array] | None = None) -> tuple[Array, dict[str, Array]]:
         """Cross-Graph attention for a whole (teacher-forced) target sequence.
 
         Args:
@@ -432,8 +497,9 @@ class CrossGraphAttention(_GraphAttentionBase):
         Returns:
           y `[B, T, F]` (zero at padded rows) and aux {'kl', 'kl_sum', 'kl_count'}.
         """
-        cache = self._memory_cache(x, memory, memory_mask)
-        return self._attend(cache, x, None, mask, deterministic)
+        qf, kf = (None, None) if features is None else features
+        cache = self._memory_cache(x, memory, memory_mask, kf)
+        return self._attend(cache, x, None, mask, deterministic, query_features=qf)
 
     def attention_weights(self, x: Array, memory: Array, *, mask: Array | None = None,
                           memory_mask: Array | None = None) -> dict[str, Array]:
@@ -451,15 +517,16 @@ class CrossGraphAttention(_GraphAttentionBase):
         st = self._attend(cache, x, None, mask, True, stats_only=True)
         return {"probs": st["probs"], "centres": st["centres"], "memory_mask": cache.mask}
 
-    def _memory_cache(self, x: Array, memory: Array, memory_mask: Array | None) -> CrossGraphCache:
+    def _memory_cache(self, x: Array, memory: Array, memory_mask: Array | None,
+                      key_features=None) -> CrossGraphCache:
         """`prepare_memory(memory)` for the queries x `[B, T, d]` (checked to fit the memory)."""
         check_tokens("x", x, "[B, T, d]")
-        cache = self.prepare_memory(memory, memory_mask=memory_mask)
+        cache = self.prepare_memory(memory, memory_mask=memory_mask, key_features=key_features)
         validation.check_cross_graph_inputs(self, x, memory, cache.mask)
         return cache
 
-    def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None
-                       ) -> CrossGraphCache:
+    def prepare_memory(self, memory: Array, *, memory_mask: Array | None = None,
+                       key_features: Array | None = None) -> CrossGraphCache:
         """Projects the encoder memory once for decoding.
 
         Args:
@@ -472,11 +539,12 @@ class CrossGraphAttention(_GraphAttentionBase):
         """
         check_tokens("memory", memory, "[B, L, d_m]")
         memory_mask = masking.as_bool(memory_mask, memory.shape[:2], "memory_mask", "[B, L]")
-        k, v = self._source_features(masking.zero_padding(memory, memory_mask))
-        return CrossGraphCache(v, memory_mask, k if self.version == "v1" else None)
+        k, v = self._source_features(masking.zero_padding(memory, memory_mask), key_features)
+        keyed = self.version == "v1" or self.alpha == "attention"
+        return CrossGraphCache(v, memory_mask, k if keyed else None)
 
-    def step(self, cache: CrossGraphCache, x_t: Array, *,
-             position: Array | int) -> tuple[Array, CrossGraphCache]:
+    def step(self, cache: CrossGraphCache, x_t: Array, *, position: Array | int,
+             query_features: Array | None = None) -> tuple[Array, CrossGraphCache]:
         """One decoding step from a `prepare_memory` cache.
 
         Args:
@@ -491,14 +559,16 @@ class CrossGraphAttention(_GraphAttentionBase):
         b = x_t.shape[0]
         validation.check_graph_position(position, b)
         pos = jnp.broadcast_to(jnp.asarray(position, jnp.int32), (b,))[:, None]
-        y, _ = self._attend(cache, x_t[:, None], pos, None, True)
+        qf = None if query_features is None else query_features[:, None]
+        y, _ = self._attend(cache, x_t[:, None], pos, None, True, query_features=qf)
         return y[:, 0], cache
 
-    def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False):
+    def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False,
+                query_features=None):
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
         x = masking.zero_padding(x, mask)
         v = cache.value
-        q = self._query_features(x, v.shape[-1])
+        q = self._query_features(x, v.shape[-1], query_features)
         rel_bias, global_bias = self._biases()
         out, st = graph_ops.cross_graph_attention(
             q, v if cache.key is None else cache.key, v, self._attn_vector(v),
@@ -506,8 +576,8 @@ class CrossGraphAttention(_GraphAttentionBase):
             memory_mask=cache.mask, positions=positions, rel_bias=rel_bias,
             global_bias=global_bias, negative_slope=self.negative_slope,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            kl_tau=self.kl_tau, kl_mode=self.kl_mode)
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
         if stats_only:
             return st
-        y = self.output(out, x.shape[-1])
+        y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)

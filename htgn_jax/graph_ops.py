@@ -75,6 +75,14 @@ from zoo_core.checks import check_int, check_rank, check_shape, fail
 Array = jax.Array
 
 VERSIONS = ("v1", "v2", "dot")
+# The card's sigma after the graph convolution: h_i = sigma(sum_j alpha_ij W_g h_j).
+ACTIVATIONS = ("none", "relu")
+# How alpha is formed (the card: "derived from self-attention or learned anew").
+ALPHAS = ("learned", "attention")
+# `attn` value of the kernelised scores: query/keys are the attention layer's features phi(q),
+# phi(k), and alpha_ij = phi(q_i).phi(k_j) e^{b_ij} / sum over N(i) (graph_alpha='attention').
+KERNEL = "kernel"
+KERNEL_FLOOR = 1e-30   # a non-positive estimate (trig features) gets weight ~0, never NaN
 # Default of the GAT-only LeakyReLU slope; the option defaults to None so that dot-product scoring,
 # which has none, can refuse any value given explicitly.
 NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
@@ -96,46 +104,74 @@ def check_rho(rho: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def window_offsets(window: int, causal: bool = False,
-                   grid_width: int | None = None) -> tuple[int, ...]:
-    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (htgn.md §3.4).
+def check_skip_offsets(skip_offsets: Any, window: int, name: str = "window") -> tuple[int, ...]:
+    """`skip_offsets` is a tuple of distinct ints > `window` (the skip edges lie beyond the window)."""
+    if isinstance(skip_offsets, (str, bytes)) or not isinstance(skip_offsets, (tuple, list)) \
+            or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+                       for s in skip_offsets):
+        fail(f"`skip_offsets` must be a tuple of ints, got {skip_offsets!r}")
+    if any(s <= window for s in skip_offsets) or len(set(skip_offsets)) != len(skip_offsets):
+        fail(f"`skip_offsets` must be distinct ints > {name}={window} (the window already has "
+             f"the nearer offsets), got {tuple(skip_offsets)}")
+    return tuple(int(s) for s in skip_offsets)
+
+
+def grid_slots(window: int, skip_offsets: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """(dr, dc) of each slot of the 2-D stencil: [-w, w]^2 dr-major, then for each skip s the
+    dilated 8-neighbourhood {-s, 0, s}^2 without the centre (dr-major)."""
+    r = range(-window, window + 1)
+    slots = [(dr, dc) for dr in r for dc in r]
+    for s in skip_offsets:
+        slots += [(dr, dc) for dr in (-s, 0, s) for dc in (-s, 0, s) if (dr, dc) != (0, 0)]
+    return slots
+
+
+def window_offsets(window: int, causal: bool = False, grid_width: int | None = None,
+                   skip_offsets: Sequence[int] = ()) -> tuple[int, ...]:
+    """Static stencil offsets: (-w, ..., w), or (-w, ..., 0) when causal (htgn.md §3.4), then the
+    multi-scale skip edges: -s, +s for each s of `skip_offsets` (only -s when causal), the HTGN
+    card's "global sparse skip-nodes ... across different scales" (docs/htgn_options.md).
 
     With `grid_width` W (tokens in row-major raster order, rows of W): the 2-D stencil of radius w
     (htgn.md §5.12 image-patch preset), one slot per (dr, dc) in [-w, w]^2, dr-major, at raster
-    offset dr * W + dc; `grid_column_ok` marks the slots that stay in the token's row band. For
-    W <= 2w two slots can share an offset; for any token at most one of them is valid.
+    offset dr * W + dc, then the dilated 8-neighbourhood of each skip (`grid_slots`);
+    `grid_column_ok` marks the slots that stay in the token's row band. For W <= 2w two slots can
+    share an offset; for any token at most one of them is valid.
     """
     check_int("window", window, 0)
+    skips = check_skip_offsets(skip_offsets, window)
     if grid_width is None:
-        return tuple(range(-window, 1 if causal else window + 1))
+        if causal:
+            return tuple(range(-window, 1)) + tuple(-s for s in skips)
+        return tuple(range(-window, window + 1)) + tuple(o for s in skips for o in (-s, s))
     check_int("grid_width", grid_width, 1)
     if causal:
         fail("a 2-D stencil (grid_width) has no causal form")
-    r = range(-window, window + 1)
-    return tuple(dr * grid_width + dc for dr in r for dc in r)
+    return tuple(dr * grid_width + dc for dr, dc in grid_slots(window, skips))
 
 
-def grid_column_ok(num_tokens: int, window: int, grid_width: int) -> np.ndarray:
+def grid_column_ok(num_tokens: int, window: int, grid_width: int,
+                   skip_offsets: Sequence[int] = ()) -> np.ndarray:
     """bool `[N, K]`: slot (dr, dc) of token i lands in column col(i) + dc within 0..W-1.
 
     Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
     row(i) + dr is a row of the grid (`unfold` drops the others).
     """
-    window_offsets(window, grid_width=grid_width)        # checks window and grid_width
+    window_offsets(window, grid_width=grid_width, skip_offsets=skip_offsets)   # checks them
     col = np.arange(num_tokens) % grid_width
-    dc = np.tile(np.arange(-window, window + 1), 2 * window + 1)
+    dc = np.asarray([c for _, c in grid_slots(window, skip_offsets)])
     c = col[:, None] + dc[None, :]
     return (c >= 0) & (c < grid_width)
 
 
-def window_distances(window: int, causal: bool = False,
-                     grid_width: int | None = None) -> np.ndarray:
+def window_distances(window: int, causal: bool = False, grid_width: int | None = None,
+                     skip_offsets: Sequence[int] = ()) -> np.ndarray:
     """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
-    offsets = window_offsets(window, causal, grid_width)   # also checks the arguments
+    offsets = window_offsets(window, causal, grid_width, skip_offsets)   # also checks them
     if grid_width is None:
         return np.abs(np.asarray(offsets, np.float64))
-    r = np.arange(-window, window + 1)
-    return np.maximum(np.abs(r)[:, None], np.abs(r)[None, :]).reshape(-1).astype(np.float64)
+    return np.asarray([max(abs(dr), abs(dc)) for dr, dc in grid_slots(window, skip_offsets)],
+                      np.float64)
 
 
 def unfold(x: Array, offsets: Sequence[int], fill: Any = 0) -> Array:
@@ -187,6 +223,9 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
     The shared kernel of every form here:
       e_mk = sum_c attn[h, c] LeakyReLU(query[m] + keys[m, k])[h, c] + bias[h, k]    (GATv2, GAT)
       e_mk = <query[m], keys[m, k]>_h / sqrt(C) + bias[h, k]                          (attn None)
+      e_mk = log max(<query[m], keys[m, k]>_h, 1e-30) + bias[h, k]               (attn 'kernel')
+    The last is graph_alpha='attention': query and keys are the attention layer's kernel
+    features phi(q), phi(k), so alpha is its kernelised attention renormalised over N(i).
     alpha = masked softmax over k; out_m = sum_k alpha_mk values[m, k].
 
     Args:
@@ -194,7 +233,7 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       keys: source-side score features of the neighbours `[B, M, K, H, C]` (W_s h_j).
       values: messages `[B, M, K, H, D]` (W_s h_j).
       valid: `[B, M, K]` boolean; an edge exists and both ends are real nodes.
-      attn: `[H, C]` attention vectors a_h, or None for scaled dot-product scoring.
+      attn: `[H, C]` attention vectors a_h, None for scaled dot-product scoring, or `KERNEL`.
       bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
       negative_slope: LeakyReLU slope of GAT/GATv2; None means 0.2. Dot-product scoring has none,
         so it must stay None then.
@@ -209,10 +248,17 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
     if attn is None and negative_slope is not None:
         fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
               f"LeakyReLU, got negative_slope={negative_slope!r}")
+    if isinstance(attn, str) and negative_slope is not None:
+        fail(f"`negative_slope` shapes the GAT scores; kernel scoring (alpha='attention') has no "
+              f"LeakyReLU, got negative_slope={negative_slope!r}")
     slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
     # Logits, softmax and KL in at least float32 (float64 stays float64).
     acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
-    if attn is None:
+    if isinstance(attn, str):
+        assert attn == KERNEL, attn
+        scores = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
+        logits = jnp.log(jnp.maximum(scores, KERNEL_FLOOR))
+    elif attn is None:
         logits = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
         logits = logits * (query.shape[-1] ** -0.5)
     else:
@@ -264,7 +310,8 @@ def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num
 def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any, num_global: Any,
                      rel_bias: Any = None, global_bias: Any = None, kl_tau: Any = None,
                      kl_mode: Any = "prior", causal: bool = False, grid_width: Any = None,
-                     rho: Any = None, cross: bool = False) -> tuple[int, ...]:
+                     rho: Any = None, cross: bool = False,
+                     skip_offsets: Any = ()) -> tuple[int, ...]:
     """The arguments of `window_graph_attention` (or, with `cross`, `cross_graph_attention`),
     checked once at the kernel's public entry; returns the stencil offsets.
 
@@ -279,7 +326,7 @@ def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any
              f"got {num_global}")
     if cross:
         check_rho(rho)
-    offsets = window_offsets(window, causal, grid_width)
+    offsets = window_offsets(window, causal, grid_width, skip_offsets)
     check_kl(kl_tau, kl_mode, len(offsets) + num_global)
     check_rank("query", query, 4, "[B, T, H, C]" if cross else "[B, L, H, C]")
     if cross:
@@ -289,10 +336,10 @@ def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any
     check_shape("key", key, (b, length, heads, ch), "[B, L, H, C]")
     check_rank("value", value, 4, "[B, L, H, D]")
     check_shape("value", value, (b, length, heads, value.shape[-1]), "[B, L, H, D]")
-    if attn is not None:
+    if attn is not None and not isinstance(attn, str):
         check_shape("attn", attn, (heads, ch), "[H, C]")
     if rel_bias is not None:
-        check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, 2w+1]" if cross else "[H, K]")
+        check_shape("rel_bias", rel_bias, (heads, len(offsets)), "[H, K]")
     if global_bias is not None:
         if not num_global:
             fail("`global_bias` was given but `num_global` is 0")
@@ -309,8 +356,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            rel_bias: Array | None = None, global_bias: Array | None = None,
                            negative_slope: float | None = None, dropout_rate: float = 0.0,
                            dropout_rng: Array | None = None, kl_tau: float | None = None,
-                           kl_mode: str = "prior",
-                           grid_width: int | None = None) -> tuple[Array, dict[str, Array]]:
+                           kl_mode: str = "prior", grid_width: int | None = None,
+                           skip_offsets: Sequence[int] = ()) -> tuple[Array, dict[str, Array]]:
     """Windowed GATv2 (or GAT, dot product) with global nodes (htgn.md §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
@@ -338,6 +385,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
         consecutive token rows; the global rows have no order and add nothing).
       grid_width: None (1-D window), or W: tokens are a row-major grid with rows of W and the
         stencil is the 2-D (2w+1)^2 neighbourhood (w = 1: the 8-neighbourhood and self).
+      skip_offsets: multi-scale skip edges beyond the window (`window_offsets`); cost
+        O(B L (K + g) H C) with K = 2w+1+2|skips| (w+1+|skips| causal).
 
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
@@ -347,7 +396,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     """
     offsets = check_graph_call(query, key, value, attn, window=window, num_global=num_global,
                                rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
-                               kl_mode=kl_mode, causal=causal, grid_width=grid_width)
+                               kl_mode=kl_mode, causal=causal, grid_width=grid_width,
+                               skip_offsets=skip_offsets)
     b, length = query.shape[:2]
     mask = masking.as_bool(mask, (b, length), "mask", "[B, L]")
     shared = value is key          # GATv2: one array is both score key and message
@@ -365,7 +415,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
     vals = keys if shared else unfold(value[:, g:], offsets)             # [B, N, K, H, D]
     valid = unfold(m_tok, offsets, False) & m_tok[:, :, None]           # [B, N, K]
     if grid_width is not None:
-        valid = valid & grid_column_ok(q_tok.shape[1], window, grid_width)[None]
+        valid = valid & grid_column_ok(q_tok.shape[1], window, grid_width, skip_offsets)[None]
     if g:
         n = q_tok.shape[1]
         keys = jnp.concatenate(
@@ -378,7 +428,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                                       negative_slope=negative_slope, dropout_rate=dropout_rate,
                                       dropout_rng=rng_tok,
                                       prior_logits=distance_prior_logits(
-                                          window_distances(window, causal, grid_width), g, kl_tau))
+                                          window_distances(window, causal, grid_width,
+                                                           skip_offsets), g, kl_tau))
     aux = {"probs": st["probs"], "kl_sum": st["kl_sum"], "kl_count": st["kl_count"]}
     if kl_mode == "neighbour":
         # On a grid, raster neighbours across a row end are not image neighbours.
@@ -432,7 +483,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                           rel_bias: Array | None = None, global_bias: Array | None = None,
                           negative_slope: float | None = None, dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None, kl_tau: float | None = None,
-                          kl_mode: str = "prior") -> tuple[Array, dict[str, Array]]:
+                          kl_mode: str = "prior",
+                          skip_offsets: Sequence[int] = ()) -> tuple[Array, dict[str, Array]]:
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
 
     Cost O(B T (2w+1+g) H C): neighbours are gathered with `c_i + o` index arrays (clamped, and
@@ -456,6 +508,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
       kl_tau: None for the uniform KL prior, or tau of the distance prior (dist = |j - c_i|).
       kl_mode: 'prior' or 'neighbour' (`neighbour_kl` over consecutive decoder rows, slots
         aligned by offset from the centre).
+      skip_offsets: skip edges c_i -/+ s beyond the window (`window_offsets`); rel_bias is then
+        `[H, 2w+1+2|skips|]`.
 
     Returns:
       out `[B, T, H, D]` (zero at padded decoder rows) and a dict with `probs`
@@ -463,7 +517,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     """
     offsets = check_graph_call(query, key, value, attn, window=window, num_global=num_global,
                                rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
-                               kl_mode=kl_mode, rho=rho, cross=True)
+                               kl_mode=kl_mode, rho=rho, cross=True, skip_offsets=skip_offsets)
     b, t, heads = query.shape[:3]
     length = key.shape[1]
     mask = masking.as_bool(mask, (b, t), "mask", "[B, T]")
@@ -496,7 +550,8 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                                   negative_slope=negative_slope, dropout_rate=dropout_rate,
                                   dropout_rng=dropout_rng,
                                   prior_logits=distance_prior_logits(
-                                      window_distances(window), g, kl_tau))
+                                      window_distances(window, skip_offsets=skip_offsets), g,
+                                      kl_tau))
     kl_sum, kl_count = st["kl_sum"], st["kl_count"]
     if kl_mode == "neighbour":
         kl_sum, kl_count = neighbour_kl(st["probs"], st["log_probs"], valid)

@@ -27,6 +27,7 @@ dropped. Global nodes get no spectral PE (htgn.md §5.2: they only shift the tok
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -261,3 +262,83 @@ def path_adjacency(length: int, *, radius: int = 1) -> np.ndarray:
     idx = np.arange(length)
     dist = np.abs(idx[:, None] - idx[None, :])
     return ((dist >= 1) & (dist <= radius)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# (b) with skip edges: the spectral encodings of the graph the graph layers use
+# --------------------------------------------------------------------------------------------
+
+
+def _numpy_spectral(adjacency: np.ndarray, num_pe: int, basis: str) -> np.ndarray:
+    """`adjacency_graph_pe` in NumPy float64 (a trace-time constant), K columns, the modes a short
+    graph lacks as zero columns."""
+    n = adjacency.shape[0]
+    limit = n - 1 if basis == "laplacian" else n
+    out = np.zeros((n, num_pe))
+    k = min(num_pe, limit)
+    if k == 0:
+        return out
+    if basis == "laplacian":
+        vecs = np.linalg.eigh(np.diag(adjacency.sum(1)) - adjacency)[1][:, 1:k + 1]
+    else:
+        vecs = np.linalg.eigh(adjacency)[1][:, ::-1][:, :k]
+    big = np.abs(vecs) > 1e-3 * np.abs(vecs).max(axis=0, keepdims=True)
+    first = np.take_along_axis(vecs, np.argmax(big, axis=0)[None], axis=0)
+    out[:, :k] = vecs * np.where(first < 0, -1.0, 1.0) * math.sqrt(n / 2.0)
+    return out
+
+
+def skip_path_adjacency(length: int, skip_offsets: tuple[int, ...]) -> np.ndarray:
+    """`[N, N]` adjacency of the path plus the skip edges |i - j| = s (the graph layers' sequence
+    graph with `skip_offsets`, htgn.md §5.3)."""
+    dist = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
+    return np.isin(dist, (1,) + tuple(skip_offsets)).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=32)
+def _skip_path_table(max_length: int, num_pe: int, skip_offsets: tuple[int, ...],
+                     basis: str) -> np.ndarray:
+    """`[max_length + 1, max_length, K]`: row n holds the encodings of the n-node skip graph."""
+    table = np.zeros((max_length + 1, max_length, num_pe))
+    for n in range(1, max_length + 1):
+        table[n, :n] = _numpy_spectral(skip_path_adjacency(n, skip_offsets), num_pe, basis)
+    return table
+
+
+def skip_path_graph_pe(length: int, num_pe: int, skip_offsets: tuple[int, ...], *,
+                       basis: str = "laplacian", dtype: Any = jnp.float32) -> Array:
+    """`path_graph_pe` of the path plus skip edges (eigh; degenerate modes have no canonical basis):
+    `[N, K]`. With no skips use the closed form `path_graph_pe`."""
+    check_choice("basis", basis, BASES)
+    check_int("length", length, 1)
+    check_int("num_pe", num_pe, 1)
+    return jnp.asarray(_numpy_spectral(skip_path_adjacency(length, tuple(skip_offsets)), num_pe,
+                                       basis), dtype)
+
+
+def masked_skip_path_graph_pe(mask: Array, num_pe: int, skip_offsets: tuple[int, ...], *,
+                              basis: str = "laplacian", dtype: Any = jnp.float32) -> Array:
+    """`masked_path_graph_pe` on the path plus skip edges: example b gets the encodings of the
+    skip graph over its L_b real tokens (a table over every length up to T, computed once in NumPy),
+    padded positions zeros. `[B, T, K]`."""
+    check_choice("basis", basis, BASES)
+    check_int("num_pe", num_pe, 1)
+    valid = jnp.asarray(mask).astype(bool)
+    table = jnp.asarray(_skip_path_table(valid.shape[1], num_pe, tuple(skip_offsets), basis), dtype)
+    index = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    lengths = jnp.sum(valid, axis=1)
+    pe = table[lengths[:, None], index]
+    return jnp.where(valid[..., None], pe, 0.0).astype(dtype)
+
+
+def skip_grid_graph_pe(height: int, width: int, num_pe: int, skip_offsets: tuple[int, ...], *,
+                       dtype: Any = jnp.float32) -> Array:
+    """`grid_graph_pe` of the 4-neighbour grid plus the dilated 8-neighbourhood edges of each skip
+    s (the classifier's stencil graph with `skip_offsets`), by eigh: `[H * W, K]`."""
+    grid_graph_modes(height, width, num_pe)   # checks the arguments
+    r, c = np.divmod(np.arange(height * width), width)
+    dr, dc = np.abs(r[:, None] - r[None, :]), np.abs(c[:, None] - c[None, :])
+    adj = (dr + dc == 1)
+    for s in skip_offsets:
+        adj |= ((dr == 0) | (dr == s)) & ((dc == 0) | (dc == s)) & (dr + dc > 0)
+    return jnp.asarray(_numpy_spectral(adj.astype(np.float64), num_pe, "laplacian"), dtype)

@@ -12,6 +12,9 @@ call those pure functions. One parameter tree serves every entry point:
   an encoder memory), as the decoder's third sub-layer (htgn.md §5.1 step 3), and its decoding
   cache Z_M = phi(K_M)^T V_M, t_M = phi(K_M)^T 1 (htgn.md §5.4), so each decoding step is O(M D).
 
+* `kernel_features`, `query_features`, `key_features`: the features phi(q), phi(k) these forms use,
+  for the graph layers' `alpha='attention'` (docs/htgn_options.md).
+
 Random features (design, htgn.md §2.4 / §5.4). Omega `[M, D]` is a pure function of a fixed seed and
 the training step, `ops.draw_projection(PRNGKey(projection_seed), feature_step, redraw_every=k)`: the
 layer redraws every k steps deterministically (same seed and step, same matrix), and nothing is
@@ -94,7 +97,10 @@ class FavorAttention(nn.Module):
 
     Attributes:
       num_heads: H.
-      head_dim: D, width of each head (queries, keys and values).
+      head_dim: D, width of each head (values; queries and keys too unless `qk_rank`).
+      qk_rank: r, the per-head width of the query and key projections (the HTGN card's low-rank
+        W^Q, W^K in R^{d x r}, r < D; htgn.md §5.4, docs/htgn_options.md); None = D. The kernel
+        is then exp(q^T k / sqrt(r)) on the r-dimensional queries and keys; values stay D wide.
       out_features: width of the output projection; None = the input width E.
       causal: unidirectional self-attention (data-independent key stabiliser, so that every form
         is exactly causal and streamable); enables `init_state`, `scan` and `step`.
@@ -102,11 +108,13 @@ class FavorAttention(nn.Module):
         (`linear_attention.causal_parallel`, O(T^2)), an int C >= 1 = the chunked form
         (`linear_attention.causal_chunked`).
         Must be None when not causal.
-      num_features: M random features for feature_map='softmax' (None = 256); must be None for
-        the deterministic maps ('relu', 'elu': M = D) and for 'exact'.
-      feature_map: 'softmax' (FAVOR+ positive random features), 'relu' (Performer-ReLU, relu + 1e-3,
-        LRA's default), 'elu' (elu + 1), or 'exact' (quadratic softmax oracle for tests / small T).
-      redraw_every: redraw Omega every this many training steps; 0 = never (softmax only).
+      num_features: M random features (feature_map 'softmax' or 'trig'; None = 256); must be None
+        for the deterministic maps ('relu', 'elu': M = D) and for 'exact'.
+      feature_map: 'softmax' (FAVOR+ positive random features), 'trig' (random Fourier sin/cos
+        features of the same kernel, 2M features, `ops.trig_kernel_features`), 'relu'
+        (Performer-ReLU, relu + 1e-3, LRA's default), 'elu' (elu + 1), or 'exact' (quadratic
+        softmax oracle for tests / small T).
+      redraw_every: redraw Omega every this many training steps; 0 = never (random maps only).
       use_rotary: rotate q and k (RoPE, HTGN's HRPE (a)) before the feature map; off by default
         (plain FAVOR+; the HTGN models turn it on); must be False for `cross`.
       rotary_base: RoPE frequency base.
@@ -126,6 +134,7 @@ class FavorAttention(nn.Module):
     out_features: Optional[int] = None
     causal: bool = False
     chunk_size: Optional[int] = None
+    qk_rank: Optional[int] = None
     num_features: Optional[int] = None
     feature_map: str = "softmax"
     redraw_every: int = 0
@@ -149,12 +158,13 @@ class FavorAttention(nn.Module):
         # float32 whatever `dtype` is: a bf16 q.w is off by about |q.w| 2^-8 inside exp(), i.e.
         # a relative error of the feature itself (values and the output projection use `dtype`).
         qk_dtype = None if self.dtype is None else jnp.promote_types(self.dtype, jnp.float32)
-        self.query = dense(name="query", dtype=qk_dtype)
-        self.key = dense(name="key", dtype=qk_dtype)
+        qk_features = (self.num_heads, self._qk_dim)
+        self.query = dense(name="query", dtype=qk_dtype, features=qk_features)
+        self.key = dense(name="key", dtype=qk_dtype, features=qk_features)
         self.value = dense(name="value")
         self.out = HeadsOutput(self.out_features, self.use_bias, self.dtype, self.param_dtype,
                                self.kernel_init, self.bias_init, name="out")
-        if self.feature_map == "softmax" and (
+        if self.feature_map in ops.RANDOM_FEATURE_MAPS and (
                 self.is_initializing() or self.has_variable("random_features", "projection")):
             self.projection = self.variable("random_features", "projection",
                                             lambda: self._draw(None))
@@ -164,19 +174,28 @@ class FavorAttention(nn.Module):
     # --- shared pieces ---------------------------------------------------------------------
 
     @property
+    def _qk_dim(self) -> int:
+        return self.head_dim if self.qk_rank is None else self.qk_rank
+
+    @property
+    def _num_random(self) -> int:
+        return self.num_features or DEFAULT_NUM_FEATURES
+
+    @property
     def _m(self) -> int:
-        if self.feature_map == "softmax":
-            return self.num_features or DEFAULT_NUM_FEATURES
-        return self.head_dim
+        """Width of the features (and of the state): M, 2M for 'trig', r or D when deterministic."""
+        if self.feature_map in ops.RANDOM_FEATURE_MAPS:
+            return self._num_random * (2 if self.feature_map == "trig" else 1)
+        return self._qk_dim
 
     def _draw(self, feature_step) -> Array:
         return ops.draw_projection(jax.random.PRNGKey(self.projection_seed), feature_step,
-                                   num_features=self._m, dim=self.head_dim,
+                                   num_features=self._num_random, dim=self._qk_dim,
                                    redraw_every=self.redraw_every)
 
     def _omega(self, feature_step, deterministic: bool) -> Array | None:
         """The projection in force (see the module docstring); None for deterministic maps."""
-        if self.feature_map != "softmax":
+        if self.feature_map not in ops.RANDOM_FEATURE_MAPS:
             return None  # deterministic maps: the features are the same at every step
         if feature_step is None:
             if not deterministic and self.redraw_every > 0:
@@ -221,7 +240,8 @@ class FavorAttention(nn.Module):
         return masking.zero_padding(x, mask)
 
     def _read_out(self, num, den, guard, v, width: int) -> Array:
-        return self.out(ops.normalize(num, den, guard).astype(v.dtype), width)
+        y = ops.normalize(num, den, guard, floor=self.feature_map == "trig")
+        return self.out(y.astype(v.dtype), width)
 
     # --- self-attention --------------------------------------------------------------------
 
@@ -393,3 +413,36 @@ class FavorAttention(nn.Module):
         num = jnp.einsum("bthm,bhmd->bthd", phi_q, cache.num.astype(phi_q.dtype))
         den = jnp.einsum("bthm,bhm->bth", phi_q, cache.den.astype(phi_q.dtype))
         return self._read_out(num, den, guard, q, x_t.shape[-1])[:, 0]
+
+    # --- kernel features for the graph layers' alpha='attention' (docs/htgn_options.md) -----
+
+    def kernel_features(self, x: Array, *, mask: Array | None = None,
+                        positions: Array | None = None,
+                        feature_step: Array | int | None = None) -> tuple[Array, Array]:
+        """(phi(q) `[B, T, H, M]`, phi(k) `[B, T, H, M]`) of the self-attention on x `[B, T, E]`,
+        exactly as `__call__` / `step` form them (same projections, RoPE, Omega, key stabiliser), so
+        phi(q_i).phi(k_j) is this layer's kernelised score of the edge i -> j."""
+        self._check_kernel("kernel_features")
+        x = self._inputs(x, mask)
+        q, k, _ = self._qkv(x, x, self._positions(positions, x))
+        phi_q, phi_k, _ = self._features(q, k, self._omega(feature_step, True), mask,
+                                         "constant" if self.causal else "max")
+        return phi_q, phi_k
+
+    def query_features(self, x: Array, *, feature_step: Array | int | None = None) -> Array:
+        """phi(q) `[B, T, H, M]` of the cross-attention's queries x `[B, T, E]` (as `cross`)."""
+        self._check_kernel("query_features")
+        q = self.query(x)
+        return self._features(q, q, self._omega(feature_step, True), None, "max")[0]
+
+    def key_features(self, memory: Array, *, memory_mask: Array | None = None,
+                     feature_step: Array | int | None = None) -> Array:
+        """phi(k) `[B, S, H, M]` of the cross-attention's memory keys (as `cross`, masked)."""
+        self._check_kernel("key_features")
+        memory = self._inputs(memory, memory_mask, "memory")
+        k = self.key(memory)
+        return self._features(k, k, self._omega(feature_step, True), memory_mask, "max")[1]
+
+    def _check_kernel(self, method: str) -> None:
+        if self.feature_map == "exact":
+            fail(f"`{method}` needs a kernel feature_map (exact softmax has no features)")

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 from htgn_jax import hrpe, validation
 from htgn_jax.blocks import (BlockConfig, DecoderBlock, Encoder, drop_path_rate, merge_aux,
                              with_globals)
-from htgn_jax.validation import ATTENTIONS  # noqa: F401  (the configs read it from here)
+from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (read by the configs)
 from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.remat import call_block
 
@@ -100,7 +100,9 @@ def _aux(m, aux: dict) -> dict[str, Array]:
     graph layer's (row, head) terms (htgn.md §5.7), formed once from the summed 'kl_sum'/'kl_count'."""
     zero = jnp.zeros((), jnp.float32)
     kl = aux.get("kl_sum", zero) / jnp.maximum(aux.get("kl_count", zero), 1.0)
-    return {"loss/kl": jnp.asarray(m.kl_weight, jnp.float32) * kl, "graph/kl": kl}
+    # A registry encoder attention's own losses (e.g. AGF's 'loss/orth'), summed over the layers.
+    own = {k: v for k, v in aux.items() if k.startswith("loss/") and k != "loss/kl"}
+    return {**own, "loss/kl": jnp.asarray(m.kl_weight, jnp.float32) * kl, "graph/kl": kl}
 
 
 class _HTGNModel(nn.Module, kw_only=True):
@@ -116,9 +118,11 @@ class _HTGNModel(nn.Module, kw_only=True):
     attention: str = "favor"
     feature_map: str = "softmax"
     num_features: int = 32
+    qk_rank: Optional[int] = None
     redraw_every: int = 0
     window: int = 4
     num_global: int = 2
+    skip_offsets: tuple[int, ...] = ()
     num_pe: int = 8
     use_graph_conv: bool = True
     use_hrpe: bool = True
@@ -129,6 +133,9 @@ class _HTGNModel(nn.Module, kw_only=True):
     dropout_rate: float = 0.1
     attention_dropout: float = 0.0
     drop_path: float = 0.0
+    drop_path_start: float = 0.0
+    graph_activation: str = "none"
+    graph_alpha: str = "learned"
     norm: str = "pre"
     per_layer_features: bool = False
     dtype: Any = None
@@ -153,11 +160,24 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       d_model, num_heads, mlp_dim: d, H (d_h = d / H), d_ff.
       num_layers: depth of both stacks unless num_encoder_layers / num_decoder_layers are set.
       num_encoder_layers, num_decoder_layers: L_e, L_d (None = num_layers).
-      attention: 'favor' (HTGN) | 'softmax' (vanilla Transformer: exact softmax attention).
-      feature_map: FAVOR+ map: 'softmax' (positive random features), 'relu', 'elu', 'exact'.
-      num_features: m random features (feature_map='softmax').
+      attention: 'favor' (HTGN) | 'softmax' (vanilla Transformer: exact softmax attention) | any
+        other self-attention of the zoo registry with a non-causal layer (`encoder_attentions()`,
+        e.g. 'agf', 'window_graph'; the card's baselines 'reformer', 'longformer' once
+        registered), built by `zoo_core.attention.layer` for the encoder self-attention only; the
+        decoder (causal self- and cross-attention) then uses exact softmax, and the baseline
+        defaults of 'softmax' apply (no graph layers, no HRPE, unless given).
+      feature_map: FAVOR+ map: 'softmax' (positive random features), 'trig' (random Fourier
+        sin/cos features of the softmax kernel, Performer's trig map; docs/htgn_options.md),
+        'relu', 'elu', 'exact'.
+      num_features: m random features (feature_map 'softmax' or 'trig').
+      qk_rank: r, per-head width of the query/key projections (the card's low-rank W^Q, W^K,
+        r <= d_h; None = d_h, the full-rank default); every attention layer.
       window: WinGAT radius w (encoder +-w, decoder -w..0).
       num_global: g encoder global nodes.
+      skip_offsets: multi-scale skip edges (e.g. (8, 16)) beside the window in every graph
+        layer: token i also attends to i -/+ s (decoder: i - s; Cross-Graph: c_i -/+ s; classifier
+        grid: the dilated 8-neighbourhood at distance s), each s > window (and > cross_window),
+        one relative-bias slot each (HRPE (c) sees the same graph). Cost O(N (2w + 1 + 2|s| + g)).
       cross_window: Cross-Graph radius w_x.
       rho: Cross-Graph centre ratio (mean source length / mean target length).
       cross_graph_layers: 'all' | 'last' decoder blocks with Cross-Graph attention.
@@ -169,7 +189,17 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       kl_mode: 'prior' (KL(alpha_i || pi_i)) or 'neighbour' (KL(alpha_i || alpha_{i-1}) of
         consecutive rows aligned by offset, `graph_kl.neighbour_kl`; htgn.md §5.7).
       dropout_rate: embeddings, residual branches and FFN; attention_dropout: GAT probabilities.
-      drop_path: p_max of the DropPath schedule (htgn.md §5.8).
+      drop_path: p_max of the DropPath schedule (htgn.md §5.8), the deepest block's rate.
+      drop_path_start: the first block's rate p_0 (the card: "from 0.1 to 0.3"); each stack
+        (encoder, decoder) goes linearly from p_0 to drop_path (default 0: the spec's 0 -> p_max).
+      graph_activation: sigma after the graph convolution, applied to the aggregated messages
+        sum_j alpha_ij W_s h_j before the heads' output projection (the card's
+        h = sigma(sum_j alpha_ij W_g h_j), sigma = ReLU): 'none' (default, spec §3.4) | 'relu';
+        window, causal window and Cross-Graph layers alike.
+      graph_alpha: 'learned' (default: GAT/GATv2 scores, `gat_version`) | 'attention' (the card's
+        "alpha derived from self-attention": alpha_ij = phi(q_i).phi(k_j) e^{b_ij} renormalised
+        over N(i), with phi the block's FAVOR+ features: its self-attention for the window graphs,
+        its cross-attention for Cross-Graph; needs attention='favor', a kernel feature_map).
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+.
       per_layer_features: a FAVOR+ projection per layer (default: one shared by all layers).
@@ -243,7 +273,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
                                self.per_layer_features, name="encoder")
         n_dec = self.decoder_layers
         self.decoder_blocks = [
-            DecoderBlock(config, drop_path_rate(self.drop_path, i, n_dec),
+            DecoderBlock(config, drop_path_rate(self.drop_path, i, n_dec, self.drop_path_start),
                          2 * (self.encoder_layers + i) + 2 if self.per_layer_features else 0,
                          self.cross_graph_layers == "all" or i == n_dec - 1,
                          name=f"decoder_block_{i:02d}")
@@ -260,7 +290,12 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     def _source_tokens(self, inputs: Array, mask: Array, deterministic: bool) -> Array:
         x = self._embed(self.source_embed, inputs)
         if self.use_hrpe:
-            pe = hrpe.masked_path_graph_pe(mask, self.num_pe, basis=self.pe_basis, dtype=x.dtype)
+            if self.skip_offsets:   # HRPE (b) on the graph the graph layers use
+                pe = hrpe.masked_skip_path_graph_pe(mask, self.num_pe, tuple(self.skip_offsets),
+                                                    basis=self.pe_basis, dtype=x.dtype)
+            else:
+                pe = hrpe.masked_path_graph_pe(mask, self.num_pe, basis=self.pe_basis,
+                                               dtype=x.dtype)
             x = self.encoder_input(jnp.concatenate([x, pe], axis=-1))
         else:
             x = x + self.source_pos_embed[:inputs.shape[1]].astype(x.dtype)[None]
@@ -268,6 +303,9 @@ class Seq2Seq(_HTGNModel, kw_only=True):
 
     def _decoder_pe(self) -> Array:
         """`[max_target_len, K_pe]`: the path PE on the fixed N_ref = max_target_len nodes."""
+        if self.skip_offsets:
+            return hrpe.skip_path_graph_pe(self.max_target_len, self.num_pe,
+                                           tuple(self.skip_offsets), basis=self.pe_basis)
         return hrpe.path_graph_pe(self.max_target_len, self.num_pe, basis=self.pe_basis)
 
     def _target_tokens(self, ids: Array, positions: Array, deterministic: bool) -> Array:
@@ -420,7 +458,9 @@ class Classifier(_HTGNModel, kw_only=True):
         patches = patches.reshape(b, gr * gr, p * p * self.channels)
         patches = patches.astype(self.dtype or jnp.promote_types(x.dtype, jnp.float32))
         if self.use_hrpe:
-            pe = hrpe.grid_graph_pe(gr, gr, self.num_pe, dtype=patches.dtype)
+            pe = (hrpe.skip_grid_graph_pe(gr, gr, self.num_pe, tuple(self.skip_offsets),
+                                          dtype=patches.dtype) if self.skip_offsets
+                  else hrpe.grid_graph_pe(gr, gr, self.num_pe, dtype=patches.dtype))
             h = self.patch_embed(jnp.concatenate(
                 [patches, jnp.broadcast_to(pe[None], (b,) + pe.shape)], axis=-1))
         else:
@@ -498,11 +538,13 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
     if unknown:
         fail(f"unknown Model kwargs for kind={kind!r}: {unknown}; allowed: {list(allowed)}")
     args = {k: v for k, v in (VARIANTS[variant] if variant else {}).items() if k in allowed}
-    if kwargs.get("attention") == "softmax":
+    if kwargs.get("attention", "favor") != "favor":
         for k, v in {**SOFTMAX_BASELINE_DEFAULTS, **SOFTMAX_BASELINE_KIND_DEFAULTS[kind]}.items():
             if k not in kwargs:
                 args[k] = v
     args.update(kwargs)
+    if isinstance(args.get("skip_offsets"), list):   # a config's list: a hashable module field
+        args["skip_offsets"] = tuple(args["skip_offsets"])
     validation.check_switched_off(kwargs, args)
     fields = {f.name: f for f in dataclasses.fields(KINDS[kind])}
     missing = [n for n in allowed if fields[n].default is dataclasses.MISSING and n not in args]

@@ -48,6 +48,10 @@ Stabilisers (htgn.md §5.4):
     overflow) while M_w < 100, i.e. D up to ~140 at m=256; below M_w = 40 (D <= ~32) c = M_w
     exactly as in the spec.
 
+Trig features (`feature_map='trig'`, the HTGN card's sine-cosine kernel; docs/htgn_options.md):
+`trig_kernel_features`, sin/cos random Fourier features of the same softmax kernel (2M wide), whose
+denominator estimate can be 0 or negative; `normalize(..., floor=True)` floors it at eps.
+
 Random features: `gaussian_orthogonal_random_matrix` is the original Gaussian-orthogonal
 constructor (QR row blocks, rows rescaled by chi_D norms for `scaling=0`); with `fix_signs=False`
 a PRNG key gives the original's matrix. By default it adds the Haar sign correction of the QR
@@ -71,7 +75,8 @@ from zoo_core.linear_attention import LinearState, acc_dtype
 
 Array = Any
 
-FEATURE_MAPS = ("softmax", "relu", "elu", "exact")
+FEATURE_MAPS = ("softmax", "trig", "relu", "elu", "exact")
+RANDOM_FEATURE_MAPS = ("softmax", "trig")   # maps with a random projection Omega (num_features, redraw)
 KEY_STABILISERS = ("max", "constant")
 CAUSAL_IMPLS = ("chunked", "recurrent", "quadratic")
 RELU_EPS = 1e-3  # kernel_epsilon of the original's generalized (ReLU) attention
@@ -274,6 +279,56 @@ def elu_features(x: Array) -> Array:
     return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
+# exp() cap of the causal trig key scale: a key's weight is at most e^10 that of a zero-norm key, so
+# with the denominator floor (1e-6) outputs and gradients stay far inside float32 whatever the input.
+TRIG_KEY_CAP = 10.0
+
+
+def trig_kernel_features(x: Array, projection: Array, *, is_query: bool,
+                         mask: Array | None = None, key_stabiliser: str = "max") -> Array:
+    """Random Fourier (sin/cos) features of the softmax kernel (Performer §2.2, "trig" features).
+
+    phi(x) = exp(||x'||^2/2 - s) / sqrt(M) [sin(w_i^T x'), cos(w_i^T x')]_{i=1..M}, x' = x D^(-1/4),
+    so E[phi(q)^T phi(k)] = exp(q^T k / sqrt(D)) up to the scales s (Bochner: E cos(w^T(q'-k')) =
+    exp(-||q'-k'||^2/2)). The features can be negative, so the estimated denominator can be 0 or
+    negative (`normalize(..., floor=True)` handles it). The scales s keep exp() in range:
+
+    * queries: s = ||q'||^2/2 per token (it cancels between numerator and denominator);
+    * keys, 'max': s = stop_gradient of the max of ||k'||^2/2 over the valid keys, one scalar per
+      (batch, head) (a global constant, cancels; the original's trig stabiliser);
+    * keys, 'constant' (causal: no data-dependent constant may be used): s = 0, with the exponent
+      capped at `TRIG_KEY_CAP` = 10; the cap changes a key only if ||k||^2 > 20 sqrt(D) (at
+      initialisation ||k||^2 is about D, so it binds for no key there), and it bounds the key
+      scales, which the absolute denominator floor needs to keep adversarial inputs finite.
+
+    Args:
+      x: `[B, T, H, D]`; projection: Omega `[M, D]`; mask: optional `[B, T]` (keys only).
+      is_query, key_stabiliser: as in `softmax_kernel_features`.
+
+    Returns:
+      phi(x), `[B, T, H, 2M]` (sines then cosines), float32 (float64 for float64 inputs).
+    """
+    if key_stabiliser not in KEY_STABILISERS:
+        raise ValueError(f"key_stabiliser must be one of {KEY_STABILISERS}, got {key_stabiliser!r}")
+    masking.check_mask(mask, x.shape[:2])
+    mask = None if mask is None else jnp.asarray(mask).astype(bool)
+    dt = acc_dtype(x, projection)
+    x = masking.zero_padding(x.astype(dt), mask) * projection.shape[1] ** -0.25
+    proj = jnp.einsum("bthd,md->bthm", x, projection.astype(dt))
+    half_sq = 0.5 * jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+    if is_query:
+        scale = jnp.ones_like(half_sq)
+    elif key_stabiliser == "constant":
+        scale = jnp.exp(jnp.minimum(half_sq, TRIG_KEY_CAP))
+    else:
+        valid = half_sq if mask is None else jnp.where(mask[:, :, None, None], half_sq, -jnp.inf)
+        stab = jnp.max(valid, axis=(1, 3), keepdims=True)
+        stab = jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))
+        scale = jnp.exp(half_sq - stab)
+    phi = scale * projection.shape[0] ** -0.5 * jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], -1)
+    return masking.zero_padding(phi, mask)
+
+
 def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
                    projection: Array | None = None, key_mask: Array | None = None,
                    eps: float = 1e-6, key_stabiliser: str = "max") -> tuple[Array, Array, Array]:
@@ -282,8 +337,9 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
     Args:
       q: queries `[B, T, H, D]`.
       k: keys `[B, S, H, D]`.
-      feature_map: 'softmax' (FAVOR+), 'relu' or 'elu' ('exact' has no features).
-      projection: Omega `[M, D]`; required for 'softmax', must be None otherwise.
+      feature_map: 'softmax' (FAVOR+), 'trig' (sin/cos random Fourier features, `[.., 2M]`),
+        'relu' or 'elu' ('exact' has no features).
+      projection: Omega `[M, D]`; required for 'softmax' and 'trig', must be None otherwise.
       key_mask: optional `[B, S]` key-padding mask; masked keys get zero features.
       eps: additive stabiliser of the softmax features and threshold of the denominator guard.
       key_stabiliser: 'max' or 'constant' (softmax only; see the module docstring).
@@ -292,8 +348,8 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
       (phi_q `[B, T, H, M]`, phi_k `[B, S, H, M]`, guard), where `guard` is the scalar threshold
       to pass to `normalize` (eps, scaled by exp(-c) for the constant key stabiliser).
     """
-    if feature_map not in ("softmax", "relu", "elu"):
-        raise ValueError(f"feature_map must be 'softmax', 'relu' or 'elu' here, "
+    if feature_map not in ("softmax", "trig", "relu", "elu"):
+        raise ValueError(f"feature_map must be 'softmax', 'trig', 'relu' or 'elu' here, "
                          f"got {feature_map!r}")
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must have rank 4 [B, T, H, D], got {q.shape} and {k.shape}")
@@ -309,6 +365,13 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
             guard = guard * jnp.exp(-jax.lax.stop_gradient(
                 constant_key_stabiliser(projection.astype(phi_k.dtype))))
         return phi_q, phi_k, guard
+    if feature_map == "trig":
+        if projection is None:
+            raise ValueError("projection is required for feature_map='trig'")
+        phi_q = trig_kernel_features(q, projection, is_query=True)
+        phi_k = trig_kernel_features(k, projection, is_query=False, mask=key_mask,
+                                     key_stabiliser=key_stabiliser)
+        return phi_q, phi_k, jnp.asarray(eps, phi_k.dtype)
     if projection is not None:
         raise ValueError(f"projection must be None for the deterministic "
                          f"feature_map={feature_map!r}")
@@ -322,17 +385,26 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
 # --------------------------------------------------------------------------------------------
 
 
-def normalize(num: Array, den: Array, guard: Array | float) -> Array:
+def normalize(num: Array, den: Array, guard: Array | float, *, floor: bool = False) -> Array:
     """out = num / den with the original's guard den <- den + 2 guard [|den| <= guard] (§2.5).
+
+    `floor=True` (the trig features, whose estimated denominator can be 0 or negative although
+    the true one is positive): den <- max(den, guard) instead. A non-positive estimate is pure
+    noise, so the row is read as "weak evidence" (num / guard, finite) rather than flipping its
+    sign; the floor is inactive, and the estimate unbiased-ratio, wherever den > guard, which holds
+    for every row once M is large enough (the convergence test checks it never binds).
 
     Args:
       num: numerator `[B, T, H, Dv]`.
       den: denominator `[B, T, H]`.
       guard: scalar threshold (see `favor_features`).
+      floor: the trig floor above instead of the FAVOR+ guard.
 
     Returns:
       `[B, T, H, Dv]`; rows with no valid key (den = 0) come out as 0.
     """
+    if floor:
+        return num * jnp.reciprocal(jnp.maximum(den, guard))[..., None]
     den = den + 2.0 * guard * (jnp.abs(den) <= guard).astype(den.dtype)
     return num * jnp.reciprocal(den)[..., None]
 
@@ -412,8 +484,8 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
 
     Args:
       q: `[B, T, H, D]`; k: `[B, S, H, D]`; v: `[B, S, H, Dv]`.
-      feature_map: 'softmax' | 'relu' | 'elu' | 'exact'.
-      projection: Omega `[M, D]` for 'softmax' (None otherwise).
+      feature_map: 'softmax' | 'trig' | 'relu' | 'elu' | 'exact'.
+      projection: Omega `[M, D]` for 'softmax' and 'trig' (None otherwise).
       causal: unidirectional attention (S == T).
       key_mask: optional `[B, S]` key-padding mask.
       eps: numerical stabiliser (features and denominator guard).
@@ -451,4 +523,4 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
     else:
         num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=key_mask,
                                                     denominator=True)
-    return normalize(num, den, guard)
+    return normalize(num, den, guard, floor=feature_map == "trig")

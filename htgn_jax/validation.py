@@ -17,7 +17,35 @@ from htgn_jax import graph_ops, hrpe, ops
 from zoo_core.checks import (check_choice, check_chunk_size, check_divisible, check_int, check_nonnegative,
                              check_optional_int, check_rate, fail)
 
-ATTENTIONS = ("favor", "softmax")
+ATTENTIONS = ("favor", "softmax")   # HTGN's own: every stack (encoder, causal decoder, cross)
+
+
+def encoder_attentions() -> tuple[str, ...]:
+    """The names `attention` accepts: 'favor', 'softmax' and every other self-attention of the
+    zoo's registry (`zoo_core.attention.names('self')`) that has a non-causal contract layer
+    (`zoo_core.attention.layer`), e.g. 'agf', 'window_graph' (and 'reformer', 'longformer' once
+    registered). Those drive the encoder only; a seq2seq decoder then uses exact softmax."""
+    from zoo_core import attention   # the registry imports the architecture packages lazily
+    out = list(ATTENTIONS)
+    for name in attention.names("self"):
+        if name in out:
+            continue
+        try:
+            attention.layer(name, num_heads=1, qkv_features=2)
+        except ValueError:            # no non-causal contract layer (e.g. 'linear': causal only)
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def check_attention(name) -> None:
+    """`attention` is one of `encoder_attentions()`, else one line naming the choices."""
+    if name in ATTENTIONS:
+        return
+    allowed = encoder_attentions()
+    if name not in allowed:
+        fail(f"`attention` must be one of {allowed} (favor / softmax anywhere; the other registry "
+             f"self-attentions with a non-causal layer for the encoder), got {name!r}")
 FEATURE_MAPS = ops.FEATURE_MAPS
 GAT_VERSIONS = graph_ops.VERSIONS
 NORMS = ("pre", "post")
@@ -28,7 +56,7 @@ PE_BASES = hrpe.BASES
 # Fields that only the graph layers / HRPE read: given explicitly while that part is switched off
 # they would be ignored, so the factory refuses them.
 GRAPH_ONLY_KWARGS = ("window", "cross_window", "rho", "cross_graph_layers", "gat_version",
-                     "kl_tau", "kl_mode")
+                     "kl_tau", "kl_mode", "graph_activation", "skip_offsets", "graph_alpha")
 HRPE_ONLY_KWARGS = ("num_pe", "pe_basis")
 
 
@@ -40,7 +68,7 @@ def _kl_options_set(a: dict) -> list[str]:
 
 def check_common(a: dict) -> None:
     """Checks of the fields every HTGN model has (`a`: the resolved constructor kwargs)."""
-    check_choice("attention", a["attention"], ATTENTIONS)
+    check_attention(a["attention"])
     check_choice("feature_map", a["feature_map"], FEATURE_MAPS)
     check_choice("gat_version", a["gat_version"], GAT_VERSIONS)
     check_choice("norm", a["norm"], NORMS)
@@ -48,16 +76,38 @@ def check_common(a: dict) -> None:
         check_int(name, a[name], 1)
     check_int("window", a["window"], 0)
     check_int("num_global", a["num_global"], 0)
+    graph_ops.check_skip_offsets(a["skip_offsets"], a["window"])
     check_divisible("d_model", a["d_model"], "num_heads", a["num_heads"])
     if a["use_hrpe"] and (a["d_model"] // a["num_heads"]) % 2:
         fail(f"use_hrpe=True rotates channel pairs, so d_model / num_heads must be even, got "
              f"{a['d_model'] // a['num_heads']}")
-    if a["attention"] == "favor" and a["feature_map"] == "softmax":
+    if a["attention"] == "favor" and a["feature_map"] in ops.RANDOM_FEATURE_MAPS:
         check_int("num_features", a["num_features"], 1)
-    if a["attention"] == "softmax" and a["feature_map"] != "softmax":
+    if a["qk_rank"] is not None:
+        check_int("qk_rank", a["qk_rank"], 1)
+        head = a["d_model"] // a["num_heads"]
+        if a["qk_rank"] > head:
+            fail(f"qk_rank={a['qk_rank']} must be <= the head width d_model / num_heads = {head} "
+                 f"(a low-rank query/key projection)")
+        if a["use_hrpe"] and a["qk_rank"] % 2:
+            fail(f"use_hrpe=True rotates query/key channel pairs, so qk_rank must be even, got "
+                 f"{a['qk_rank']}")
+    if a["attention"] != "favor" and a["feature_map"] != "softmax":
         fail(f"feature_map applies to attention='favor' only, got feature_map={a['feature_map']!r} "
-             f"with attention='softmax'")
-    for name in ("dropout_rate", "attention_dropout", "drop_path"):
+             f"with attention={a['attention']!r}")
+    if a["attention"] not in ATTENTIONS and a["qk_rank"] is not None:
+        fail(f"qk_rank applies to attention 'favor' or 'softmax' (the HTGN attention layers), got "
+             f"attention={a['attention']!r}")
+    check_choice("graph_activation", a["graph_activation"], graph_ops.ACTIVATIONS)
+    check_choice("graph_alpha", a["graph_alpha"], graph_ops.ALPHAS)
+    if a["graph_alpha"] == "attention" and (a["attention"] != "favor" or a["feature_map"] == "exact"):
+        fail(f"graph_alpha='attention' reads the FAVOR+ kernel features, so it needs "
+             f"attention='favor' and a kernel feature_map, got attention={a['attention']!r}, "
+             f"feature_map={a['feature_map']!r}")
+    if a["graph_alpha"] == "attention" and a["gat_version"] != "v2":
+        fail(f"gat_version shapes the learned GAT scores; graph_alpha='attention' has none, got "
+             f"gat_version={a['gat_version']!r}")
+    for name in ("dropout_rate", "attention_dropout", "drop_path", "drop_path_start"):
         check_rate(name, a[name])
     graph_ops.check_kl(a["kl_tau"], a["kl_mode"])
     if _kl_options_set(a) and not a["use_graph_conv"]:
@@ -70,9 +120,10 @@ def check_common(a: dict) -> None:
         fail("attention_dropout acts on the graph-attention probabilities (htgn.md §5.6), but "
              "use_graph_conv=False")
     check_int("redraw_every", a["redraw_every"], 0)
-    if a["redraw_every"] and (a["attention"] != "favor" or a["feature_map"] != "softmax"):
+    if a["redraw_every"] and (a["attention"] != "favor"
+                              or a["feature_map"] not in ops.RANDOM_FEATURE_MAPS):
         fail(f"redraw_every redraws the FAVOR+ random features, so it needs attention='favor' and "
-             f"feature_map='softmax', got attention={a['attention']!r}, "
+             f"feature_map 'softmax' or 'trig', got attention={a['attention']!r}, "
              f"feature_map={a['feature_map']!r}")
     check_nonnegative("kl_weight", a["kl_weight"])
     if a["use_hrpe"]:
@@ -87,6 +138,7 @@ def check_seq2seq(a: dict) -> None:
     check_optional_int("num_encoder_layers", a["num_encoder_layers"])
     check_optional_int("num_decoder_layers", a["num_decoder_layers"])
     check_int("cross_window", a["cross_window"], 0)
+    graph_ops.check_skip_offsets(a["skip_offsets"], a["cross_window"], "cross_window")
     check_choice("cross_graph_layers", a["cross_graph_layers"], CROSS_GRAPH_LAYERS)
     check_choice("pe_basis", a["pe_basis"], PE_BASES)
     check_nonnegative("rho", a["rho"])
@@ -127,11 +179,12 @@ def check_switched_off(given: dict, a: dict) -> None:
         unused = [k for k in HRPE_ONLY_KWARGS if k in given]
         if unused:
             fail(f"{unused} apply to HRPE, but use_hrpe=False")
-    if a.get("attention", "favor") == "softmax" and "chunk_size" in given:
+    if a.get("attention", "favor") != "favor" and "chunk_size" in given:
         fail("chunk_size applies to attention='favor' (the chunked causal FAVOR+ form) only")
     if given.get("num_features") is not None and (
-            a.get("attention", "favor") == "softmax" or a.get("feature_map", "softmax") != "softmax"):
-        fail("num_features applies to attention='favor' with feature_map='softmax' only")
+            a.get("attention", "favor") != "favor"
+            or a.get("feature_map", "softmax") not in ops.RANDOM_FEATURE_MAPS):
+        fail("num_features applies to attention='favor' with feature_map='softmax' or 'trig' only")
 
 
 def check_feature_step(m, feature_step: Any) -> None:
@@ -207,12 +260,17 @@ def image(m, batch: dict):
 def check_favor_fields(m) -> None:
     """Field consistency of a `FavorAttention` `m` (called once from its setup)."""
     check_choice("feature_map", m.feature_map, ops.FEATURE_MAPS)
-    if m.use_rotary and m.head_dim % 2:
-        fail(f"`head_dim` must be even with use_rotary=True, got {m.head_dim}")
+    if m.qk_rank is not None:
+        check_int("qk_rank", m.qk_rank, 1)
+    qk = m.head_dim if m.qk_rank is None else m.qk_rank
+    if m.use_rotary and qk % 2:
+        fail(f"`{'head_dim' if m.qk_rank is None else 'qk_rank'}` must be even with "
+             f"use_rotary=True (RoPE rotates channel pairs), got {qk}")
     check_chunk_size(m.chunk_size, m.causal)
-    if m.feature_map != "softmax" and (m.num_features is not None or m.redraw_every):
-        fail(f"`num_features` and `redraw_every` apply to feature_map='softmax' only (random "
-             f"features), got {m.feature_map!r}")
+    if m.feature_map not in ops.RANDOM_FEATURE_MAPS and (m.num_features is not None
+                                                         or m.redraw_every):
+        fail(f"`num_features` and `redraw_every` apply to the random feature maps "
+             f"{ops.RANDOM_FEATURE_MAPS} only, got {m.feature_map!r}")
 
 
 def check_favor_method(m, method: str, *, causal: bool, state: bool = True) -> None:
@@ -233,6 +291,13 @@ def check_graph_fields(m) -> None:
     check_int("window", m.window, 0)
     check_choice("version", m.version, graph_ops.VERSIONS)
     check_rate("dropout_rate", m.dropout_rate)
+    graph_ops.check_skip_offsets(m.skip_offsets, m.window)
+    check_choice("activation", m.activation, graph_ops.ACTIVATIONS)
+    check_choice("alpha", m.alpha, graph_ops.ALPHAS)
+    if m.alpha == "attention" and (m.version != "v2" or m.negative_slope is not None
+                                   or m.attn_init is not None):
+        fail("`version`, `negative_slope` and `attn_init` shape learned GAT scores; "
+             "alpha='attention' takes its scores from the attention layer's features")
     if m.version == "dot" and m.attn_init is not None:
         fail("`attn_init` initialises the GAT attention vectors; version='dot' has none")
 
@@ -250,8 +315,9 @@ def check_window_state(m, state: Any, batch: int, head_dims: tuple[int, int]) ->
     """`state` is a `WindowState` of causal `WindowGraphAttention` `m` for `batch` sequences
     (C, D = `head_dims`): value `[B, w, H, D]`, key `[B, w, H, C]` for GAT v1 only, valid `[B, w]`."""
     c, d = head_dims
-    want = {"value": (batch, m.window, m.num_heads, d), "valid": (batch, m.window),
-            "key": (batch, m.window, m.num_heads, c) if m.version == "v1" else None}
+    keyed = m.version == "v1" or m.alpha == "attention"
+    want = {"value": (batch, m.span, m.num_heads, d), "valid": (batch, m.span),
+            "key": (batch, m.span, m.num_heads, c) if keyed else None}
     for name, shape in want.items():
         got = getattr(state, name, None)
         if (None if got is None else tuple(jnp.shape(got))) != shape:

@@ -8,7 +8,10 @@ The 8x8 image is cut into a 4x4 grid of 2x2 patches (16 tokens) with 2-D grid sp
 global token 0 is the CLS token (`pool=mean` averages the tokens instead). Arguments:
 attention = favor | softmax; ablation = none | no_graph | no_hrpe | no_global | no_kl | gat_v1 |
 gat_v2 | gat_dot | kl_distance | kl_neighbour (no_global switches to mean pooling); pool = cls |
-mean; optimizer = adamw | lamb | ranger; patch_size (1, 2 or 4); steps; smoke.
+mean; optimizer = adamw | lamb | ranger; patch_size (1, 2 or 4); steps; smoke; card (the HTGN
+card's choices together: trig features, qk_rank = d_h / 2, ReLU after the graph convolution, alpha from the
+attention's kernel scores, skip edges, DropPath 0.1 -> 0.3; docs/htgn_options.md); qk_rank, heads
+(sweeps; 0 = the preset's).
 
 Data: 1,797 images, stratified 80/20 train/test split (`digits`); the test accuracy after the last
 step is the reported number (no checkpoint is selected on test).
@@ -65,4 +68,5 @@ def get_config(arg=None):
         common.smoke(c)
         c.schedule.warmup_steps = 1
         c.model.num_layers = 1
+    htgn.set_card(c, args)
     return htgn.finish(c)

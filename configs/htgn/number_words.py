@@ -9,7 +9,10 @@ Arguments (`:key=value,...`): attention = favor (HTGN) | softmax (vanilla Transf
 size: exact softmax attention, no graph layers, learned absolute positions); ablation = none |
 no_graph | no_hrpe | no_global | no_kl | gat_v1 | gat_v2 | gat_dot | kl_distance | kl_neighbour
 (htgn.md §5.7, §5.13); optimizer = adamw | lamb | ranger; beam_size (BLEU decoding, 1 = greedy);
-steps; smoke.
+steps; smoke; card (the HTGN card's
+choices together: trig features, qk_rank = d_h / 2, ReLU after the graph convolution, alpha from the
+attention's kernel scores, skip edges, DropPath 0.1 -> 0.3; docs/htgn_options.md); qk_rank, heads
+(sweeps; 0 = the preset's).
 
 Data: 50k / 2k / 2k disjoint numbers in [0, 999999] (`number_words`), eval on 'validation'
 (`--config.data.eval_split=test` for the test split). Logged at every eval: eval/bleu, eval/chrf,
@@ -74,4 +77,5 @@ def get_config(arg=None):
         c.data.options.num_test = 16
         c.schedule.warmup_steps = 1
         c.model.num_layers = 1
+    htgn.set_card(c, args)
     return htgn.finish(c)

@@ -9,7 +9,10 @@ newstest2013) and test.{en,de} (newstest2014), one aligned sentence per line (se
 32k SentencePiece vocabulary is trained while preparing; source, target and output embeddings
 are shared. Arguments: source_dir; attention = favor | softmax; ablation (as number_words);
 optimizer = adamw | lamb | ranger; beam_size (default 4; GNMT length penalty 0.6 when > 1; smoke: at
-most 2); steps; smoke.
+most 2); steps; smoke; card (the HTGN card's
+choices together: trig features, qk_rank = d_h / 2, ReLU after the graph convolution, alpha from the
+attention's kernel scores, skip edges, DropPath 0.1 -> 0.3; docs/htgn_options.md); qk_rank, heads
+(sweeps; 0 = the preset's).
 
 Evaluation: BLEU on dev (newstest2013) every 5,000 steps selects the best checkpoint; newstest2014
 is then scored once with the training command plus `--eval_only --eval_split=test`.
@@ -82,4 +85,5 @@ def get_config(arg=None):
         c.schedule.warmup_steps = 1
     # GNMT's length penalty ranks beam hypotheses; greedy decoding (beam_size=1) has none to rank.
     c.decode.length_penalty = 0.6 if c.decode.beam_size > 1 else 0.0
+    htgn.set_card(c, args)
     return htgn.finish(c)
