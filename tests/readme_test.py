@@ -37,3 +37,13 @@ def test_the_block_takes_every_self_attention_name(capsys):
         exec(compile(block_snippet.replace('mechanism: str = "agf"', f'mechanism: str = "{name}"'),
                      f"README.md Block with {name}", "exec"), {"__name__": "__readme__"})
         assert "(2, 16, 64)" in capsys.readouterr().out, name
+
+
+def test_the_packed_and_long_sequences_snippet_runs(capsys):
+    """On the suite's 2 host devices: the sequence split in two."""
+    import jax
+
+    (snippet,) = re.findall(r"```python\n(.*?)```", _section("Packed and long sequences"), flags=re.S)
+    exec(compile(snippet, "README.md context-parallel snippet", "exec"), {"__name__": "__readme__"})
+    t = 64 * jax.device_count()
+    assert jax.device_count() == 2 and capsys.readouterr().out.strip() == f"(1, {t}, 4, 16) (1, {t}, 4)"
