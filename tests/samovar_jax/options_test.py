@@ -172,6 +172,17 @@ def test_synthetic_var_option_arguments():
             synthetic_var.get_config(arg)
 
 
+def test_forecasting_structural_argument():
+    from configs.samovar import forecasting
+
+    model = Model(**forecasting.get_config("smoke,structural=lu_inverse").model.to_dict())
+    assert model.resolved.structural == "lu_inverse"
+    assert Model(**forecasting.get_config("smoke").model.to_dict()).resolved.structural == "lu"
+    for arg in ("structural=D", "kind=lintrans,structural=lu", "kind=dlinear,structural=none"):
+        with pytest.raises(ValueError, match="structural must be one of"):
+            forecasting.get_config(arg)
+
+
 @pytest.mark.slow
 def test_options_smoke_trains_in_process(tmp_path):
     from configs.samovar import synthetic_var
