@@ -17,8 +17,9 @@ Functions:
   `lag_matrices`: Gamma (or D^T C without the shortcut) for every (t, j), [..., T, T, E, E].
   `channel_contributions`: W_out D C_{t,j} W_out^T, the lag matrices seen through the output head,
     [..., T, T, P, P] (for P = 1, a T x T heatmap).
-  `temporal_path_weights`, `num_temporal_paths`, `total_num_paths`: the poster's temporal-influence
-    paths A^(l)_{t,i1} A^(l-1)_{i1,i2} ... A^(1)_{i_{l-1},j}.
+  `path_factors`, `temporal_path_weights`, `model_temporal_paths`, `num_temporal_paths`,
+    `total_num_paths`: the poster's temporal-influence paths A^(l)_{t,i1} A^(l-1)_{i1,i2} ... A^(1)_{i_{l-1},j}
+    (Fig. 5), with each rank-1 A replaced by its scalar q . v as the reference notebook does.
   `model_lag_matrices`: the above for a `Model` and a batch.
   `jacobian_var_coefficients`, `var_coefficient_distance`: recovery of VAR coefficients on synthetic
     VAR data (estimator and distance documented there).
@@ -165,6 +166,24 @@ def model_lag_matrices(model, params, batch: dict, *, include_shortcut: bool = T
 # Temporal influence paths (poster; samovar.md §3)
 # ---------------------------------------------------------------------------------------------
 
+def path_factors(q: Array, v: Array) -> Array:
+    """The scalar edge weights of the temporal-influence paths: a^(m)_{t,s} = 1[s<=t] q^(m)_t . v^(m)_s
+    per head (the reference notebook's `q v^T` simplification of the rank-1 A^(m)_{t,s}; poster Fig. 5).
+
+    A depth-m path t >= i_1 >= ... >= i_{m-1} >= j multiplies one factor of each layer, layer m's at
+    its last hop: a^(m)_{t,i_1} a^(m-1)_{i_1,i_2} ... a^(1)_{i_{m-1},j} (`temporal_path_weights`).
+
+    Args:
+      q: [L, ..., T, H, D]; v: [L, ..., T, H, D].
+
+    Returns:
+      [L, ..., H, T, T], zero above the diagonal (s > t).
+    """
+    t = q.shape[-3]
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    return jnp.where(mask, jnp.einsum("l...thd,l...shd->l...hts", q, v), 0.0)
+
+
 def temporal_path_weights(q: Array, v: Array) -> Array:
     """Summed temporal-influence path weights per depth, with the scalar simplification of the
     reference notebook (`compute_samovar_var_weights`: each rank-1 A^(m)_{t,s} replaced by
@@ -181,15 +200,30 @@ def temporal_path_weights(q: Array, v: Array) -> Array:
     Returns:
       [L, ..., H, T, T]: entry m-1 is P^(m) (depth m: the first m layers).
     """
-    t = q.shape[-3]
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    a = jnp.einsum("l...thd,l...shd->l...hts", q, v)
-    a = jnp.where(mask, a, 0.0)
+    a = path_factors(q, v)
     out, prod = [], None
     for m in range(q.shape[0]):
         prod = a[m] if prod is None else a[m] @ prod
         out.append(prod)
     return jnp.stack(out)
+
+
+def model_temporal_paths(model, params, batch: dict) -> dict:
+    """The temporal-influence paths of a SAMoVAR / FixedVAR `Model` on `batch` (eval mode; poster Fig. 5).
+
+    Args:
+      model: `samovar_jax.model.Model` with kind 'samovar' or 'fixedvar'.
+      params: its params.
+      batch: {'inputs': [B, L_I, C]}.
+
+    Returns:
+      {'factors': [L, B, C_t, H, T, T] per-layer edge weights (`path_factors`), 'paths': [L, B, C_t, H, T, T]
+      summed path weights per depth (`temporal_path_weights`)}; tokens alternate exogenous (even t) and
+      endogenous (odd t), and the last row t = T-1 is the forecasting token.
+    """
+    terms = model.apply({"params": params}, batch, method=type(model).var_terms)
+    return {"factors": path_factors(terms["q"], terms["v"]),
+            "paths": temporal_path_weights(terms["q"], terms["v"])}
 
 
 def num_temporal_paths(lag: int, depth: int) -> int:

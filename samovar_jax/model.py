@@ -153,6 +153,14 @@ class Forecaster(nn.Module):
       fixed_max_tokens: FixedVAR table length (128, hard-coded in the reference).
       crop_inputs: accept windows longer than input_len and use their last input_len steps (e.g.
         LinTrans in the synthetic run sees only the last 8 steps); otherwise a mismatch raises.
+      channel_drop: the released synthetic notebook's channel-drop augmentation (samovar.md §10;
+        docs/samovar_options.md), train mode only: per call draw r ~ U(0, 1) and zero each input channel
+        with probability 1 - r, one mask [C] for the whole batch, from the 'dropout' rng (the trainer
+        folds the step into it, so a resumed run draws the same masks). The reference zeroes the same
+        channels of the target too; the shared forecast task reads the batch's target, so the
+        forecast of a dropped target channel is returned offset by `batch['target']` (its error is
+        then prediction - 0, the reference's) and `aux['channel_keep']` [C] bool says which were kept.
+        Needs `batch['target']` [B, horizon, C_t] in train mode. Off (False) = no rng drawn.
       dtype: compute dtype or its name, e.g. 'bfloat16' (None: the parameter dtype). Instance-norm
         statistics, the attention sums/states and the returned forecast stay float32.
       param_dtype: parameter dtype or its name.
@@ -182,6 +190,7 @@ class Forecaster(nn.Module):
     position_overflow: str = "error"
     fixed_max_tokens: int = 128
     crop_inputs: bool = False
+    channel_drop: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
@@ -400,7 +409,7 @@ class Forecaster(nn.Module):
           ({'forecast': [B, horizon, C_t]}, aux) as described in the class docstring.
         """
         r = self.resolved
-        x = self._inputs(batch)
+        x, keep = self._drop_channels(self._inputs(batch), train)
         segments, mean, std = self.normalise(x)
         if r.horizon_patches == 1:
             pred = self.predict_segments(segments, train=train)
@@ -414,7 +423,34 @@ class Forecaster(nn.Module):
         aux = {"ar_mse": ar_mse, "next_patch": pred}
         if train and self.ar_loss_weight > 0:
             aux["loss/ar"] = self.ar_loss_weight * ar_mse
+        if keep is not None:
+            forecast = self._offset_dropped_targets(forecast, batch, keep[-r.num_targets:])
+            aux["channel_keep"] = keep
         return {"forecast": forecast}, aux
+
+    # ------------------------------------------------------------------ channel drop (samovar.md §10)
+
+    def _drop_channels(self, x: Array, train: bool) -> tuple[Array, Optional[Array]]:
+        """x [B, L_I, C] -> (x with the dropped channels zeroed, keep [C] bool), or (x, None) when off.
+
+        As the reference notebook: r ~ U(0, 1) per call, channel c dropped iff u_c < 1 - r, u ~ U(0, 1)^C.
+        """
+        if not (train and self.channel_drop):
+            return x, None
+        rate_key, mask_key = jax.random.split(self.make_rng("dropout"))
+        kept_fraction = jax.random.uniform(rate_key, ())
+        keep = jax.random.uniform(mask_key, (self.num_channels,)) >= 1.0 - kept_fraction
+        return jnp.where(keep, x, jnp.zeros((), x.dtype)), keep
+
+    def _offset_dropped_targets(self, forecast: Array, batch: dict, keep_targets: Array) -> Array:
+        """forecast [B, H, C_t] + batch['target'] on the dropped target channels, so that the shared
+        forecast task's error there is the prediction against a zeroed target, as in the reference."""
+        target = batch.get("target") if isinstance(batch, dict) else None
+        if target is None or tuple(jnp.shape(target)) != tuple(forecast.shape):
+            checks.fail(f"`channel_drop` in train mode needs batch['target'] of the forecast's shape "
+                        f"{tuple(forecast.shape)}, got {None if target is None else tuple(jnp.shape(target))}")
+        target = jnp.asarray(target).astype(forecast.dtype)
+        return forecast + jnp.where(keep_targets, jnp.zeros((), forecast.dtype), target)
 
     # ------------------------------------------------------------------ rollout
 

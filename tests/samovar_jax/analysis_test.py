@@ -112,6 +112,23 @@ def test_path_weights_match_scalar_chain():
     np.testing.assert_allclose(w[2], a[2] @ a[1] @ a[0], **F32_SIMPLE)
 
 
+def test_model_temporal_paths_are_the_chain_factors_of_the_model():
+    # Fig. 5's operands: edge factors a^(m) = tril(q^(m) v^(m)T) of the model's own q, v, and per depth
+    # the product a^(m) ... a^(1).
+    model = Model(kind="samovar", num_channels=2, input_len=10, patch_len=3, variant="tiny", width=8)
+    batch = {"inputs": np.random.default_rng(1).standard_normal((2, 10, 2)).astype(np.float32)}
+    params = jax.jit(model.init)(jax.random.PRNGKey(2), batch)["params"]
+    res = jax.jit(functools.partial(analysis.model_temporal_paths, model))(params, batch)
+    terms = jax.jit(lambda p: model.apply({"params": p}, batch, method="var_terms"))(params)
+    a, paths = np.asarray(res["factors"]), np.asarray(res["paths"])
+    assert a.shape == paths.shape == (2, 2, 2, 2, 8, 8)                      # [L, B, C_t, H, T, T]
+    want = np.einsum("lbcthd,lbcshd->lbchts", terms["q"], terms["v"]) * np.tril(np.ones((8, 8), np.float32))
+    np.testing.assert_allclose(a, want, **F32_SIMPLE)
+    np.testing.assert_allclose(paths[0], a[0], **F32_SIMPLE)
+    np.testing.assert_allclose(paths[1], a[1] @ a[0], **F32_SIMPLE)
+    np.testing.assert_array_equal(np.triu(paths, 1), 0.0)
+
+
 def test_jacobian_estimator_recovers_a_linear_var():
     c, p, length = 3, 2, 12
     coefs = np.float32(0.4) * np.random.default_rng(3).standard_normal((p, c, c)).astype(np.float32)

@@ -27,10 +27,13 @@ def _init(model):
 
 
 def test_notebook_executes_in_smoke_mode_and_draws(tmp_path):
-    """Smoke size, on a copy in tmp_path: every cell runs, the 3 figures are drawn, the key one is saved."""
+    """Smoke size, on a copy in tmp_path: every cell runs, the 4 figures are drawn, the key ones are saved
+    (the implied VAR coefficients and Fig. 5's temporal-influence paths)."""
     pytest.importorskip("nbclient")
-    run_notebooks.smoke_check("samovar_var", tmp_path, xla_flags=fast_compile_xla_flags())   # raises on a failing cell or a missing figure
-    assert (tmp_path / "samovar_var_coefficients.png").is_file()
+    nb = run_notebooks.smoke_check("samovar_var", tmp_path, xla_flags=fast_compile_xla_flags())   # raises on a failing cell or a missing figure
+    assert len(run_notebooks.images(nb)) == 4
+    for name in ("samovar_var_coefficients", "samovar_fig5_paths"):
+        assert (tmp_path / f"{name}.png").is_file(), name
 
 
 @pytest.mark.parametrize("kw", [dict(kind="samovar"), dict(kind="fixedvar"), dict(kind="samovar", use_key_proj=True)])
