@@ -157,10 +157,9 @@ class Forecaster(nn.Module):
         docs/samovar_options.md), train mode only: per call draw r ~ U(0, 1) and zero each input channel
         with probability 1 - r, one mask [C] for the whole batch, from the 'dropout' rng (the trainer
         folds the step into it, so a resumed run draws the same masks). The reference zeroes the same
-        channels of the target too; the shared forecast task reads the batch's target, so the
-        forecast of a dropped target channel is returned offset by `batch['target']` (its error is
-        then prediction - 0, the reference's) and `aux['channel_keep']` [C] bool says which were kept.
-        Needs `batch['target']` [B, horizon, C_t] in train mode. Off (False) = no rng drawn.
+        channels of the target too: the model returns `outputs['forecast_keep']` [C_t] bool, with which
+        the shared forecast task (`zoo_core.tasks.forecast`) zeroes the dropped target channels, and
+        `aux['channel_keep']` [C] bool says which input channels were kept. Off (False) = no rng drawn.
       dtype: compute dtype or its name, e.g. 'bfloat16' (None: the parameter dtype). Instance-norm
         statistics, the attention sums/states and the returned forecast stay float32.
       param_dtype: parameter dtype or its name.
@@ -423,10 +422,11 @@ class Forecaster(nn.Module):
         aux = {"ar_mse": ar_mse, "next_patch": pred}
         if train and self.ar_loss_weight > 0:
             aux["loss/ar"] = self.ar_loss_weight * ar_mse
+        outputs = {"forecast": forecast}
         if keep is not None:
-            forecast = self._offset_dropped_targets(forecast, batch, keep[-r.num_targets:])
+            outputs["forecast_keep"] = keep[-r.num_targets:]
             aux["channel_keep"] = keep
-        return {"forecast": forecast}, aux
+        return outputs, aux
 
     # ------------------------------------------------------------------ channel drop (samovar.md §10)
 
@@ -441,16 +441,6 @@ class Forecaster(nn.Module):
         kept_fraction = jax.random.uniform(rate_key, ())
         keep = jax.random.uniform(mask_key, (self.num_channels,)) >= 1.0 - kept_fraction
         return jnp.where(keep, x, jnp.zeros((), x.dtype)), keep
-
-    def _offset_dropped_targets(self, forecast: Array, batch: dict, keep_targets: Array) -> Array:
-        """forecast [B, H, C_t] + batch['target'] on the dropped target channels, so that the shared
-        forecast task's error there is the prediction against a zeroed target, as in the reference."""
-        target = batch.get("target") if isinstance(batch, dict) else None
-        if target is None or tuple(jnp.shape(target)) != tuple(forecast.shape):
-            checks.fail(f"`channel_drop` in train mode needs batch['target'] of the forecast's shape "
-                        f"{tuple(forecast.shape)}, got {None if target is None else tuple(jnp.shape(target))}")
-        target = jnp.asarray(target).astype(forecast.dtype)
-        return forecast + jnp.where(keep_targets, jnp.zeros((), forecast.dtype), target)
 
     # ------------------------------------------------------------------ rollout
 

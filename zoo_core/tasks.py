@@ -43,11 +43,17 @@ def classification(label_smoothing: float = 0.0) -> Callable[[dict, dict], Metri
 
 
 def forecast(key: str = "forecast") -> Callable[[dict, dict], Metrics]:
-    """MSE (the loss) and MAE of outputs[key] [B, ...] against batch['target'] [B, ...]."""
+    """MSE (the loss) and MAE of outputs[key] [B, ...] against batch['target'] [B, ...].
+
+    A model that augments its target returns `outputs[key + '_keep']`, a bool mask broadcastable to the
+    target (SAMoVAR's channel drop: `[C]`): the target is zero where it is False, as the model's inputs were.
+    """
 
     def metrics(outputs, batch):
         pred = outputs[key].astype(jnp.float32)
         target = batch["target"].astype(jnp.float32)
+        if key + "_keep" in outputs:
+            target = jnp.where(outputs[key + "_keep"], target, 0.0)
         if pred.shape != target.shape:
             raise ValueError(f"outputs[{key!r}] has shape {pred.shape} but batch['target'] has {target.shape}")
         axes = tuple(range(1, pred.ndim))

@@ -10,6 +10,7 @@ import pytest
 
 from samovar_jax import ops
 from samovar_jax.model import Forecaster, Model
+from zoo_core.tasks import forecast as forecast_task
 from zoo_core.testing import F32_MODEL
 
 # C=2 channels, L_I=10, P=3 -> 2 zeros of left padding, N=4 patches, T=8 tokens; width 8, 2 heads, 2 layers.
@@ -114,8 +115,11 @@ def test_channel_drop_zeroes_the_chosen_channels_in_inputs_and_target():
         np.testing.assert_allclose(aux["next_patch"], ref_aux["next_patch"], **F32_MODEL)
         np.testing.assert_allclose(aux["loss/ar"], ref_aux["loss/ar"], **F32_MODEL)
         # The task's error is prediction - target on kept channels and prediction - 0 on dropped ones.
-        err = np.asarray(out["forecast"]) - Y
-        np.testing.assert_allclose(err, np.asarray(ref_out["forecast"]) - np.where(keep, Y, 0.0), **F32_MODEL)
+        np.testing.assert_allclose(out["forecast"], ref_out["forecast"], **F32_MODEL)
+        np.testing.assert_array_equal(out["forecast_keep"], keep[-Y.shape[-1]:])
+        err = np.asarray(out["forecast"]) - np.asarray(jnp.where(out["forecast_keep"], Y, 0.0))
+        task = forecast_task()(out, {"target": Y})
+        np.testing.assert_allclose(task["mse"][0], np.mean(err ** 2, axis=(1, 2)), **F32_MODEL)
     assert len(seen) >= 3, seen                                          # kept-channel patterns vary
 
 
@@ -132,10 +136,10 @@ def test_channel_drop_rate_is_uniform_per_step_and_shared_by_the_batch():
     assert abs((~keep).all(1).mean() - 1 / 3) < 0.03
 
 
-def test_channel_drop_needs_the_target_and_a_bool():
+def test_channel_drop_needs_no_target_and_a_bool():
     params = _params()
-    with pytest.raises(ValueError, match=r"channel_drop.*batch\['target'\]"):
-        _apply(dict(channel_drop=True), params, {"inputs": X}, train=True)
+    out, _ = _apply(dict(channel_drop=True), params, {"inputs": X}, train=True)   # the task masks the target
+    assert out["forecast_keep"].dtype == jnp.bool_
     with pytest.raises(ValueError, match="`channel_drop` must be True or False"):
         _model(channel_drop="yes")
 
