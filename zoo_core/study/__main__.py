@@ -137,8 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         _fail(f"--workdir {root!r} cannot be made: {e.strerror}")
     print(f"{study.name}: {len(runs)} runs under {root}, {args.parallel} at a time", flush=True)
-    done, failed = runner.run_study(study, root, extra=extra, parallel=args.parallel,
-                                    after_run=lambda: report.write(study, root))
+    try:
+        done, failed = runner.run_study(study, root, extra=extra, parallel=args.parallel,
+                                        after_run=lambda: report.write(study, root))
+    except runner.Stopped:
+        report.write(study, root)
+        print("error: interrupted: the running runs were stopped and keep their last checkpoint; the same "
+              "command skips the finished runs and resumes the others", file=sys.stderr, flush=True)
+        return 130
     paths = report.write(study, root)
     print(f"{study.name}: {done} run(s) done, {failed} failed this time; results: {', '.join(paths)}", flush=True)
     return 1 if failed else 0

@@ -16,7 +16,9 @@ import os
 import pathlib
 import shlex
 import subprocess
+import signal
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -73,6 +75,14 @@ def error_line(output: str, returncode: int) -> str:
     return f"{last} (exit status {returncode})"
 
 
+class Stopped(Exception):
+    """The study was told to stop (SIGTERM or Ctrl-C): its runs were stopped, their checkpoints kept."""
+
+
+_CHILDREN: set[subprocess.Popen] = set()
+_STOPPING = threading.Event()
+
+
 def _execute(cmd: list[str], log_path: str) -> tuple[int, str]:
     """Runs `cmd` from the repository root, appending its output to `log_path`: (exit status, output)."""
     env = dict(os.environ)
@@ -82,11 +92,29 @@ def _execute(cmd: list[str], log_path: str) -> tuple[int, str]:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         start = log.tell()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL)
+        if _STOPPING.is_set():
+            raise Stopped
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        _CHILDREN.add(proc)
+        try:
+            proc.wait()
+        finally:
+            _CHILDREN.discard(proc)
+    if _STOPPING.is_set():   # its exit status says it was stopped, not that its run failed
+        raise Stopped
     with open(log_path) as f:
         f.seek(start)
         return proc.returncode, f.read()
+
+
+def stop_children() -> None:
+    """Asks every running run to stop with SIGTERM: the trainer saves a checkpoint and exits, and the
+    run (left without a marker) resumes from it when the study is run again."""
+    _STOPPING.set()
+    for proc in list(_CHILDREN):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
 
 
 def execute(study: Study, run: Run, root: str, extra: Sequence[str] = ()) -> dict:
@@ -131,11 +159,17 @@ def run_study(study: Study, root: str, *, extra: Sequence[str] = (), parallel: i
     walls: list[float] = []
     count = total - len(todo)
     t_start = time.time()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+    _STOPPING.clear()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, parallel))
+    try:
         futures = {pool.submit(execute, study, r, root, extra): r for r in todo}
         for future in concurrent.futures.as_completed(futures):
             run = futures[future]
-            marker = future.result()
+            try:
+                marker = future.result()
+            except Stopped:
+                continue
             count += 1
             walls.append(marker["wall_s"])
             left = total - count
@@ -151,4 +185,15 @@ def run_study(study: Study, root: str, *, extra: Sequence[str] = (), parallel: i
             after_run()
             print(f"[{count}/{total}] {study.name} {run.cell.label}{seed}: {what}; "
                   f"ETA {_duration(eta) if left else 'done'}", file=out, flush=True)
+    except KeyboardInterrupt:
+        stop_children()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise Stopped from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        pool.shutdown(wait=True)
     return done, failed
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
