@@ -147,6 +147,22 @@ def test_bad_input_is_one_error_line(argv, message, tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("cells, message", [
+    ("[study.Cell('a', overrides=['model.x=1'])]", "cell 'a': overrides must be --config.<field>=<value>"),
+    ("[study.Cell('K=1'), study.Cell('K-1')]", "cells share the folder name(s) K-1"),
+    ("[]", "has no cells"),
+])
+def test_a_study_file_with_a_mistake_is_one_error_line(cells, message, tmp_path, capsys):
+    path = tmp_path / "broken.py"
+    path.write_text("from zoo_core import study\n\ndef get_study(arg=None):\n    return study.Study("
+                    f"name='b', title='t', module='samovar_jax.train', config='c', cells={cells}, "
+                    "metrics=[study.Last('eval/mse')])\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(path), "--dry_run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
 def _fake_run(root, folder, records, status="done", error=None):
     run_dir = root / folder
     run_dir.mkdir(parents=True)

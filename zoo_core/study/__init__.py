@@ -120,11 +120,10 @@ class Study:
         twice = sorted({f for f in folders if folders.count(f) > 1})
         if twice:
             raise ValueError(f"study {self.name!r}: cells share the folder name(s) {', '.join(twice)}")
-        for cell in self.cells:
-            bad = [o for o in cell.overrides if not re.match(r"^--config\.[A-Za-z_][\w.]*=", o)]
-            bad += [o for o in self.overrides if not re.match(r"^--config\.[A-Za-z_][\w.]*=", o)]
+        for owner, overrides in [("the study", self.overrides)] + [(f"cell {c.label!r}", c.overrides) for c in self.cells]:
+            bad = [o for o in overrides if not re.match(r"^--config\.[A-Za-z_][\w.]*=", o)]
             if bad:
-                raise ValueError(f"cell {cell.label!r}: overrides must be --config.<field>=<value>, got {bad[0]!r}")
+                raise ValueError(f"{owner}: overrides must be --config.<field>=<value>, got {bad[0]!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,6 +73,8 @@ def check_set_fields(study: Study, flags: list[str]) -> None:
     if not flags:
         return
     configs = {c.config or study.config for c in study.cells if not c.is_benchmark}
+    if not configs:
+        raise ValueError("--set: this study has no training runs (its cells are benchmarks)")
     for spec in sorted(configs):
         path, _, arg = spec.partition(":")
         try:

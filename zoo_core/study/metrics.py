@@ -9,6 +9,7 @@ lines after its checkpoint are dropped, so each step appears once) and `--eval_o
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
@@ -38,12 +39,13 @@ def last_step(run_dir: str) -> int | None:
     return max(steps) if steps else None
 
 
-class Metric:
-    """A column of the study's table; `rows(run_dir)` reads it from a finished run."""
+class Metric(abc.ABC):
+    """A column of the study's table (`name`); `rows(run_dir)` reads it from a finished run."""
     name: str
 
+    @abc.abstractmethod
     def rows(self, run_dir: str) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The metric's rows in the run folder ([] when the run wrote none)."""
 
 
 def _pick(values: list[tuple[int, float]], mode: str) -> tuple[int, float] | None:
