@@ -25,6 +25,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
+def _order(value: Any) -> tuple:
+    """Sort key of a row key's value: numbers by value (length 64 before 128), then the rest as text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
 def collect(study: Study, root: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(table rows, failed runs) from the run folders under `root`.
 
@@ -61,7 +68,7 @@ def collect(study: Study, root: str) -> tuple[list[dict[str, Any]], list[dict[st
                   "runs": f"{n_done}/{len(runs)}", "folder": slug(cell.label)}
         if not groups:
             rows.append({**base, **common})
-        for keys, values in sorted(groups.items(), key=lambda kv: [(k, str(v)) for k, v in kv[0]]):
+        for keys, values in sorted(groups.items(), key=lambda kv: [(k, *_order(v)) for k, v in kv[0]]):
             row = {**base, **dict(keys), **common}
             for name, vals in values.items():
                 row[name] = (*_mean_std(vals), len(vals))
@@ -95,8 +102,10 @@ def markdown(study: Study, rows: list[dict[str, Any]], failed: list[dict[str, An
     lines = [f"# {study.name}: {study.title}", ""]
     lines += [f"{note}" for note in study.notes] + ([""] if study.notes else [])
     seeds = ", ".join(map(str, study.seeds)) or "the config's own"
-    lines += [f"Base: `python -m {study.module} --config {study.config}`; seeds: {seeds}. Metrics: mean ± "
-              "sample std over the seeds whose run finished (n).", ""]
+    if any(not c.is_benchmark for c in study.cells):
+        lines += [f"Base: `python -m {study.module} --config {study.config}`; seeds: {seeds}."]
+    lines += ["Metrics: mean ± sample std over the seeds whose run finished (n); a benchmark cell runs once, "
+              "one row per case and length.", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["cell"], *[row.get(p) for p in params], *[row.get(n) for n in names],
