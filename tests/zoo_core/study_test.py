@@ -120,6 +120,13 @@ def test_dry_run_lists_every_run_of_every_study(path, arg, tmp_path, capsys):
     assert f"python -m zoo_core.study configs/studies/{path.name}:smoke" in cli._load_module(str(path), "doc").__doc__
 
 
+def test_only_runs_the_matching_cells(tmp_path, capsys):
+    assert cli.main(["configs/studies/agf_order.py", "--only", "^K=(2|4)$", "--dry_run", "--workdir", str(tmp_path)]) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [line.split(":")[0] for line in listed] == [f"[{i}/6] K-{k}/seed_{s}" for i, (k, s) in enumerate(
+        [(k, s) for k in (2, 4) for s in (666, 1, 2)], 1)]
+
+
 def test_mechanism_studies_read_the_registry_at_load_time():
     cells = cli.load_study("configs/studies/agf_uea.py").cells
     assert {c.params["attention"] for c in cells} == set(attention.names("self"))
@@ -137,6 +144,7 @@ def test_mechanism_studies_read_the_registry_at_load_time():
      "--set model.no_such_field: configs/samovar/synthetic_var.py:kind=samovar,protocol=code,smoke has no field"),
     (["configs/studies/samovar_fig4.py:smoke", "--set", "total_steps"], "give field=value"),
     (["configs/studies/samovar_fig4.py:smoke", "--parallel", "0"], "--parallel must be >= 1"),
+    (["configs/studies/samovar_fig4.py:smoke", "--only", "no such cell"], "--only 'no such cell' matches no cell"),
 ])
 def test_bad_input_is_one_error_line(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:

@@ -2,7 +2,8 @@
 
 Flags: --workdir DIR (default runs/study_<name>[_<args>]; the study's runs, results.md, results.csv and
 figure go there), --parallel N (runs at a time, each its own process), --dry_run (list the runs and
-their commands; nothing runs), --set field=value (repeatable: `--config.field=value` for every training
+their commands; nothing runs), --only REGEX (run only the cells whose label matches; the results
+still cover every cell), --set field=value (repeatable: `--config.field=value` for every training
 run, e.g. --set total_steps=200). Mistakes (a study file that does not exist or does not load, a bad
 :args, a --set field that no cell's config has) end the command with one `error:` line and exit status 2;
 a run that fails is recorded in the results with its one-line error and the others go on (exit status 1
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="the study's folder (default runs/study_<name>[_<args>])")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time, each its own process")
     p.add_argument("--dry_run", action="store_true", help="list the runs and their commands; run nothing")
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="run only the cells whose label matches (re.search), e.g. --only JapaneseVowels")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="--config.FIELD=VALUE for every training run (repeatable)")
     args = p.parse_args(argv)
@@ -122,8 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         check_set_fields(study, extra)
     except ValueError as e:
         _fail(f"{args.study}: {e}" if not str(e).startswith(("unknown study", "study file")) else e)
+    if args.only is not None:
+        try:
+            chosen = [c for c in study.cells if re.search(args.only, c.label)]
+        except re.error as e:
+            _fail(f"--only {args.only!r} is not a regular expression: {e}")
+        if not chosen:
+            _fail(f"--only {args.only!r} matches no cell; cells: {', '.join(c.label for c in study.cells)}")
+    else:
+        chosen = list(study.cells)
     root = os.path.abspath(os.path.expanduser(args.workdir or default_workdir(args.study)))
-    runs = study.runs()
+    runs = [r for r in study.runs() if r.cell in chosen]
     if args.dry_run:
         print(f"{study.name}: {study.title}\n{len(runs)} runs under {root}:")
         for i, run in enumerate(runs, 1):
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"--workdir {root!r} cannot be made: {e.strerror}")
     print(f"{study.name}: {len(runs)} runs under {root}, {args.parallel} at a time", flush=True)
     try:
-        done, failed = runner.run_study(study, root, extra=extra, parallel=args.parallel,
+        done, failed = runner.run_study(study, root, runs=runs, extra=extra, parallel=args.parallel,
                                         after_run=lambda: report.write(study, root))
     except runner.Stopped:
         report.write(study, root)

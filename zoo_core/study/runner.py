@@ -146,11 +146,12 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
-def run_study(study: Study, root: str, *, extra: Sequence[str] = (), parallel: int = 1,
-              after_run: Callable[[], None] = lambda: None, out=sys.stdout) -> tuple[int, int]:
-    """Runs every run of `study` under `root` not done yet, `parallel` at a time, calling `after_run`
-    (the report) after each and printing one progress line per run; returns (done, failed)."""
-    runs = study.runs()
+def run_study(study: Study, root: str, *, runs: Sequence[Run] | None = None, extra: Sequence[str] = (),
+              parallel: int = 1, after_run: Callable[[], None] = lambda: None, out=sys.stdout) -> tuple[int, int]:
+    """Runs every run of `study` (or of `runs`, a part of it) under `root` not done yet, `parallel` at a
+    time, calling `after_run` (the report) after each and printing one progress line per run; returns
+    (done, failed)."""
+    runs = list(study.runs() if runs is None else runs)
     todo = [r for r in runs if not is_done(os.path.join(root, r.folder))]
     total = len(runs)
     if len(todo) < total:
