@@ -157,9 +157,8 @@ def run_study(study: Study, root: str, *, runs: Sequence[Run] | None = None, ext
     if len(todo) < total:
         print(f"{study.name}: {total - len(todo)} of {total} runs finished earlier: skipped", file=out, flush=True)
     done = failed = 0
-    walls: list[float] = []
+    walls: dict[str, list[float]] = {"done": [], "failed": []}
     count = total - len(todo)
-    t_start = time.time()
     _STOPPING.clear()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, parallel))
@@ -172,10 +171,12 @@ def run_study(study: Study, root: str, *, runs: Sequence[Run] | None = None, ext
             except Stopped:
                 continue
             count += 1
-            walls.append(marker["wall_s"])
+            walls[marker["status"]].append(marker["wall_s"])
             left = total - count
-            # Runs of one study cost about the same: the mean so far, `parallel` at a time.
-            eta = (time.time() - t_start) / len(walls) * left if walls else 0.0
+            # The mean run that finished so far (a cell failing in seconds, e.g. without its data, would
+            # make it far too short), `parallel` at a time.
+            basis = walls["done"] or walls["failed"]
+            eta = sum(basis) / len(basis) * left / min(max(1, parallel), max(1, left))
             seed = "" if run.seed is None else f" seed {run.seed}"
             if marker["status"] == "done":
                 done += 1
