@@ -21,9 +21,14 @@ agf_scaling cells at N = 64, 128, one repeat.
 from configs import studies
 from zoo_core import attention, study
 
+SETTINGS = {"lra": (2, 32), "uea": (8, 64)}   # heads, head width: benchmarks/agf_scaling.py's settings
+
 
 def get_study(arg=None):
     a = studies.args(arg, lengths="1024-2048-4096-8192-16384", setting="lra", budget_s=600.0)
+    if a.setting not in SETTINGS:
+        raise ValueError(f"study argument setting={a.setting!r}; choose one of {', '.join(SETTINGS)}")
+    heads, head_dim = SETTINGS[a.setting]
     lengths = "64,128" if a.smoke else ",".join(str(n) for n in studies.ints(a.lengths))
     common = ["--lengths", lengths, "--repeats", "1" if a.smoke else "3", "--budget_s", f"{a.budget_s:g}",
               "--out_dir", "{run_dir}", "--name", "bench"]
@@ -32,7 +37,8 @@ def get_study(arg=None):
              for case in ("agf", "softmax")]
     if not a.smoke:
         cells += [study.Cell(f"{name}", dict(mechanism=name, benchmark="attention_scaling"),
-                             command=["-m", "benchmarks.attention_scaling", "--cases", name, *common])
+                             command=["-m", "benchmarks.attention_scaling", "--cases", name, "--heads", str(heads),
+                                      "--head_dim", str(head_dim), *common])
                   for name in attention.names("self")]
     return study.Study(
         name="agf_cost", title="AGF Table 5: attention fwd+bwd time and memory against length",
