@@ -1,0 +1,49 @@
+"""Study files: the seeds' tables and figures as grids of runs (`python -m zoo_core.study`, docs/studies.md).
+
+Each file defines `get_study(arg)` returning a `zoo_core.study.Study`; `args` parses its `:key=value,...`
+the way the training configs do (`configs.common.parse_arg`), and every study takes `smoke` (the same grid
+shape on 2-step runs of the configs' `:smoke` variants, fewer cells and seeds) and `seeds=N`.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from configs import common
+
+
+def args(arg: str | None, **defaults: Any):
+    """The study's `:args` with `smoke` and `seeds` (0: the study's default count) added."""
+    parsed = common.parse_arg(arg, smoke=False, seeds=0, **defaults)
+    if parsed.seeds < 0:
+        raise ValueError(f"study argument seeds={parsed.seeds} must be >= 0")
+    return parsed
+
+
+def seeds(parsed, pool: Sequence[int], default: int, smoke: int = 1) -> list[int]:
+    """The first `seeds` of `pool` (the study's own order, e.g. the UEA protocol's 666 first)."""
+    n = parsed.seeds or (smoke if parsed.smoke else default)
+    if n > len(pool):
+        raise ValueError(f"study argument seeds={n}: at most {len(pool)} seeds")
+    return list(pool[:n])
+
+
+def smoke_arg(parsed, config_args: str = "") -> str:
+    """':args' of a cell's config: `config_args` plus 'smoke' for a smoke study."""
+    parts = [p for p in (config_args, "smoke" if parsed.smoke else "") if p]
+    return ":" + ",".join(parts) if parts else ""
+
+
+def ints(text: str) -> list[int]:
+    """'1-2-4' -> [1, 2, 4] (a list inside `:args`, whose items are split on commas)."""
+    try:
+        return [int(t) for t in text.split("-") if t]
+    except ValueError:
+        raise ValueError(f"study argument {text!r}: give integers joined by '-', e.g. 1-2-4") from None
+
+
+def floats(text: str) -> list[float]:
+    """'0-1e-4-1e-2' is ambiguous, so floats are joined by '_': '0_1e-4_1e-2' -> [0.0, 1e-4, 1e-2]."""
+    try:
+        return [float(t) for t in text.split("_") if t]
+    except ValueError:
+        raise ValueError(f"study argument {text!r}: give numbers joined by '_', e.g. 0_1e-4_1e-2") from None
