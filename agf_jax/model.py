@@ -50,7 +50,6 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from agf_jax import validation
 from agf_jax.layers import torch_linear_bias_init, torch_linear_kernel_init
@@ -61,6 +60,7 @@ from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions
 from zoo_core import checks, xla_forms
 from zoo_core.remat import call_block
 from zoo_core.dropout import Dropout
+from zoo_core.positions import sinusoidal_table
 
 Array = jax.Array
 
@@ -367,16 +367,6 @@ class UEABlock(_BlockFields, kw_only=True):
         h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
         h = self.dropout(self.ffn_out(h), deterministic=deterministic)
         return self.ffn_norm(x + h), aux
-
-
-def sinusoidal_table(length: int, width: int) -> np.ndarray:
-    """The reference's FixedPositionalEncoding table `[length, width]` (sin even, cos odd)."""
-    pos = np.arange(length, dtype=np.float32)[:, None]
-    div = np.exp(np.arange(0, width, 2, dtype=np.float32) * (-math.log(10000.0) / width))
-    pe = np.zeros((length, width), np.float32)
-    pe[:, 0::2] = np.sin(pos * div)
-    pe[:, 1::2] = np.cos(pos * div)[:, : width // 2]
-    return pe
 
 
 def _uniform(lo: float, hi: float):

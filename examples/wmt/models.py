@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
 from zoo_core import attention
+from zoo_core.positions import sinusoidal_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +49,6 @@ class TransformerConfig:
 def shift_right(x: jnp.ndarray, bos: int) -> jnp.ndarray:
     """Teacher forcing: `[B, T]` -> `[bos, x_0, ..., x_{T-2}]`."""
     return jnp.concatenate([jnp.full(x.shape[:1] + (1,), bos, x.dtype), x[:, :-1]], axis=1)
-
-
-def sinusoidal_table(max_len: int, dim: int) -> np.ndarray:
-    """`[max_len, dim]` sine/cosine position table (Vaswani et al. 2017, section 3.5), dim even."""
-    if dim % 2:
-        raise ValueError(f"the sinusoidal table needs an even width, got {dim}")
-    position = np.arange(max_len)[:, None]
-    div = np.exp(np.arange(0, dim, 2) * -(np.log(10000.0) / dim))
-    table = np.zeros((max_len, dim), np.float32)
-    table[:, 0::2], table[:, 1::2] = np.sin(position * div), np.cos(position * div)
-    return table
 
 
 class AddPositionEmbs(nn.Module):
