@@ -62,8 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, default=RESULTS / "context_parallel.json")
     args = p.parse_args(argv)
     args.cases = checks.choice_list(p, "--cases", args.cases, CASES)
-    if max(args.shards) > jax.device_count():
-        p.error(f"--shards up to {max(args.shards)} needs that many devices; this process has {jax.device_count()}")
+    args.error = p.error
     return args
 
 
@@ -120,6 +119,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if max(args.shards) > jax.device_count():   # here, not in parse_args: a caller that imported jax has its own count
+        args.error(f"--shards up to {max(args.shards)} needs that many devices; this process has {jax.device_count()}")
     rows = []
     for case in args.cases:
         for t in args.lengths:

@@ -17,6 +17,7 @@ with its --workdir moved under a temporary folder:
     packages' own train tests run their smoke configs too).
 """
 import importlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -260,8 +261,9 @@ README_OTHER_COMMANDS = _readme_other_commands()
 
 def _script_module(tokens: list[str]) -> tuple[str, list[str]]:
     """(importable module name, argv) of `python -m M ...` or `python path/to/file.py ...`."""
-    if tokens[1] == "-m":
-        return tokens[2], tokens[3:]
+    if tokens[1] == "-m":   # a package runs as its __main__ module
+        is_package = importlib.util.find_spec(tokens[2]).submodule_search_locations is not None
+        return tokens[2] + (".__main__" if is_package else ""), tokens[3:]
     assert tokens[1].endswith(".py") and (ROOT / tokens[1]).is_file(), tokens
     return tokens[1][:-len(".py")].replace("/", "."), tokens[2:]
 

@@ -104,7 +104,8 @@ def default_workdir(spec: str) -> str:
     return os.path.join("runs", name)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line above (`--help` lists it)."""
     p = argparse.ArgumentParser(prog="python -m zoo_core.study", description=__doc__.split("\n")[0])
     p.add_argument("study", help="configs/studies/<name>.py[:args], e.g. configs/studies/agf_order.py:smoke")
     p.add_argument("--workdir", default=None, help="the study's folder (default runs/study_<name>[_<args>])")
@@ -114,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only the cells whose label matches (re.search), e.g. --only JapaneseVowels")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="--config.FIELD=VALUE for every training run (repeatable)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.parallel < 1:
         _fail(f"--parallel must be >= 1, got {args.parallel}")
     if args.workdir is not None and not args.workdir.strip():
