@@ -25,8 +25,7 @@ import jax.numpy as jnp
 
 from samovar_jax import ops
 from samovar_jax.blocks import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
-from zoo_core import checks, xla_forms
-from zoo_core import linear_attention
+from zoo_core import checks, context_parallel, linear_attention, xla_forms
 from zoo_core.dropout import Dropout, keep_mask
 from zoo_core.linear_attention import LinearState
 
@@ -94,6 +93,11 @@ class LinearAttention(nn.Module):
         samovar.md §5; LinTrans uses 0.02 / sqrt(2 l) for `out`); biases start at 0.
       dtype: compute dtype (None: promote inputs and parameters); sums and states stay float32.
       param_dtype: parameter dtype.
+      sequence_axis: the mesh axis one sequence is split over (context parallelism,
+        `zoo_core.context_parallel`): `__call__` and `global_self` then run under `jax.shard_map`, called
+        under `jax.set_mesh(mesh)` with T divisible by the axis size, and give one device's numbers
+        (`chunk_size` None: each shard one chunk). `scan`, `step` (decoding) and `cross` are one device's
+        forms whatever it is. None: one device.
     """
     num_heads: int
     head_dim: int
@@ -104,9 +108,12 @@ class LinearAttention(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = normal002
     out_kernel_init: Initializer = normal002
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         checks.check_chunk_size(self.chunk_size)
+        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
+            checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         proj = lambda name: xla_forms.Dense(  # noqa: E731
             self.num_heads * self.head_dim, kernel_init=self.kernel_init, bias_init=nn.initializers.zeros,
             dtype=self.dtype, param_dtype=self.param_dtype, name=name)
@@ -134,19 +141,37 @@ class LinearAttention(nn.Module):
         num, _ = linear_attention.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask)
         return self._out(num, x)
 
+    def global_self(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                    deterministic: bool = True) -> Array:
+        """Global (non-causal) self-attention: x [B, T, E] (mask [B, T], segment_ids [B, T] packed
+        documents, 0 = padding) -> y [B, T, E_out]; over `sequence_axis` when set."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        q, k, v = self._qkv(x, deterministic)
+        if self.sequence_axis is None:
+            num, _ = linear_attention.noncausal(q, k, v, mask=mask, query_mask=mask, segment_ids=segment_ids)
+        else:
+            num, _ = context_parallel.noncausal(q, k, v, axis_name=self.sequence_axis, mask=mask,
+                                                query_mask=mask, segment_ids=segment_ids)
+        return self._out(num, x)
+
     def init_state(self, batch_size: int) -> LinearState:
         """Zero state: num [B, H, D, D] float32, den None."""
         return linear_attention.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """x [B, T, E], mask [B, T] (True = valid) -> (y [B, T, E_out], {})."""
+        """x [B, T, E], mask [B, T] (True = valid), segment_ids [B, T] (packed documents, 0 = padding;
+        `zoo_core.packing`) -> (y [B, T, E_out], {}); over `sequence_axis` when set."""
         checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
-        if self.chunk_size is None:
-            num, _ = linear_attention.causal_parallel(q, k, v, mask=mask)
+        if self.sequence_axis is not None:
+            num, _ = context_parallel.causal(q, k, v, chunk_size=self.chunk_size or x.shape[1],
+                                             axis_name=self.sequence_axis, mask=mask, segment_ids=segment_ids)
+        elif self.chunk_size is None:
+            num, _ = linear_attention.causal_parallel(q, k, v, mask=mask, segment_ids=segment_ids)
         else:
-            num, _, _ = linear_attention.causal_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask)
+            num, _, _ = linear_attention.causal_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask,
+                                                        segment_ids=segment_ids)
         return self._out(num, x), {}
 
     def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
@@ -203,6 +228,19 @@ class LinTransBlock(nn.Module):
 
     def _finish(self, x: Array, y: Array, deterministic: bool) -> Array:
         return self.mlp(x + self.attention_dropout(y, deterministic=deterministic), deterministic=deterministic)
+
+    def global_self(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                    deterministic: bool = True) -> Array:
+        """Global (non-causal) self-attention: x [B, T, E] (mask [B, T], segment_ids [B, T] packed
+        documents, 0 = padding) -> y [B, T, E_out]; over `sequence_axis` when set."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        q, k, v = self._qkv(x, deterministic)
+        if self.sequence_axis is None:
+            num, _ = linear_attention.noncausal(q, k, v, mask=mask, query_mask=mask, segment_ids=segment_ids)
+        else:
+            num, _ = context_parallel.noncausal(q, k, v, axis_name=self.sequence_axis, mask=mask,
+                                                query_mask=mask, segment_ids=segment_ids)
+        return self._out(num, x)
 
     def init_state(self, batch_size: int) -> LinearState:
         """The attention's zero state."""

@@ -403,4 +403,4 @@ def test_a_registry_row_is_checked_when_written():
     with pytest.raises(ValueError, match="declares cross_form and cross_call together"):
         registry._Entry(form, (False,), form, "toy")
     with pytest.raises(ValueError, match="global_call is for a causal-only self layer"):
-        registry._Entry(form, (False,), None, "toy", global_call=calls.global_by_cross)
+        registry._Entry(form, (False,), None, "toy", global_call=calls.global_self)

@@ -159,6 +159,34 @@ def test_the_benchmark_records_memory_bytes_and_time(tmp_path):
     assert (tmp_path / "cp.json").exists()
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "global"])
+def test_the_drop_in_takes_a_sequence_axis(causal):
+    """`attention.make('linear', ..., sequence_axis='sequence')` under `jax.set_mesh`, x sharded along T:
+    the single-device layer's numbers with the same parameters, packed documents included."""
+    from zoo_core import attention
+
+    mesh = _mesh(2)
+    x = jax.random.normal(jax.random.PRNGKey(6), (B, T, 16))
+    kw = dict(num_heads=2, qkv_features=16, causal=causal)
+    plain, split = attention.make("linear", **kw), attention.make("linear", sequence_axis="sequence", **kw)
+    params = plain.init(jax.random.PRNGKey(0), x)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
+        y = jax.jit(split.apply)(params, xs)
+    assert_trees_close(y, plain.apply(params, x), **F32_SIMPLE)
+    # The layer itself with segment ids: packed documents, split over the axis, equal one device.
+    layer = attention.layer("linear", num_heads=2, qkv_features=16, causal=True, chunk_size=4)
+    split_layer = attention.layer("linear", num_heads=2, qkv_features=16, causal=True, chunk_size=4,
+                                  sequence_axis="sequence")
+    lp = layer.init(jax.random.PRNGKey(1), x)
+    ids = _packed()
+    call = (lambda m: m.apply(lp, x, segment_ids=ids)[0]) if causal else (
+        lambda m: m.apply(lp, x, segment_ids=ids, method="global_self"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda: call(split_layer))()
+    assert_trees_close(got, call(layer), **F32_SIMPLE)
+
+
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
     env = command_env()

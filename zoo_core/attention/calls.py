@@ -27,12 +27,12 @@ def self_call(inner: Any, x: Array, memory: None, mask: Optional[Array], *, dete
     return inner(x, mask=mask, deterministic=deterministic)
 
 
-def global_by_cross(inner: Any, x: Array, memory: None, mask: Optional[Array], *, deterministic: bool,
-                    position: Optional[Array] = None) -> tuple[Array, dict]:
-    """Non-causal self-attention as the layer's global form `cross(x, x)` returning y alone
-    (linear attention without normaliser: `linear_attention.noncausal`)."""
+def global_self(inner: Any, x: Array, memory: None, mask: Optional[Array], *, deterministic: bool,
+                position: Optional[Array] = None) -> tuple[Array, dict]:
+    """Non-causal self-attention by the layer's global form `global_self(x, *, mask, deterministic)`
+    returning y alone (linear attention without normaliser: `linear_attention.noncausal`)."""
     del memory, position
-    return inner.cross(x, x, memory_mask=mask, query_mask=mask, deterministic=deterministic), {}
+    return inner.global_self(x, mask=mask, deterministic=deterministic), {}
 
 
 def cross_method(inner: Any, x: Array, memory: Array, mask: Optional[Array], *, deterministic: bool,

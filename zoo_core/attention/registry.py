@@ -92,7 +92,7 @@ _REGISTRY: dict[str, _Entry] = {
                         length_option="max_length"),
     "linear": _Entry(_Form("samovar_jax", "LinearAttention"), (True,), _Form("samovar_jax", "LinearAttention"),
                      "linear attention without normaliser (SAMoVAR / LinTrans); non-causal: global",
-                     global_call=calls.global_by_cross, cross_call=calls.cross_method_y),
+                     global_call=calls.global_self, cross_call=calls.cross_method_y),
     "nystromformer": _Entry(_Form("zoo_core.baselines.nystromformer", "NystromformerAttention"), (False,), None,
                             "Nystromformer (Xiong et al. 2021): segment-mean landmarks, iterative pinv"),
     "reformer": _Entry(_Form("zoo_core.baselines.reformer", "ReformerAttention"), (False, True), None,
