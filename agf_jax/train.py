@@ -3,7 +3,7 @@
     python -m agf_jax.train --config configs/agf/uea.py:dataset=JapaneseVowels --workdir runs/agf_jv
     python -m agf_jax.train --config configs/agf/lra_listops.py:smoke --workdir /tmp/agf_listops
 
-The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.main for
+The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.run.main for
 the flags.
 """
 from zoo_core import allocator

@@ -42,7 +42,7 @@ def split_evaluator(split: str):
             total += np.asarray(cache["sums"](params, batch))
         return {f"{split}_mse": total[0] / total[2], f"{split}_mae": total[1] / total[2]}
 
-    evaluate.split = split   # the split it reports: `config.test_split` is read (zoo_core.main checks)
+    evaluate.split = split   # the split it reports: `config.test_split` is read (zoo_core.run.main checks)
     return evaluate
 
 

@@ -5,7 +5,7 @@
 
 `config.model.kind` selects the model (`samovar_jax.model.Model`): 'samovar' | 'lintrans' | 'fixedvar'
 or 'dlinear'. Configs with a `test_split` also evaluate it at every eval (`samovar_jax.evaluation`).
-See zoo_core.main for the flags.
+See zoo_core.run.main for the flags.
 """
 from samovar_jax import evaluation, model
 from zoo_core import allocator
