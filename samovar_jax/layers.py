@@ -229,19 +229,6 @@ class LinTransBlock(nn.Module):
     def _finish(self, x: Array, y: Array, deterministic: bool) -> Array:
         return self.mlp(x + self.attention_dropout(y, deterministic=deterministic), deterministic=deterministic)
 
-    def global_self(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
-                    deterministic: bool = True) -> Array:
-        """Global (non-causal) self-attention: x [B, T, E] (mask [B, T], segment_ids [B, T] packed
-        documents, 0 = padding) -> y [B, T, E_out]; over `sequence_axis` when set."""
-        checks.check_tokens("x", x, "[B, T, E]")
-        q, k, v = self._qkv(x, deterministic)
-        if self.sequence_axis is None:
-            num, _ = linear_attention.noncausal(q, k, v, mask=mask, query_mask=mask, segment_ids=segment_ids)
-        else:
-            num, _ = context_parallel.noncausal(q, k, v, axis_name=self.sequence_axis, mask=mask,
-                                                query_mask=mask, segment_ids=segment_ids)
-        return self._out(num, x)
-
     def init_state(self, batch_size: int) -> LinearState:
         """The attention's zero state."""
         return self.attention.init_state(batch_size)
