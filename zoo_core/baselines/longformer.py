@@ -169,11 +169,8 @@ class LongformerAttention(ProjectedAttention):
         window: w >= 1: non-causal, w // 2 tokens on each side; causal, the w tokens ending at i.
         num_global: g >= 0: the first g tokens attend to all and all attend to them (e.g. 1 for a
             [CLS] token).
-        dropout_rate: dropout on the attention weights (as `SoftmaxAttention`).
-        dtype: compute dtype of the projections (None: inferred); attention maths is float32.
-        param_dtype: parameter dtype.
-        kernel_init, bias_init: initialisers of the projections (`SoftmaxAttention`'s defaults).
-        out_bias_init: bias initialiser of `out` (None: `bias_init`).
+        dropout_rate, dtype, param_dtype, kernel_init, bias_init, out_bias_init: as
+            `ProjectedAttention` (`zoo_core.baselines`); the attention maths is float32.
     """
     causal: bool = False
     window: int = 64

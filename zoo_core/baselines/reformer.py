@@ -234,11 +234,8 @@ class ReformerAttention(ProjectedAttention):
         num_hashes: the number of hash rounds, >= 1.
         chunk_length: C, the chunk of the sorted sequence, >= 1 (need not divide T).
         hash_seed: seed of the random rotations (give each layer its own for independent hashes).
-        dropout_rate: dropout on the attention weights (as `SoftmaxAttention`).
-        dtype: compute dtype of the projections (None: inferred); attention maths is float32.
-        param_dtype: parameter dtype.
-        kernel_init, bias_init: initialisers of the projections (`SoftmaxAttention`'s defaults).
-        out_bias_init: bias initialiser of `out` (None: `bias_init`).
+        dropout_rate, dtype, param_dtype, kernel_init, bias_init, out_bias_init: as
+            `ProjectedAttention` (`zoo_core.baselines`); the attention maths is float32.
     """
     causal: bool = False
     num_buckets: int = 8
