@@ -185,7 +185,7 @@ def _lra_model(sd: _StateDict, model) -> dict:
 
 
 def _uea_model(sd: _StateDict, model) -> dict:
-    from zoo_core.positions import sinusoidal_table
+    from zoo_core.ops.positions import sinusoidal_table
 
     params = {"input_proj": _dense(sd, "project_inp")}
     pe = sd.take("pos_enc.pe")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import graph_filter
-from zoo_core import masking, xla_forms
+from zoo_core.ops import masking, xla_forms
 
 Array = jax.Array
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 from agf_jax.factors import MASK_OFFSET, as_float, check_projections, left_factor, masked_logits
 from agf_jax.fused import agf_with_orthogonality
-from zoo_core import checks, masking
+from zoo_core import checks
+from zoo_core.ops import masking
 
 Array = jax.Array
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
 from agf_jax.factors import MASK_OFFSET, agf_factors, as_float, check_projections, orthogonality_loss
-from zoo_core import masking, xla_forms
+from zoo_core.ops import masking, xla_forms
 
 Array = jax.Array
 
@@ -27,7 +27,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
     """`(agf_parallel(...), orthogonality_loss(...))` of the non-causal layer in one pass.
 
     The training form of the non-causal layer (agf.md §2.2-2.6): the same numbers as the two
-    reference functions, computed one head at a time (`zoo_core.xla_forms.heads`) by a function with
+    reference functions, computed one head at a time (`zoo_core.ops.xla_forms.heads`) by a function with
     a hand-written backward pass (`jax.custom_vjp`). Per head, with A = U * g, kv = V^T Val:
 
         dA = dO kv^T,  dkv = A^T dO,  dU = dA * g + 2 U dG_U,  dV = Val dkv^T + 2 V dG_V,
@@ -75,7 +75,7 @@ def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Optional[Array], val:
 
     O = (U * g) (V^T Val) batched over heads, and `orthogonality_loss`; no custom backward, no
     optimisation barrier, no variadic reduce. The plain form a model takes inside
-    `zoo_core.xla_forms.plain('agf_backward')`, to time the hand-written backward against it, and
+    `zoo_core.ops.xla_forms.plain('agf_backward')`, to time the hand-written backward against it, and
     the form of the spectrum variants. Arguments and result as in `agf_with_orthogonality`.
     """
     f = agf_factors(zu, zv, zs, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,

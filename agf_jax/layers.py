@@ -39,8 +39,9 @@ from agf_jax import softmax as softmax_ops
 from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
-from zoo_core import checks, xla_forms
-from zoo_core.dropout import Dropout, keep_mask
+from zoo_core import checks
+from zoo_core.ops import xla_forms
+from zoo_core.ops.dropout import Dropout, keep_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -166,11 +167,11 @@ class AGFAttention(_Attention):
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
 
-    Traced inside `zoo_core.xla_forms.plain(...)` (timing only; same parameters and values), the
+    Traced inside `zoo_core.ops.xla_forms.plain(...)` (timing only; same parameters and values), the
     layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
     (autodiff of the plain non-causal maths) in their plain forms.
 
-    The causal forms keep AGF's own kernels rather than `zoo_core.linear_attention`: AGF normalises
+    The causal forms keep AGF's own kernels rather than `zoo_core.ops.linear_attention`: AGF normalises
     each of the D features by its own prefix sum under a running maximum (an online softmax), which
     the linear kernels' unstabilised `q . sum_s k_s v_s^T` cannot express.
     """
@@ -338,7 +339,7 @@ class SoftmaxAttention(_Attention):
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
 
-    Inside `zoo_core.xla_forms.plain('dense' / 'dropout')` as `AGFAttention`.
+    Inside `zoo_core.ops.xla_forms.plain('dense' / 'dropout')` as `AGFAttention`.
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.

@@ -18,7 +18,7 @@ AGF's `graph_filter` selects the paper's Table 6 ablations ('uvt', 'svd'; `AGFAt
 
 Interface (the zoo's model contract): `model.apply(variables, batch, train=False, rngs={'dropout': ...})`
 returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True` (it is
-`zoo_core.dropout.Dropout`: flax's semantics, cheap hashed bits, keep probability within 2^-33). Blocks and
+`zoo_core.ops.dropout.Dropout`: flax's semantics, cheap hashed bits, keep probability within 2^-33). Blocks and
 encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
 (`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
 
@@ -57,10 +57,11 @@ from agf_jax.layers import torch_linear_bias_init, torch_linear_kernel_init
 from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions,  # noqa: F401
                                      block_attention as _attention, call_attention,
                                      check_attention_options, options_tuple)
-from zoo_core import checks, xla_forms
-from zoo_core.remat import call_block
-from zoo_core.dropout import Dropout
-from zoo_core.positions import sinusoidal_table
+from zoo_core import checks
+from zoo_core.ops import xla_forms
+from zoo_core.ops.remat import call_block
+from zoo_core.ops.dropout import Dropout
+from zoo_core.ops.positions import sinusoidal_table
 
 Array = jax.Array
 
@@ -217,7 +218,7 @@ class LRAEncoder(_BlockFields, kw_only=True):
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
         t = ids.shape[1]
-        # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/xla_forms.py).
+        # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/ops/xla_forms.py).
         add = ((lambda x, table: x + table[None]) if xla_forms.is_plain("add_to_each")
                else xla_forms.add_to_each)
         x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
@@ -258,7 +259,7 @@ class _LRABase(_BlockFields, kw_only=True):
         pooling: 'mean' (the reference's MEAN: over all T positions) or 'cls' (the reference's CLS:
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
-        remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
+        remat: recompute each block's forward pass in the backward pass (`zoo_core.ops.remat`).
     """
     num_classes: int
     vocab_size: int
@@ -402,7 +403,7 @@ class UEAClassifier(_BlockFields, kw_only=True):
         activation: 'gelu' | 'relu' (blocks and the output activation).
         pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
         dtype, param_dtype: compute and parameter dtypes.
-        remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
+        remat: recompute each block's forward pass in the backward pass (`zoo_core.ops.remat`).
     """
     num_classes: int
     feat_dim: int

@@ -46,7 +46,7 @@ the loss, so it leaks no future information into any output. The recurrent forms
 `agf_step`) are inference forms and do not compute it.
 
 Masking is NaN-safe (the zoo's layer contract): padded V logits and values are replaced with
-`jnp.where` (`masked_logits`, `zoo_core.masking.zero_padding`), never multiplied by 0, so a padded position holding
+`jnp.where` (`masked_logits`, `zoo_core.ops.masking.zero_padding`), never multiplied by 0, so a padded position holding
 NaN or 1e30 changes no valid output; the chunked form also replaces a non-finite Z_V / Val at a
 valid position and sets every output at or after it to NaN, as the recurrence gives. Finite inputs
 give the reference's numbers bit for bit.

@@ -6,10 +6,10 @@
 The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.run.main for
 the flags.
 """
-from zoo_core import allocator
+from zoo_core.run import allocator
 from zoo_core.run import main
 from agf_jax import model
 
 if __name__ == "__main__":
-    allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator
+    allocator.restart_with_huge_pages()   # before any work: see zoo_core.run.allocator
     main.run(model.Model)

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import jax.numpy as jnp
 
 from agf_jax import ops
-from zoo_core import checks, masking
+from zoo_core import checks
+from zoo_core.ops import masking
 
 
 # ---------------------------------------------------------------------------------------------

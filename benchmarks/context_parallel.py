@@ -13,7 +13,7 @@ sequence split over a `sequence` mesh axis of P host devices, compiled from shap
 
 Mechanisms (docs/specs/context_parallel.md):
 
-* `linear`: causal linear attention (`zoo_core.context_parallel.causal`, LASP-2's all-gather of the
+* `linear`: causal linear attention (`zoo_core.ops.context_parallel.causal`, LASP-2's all-gather of the
   shards' states and a local fold), with elu+1 features on raw inputs;
 * `linear_global`: the non-causal global form (a psum of the states);
 * `linear_packed`: `linear` over packed documents of 1,000 tokens (`segment_ids`);
@@ -42,7 +42,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from zoo_core import bench, checks, context_parallel, linear_attention  # noqa: E402
+from zoo_core import bench, checks  # noqa: E402
+from zoo_core.ops import linear_attention  # noqa: E402
+
+from zoo_core.ops import context_parallel
 from zoo_core.testing import collective_bytes  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

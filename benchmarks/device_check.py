@@ -14,7 +14,7 @@ the call ends inside 8 minutes):
 - `steps`: the shared trainer's jitted train step (`bench.train_step_setup`) for each main config and each
   `--dtypes` (float32, bfloat16): compile time, median s/step, XLA's cost, MFU, roofline, bf16 / f32.
 - `bisect_bf16`: the AGF ListOps step in f32, in bf16, and in bf16 with each suspect of `--bisect_forms`
-  swapped for its plain form (`with zoo_core.xla_forms.plain(name):`), then all of them at once; ratio to f32 and
+  swapped for its plain form (`with zoo_core.ops.xla_forms.plain(name):`), then all of them at once; ratio to f32 and
   the compiled program's scatter / while / convert counts.
 - `tests`: the GPU test subset, one pytest subprocess per file with `--junitxml` and a per-file timeout,
   at `--test_precision` (default 'highest'); each outcome and failure message streamed as it happens
@@ -63,7 +63,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from benchmarks import device_phases  # noqa: E402 - after the path above
 from benchmarks.device_phases import GUESS_S, MAIN_CONFIGS, error_record  # noqa: E402,F401 (MAIN_CONFIGS: public)
-from zoo_core import checks, xla_forms  # noqa: E402
+from zoo_core import checks  # noqa: E402
+from zoo_core.ops import xla_forms  # noqa: E402
 
 # The GPU test subset: every package's forms-agree, ops and reference tests, and the export tests.
 TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "tests/agf_jax/softmax_test.py",

@@ -89,9 +89,9 @@ def _hlo_counts(compiled) -> dict[str, int] | None:
 
 def time_step(check, name: str, dtype: str, plain: tuple[str, ...] = ()) -> dict[str, Any]:
     """Compiles and times the trainer's step of a main config: one record. `plain` names the parts
-    traced in their plain form (`zoo_core.xla_forms.plain`, read while the step is traced, so the
+    traced in their plain form (`zoo_core.ops.xla_forms.plain`, read while the step is traced, so the
     step is set up, compiled and run inside it)."""
-    from zoo_core import xla_forms
+    from zoo_core.ops import xla_forms
 
     with xla_forms.plain(*plain):
         return _time_step(check, name, dtype, plain)

@@ -26,7 +26,7 @@ precision a side of its own in the same interleaved rounds, each with its ratio 
 whose model fails to build is recorded with its error). Both sides train on the same token ids /
 series where the shapes allow it (our batch is converted for the official model).
 Our steps run on the CPU devices that their configs' `parallel.cpu_devices` gives the training command
-(one per core for these four, `zoo_core.sharding.cpu_device_count`); `--cpu_devices N` overrides it, e.g.
+(one per core for these four, `zoo_core.run.sharding.cpu_device_count`); `--cpu_devices N` overrides it, e.g.
 `--cpu_devices 1` for the single-device step. The count is per process, so the selected cases must agree.
 
 End-to-end case `agf_uea_jv` (issue 17): the whole JapaneseVowels job, the official `run_agf_best.sh`
@@ -500,7 +500,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    from zoo_core import bench, sharding
+    from zoo_core import bench
+    from zoo_core.run import sharding
 
     # Our steps run on the CPU devices their configs start the training command with (one per core
     # for these cases); the count is per process, so every selected case must agree on it.
@@ -572,7 +573,7 @@ def main(argv=None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     # Both sides (and the end-to-end subprocesses) run under the allocator the training commands use.
-    from zoo_core import allocator
+    from zoo_core.run import allocator
 
     allocator.restart_with_huge_pages()
     sys.exit(1 if any(r["status"] in ("error", "failed") for r in main()["records"]) else 0)

@@ -5,7 +5,7 @@ Times `jax.grad` of `sum(o)` with respect to (x0, q, v) at batch 1 for N = 1K, 2
 v^(m) and key = the previous layer's output (x0 for m = 1), samovar.md §2.6 / §4:
 
 * `var_masked`: `samovar_jax.ops.var_chain_parallel` (quadratic, materialises [B, H, N, N] per layer);
-  all three VAR cases run on the shared kernels of `zoo_core.linear_attention`;
+  all three VAR cases run on the shared kernels of `zoo_core.ops.linear_attention`;
 * `var_chunked`: `ops.var_chain_chunked` (intra-chunk masked + inter-chunk state, `--chunk` tokens);
 * `var_scan`: `ops.var_chain_recurrent` (a token `lax.scan` per layer carrying a D x D state per head);
 * `softmax`: the same chain with causal softmax attention, `jax.nn.dot_product_attention`

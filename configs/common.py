@@ -1,7 +1,7 @@
 """Defaults shared by every config, and `parse_arg` for `--config file.py:key=value,flag` strings.
 
 Every knob of the trainer is here with one comment (the schedule and lookahead fields take their
-defaults, and their comments, from zoo_core/optim.py); architecture configs override what they need.
+defaults, and their comments, from zoo_core/run/optim.py); architecture configs override what they need.
 
 One composition style for every config file: `get_config(arg)` parses its `:args` with `parse_arg`,
 starts from `base_config()`, lets the shared helpers of its folder write their part into it
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from zoo_core import optim
+from zoo_core.run import optim
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -103,13 +103,13 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.schedule = ml_collections.ConfigDict()
     c.schedule.name = "constant"      # constant | one_cycle | warmup_linear | warmup_cosine | warmup_rsqrt
-    c.schedule.update(optim.SCHEDULE_DEFAULTS)  # each field with its meaning: zoo_core/optim.py
+    c.schedule.update(optim.SCHEDULE_DEFAULTS)  # each field with its meaning: zoo_core/run/optim.py
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mode = "jit"           # jit (NamedSharding over a 'data' mesh) | pmap (legacy)
     # The CPU devices the training command starts JAX with (0: one per core that divides the batch):
     # data parallelism over the cores, worth it where the step is mostly elementwise work
-    # (zoo_core.sharding.cpu_device_count says why). No effect on accelerators.
+    # (zoo_core.run.sharding.cpu_device_count says why). No effect on accelerators.
     c.parallel.cpu_devices = 1        # (safe on resume)
 
     c.data = ml_collections.ConfigDict()

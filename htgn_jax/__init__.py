@@ -1,7 +1,7 @@
 """HTGN (Hybrid Transformer-Graph Network) in JAX/Flax: FAVOR+, HRPE, windowed graph attention.
 
 See the shared spec `htgn.md`. Modules by concern: `ops` (FAVOR+ kernels: random features, feature
-maps; the causal forms are `zoo_core.linear_attention`), `graph_ops` (window / causal / Cross-Graph
+maps; the causal forms are `zoo_core.ops.linear_attention`), `graph_ops` (window / causal / Cross-Graph
 GAT kernels), `layers` (`FavorAttention`), `graph_layers` (`WindowGraphAttention`,
 `CrossGraphAttention`), `hrpe` (rotary and spectral encodings), `blocks` (encoder and decoder
 blocks, `BlockConfig`), `model` (`Seq2Seq`, `Classifier`, `VARIANTS`, the `Model` factory),
@@ -13,7 +13,7 @@ from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGr
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
 from htgn_jax.model import VARIANTS, Classifier, Model, Seq2Seq
-from zoo_core.linear_attention import LinearState   # FAVOR+'s causal state and cross cache (S, z)
+from zoo_core.ops.linear_attention import LinearState   # FAVOR+'s causal state and cross cache (S, z)
 
 __all__ = ["BlockConfig", "Classifier", "CrossGraphAttention", "CrossGraphCache", "DecoderMemory",
            "DecoderState", "FavorAttention", "LinearState", "Model", "Seq2Seq",

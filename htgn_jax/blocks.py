@@ -32,8 +32,8 @@ from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGr
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
 from zoo_core import attention as zoo_attention
-from zoo_core.linear_attention import LinearState
-from zoo_core.remat import call_block
+from zoo_core.ops.linear_attention import LinearState
+from zoo_core.ops.remat import call_block
 
 Array = jax.Array
 
@@ -69,7 +69,7 @@ class BlockConfig:
       norm: 'pre' | 'post'.
       chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
       dtype, param_dtype: compute and parameter dtypes.
-      remat: recompute each block's forward pass in the backward pass (`zoo_core.remat`).
+      remat: recompute each block's forward pass in the backward pass (`zoo_core.ops.remat`).
     """
     d_model: int
     num_heads: int

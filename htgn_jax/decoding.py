@@ -338,7 +338,7 @@ def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
     Decodes `config.data.eval_split` (the first `config.decode.max_examples` examples, else the
     first `config.eval_max_examples`, else all) in batches of `config.eval_batch_size` with greedy
     search (beam_size 1) or beam search, and scores the texts against 'target_text' with
-    `zoo_core.textmetrics.translation_metrics` (sacrebleu BLEU and chrF, exact match).
+    `zoo_core.tasks.textmetrics.translation_metrics` (sacrebleu BLEU and chrF, exact match).
     config.decode fields: beam_size (1), length_penalty (0.0), max_examples (0), max_len (0 = the
     targets' width), use_cache ('auto' | 'cache' | 'recompute').
     """
@@ -364,7 +364,7 @@ def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
         return cache
 
     def evaluate(params, model, cfg, *, feature_step=None) -> dict[str, float]:
-        from zoo_core import textmetrics  # pylint: disable=import-outside-toplevel
+        from zoo_core.tasks import textmetrics  # pylint: disable=import-outside-toplevel
 
         data = load()
         inputs = data["inputs"]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from htgn_jax.graph_kl import attention_kl, check_kl, distance_prior_logits, neighbour_kl
 from htgn_jax.graph_ops import neighbour_attention, unfold, window_distances
-from zoo_core import masking
+from zoo_core.ops import masking
 
 Array = jax.Array
 

@@ -28,7 +28,7 @@ from flax.linen.dtypes import promote_dtype
 from htgn_jax import graph_causal, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import HeadsOutput, flat_init
-from zoo_core import masking
+from zoo_core.ops import masking
 from zoo_core.checks import check_rank, check_tokens, fail
 
 Array = jax.Array

@@ -69,7 +69,7 @@ import numpy as np
 
 from htgn_jax.graph_kl import (KL_MODES, attention_kl, check_kl, distance_prior_logits,  # noqa: F401
                                neighbour_kl)
-from zoo_core import masking
+from zoo_core.ops import masking
 from zoo_core.checks import check_int, check_rank, check_shape, fail
 
 Array = jax.Array

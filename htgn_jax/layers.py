@@ -7,7 +7,7 @@ call those pure functions. One parameter tree serves every entry point:
 * `__call__(x, *, mask, deterministic, feature_step, positions) -> (y, aux)`: non-causal, or causal
   in the form `chunk_size` chooses (None: the masked quadratic form, an int C: chunks of C tokens);
 * `init_state`, `scan`, `step`: the causal recurrence (token `lax.scan`) and one-token decoding
-  with the state `LinearState(num = S, den = z)` of `zoo_core.linear_attention`;
+  with the state `LinearState(num = S, den = z)` of `zoo_core.ops.linear_attention`;
 * `cross`, `cross_cache`, `cross_step`: FAVOR+ cross-attention (queries from x, keys/values from
   an encoder memory), as the decoder's third sub-layer (htgn.md §5.1 step 3), and its decoding
   cache Z_M = phi(K_M)^T V_M, t_M = phi(K_M)^T 1 (htgn.md §5.4), so each decoding step is O(M D).
@@ -50,9 +50,9 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import hrpe, ops, validation
-from zoo_core import linear_attention, masking
+from zoo_core.ops import linear_attention, masking
 from zoo_core.checks import check_rank, check_shape, check_tokens, fail
-from zoo_core.linear_attention import LinearState
+from zoo_core.ops.linear_attention import LinearState
 
 Array = Any
 Initializer = Callable[..., Array]

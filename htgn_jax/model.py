@@ -72,7 +72,7 @@ from htgn_jax.blocks import (BlockConfig, DecoderBlock, Encoder, drop_path_rate,
                              with_globals)
 from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (read by the configs)
 from zoo_core.checks import constructor_kwargs, fail
-from zoo_core.remat import call_block
+from zoo_core.ops.remat import call_block
 
 Array = jax.Array
 
@@ -213,7 +213,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       pad_id, bos_id, eos_id: special ids (number_words / wmt convention 0, 1, 2).
       dtype, param_dtype: compute and parameter dtypes.
       remat: recompute each encoder and decoder block's forward pass in the backward pass
-        (`zoo_core.remat`; decoding is not rematerialised).
+        (`zoo_core.ops.remat`; decoding is not rematerialised).
     """
     source_vocab_size: int
     target_vocab_size: int

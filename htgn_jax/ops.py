@@ -17,7 +17,7 @@ compute dtype.
 Forms (all take the *features*, so every form is tested against every other with the same phi):
 
 * `favor_parallel`: non-causal, Z = phi(K)^T V, out = phi(Q) Z / phi(Q) phi(K)^T 1 (§2.5).
-* causal (§2.6, §5.4): the zoo's shared kernels `zoo_core.linear_attention` with
+* causal (§2.6, §5.4): the zoo's shared kernels `zoo_core.ops.linear_attention` with
   `denominator=True` on (phi(Q), phi(K), V): `causal_parallel` (masked quadratic form),
   `causal_chunked` (intra-chunk quadratic, inter-chunk carried state, rematerialised chunk body),
   `causal_scan` / `causal_step` (the token recurrence). Their state is
@@ -70,8 +70,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention, masking
-from zoo_core.linear_attention import LinearState, acc_dtype
+from zoo_core.ops import linear_attention, masking
+from zoo_core.ops.linear_attention import LinearState, acc_dtype
 
 Array = Any
 

@@ -7,9 +7,9 @@ Seq2seq configs (task.name == 'seq2seq') also decode the eval split and log eval
 eval/chrf and eval/exact_match (`htgn_jax.decoding.evaluators_for`).
 """
 from htgn_jax import decoding, model
-from zoo_core import allocator
+from zoo_core.run import allocator
 from zoo_core.run import main
 
 if __name__ == "__main__":
-    allocator.restart_with_huge_pages()   # before any work: see zoo_core.allocator
+    allocator.restart_with_huge_pages()   # before any work: see zoo_core.run.allocator
     main.run(model.Model, evaluators_fn=decoding.evaluators_for)

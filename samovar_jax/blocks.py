@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from samovar_jax import ops
-from zoo_core import checks, xla_forms
-from zoo_core.dropout import Dropout
+from zoo_core import checks
+from zoo_core.ops import xla_forms
+from zoo_core.ops.dropout import Dropout
 
 Array = jax.Array
 
@@ -41,7 +42,7 @@ normal002 = nn.initializers.normal(0.02)
 
 
 def dense(features: int, *, name: str, dtype, param_dtype, use_bias: bool = True, std: float = 0.02):
-    """`zoo_core.xla_forms.Dense` (flax's Dense as a 2-D matmul) with the reference init: kernel
+    """`zoo_core.ops.xla_forms.Dense` (flax's Dense as a 2-D matmul) with the reference init: kernel
     N(0, std^2), bias 0 (samovar.md §5)."""
     return xla_forms.Dense(features, use_bias=use_bias, kernel_init=nn.initializers.normal(std),
                     bias_init=nn.initializers.zeros, dtype=dtype, param_dtype=param_dtype, name=name)

@@ -5,7 +5,7 @@ Every layer follows the zoo's layer contract (README "Layer contract") on one pa
 when `chunk_size` is an int), `init_state(batch_size) -> State`,
 `scan(x, state=None, *, mask=None, deterministic=True) -> (y, state)` (the token recurrence) and
 `step(state, x_t) -> (y_t, state)`. The maths is the zoo's causal linear attention
-without normaliser (`zoo_core.linear_attention`, denominator=False), whose `jnp.where` masking keeps
+without normaliser (`zoo_core.ops.linear_attention`, denominator=False), whose `jnp.where` masking keeps
 padded and future positions (NaN or 1e30 included) out of every valid, past output.
 
 * `LinearAttention`: bare causal linear attention, query/key/value/out projections, no norm and no
@@ -25,9 +25,10 @@ import jax.numpy as jnp
 
 from samovar_jax import ops
 from samovar_jax.blocks import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
-from zoo_core import checks, context_parallel, linear_attention, xla_forms
-from zoo_core.dropout import Dropout, keep_mask
-from zoo_core.linear_attention import LinearState
+from zoo_core import checks
+from zoo_core.ops import context_parallel, linear_attention, xla_forms
+from zoo_core.ops.dropout import Dropout, keep_mask
+from zoo_core.ops.linear_attention import LinearState
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -48,7 +49,7 @@ class VARChainState(NamedTuple):
 
 def _dropout_mask(module: nn.Module, rate: float, shape, deterministic: bool) -> Optional[Array]:
     """Inverted-dropout multiplier (1/(1-rate) or 0) drawn from the 'dropout' rng, or None
-    (`zoo_core.dropout`'s cheap bits)."""
+    (`zoo_core.ops.dropout`'s cheap bits)."""
     if deterministic or rate == 0.0:
         return None
     keep = 1.0 - rate
@@ -71,7 +72,7 @@ class _OutProjection(nn.Module):
         kernel = self.param("kernel", self.kernel_init, (y.shape[-1], features), self.param_dtype)
         bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
         y, kernel, bias = nn.dtypes.promote_dtype(y, kernel, bias, dtype=self.dtype)
-        # A 2-D matmul, as zoo_core.xla_forms.Dense (its gradient needs no transposed copy of y).
+        # A 2-D matmul, as zoo_core.ops.xla_forms.Dense (its gradient needs no transposed copy of y).
         out = jnp.dot(y.reshape(-1, y.shape[-1]), kernel) + bias
         return out.reshape(y.shape[:-1] + (features,))
 
@@ -94,7 +95,7 @@ class LinearAttention(nn.Module):
       dtype: compute dtype (None: promote inputs and parameters); sums and states stay float32.
       param_dtype: parameter dtype.
       sequence_axis: the mesh axis one sequence is split over (context parallelism,
-        `zoo_core.context_parallel`): `__call__` and `global_self` then run under `jax.shard_map`, called
+        `zoo_core.ops.context_parallel`): `__call__` and `global_self` then run under `jax.shard_map`, called
         under `jax.set_mesh(mesh)` with T divisible by the axis size, and give one device's numbers
         (`chunk_size` None: each shard one chunk). `scan`, `step` (decoding) and `cross` are one device's
         forms whatever it is. None: one device.
@@ -161,7 +162,7 @@ class LinearAttention(nn.Module):
     def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
         """x [B, T, E], mask [B, T] (True = valid), segment_ids [B, T] (packed documents, 0 = padding;
-        `zoo_core.packing`) -> (y [B, T, E_out], {}); over `sequence_axis` when set."""
+        `zoo_core.ops.packing`) -> (y [B, T, E_out], {}); over `sequence_axis` when set."""
         checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
         if self.sequence_axis is not None:

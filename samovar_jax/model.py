@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from samovar_jax import baselines, blocks, layers, ops, validation
 from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
-from zoo_core.dropout import Dropout
-from zoo_core.remat import call_block
+from zoo_core.ops.dropout import Dropout
+from zoo_core.ops.remat import call_block
 
 Array = jax.Array
 
@@ -164,7 +164,7 @@ class Forecaster(nn.Module):
         statistics, the attention sums/states and the returned forecast stay float32.
       param_dtype: parameter dtype or its name.
       remat: recompute the forward pass of each MLP block, LinTrans block and of the VAR chain in
-        the backward pass (`zoo_core.remat`; the stateful scan paths are not rematerialised).
+        the backward pass (`zoo_core.ops.remat`; the stateful scan paths are not rematerialised).
     """
     num_channels: int
     input_len: int

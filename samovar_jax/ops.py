@@ -13,7 +13,7 @@ Contents:
 * The VAR attention chain of SAMoVAR (samovar.md §2.6, §4): queries and values from the first-layer input
   x0, key of layer m = output of layer m-1 (key of layer 1 = x0), optionally through a key matrix
   W_k (the "w/ W_k" ablation). Each layer is the zoo's causal linear attention without normaliser,
-  `o_t = sum_{s<=t} (q_t . k_s) v_s` (`zoo_core.linear_attention`, denominator=False), in four forms:
+  `o_t = sum_{s<=t} (q_t . k_s) v_s` (`zoo_core.ops.linear_attention`, denominator=False), in four forms:
   `var_chain_parallel`, `var_chain_chunked` (per platform: on accelerators
   `var_chain_chunked_batched`, batched over heads with no loop), `var_chain_recurrent` (a token scan
   per layer) and `var_chain_step`, with `var_chain_init_state`. Padding masks and non-finite values are handled by
@@ -24,7 +24,7 @@ Contents:
 * RMS normalisation (samovar.md §1), instance normalisation and patching (samovar.md §2.1-2.2).
 
 Precision: the attention sums have no normaliser and grow with T, so they accumulate in at least
-float32 (`zoo_core.linear_attention.acc_dtype`), and the chain passes each layer's output to the next
+float32 (`zoo_core.ops.linear_attention.acc_dtype`), and the chain passes each layer's output to the next
 one in that dtype; the returned outputs are in x0's dtype; states are float32 (float64 under x64).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from zoo_core import linear_attention
+from zoo_core.ops import linear_attention
 
 Array = jax.Array
 
@@ -173,7 +173,7 @@ def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state, stack=True):
 
 def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[Array] = None,
                        dropout_mask: Optional[Array] = None, mask: Optional[Array] = None) -> Array:
-    """Masked form of the VAR chain: `zoo_core.linear_attention.causal_parallel` once per layer.
+    """Masked form of the VAR chain: `zoo_core.ops.linear_attention.causal_parallel` once per layer.
 
     For m = 1..L (samovar.md §2.6): `k^(0) = x0`,
     `o^(m)_t = sum_{s<=t} <q^(m)_t, k^(m-1)_s> v^(m)_s` per head, `o^(m) <- dropout(o^(m))`,
@@ -211,7 +211,7 @@ def _chunked_layer(chunk_size, mask, form=linear_attention.causal_chunked):
 def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: Optional[Array] = None,
                       key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
                       mask: Optional[Array] = None) -> tuple[Array, Array]:
-    """Chunked form: `zoo_core.linear_attention.causal_chunked` once per layer (samovar.md §4).
+    """Chunked form: `zoo_core.ops.linear_attention.causal_chunked` once per layer (samovar.md §4).
 
     The form of each layer is chosen per platform by `causal_chunked`: on accelerators it is
     `var_chain_chunked_batched`'s (all heads and chunks in the same einsums, no loop, a program that
@@ -234,7 +234,7 @@ def var_chain_chunked_batched(x0: Array, q: Array, v: Array, chunk_size: int, *,
                               dropout_mask: Optional[Array] = None,
                               mask: Optional[Array] = None) -> tuple[Array, Array]:
     """The accelerator form of `var_chain_chunked`, on any platform: per layer
-    `zoo_core.linear_attention.causal_chunked_batched` (every chunk's entering state at once by an
+    `zoo_core.ops.linear_attention.causal_chunked_batched` (every chunk's entering state at once by an
     exclusive prefix sum over the chunks, each product one einsum over [B, n, H]).
 
     Args and Returns: as in `var_chain_chunked`.
@@ -276,7 +276,7 @@ def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk
 def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,
                         key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
                         mask: Optional[Array] = None) -> tuple[Array, Array]:
-    """Recurrent form: `zoo_core.linear_attention.causal_scan` (a token `lax.scan`) once per layer.
+    """Recurrent form: `zoo_core.ops.linear_attention.causal_scan` (a token `lax.scan`) once per layer.
 
     Args:
       x0, q, v, key_kernels, dropout_mask, mask: as in `var_chain_parallel`.

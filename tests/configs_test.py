@@ -6,7 +6,8 @@ import pytest
 
 from configs import common
 from zoo_core import data as data_lib
-from zoo_core import optim, tasks, trainer
+from zoo_core import tasks, trainer
+from zoo_core.run import optim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILDERS = {

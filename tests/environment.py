@@ -26,7 +26,7 @@ import pathlib
 import subprocess
 import sys
 
-from zoo_core import allocator
+from zoo_core.run import allocator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPILE_SPEED_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
@@ -56,7 +56,7 @@ def command_env(**extra: str) -> dict[str, str]:
     compiles; `extra` last."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=fast_compile_xla_flags(), JAX_DISABLE_MOST_OPTIMIZATIONS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    # Started under the allocator setting the training commands would restart into (zoo_core.allocator),
+    # Started under the allocator setting the training commands would restart into (zoo_core.run.allocator),
     # so that they do not: a restart imports jax twice, 2.5 s per command.
     env = allocator.wanted_env(env) or env
     env.update(extra)

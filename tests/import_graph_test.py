@@ -131,6 +131,17 @@ def test_the_trainer_and_the_harness_are_packages_in_layers():
     assert not flat & set(graph)
 
 
+def test_the_zoo_core_top_level_holds_packages_and_a_few_leaves():
+    """The architecture shows in the folders: the maths (`ops`), the mechanisms (`attention`,
+    `baselines`), the trainer (`run`), the harness (`bench`), `data`, `tasks`, `study`; at the top only
+    the boundary checks, the cost leaf, the test helpers and the trainer's facade and self-test."""
+    root = pathlib.Path(__file__).resolve().parents[1] / "zoo_core"
+    leaves = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    packages = {p.parent.name for p in root.glob("*/__init__.py")}
+    assert leaves == {"checks", "costs", "testing", "trainer", "train", "mlp_classifier"}
+    assert packages == {"ops", "attention", "baselines", "run", "bench", "data", "tasks", "study"}
+
+
 def test_no_import_circle_among_first_party_modules():
     cycles = _cycles(_graph())
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)

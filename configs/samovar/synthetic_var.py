@@ -71,7 +71,7 @@ def get_config(arg=None):
     c.total_steps = args.steps or FULL_STEPS
     c.batch_size = 256
     c.eval_batch_size = 500
-    c.parallel.cpu_devices = 0   # one per core: this step is mostly elementwise work (zoo_core/sharding.py)
+    c.parallel.cpu_devices = 0   # one per core: this step is mostly elementwise work (zoo_core/run/sharding.py)
     c.log_every_steps = 20
     c.eval_every_steps = 79 if c.total_steps >= 790 else max(c.total_steps // 10, 1)
     c.checkpoint_every_steps = 200

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from zoo_core import attention
-from zoo_core.positions import sinusoidal_table
+from zoo_core.ops.positions import sinusoidal_table
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ import pytest
 
 from agf_jax import model as model_lib
 from agf_jax.model import VARIANTS, Model
-from zoo_core import testing, xla_forms
+from zoo_core import testing
+from zoo_core.ops import xla_forms
 from zoo_core.testing import F32_MODEL, assert_trees_close, param_shapes
 
 B, T, C, K = 2, 7, 3, 4

@@ -9,7 +9,8 @@ import pytest
 from jax.test_util import check_grads
 
 from agf_jax import ops
-from zoo_core import masking, testing
+from zoo_core import testing
+from zoo_core.ops import masking
 from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close
 
 B, H, D, M = 2, 2, 4, 3

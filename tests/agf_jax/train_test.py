@@ -15,7 +15,8 @@ import pytest
 
 from configs.agf import lra_listops, uea
 from tests.environment import command_env
-from zoo_core import attention, sharding
+from zoo_core import attention
+from zoo_core.run import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry

@@ -143,7 +143,7 @@ def test_causal_window_training_has_no_loop_on_accelerators(platform):
 def test_htgn_train_step_has_no_loop_on_accelerators():
     """The Seq2Seq model's gradient with feature redraw and dropout: no while loop for cuda or tpu
     (the ORF key chain is unrolled). The targets fit one FAVOR+ chunk, as number_words' do: the
-    causal FAVOR+ chunked form is `zoo_core.linear_attention`'s, judged by its own tests."""
+    causal FAVOR+ chunked form is `zoo_core.ops.linear_attention`'s, judged by its own tests."""
     model = Model(kind="seq2seq", variant="test", num_layers=1, source_vocab_size=11,
                   target_vocab_size=9, max_source_len=16, max_target_len=16, redraw_every=10,
                   dropout_rate=0.1, chunk_size=8)

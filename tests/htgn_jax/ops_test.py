@@ -8,7 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 from htgn_jax import ops
-from zoo_core import linear_attention as la
+from zoo_core.ops import linear_attention as la
 from zoo_core.testing import F32_SIMPLE, F64, TESTDATA, Golden, assert_forms_agree, golden_excess
 
 B, T, H, D, M = 2, 7, 2, 4, 8

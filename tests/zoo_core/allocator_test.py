@@ -1,11 +1,11 @@
-"""The training commands' allocator restart (zoo_core.allocator)."""
+"""The training commands' allocator restart (zoo_core.run.allocator)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from zoo_core import allocator
+from zoo_core.run import allocator
 
 LINUX = dict(system="linux", libc="glibc", thp=True)
 
@@ -39,7 +39,7 @@ def test_thp_setting_is_read_from_the_kernel_file(tmp_path):
 
 
 def test_restart_keeps_argv_and_runs_once():
-    code = ("import os, sys; from zoo_core import allocator; allocator.restart_with_huge_pages(); "
+    code = ("import os, sys; from zoo_core.run import allocator; allocator.restart_with_huge_pages(); "
             "print(os.environ.get('GLIBC_TUNABLES'), sys.argv[1:])")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "ZOO_MALLOC",
                                                             "ZOO_MALLOC_RESTARTED")}

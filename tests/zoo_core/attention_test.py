@@ -328,7 +328,7 @@ def test_noncausal_linear_attention_kernel(x64):
     float64 gradients."""
     from jax.test_util import check_grads
 
-    from zoo_core import linear_attention as la
+    from zoo_core.ops import linear_attention as la
     rng = np.random.default_rng(1)
     q, k, v = (rng.normal(size=(B, t, HEADS, d)) for t, d in ((T, 4), (S, 4), (S, 3)))
     _, memory_mask = _memory()

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo_core.checkpoint import Checkpoints
+from zoo_core.run.checkpoint import Checkpoints
 
 
 def _state(v):
@@ -71,7 +71,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, damage, capl
 
 
 def test_restore_params_of_a_missing_run_raises_and_creates_nothing(tmp_path):
-    from zoo_core import checkpoint
+    from zoo_core.run import checkpoint
     for which in ("checkpoints", "best"):
         with pytest.raises(FileNotFoundError, match=f"no checkpoint under .*{which}"):
             checkpoint.restore_params(str(tmp_path / "run"), which=which)
@@ -79,7 +79,7 @@ def test_restore_params_of_a_missing_run_raises_and_creates_nothing(tmp_path):
 
 
 def test_a_run_without_a_best_checkpoint_points_to_the_latest(tmp_path):
-    from zoo_core import checkpoint
+    from zoo_core.run import checkpoint
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)     # trained with checkpoint.best_metric=''
     with pytest.raises(FileNotFoundError, match="keeps no best checkpoint .* --checkpoint=latest"):
         checkpoint.require_checkpoints(str(tmp_path / "run"), "best")

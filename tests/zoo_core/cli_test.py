@@ -658,7 +658,7 @@ def test_eval_only_on_a_read_only_run_prints_the_result_and_one_line_for_the_jso
     """A run directory the JSON cannot be written to (read-only; root ignores chmod, so the write is
     refused here as the file system would) still gets its result printed, exit 0, no traceback, and one
     warning line in the log (stderr on the command line) naming the file."""
-    from zoo_core import metrics as metrics_lib
+    from zoo_core.run import metrics as metrics_lib
     work = tmp_path / "run"
     _train(env, work, capfd)
     write_json = metrics_lib.write_json
@@ -704,7 +704,8 @@ def test_an_error_line_starts_its_own_line_after_a_progress_bar(env, tmp_path, c
 
 def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, tmp_path, capfd, monkeypatch):
     """The command checks the setup before the workdir and hands what it built to the trainer."""
-    from zoo_core import data as data_lib, optim, tasks
+    from zoo_core import data as data_lib, tasks
+    from zoo_core.run import optim
     calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0}
 
     def counted(name, fn):

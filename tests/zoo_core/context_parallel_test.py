@@ -1,4 +1,4 @@
-"""Context parallelism (zoo_core/context_parallel.py): a sequence split over a `sequence` mesh axis gives
+"""Context parallelism (zoo_core/ops/context_parallel.py): a sequence split over a `sequence` mesh axis gives
 the single-device numbers, values and gradients, NaN-safety included, and moves a number of bytes that
 does not grow with the length."""
 import os
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.environment import command_env
-from zoo_core import context_parallel, linear_attention
+from zoo_core.ops import context_parallel, linear_attention
 from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -1,11 +1,11 @@
-"""zoo_core.dropout: keep probability, lane independence, flax-compatible module behaviour."""
+"""zoo_core.ops.dropout: keep probability, lane independence, flax-compatible module behaviour."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo_core import dropout as zd
+from zoo_core.ops import dropout as zd
 
 
 def test_bits_are_uniform_and_shape_general():

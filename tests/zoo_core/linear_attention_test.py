@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from zoo_core import linear_attention as la
+from zoo_core.ops import linear_attention as la
 from zoo_core.testing import F32_SIMPLE, F64, assert_forms_agree, exported_program, while_loops
 
 B, H, D, M = 2, 2, 4, 3

@@ -1,9 +1,9 @@
-"""zoo_core.masking: the one mask check and the NaN-safe removal of padding."""
+"""zoo_core.ops.masking: the one mask check and the NaN-safe removal of padding."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo_core import masking
+from zoo_core.ops import masking
 
 
 def test_check_mask_names_the_shape():

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from configs import common
-from zoo_core import optim
+from zoo_core.run import optim
 
 
 def _config(**optim_fields):

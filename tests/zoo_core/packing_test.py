@@ -1,4 +1,4 @@
-"""Packed sequences (zoo_core/packing.py) in linear attention: a packed call equals each document
+"""Packed sequences (zoo_core/ops/packing.py) in linear attention: a packed call equals each document
 computed alone, values and gradients, in every form; padding and another document's NaN change nothing."""
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo_core import linear_attention, packing
+from zoo_core.ops import linear_attention, packing
 from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close
 
 H, D, M = 2, 3, 4

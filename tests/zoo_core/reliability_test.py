@@ -149,7 +149,7 @@ def test_the_default_workdir_names_the_config_and_its_args():
 def test_run_json_files_are_replaced_whole(tmp_path):
     # config.json and the eval results are written to a temporary file and renamed into place, so a kill
     # mid-write cannot leave a torn config.json that a resume would refuse to read.
-    from zoo_core import metrics
+    from zoo_core.run import metrics
     path = tmp_path / "config.json"
     path.write_text('{"seed": 0}')
     (tmp_path / "config.json.tmp").write_text('{"se')          # left by a write killed earlier

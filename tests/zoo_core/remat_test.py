@@ -1,4 +1,4 @@
-"""zoo_core.remat: `remat=True` recomputes every block in the backward pass and changes nothing else.
+"""zoo_core.ops.remat: `remat=True` recomputes every block in the backward pass and changes nothing else.
 
 One small model of each package, in training mode (dropout on, the same rng): the same parameters,
 outputs and gradients with and without remat, and the gradient program holds the rematerialised

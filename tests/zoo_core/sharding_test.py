@@ -1,7 +1,7 @@
 """`sharding.cpu_device_count`: the CPU devices a training command starts JAX with."""
 import pytest
 
-from zoo_core import sharding
+from zoo_core.run import sharding
 
 
 @pytest.mark.parametrize("requested, batch, eval_batch, accum, cores, want", [

@@ -1,4 +1,4 @@
-"""zoo_core.xla_forms: the same values and gradients as the plain forms."""
+"""zoo_core.ops.xla_forms: the same values and gradients as the plain forms."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from zoo_core import xla_forms
+from zoo_core.ops import xla_forms
 
 
 @pytest.mark.parametrize("x_dtype, table_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),

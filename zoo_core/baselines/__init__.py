@@ -22,8 +22,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zoo_core import checks, masking, xla_forms
-from zoo_core.dropout import Dropout, keep_mask
+from zoo_core import checks
+
+from zoo_core.ops import masking, xla_forms
+from zoo_core.ops.dropout import Dropout, keep_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]

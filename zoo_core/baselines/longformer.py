@@ -38,7 +38,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from zoo_core import checks, masking
+from zoo_core import checks
+
+from zoo_core.ops import masking
 from zoo_core.baselines import ProjectedAttention
 
 Array = jax.Array

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zoo_core import sharding
+from zoo_core.run import sharding
 from zoo_core.costs import cost_of
 from zoo_core.data import pipeline
 from zoo_core.run import setup as run_setup

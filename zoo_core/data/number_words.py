@@ -30,7 +30,7 @@ Sequence convention (what the decoder uses):
 
 Text features for BLEU: 'source_text' (the raw num2words source, numbers joined by '; ') and
 'target_text' (the target tokens joined by single spaces, e.g. the German morphemes). Score
-`ids_to_text(predicted_ids)` against 'target_text' with `zoo_core.textmetrics.translation_metrics`
+`ids_to_text(predicted_ids)` against 'target_text' with `zoo_core.tasks.textmetrics.translation_metrics`
 (sacrebleu BLEU with tokenize='none', chrF, exact match): word BLEU on unsegmented compounds would be
 degenerate (htgn.md §6). 'numbers' int64 [k] holds the example's numbers (-1 padded).
 """

@@ -11,8 +11,8 @@ from absl import logging
 import jax
 import numpy as np
 
-from zoo_core import checkpoint as ckpt_lib
-from zoo_core import metrics as metrics_lib, sharding
+from zoo_core.run import checkpoint as ckpt_lib
+from zoo_core.run import metrics as metrics_lib, sharding
 from zoo_core.data import pipeline
 from zoo_core.run.errors import ConfigError
 from zoo_core.run.resume import check_eval_config

@@ -10,8 +10,8 @@ from typing import Any, Callable, Iterable, Mapping
 from absl import logging
 import jax
 
-from zoo_core import checkpoint as ckpt_lib
-from zoo_core import metrics as metrics_lib, sharding
+from zoo_core.run import checkpoint as ckpt_lib
+from zoo_core.run import metrics as metrics_lib, sharding
 from zoo_core.data import pipeline
 from zoo_core.run.errors import ConfigError, NonFiniteError
 from zoo_core.run.evaluation import evaluate_params

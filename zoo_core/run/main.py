@@ -27,7 +27,7 @@ the progress bar, the CPU device count and a longer total_steps (under a constan
 schedule) may always change.
 
 CPU devices: JAX's CPU backend starts with `config.parallel.cpu_devices` devices (0: one per core;
-`zoo_core.sharding.cpu_device_count`), before anything else touches JAX.
+`zoo_core.run.sharding.cpu_device_count`), before anything else touches JAX.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
     # Imported here, not at the top: --help and a flag mistake answer without loading JAX.
-    from zoo_core import sharding
+    from zoo_core.run import sharding
     from zoo_core.run import evaluation, loop, setup
     config = _CONFIG.value
     if config is None:

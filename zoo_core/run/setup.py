@@ -18,8 +18,9 @@ from typing import Any, Callable
 from absl import logging
 import jax
 
-from zoo_core import checkpoint as ckpt_lib
-from zoo_core import costs, metrics as metrics_lib, optim, sharding, tasks
+from zoo_core.run import checkpoint as ckpt_lib
+from zoo_core import costs, tasks
+from zoo_core.run import metrics as metrics_lib, optim, sharding
 from zoo_core import data as data_lib
 from zoo_core.data import pipeline
 from zoo_core.run.errors import ConfigError, config_error

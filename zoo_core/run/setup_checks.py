@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo_core import checks, optim, sharding
+from zoo_core import checks
+
+from zoo_core.run import optim, sharding
 from zoo_core.run.errors import ConfigError
 from zoo_core.run.steps import eval_step, feature_step_kwargs, uses_feature_step
 

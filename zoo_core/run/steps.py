@@ -27,7 +27,7 @@ class TrainState:
     Attributes:
       step: int32 [], optimiser steps taken.
       params: the model's parameter tree.
-      opt_state: the optimiser's state (over the raveled parameter vector, `zoo_core.optim`).
+      opt_state: the optimiser's state (over the raveled parameter vector, `zoo_core.run.optim`).
       rng: uint32 [2], the run's dropout key; step `s` uses fold_in(rng, s), so a resumed run draws the
         same masks as an uninterrupted one.
       bad_step: int32 [], the first step whose loss or gradient was non-finite, or -1. A non-finite step
@@ -180,7 +180,7 @@ def train_step(state: TrainState, batch: Mapping[str, jax.Array], *, model, tx, 
     if axis_name is not None:
         grads, loss, aux_losses = jax.lax.pmean((grads, loss, aux_losses), axis_name)
         sums = jax.lax.psum(sums, axis_name)
-    # The update runs on one vector of all parameters (zoo_core.optim says why).
+    # The update runs on one vector of all parameters (zoo_core.run.optim says why).
     params, unravel = ravel_pytree(state.params)
     grads = ravel_pytree(grads)[0]
     updates, opt_state = tx.update_vector(grads, state.opt_state, params, tx.layout(state.params))

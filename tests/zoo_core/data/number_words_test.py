@@ -1,8 +1,10 @@
-"""Tests of the `number_words` dataset (num2words En -> De, htgn.md §6) and `zoo_core.textmetrics`."""
+"""Tests of the `number_words` dataset (num2words En -> De, htgn.md §6) and `zoo_core.tasks.textmetrics`."""
 import numpy as np
 import pytest
 
-from zoo_core import data, textmetrics
+from zoo_core import data
+
+from zoo_core.tasks import textmetrics
 from zoo_core.data import number_words as nw
 from zoo_core.data import pipeline
 

@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from zoo_core import masking, packing, xla_forms
+from zoo_core.ops import guard, masking, packing, xla_forms
 from zoo_core.checks import check_int
 
 Array = jax.Array
@@ -102,39 +102,27 @@ def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array], segment_ids: O
     """Casts to the accumulation dtype and removes padding and non-finite keys/values with `where`.
 
     Returns (q, k, v, poisoned) where poisoned `[B, T, H]` is True at and after the first valid
-    position whose key or value is not finite (see the module docstring); with `segment_ids` (0 =
+    position whose key or value is not finite (`zoo_core.ops.guard`); with `segment_ids` (0 =
     padding), only within that position's document.
     """
     if segment_ids is not None:
         mask = packing.valid(segment_ids, mask)
     acc = acc_dtype(q, k, v)
     q, k, v = q.astype(acc), k.astype(acc), v.astype(acc)
-    bad = ~(jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1))   # [B, T, H]
+    bad = guard.nonfinite(k, v, valid=mask)                                         # [B, T, H]
+    drop = bad
     if mask is not None:
-        valid = masking.expand(mask, 3)                                             # [B, T, 1]
-        bad = bad & valid
         q = masking.zero_padding(q, mask)
-        drop = bad | ~valid
-    else:
-        drop = bad
-    k = jnp.where(drop[..., None], 0.0, k)
-    v = jnp.where(drop[..., None], 0.0, v)
-    if segment_ids is not None:
-        return q, k, v, packing.poisoned(bad, packing.starts(segment_ids))
-    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
-    return q, k, v, poisoned
+        drop = bad | ~masking.expand(mask, bad.ndim)
+    return q, guard.clean(k, drop), guard.clean(v, drop), guard.reach(bad, segment_ids)
 
 
 def _guard(poisoned: Array, num: Array, den: Optional[Array], state: Optional[LinearState]):
     """NaN at and after a non-finite key/value (rows of `poisoned`), as the recurrence would give."""
-    num = jnp.where(poisoned[..., None], jnp.nan, num)
-    den = None if den is None else jnp.where(poisoned, jnp.nan, den)
     if state is not None:
-        last = poisoned[:, -1] if poisoned.shape[1] else jnp.zeros(poisoned.shape[:1] + poisoned.shape[2:], bool)
-        snum = jnp.where(last[..., None, None], jnp.nan, state.num)
-        sden = None if state.den is None else jnp.where(last[..., None], jnp.nan, state.den)
-        state = LinearState(snum, sden)
-    return num, den, state
+        last = guard.last(poisoned)                                                 # [B, H]
+        state = LinearState(guard.poison(state.num, last), guard.poison(state.den, last))
+    return guard.poison(num, poisoned), guard.poison(den, poisoned), state
 
 
 def _initial(state: Optional[LinearState], q: Array, v: Array, denominator: bool, dt) -> LinearState:
@@ -156,7 +144,7 @@ def causal_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = Non
       v: `[B, T, H, M]` values.
       mask: optional `[B, T]` bool key-padding mask, True = valid.
       denominator: also return den.
-      segment_ids: optional int `[B, T]` packed documents (`zoo_core.packing`; 0 = padding): a token
+      segment_ids: optional int `[B, T]` packed documents (`zoo_core.ops.packing`; 0 = padding): a token
         attends only within its document.
 
     Returns:
@@ -192,7 +180,7 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
       chunks and heads (no loop over chunks, whose iterations a GPU would run one by one);
     * on the CPU, the same prefix sum one head at a time when the n states and score blocks are no
       larger than the inputs (n D M <= T (D + M) and C <= D + M), since einsums batched over (B, n)
-      alone need no relayout copies there (`zoo_core.xla_forms.heads`); otherwise a `lax.scan` over the
+      alone need no relayout copies there (`zoo_core.ops.xla_forms.heads`); otherwise a `lax.scan` over the
       chunks whose body is rematerialised (`jax.checkpoint`), so that the backward pass stores one
       state per chunk instead of the per-chunk score blocks. Memory O(T (D + M) + D M).
 
@@ -267,7 +255,7 @@ def _chunked_cpu(c: int, q: Array, k: Array, v: Array, state: LinearState):
     t, h, d, m = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
     if _prefix_sum_fits(t, c, d, m):
         # One head at a time: einsums batched over (B, n) alone run without relayout copies
-        # (`zoo_core.xla_forms.heads`).
+        # (`zoo_core.ops.xla_forms.heads`).
         dens = [None] * h if state.den is None else xla_forms.heads(state.den, axis=1)
         out = [_chunks_by_prefix_sum(_to_chunks(qh, c), _to_chunks(kh, c), _to_chunks(vh, c),
                                      LinearState(num_h, den_h))
@@ -302,7 +290,7 @@ def _chunked_batched(c: int, q: Array, k: Array, v: Array, state: LinearState):
 
 
 def _chunked_segments(c: int, q: Array, k: Array, v: Array, state: LinearState, segment_ids: Array):
-    """`_chunked_batched` over packed documents (`zoo_core.packing`): inside a chunk, pairs of one
+    """`_chunked_batched` over packed documents (`zoo_core.ops.packing`): inside a chunk, pairs of one
     document only; across chunks the gated chain `S_{j+1} = keep_j ? S_j + b_j : b_j`, b_j the state of
     chunk j's last document, keep_j = no document starts in chunk j; a chunk's first document reads
     the entering state (the others read nothing from before the chunk)."""
@@ -443,7 +431,7 @@ def summary(k: Array, v: Array, *, mask: Optional[Array] = None,
     """The state a block of keys and values adds: `num = sum_s k_s v_s^T` `[B, H, D, M]`, `den =
     sum_s k_s` `[B, H, D]` (or None), over the valid positions (`mask` `[B, S]`, padding removed with
     `jnp.where`), in the accumulation dtype. Summaries of disjoint blocks add: the fold of context
-    parallelism (`zoo_core.context_parallel`) and of the global form below."""
+    parallelism (`zoo_core.ops.context_parallel`) and of the global form below."""
     acc = acc_dtype(k, v)
     k, v = masking.zero_padding(k.astype(acc), mask), masking.zero_padding(v.astype(acc), mask)
     return LinearState(jnp.einsum("bshd,bshm->bhdm", k, v), jnp.sum(k, axis=1) if denominator else None)

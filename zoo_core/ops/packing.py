@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from zoo_core import masking
+from zoo_core.ops import masking
 from zoo_core.checks import check_shape
 
 Array = jax.Array

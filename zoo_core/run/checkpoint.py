@@ -212,7 +212,7 @@ class Checkpoints:
             if stored is not None and stored != wanted:
                 if _per_parameter_optimiser_state(stored, wanted):
                     # Written by a zoo_core whose optimiser kept one state array per parameter (the state
-                    # is one vector now, zoo_core.optim). Not damage: nothing is moved.
+                    # is one vector now, zoo_core.run.optim). Not damage: nothing is moved.
                     raise CheckpointMismatch(
                         f"the checkpoint at step {step} in {self.workdir} keeps its optimiser state in another "
                         "layout (one array per parameter): it was written by an older zoo_core; resume it with "

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zoo_core import linear_attention, masking, packing
-from zoo_core.linear_attention import LinearState
+from zoo_core.ops import linear_attention, masking, packing
+from zoo_core.ops.linear_attention import LinearState
 
 Array = jax.Array
 
@@ -105,7 +105,7 @@ def shard_causal(q: Array, k: Array, v: Array, *, axis_name: str, chunk_size: in
       v: `[B, T_p, H, M]`.
       axis_name: the mesh axis the sequence is split over; shard i holds tokens i T_p ... .
       chunk_size, mask, denominator: as in `linear_attention.causal_chunked` (mask `[B, T_p]`).
-      segment_ids: optional int `[B, T_p]` packed documents (`zoo_core.packing`); a document may
+      segment_ids: optional int `[B, T_p]` packed documents (`zoo_core.ops.packing`); a document may
         span shards.
 
     Returns:

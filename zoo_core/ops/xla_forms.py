@@ -45,7 +45,7 @@ _SQRT_HALF = 0.7071067811865476
 #   'layer_norm'   flax's LayerNorm (autodiff), not `LayerNorm` (a hand-written backward);
 #   'add_to_each'  x + table[None] (autodiff), not `add_to_each` (a dot for the table's gradient);
 #   'dense'        flax's Dense / DenseGeneral, not this module's 2-D matmul forms (also in attention);
-#   'dropout'      flax's Dropout (its own random bits), not `zoo_core.dropout.Dropout`;
+#   'dropout'      flax's Dropout (its own random bits), not `zoo_core.ops.dropout.Dropout`;
 #   'agf_backward' autodiff of AGF's plain maths, not the hand-written backward of
 #                  `agf_jax.ops.agf_with_orthogonality` (its optimisation barrier and variadic reduce).
 PLAIN_FORMS = ("embed", "layer_norm", "add_to_each", "dense", "dropout", "agf_backward")
