@@ -6,9 +6,11 @@ Shape letters used in every docstring of the zoo:
     (or number of random features in FAVOR+), E model width, C chunk length (or channels in
     time series), N graph nodes, K polynomial order / classes, V vocabulary.
 
-The trainer is the package `zoo_core.run` (its public names: `zoo_core.trainer`), the benchmark harness
-the package `zoo_core.bench`; the rest are leaf modules both use (optim, checkpoint, sharding, tasks,
-costs, data, ...). This module imports nothing heavy; import the submodules you need.
+The packages: `ops` (the shared maths: linear attention, packing, context parallelism, the NaN guard,
+masks, positions), `attention` (the registry) and `baselines`, `run` (the trainer; its public names:
+`zoo_core.trainer`), `bench` (the benchmark harness), `data`, `tasks`, `study`. The few leaves: `checks`
+(boundary errors), `costs` (XLA's costs), `testing`. This module imports nothing heavy; import the
+submodules you need.
 """
 
 __version__ = "0.1.0"

@@ -8,10 +8,9 @@ Benchmark cells, not training runs: forward + backward of the attention core at 
 length N (our reading of Table 5, whose training-phase time and memory the paper reports per LRA task;
 here the mechanism alone, the rest of the model being the same for all). Cells:
 * every `zoo_core.attention.names("self")` mechanism, read at load time, through the registry-wide
-  benchmark `benchmarks.attention_scaling --cases NAME` (being added; until it exists those cells fail
-  with one line);
+  benchmark `benchmarks.attention_scaling --cases NAME`;
 * AGF and softmax through `benchmarks.agf_scaling` (AGF's own kernel with its orthogonality term, the
-  reference's ListOps filter), which exists today.
+  reference's ListOps filter).
 Metrics per (cell, N): the median time of a step (s) and XLA's compiled memory (MiB; the peak on an
 accelerator is the benchmark's device_peak_bytes). Lengths whose compiled estimate exceeds the memory
 guard are skipped by the benchmark (softmax stops there). The figure: time against N, log-log. Heads:

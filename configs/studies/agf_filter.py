@@ -7,9 +7,9 @@
 
 Cells: `--config.model.graph_filter` in uvt (H_UV^T: singular vectors only, singular values fixed at one),
 svd (H_SVD: learnable singular values initialised at one), agf (the polynomial filter) on UEA `dataset`
-(default JapaneseVowels) with the reference's other settings. The field is being added to the AGF model;
-until it exists the uvt and svd cells fail with one line (the AGF cell, the model's default, names no
-override; the smoke variant runs only it). Metric: the UEA protocol's best test accuracy, and the last. Budget and seeds as agf_order.
+(default JapaneseVowels) with the reference's other settings (the AGF cell, the model's default, names
+no override; the smoke variant runs only it). Metric: the UEA protocol's best test accuracy, and the
+last. Budget and seeds as agf_order.
 """
 from configs import studies
 from zoo_core import study

@@ -6,7 +6,7 @@
 Cells on number-words En -> De (configs/htgn/number_words.py, the tiny-cpu preset): HTGN as configured;
 `ablation=no_graph` (no WinGAT and Cross-Graph: a Performer encoder-decoder); `ablation=no_hrpe` (HRPE
 replaced by learned absolute position embeddings: the card's "traditional absolute PE"); the card's
-preset (`:card`, being added; until then that cell fails with one line); and the softmax Transformer
+preset (`:card`); and the softmax Transformer
 of the same size for reference. The card's other arm, HRPE removed with no position signal at all, has
 no switch in the model and is not a cell. Metrics: best validation BLEU and exact match over the
 evaluations, and the best validation checkpoint's test BLEU (`--eval_only --eval_split=test` after each

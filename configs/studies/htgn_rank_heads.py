@@ -6,8 +6,8 @@
 
 Cells on number-words En -> De (configs/htgn/number_words.py, tiny-cpu preset, d = 64): heads h in
 `heads` (`--config.model.num_heads`, default 2-4-8, head width 64 / h) x the query/key rank r_head in
-`ranks` below the head width (`--config.model.qk_rank`, the card's low-rank W^Q, W^K, a field being
-added; until it exists those cells fail with one line) plus the full head width (no override). Metrics:
+`ranks` below the head width (`--config.model.qk_rank`, the card's low-rank W^Q, W^K) plus the full
+head width (no override). Metrics:
 best validation BLEU, and the training speed (train/steps_per_second at the last log): the balance the
 card asks for. The figure: BLEU against r_head, one line per head count. Smoke: 4 heads at full rank,
 2-step run, one seed.

@@ -7,8 +7,8 @@
 
 Cells: kind in {samovar, fixedvar, lintrans} x protocol in {code ({1,2} train / {3,4} validation, the
 released code's and every reported number's), paper ({1,2,3} / {3,4,5}, the seed's text)}, plus SAMoVAR
-and FixedVAR with the seed's structural form D^-1 (`--config.model.structural=lu_inverse`, a field being
-added beside 'lu', the released z = x0 + M D; until it exists those cells fail with one line). Metric: eval/mse on the validation split, the lowest and the
+and FixedVAR with the seed's structural form D^-1 (`--config.model.structural=lu_inverse`, beside 'lu',
+the released z = x0 + M D). Metric: eval/mse on the validation split, the lowest and the
 last; the figure is each cell's validation curve (eval/mse against step, mean over seeds), as Fig. 4.
 Budget: the config's full 7,900 steps at batch 256 (~86 min a run on an idle 2-core CPU) unless
 `steps=N`. Smoke: SAMoVAR, protocol code, 2-step runs, seeds 1 and 2.
