@@ -50,7 +50,7 @@ def offline() -> bool:
     return os.environ.get(ENV_OFFLINE, "").strip().lower() not in ("", "0", "false")
 
 
-def _one_line(text: str, limit: int = 200) -> str:
+def one_line(text: str, limit: int = 200) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -59,12 +59,12 @@ def _reason(error: BaseException) -> str:
     if isinstance(error, urllib.error.HTTPError):
         return f"HTTP {error.code} {error.reason}"
     if isinstance(error, urllib.error.URLError):
-        return _one_line(error.reason)
+        return one_line(error.reason)
     if isinstance(error, http.client.IncompleteRead):
         return f"truncated download: the connection closed after {len(error.partial)} more bytes"
     if isinstance(error, (socket.timeout, TimeoutError)):
         return "timed out"
-    return _one_line(f"{type(error).__name__}: {error}")
+    return one_line(f"{type(error).__name__}: {error}")
 
 
 def check_zip(path: str, expect: Optional[Callable[[list[str]], None]] = None) -> list[str]:
@@ -79,7 +79,7 @@ def check_zip(path: str, expect: Optional[Callable[[list[str]], None]] = None) -
             bad = archive.testzip()
             names = archive.namelist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as e:
-        raise ValueError(f"not a readable zip archive: {_one_line(e)}") from None
+        raise ValueError(f"not a readable zip archive: {one_line(e)}") from None
     if bad is not None:
         raise ValueError(f"damaged zip archive: member {bad!r} fails its CRC check")
     if expect is not None:
@@ -129,11 +129,12 @@ def fetch(url: str, dest_dir: str, *, name: Optional[str] = None, sha256: Option
 
     if offline():
         raise fail(f"offline: ${ENV_OFFLINE} is set")
+    made = _missing_folders(dest_dir)
     try:
         os.makedirs(dest_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest_dir)
     except OSError as e:
-        raise fail(f"cannot write the cache folder: {_one_line(e)}") from None
+        raise fail(f"cannot write the cache folder: {one_line(e)}") from None
     try:
         with os.fdopen(fd, "wb") as out:
             try:
@@ -158,13 +159,31 @@ def fetch(url: str, dest_dir: str, *, name: Optional[str] = None, sha256: Option
             if expect is not None:
                 expect(tmp)
         except ValueError as e:
-            raise fail(_one_line(e)) from None
+            raise fail(one_line(e)) from None
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
+        for folder in made:   # the folders this call made, innermost first, if still empty
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
         raise
     return path
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """`folder` and its missing parents, innermost first (what `os.makedirs(folder)` would make)."""
+    missing = []
+    folder = os.path.abspath(folder)
+    while folder and not os.path.exists(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return missing
 
 
 def extract(archive: str, dest: str, members: dict[str, str]) -> str:

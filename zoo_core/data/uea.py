@@ -387,7 +387,7 @@ def _load(train_key, test_key, max_length, normalization) -> Prepared:
 # builder
 
 
-class Uea(tfds.core.GeneratorBasedBuilder):
+class Uea(base.GeneratorBuilder):
     """UEA classification: 'inputs' float32 [T, C], 'mask' bool [T], 'label' int64."""
 
     VERSION = tfds.core.Version("1.0.0")

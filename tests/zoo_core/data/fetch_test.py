@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from zoo_core import data as zoo_data
-from zoo_core.data import fetch, uea
+from zoo_core.data import fetch, forecasting, uea
 
 TS = """@problemName {name}
 @dimensions 2
@@ -130,7 +130,7 @@ def test_a_failed_fetch_is_one_line_and_leaves_nothing(case, server, tmp_path, m
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"could not fetch {url}/"), message
     assert reason in message and message.endswith(f"; put f.zip in {cache} (or pass source_dir=DIR)"), message
-    assert not cache.exists() or _listing(cache) == []
+    assert not cache.exists()   # not even the folder it made
     handler.truncated.clear()
 
 
@@ -171,6 +171,68 @@ def test_uea_broken_archive_leaves_nothing(server, tmp_path):
     data_dir = str(tmp_path / "data")
     with pytest.raises(ValueError, match=r"no Bad_TEST\.ts at its root or in Bad/"):
         zoo_data.make_builder("uea", data_dir, dataset="Bad", base_url=f"{url}/uea")
-    assert _listing(os.path.join(data_dir, "downloads")) == []
+    assert not os.path.exists(os.path.join(data_dir, "downloads"))
     assert uea._zip_members("Bad", ["Bad/Bad_TRAIN.ts", "Bad_TEST.ts"]) == {
         "Bad/Bad_TRAIN.ts": "Bad_TRAIN.ts", "Bad_TEST.ts": "Bad_TEST.ts"}
+
+
+def _ett_csv(rows: int) -> bytes:
+    start = np.datetime64("2016-07-01T00:00")
+    values = np.round(np.sin(np.arange(rows)[:, None] * 0.01 + np.arange(7)), 3)
+    lines = [forecasting.ETT_HEADER] + [
+        f"{str(start + np.timedelta64(i, 'h')).replace('T', ' ')}:00," + ",".join(map(str, v))
+        for i, v in enumerate(values)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_ett_fetched_into_csv_dir_on_first_use(server, tmp_path):
+    url, handler = server
+    handler.files["/ett/ETTh2.csv"] = _ett_csv(sum(forecasting._ETT_HOUR_ROWS))
+    from configs.samovar import ett
+    c = ett.get_config(f"smoke,dataset=ETTh2,csv_dir={tmp_path / 'ETT-small'}")
+    options = {**c.data.options.to_dict(), "base_url": f"{url}/ett"}
+    builder = zoo_data.check_options("forecasting", str(tmp_path / "data"), options)
+    assert _listing(tmp_path / "ETT-small") == ["ETTh2.csv"]
+    builder.download_and_prepare()
+    assert builder.info.metadata["columns"] == forecasting.ETT_HEADER.split(",")[1:]
+    del handler.files["/ett/ETTh2.csv"]   # present: not fetched again
+    zoo_data.check_options("forecasting", str(tmp_path / "data"), options)
+
+
+@pytest.mark.parametrize("body, reason", [
+    (_ett_csv(100), "ETTh1.csv has 100 rows; the ETT split uses 14400"),
+    (b"a,b\n1,2\n", "does not start with the ETT header"),
+    (_ett_csv(14400)[:-5], "ends in the middle of a line"),
+], ids=["short", "header", "cut"])
+def test_ett_bad_download_leaves_nothing(body, reason, server, tmp_path):
+    url, handler = server
+    handler.files["/ett/ETTh1.csv"] = body
+    from configs.samovar import ett
+    c = ett.get_config(f"smoke,csv_dir={tmp_path / 'ETT-small'}")
+    options = {**c.data.options.to_dict(), "base_url": f"{url}/ett"}
+    with pytest.raises(ValueError) as e:
+        zoo_data.check_options("forecasting", str(tmp_path / "data"), options)
+    assert "\n" not in str(e.value) and reason in str(e.value)
+    assert str(e.value).endswith(f"put ETTh1.csv (ETDataset's ETT-small) in {tmp_path / 'ETT-small'} "
+                                 "(or pass --config.data.options.source=PATH)")
+    assert not (tmp_path / "ETT-small").exists()
+
+
+def test_uea_smoke_trains_on_the_cached_data_set_else_says_it_falls_back(tmp_path, monkeypatch, capsys):
+    from configs.agf import uea as uea_config
+    monkeypatch.setenv("ZOO_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv(fetch.ENV_OFFLINE, "1")
+    assert uea_config.get_config("dataset=Heartbeat,smoke").data.options.dataset == "JapaneseVowels"
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("uea smoke: Heartbeat is neither cached nor fetchable (could not "
+                                              "fetch https://timeseriesclassification.com/aeon-toolkit/Heartbeat.zip")
+    assert err.endswith("; training on JapaneseVowels instead")
+    folder = tmp_path / "downloads" / "uea" / "Heartbeat"
+    folder.mkdir(parents=True)
+    for split in ("TRAIN", "TEST"):
+        (folder / f"Heartbeat_{split}.ts").write_text(TS.format(name="Heartbeat"))
+    c = uea_config.get_config("dataset=Heartbeat,smoke")
+    assert c.data.options.dataset == "Heartbeat" and c.data.options.source_dir == ""
+    assert capsys.readouterr().err == ""
+    builder = zoo_data.check_options("uea", "", c.data.options.to_dict())   # found in the cache, offline
+    assert builder.builder_config.dataset == "Heartbeat"
