@@ -236,3 +236,25 @@ def test_uea_smoke_trains_on_the_cached_data_set_else_says_it_falls_back(tmp_pat
     assert capsys.readouterr().err == ""
     builder = zoo_data.check_options("uea", "", c.data.options.to_dict())   # found in the cache, offline
     assert builder.builder_config.dataset == "Heartbeat"
+
+
+def test_lra_archive_fetched_then_prepared(server, tmp_path, capsys):
+    from tests.zoo_core.data.lra_prepare_test import lra_release
+    from zoo_core.data import lra_prepare
+    url, handler = server
+    handler.files["/lra/lra_release.gz"] = open(lra_release(tmp_path / "a.gz"), "rb").read()
+    out, data_dir = tmp_path / "lra", tmp_path / "data"
+    argv = ["--archive", f"{url}/lra/lra_release.gz", "--out", str(out), "--data_dir", str(data_dir)]
+    assert lra_prepare.main(argv) == 0
+    assert _listing(data_dir / "downloads") == ["lra/lra_release.gz"]
+    assert sorted(os.listdir(out)) == ["listops", "pathfinder", "retrieval"]
+    # A truncated download: one line, nothing in the cache or the output folder.
+    handler.files["/lra/cut.gz"] = handler.files["/lra/lra_release.gz"]
+    handler.truncated["/lra/cut.gz"] = len(handler.files["/lra/cut.gz"]) + 100
+    argv = ["--archive", f"{url}/lra/cut.gz", "--out", str(tmp_path / "o2"), "--data_dir", str(data_dir)]
+    capsys.readouterr()
+    assert lra_prepare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: could not fetch {url}/lra/cut.gz (truncated"), err
+    assert _listing(data_dir / "downloads") == ["lra/lra_release.gz"] and not (tmp_path / "o2").exists()
+    handler.truncated.clear()

@@ -88,22 +88,37 @@ def _recording(add, calls):
     return wrapped
 
 
+def _write_retrieval_split(folder, lines: int, text_bytes: int):
+    """label<TAB>text1<TAB>text2 lines of two `text_bytes`-long texts of 2-byte UTF-8 characters (byte ids
+    >= 128 take two bytes each in the serialized record, as most of a real split's would not)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    filler = "\u00e9".encode() * (text_bytes // 2)
+    with open(folder / "train.tsv", "wb") as f:
+        for i in range(lines):
+            f.write(b"%d\t%d %s\t%s\n" % (i % 2, i, filler, filler))
+    for split in ("validation", "test"):
+        (folder / f"{split}.tsv").write_bytes(b"0\tab\tcd\n1\tef\tgh\n")
+
+
 @pytest.mark.slow
 def test_a_split_over_1gb_prepares(tmp_path, monkeypatch, no_tensorflow):
-    """70,000 lines of 16,000 bytes: a 1.1 GB train.tsv and 1.1 GB of serialized records (int32 [4000]
-    each; the array_record files are compressed, about 270 MB). About 150 s on a shared 2-core CPU."""
+    """A Retrieval-sized split: 70,000 pairs of 8,000-byte texts (a 1.1 GB train.tsv), 4,000 ids each, about
+    16 KB per serialized record: 1.1 GB through TFDS's shuffler, which spills past 1 GB. About 2-3 min on a
+    shared 2-core CPU; the files (about 3 GB at most) are deleted at the end."""
     source = tmp_path / "src"
     lines = 70_000
     try:
-        _write_text_split(source, lines=lines, text_bytes=16_000)
+        _write_retrieval_split(source, lines=lines, text_bytes=8_000)
         assert os.path.getsize(source / "train.tsv") > 1 << 30
         spilled = []
         monkeypatch.setattr(base._FileBucket, "add", _recording(base._FileBucket.add, spilled))
-        b = _prepare(tmp_path, source, "prepared", 4000)
+        b = zoo_data.make_builder("lra_retrieval", str(tmp_path / "prepared"), source_dir=str(source),
+                                  max_length=4000)
+        b.download_and_prepare()
         assert b.info.splits["train"].num_examples == lines
         assert len(spilled) == lines   # past 1 GB every record went through the buckets
         src = b.as_data_source("train")
         record = src[len(src) - 1]
-        assert record["inputs"].shape == (4000,) and record["inputs"][0] != 0
-    finally:   # 1.4 GB: not kept for pytest's last three runs
+        assert record["inputs1"].shape == (4000,) and record["inputs2"][-1] == 0xA9 + 1
+    finally:   # not kept for pytest's last three runs
         shutil.rmtree(tmp_path, ignore_errors=True)
