@@ -103,8 +103,8 @@ def _write_retrieval_split(folder, lines: int, text_bytes: int):
 @pytest.mark.slow
 def test_a_split_over_1gb_prepares(tmp_path, monkeypatch, no_tensorflow):
     """A Retrieval-sized split: 70,000 pairs of 8,000-byte texts (a 1.1 GB train.tsv), 4,000 ids each, about
-    16 KB per serialized record: 1.1 GB through TFDS's shuffler, which spills past 1 GB. About 2-3 min on a
-    shared 2-core CPU; the files (about 3 GB at most) are deleted at the end."""
+    16 KB per serialized record: 1.1 GB through TFDS's shuffler, which spills past 1 GB. 7 min on a shared
+    2-core CPU (1 min of it CPU time, the rest disk); about 1.2 GB of memory; the files are deleted at the end."""
     source = tmp_path / "src"
     lines = 70_000
     try:
