@@ -36,7 +36,10 @@ _BLOCK = 1 << 20
 
 
 class FetchError(ValueError):
-    """A download that did not reach the cache; the message is one line saying what to do instead."""
+    """A download that did not reach the cache; the message is one line saying what to do instead.
+
+    The data sets re-raise it as a plain ValueError, whose line the training commands print as it is
+    (they prefix the type name of any other exception)."""
 
 
 def downloads_dir(data_dir: Optional[str] = None) -> str:

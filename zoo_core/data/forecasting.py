@@ -437,9 +437,12 @@ def fetch_missing(data_dir: str, options: dict) -> None:
     if os.path.isfile(path) or name not in ETT_FILES:
         return
     folder = os.path.dirname(path)
-    fetch.fetch(f"{base_url.rstrip('/')}/{name}", folder, name=name,
-                expect=lambda tmp: _check_ett_csv(tmp, name),
-                put=f"put {name} (ETDataset's ETT-small) in {folder} (or pass --config.data.options.source=PATH)")
+    try:
+        fetch.fetch(f"{base_url.rstrip('/')}/{name}", folder, name=name,
+                    expect=lambda tmp: _check_ett_csv(tmp, name),
+                    put=f"put {name} (ETDataset's ETT-small) in {folder} (or pass --config.data.options.source=PATH)")
+    except fetch.FetchError as e:   # a plain ValueError: the training command prints its line as it is
+        raise ValueError(str(e)) from None
 
 
 def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:

@@ -201,7 +201,7 @@ def prepare_archive(archive: str, out: str, tasks=ARCHIVE_TASKS, *, resolution: 
         if task in todo and missing:
             sources = LISTOPS_FILES if task == "listops" else tuple(AAN_FILES)
             raise PrepareError(f"{archive}: no {', '.join(sources)} under a listops-1000/ or tsv_data/ folder "
-                               f"(the {task} task; is it LRA's lra_release.gz?)")
+                               f"(the {task} task; is it LRA's lra_release.gz? --tasks chooses the tasks)")
     pathfinder = None
     if "pathfinder" in todo:
         pathfinder = _pathfinder_examples(metadata, images, f"{archive}:{pf_folder}/{difficulty}")
