@@ -258,3 +258,20 @@ def test_lra_archive_fetched_then_prepared(server, tmp_path, capsys):
     assert "\n" not in err and err.startswith(f"error: could not fetch {url}/lra/cut.gz (truncated"), err
     assert _listing(data_dir / "downloads") == ["lra/lra_release.gz"] and not (tmp_path / "o2").exists()
     handler.truncated.clear()
+
+
+def test_download_command_fetches_ahead(server, tmp_path, capsys):
+    from zoo_core.data import download
+    url, handler = server
+    handler.files["/uea/Toy.zip"] = _uea_zip("Toy", folder=False)
+    handler.files["/ett/ETTh1.csv"] = _ett_csv(sum(forecasting._ETT_HOUR_ROWS))
+    data_dir = str(tmp_path / "data")
+    assert download.main(["uea", "Toy", "Nope", "--data_dir", data_dir, "--base_url", f"{url}/uea"]) == 2
+    out, err = capsys.readouterr()
+    assert out.strip() == f"Toy: {os.path.join(data_dir, 'downloads', 'uea', 'Toy')}"
+    assert err.count("\n") == 1 and err.startswith("error: Nope: ") and "HTTP 404" in err
+    assert download.main(["ett", "ETTh1", "--data_dir", data_dir, "--base_url", f"{url}/ett"]) == 0
+    assert _listing(os.path.join(data_dir, "ETT-small")) == ["ETTh1.csv"]
+    # What the runs then read, with the network gone.
+    del handler.files["/uea/Toy.zip"], handler.files["/ett/ETTh1.csv"]
+    assert zoo_data.make_builder("uea", data_dir, dataset="Toy").builder_config.dataset == "Toy"
