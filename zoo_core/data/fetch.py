@@ -29,6 +29,8 @@ import urllib.request
 import zipfile
 from typing import Callable, Optional
 
+from absl import logging
+
 DOWNLOADS = "downloads"
 ENV_OFFLINE = "ZOO_OFFLINE"
 TIMEOUT_S = 60.0
@@ -138,6 +140,7 @@ def fetch(url: str, dest_dir: str, *, name: Optional[str] = None, sha256: Option
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest_dir)
     except OSError as e:
         raise fail(f"cannot write the cache folder: {one_line(e)}") from None
+    logging.info("fetching %s into %s", url, dest_dir)
     try:
         with os.fdopen(fd, "wb") as out:
             try:
@@ -164,6 +167,7 @@ def fetch(url: str, dest_dir: str, *, name: Optional[str] = None, sha256: Option
         except ValueError as e:
             raise fail(one_line(e)) from None
         os.replace(tmp, path)
+        logging.info("fetched %s (%d bytes, checked)", path, received)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

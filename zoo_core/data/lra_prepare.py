@@ -279,7 +279,8 @@ def prepare_cifar(archive: str, out: str, log=print) -> Optional[str]:
     train = [decode(batches[n], n) for n in names[:5]]
     x, y = np.concatenate([t[0] for t in train]), np.concatenate([t[1] for t in train])
     cut = int(0.9 * len(y))
-    splits = {"train": (x[:cut], y[:cut]), "validation": (x[cut:], y[cut:]), "test": decode(batches[names[5]], names[5])}
+    splits = {"train": (x[:cut], y[:cut]), "validation": (x[cut:], y[cut:]),
+              "test": decode(batches[names[5]], names[5])}
     folder = _Task(out, "image")
     try:
         for split, (xs, ys) in splits.items():
