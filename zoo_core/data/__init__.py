@@ -30,8 +30,9 @@ DATASETS = {
 def make_builder(name: str, data_dir: str, **options):
     """Returns the (unprepared) TFDS builder of dataset `name` configured with `options`.
 
-    Its preparation logs one line instead of printing TFDS's download banner (there is nothing to
-    download: every dataset here is generated or read from local files).
+    Its preparation logs one line instead of printing TFDS's download banner (TFDS downloads nothing:
+    every dataset here is generated or read from local files; the files fetched on first use, UEA's
+    and ETT's, are fetched by `zoo_core.data.fetch` before preparation, docs/data.md).
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
