@@ -86,13 +86,14 @@ def local_source(source: str, *, what: str, data_dir: Optional[str] = None) -> s
     return path
 
 
-def _tar_members(path: str) -> Iterator[tuple[tarfile.TarInfo, Callable[[], bytes]]]:
-    """(member, read) for every regular file of the (compressed) tar `path`, in one streaming pass."""
+def _tar_members(path: str) -> Iterator[tuple[tarfile.TarInfo, Callable[[], io.BufferedIOBase]]]:
+    """(member, open) for every regular file of the (compressed) tar `path`, in one streaming pass:
+    `open()` gives the member's bytes as a file, readable until the next member."""
     try:
         with tarfile.open(path, mode="r|*") as tar:
             for member in tar:
                 if member.isfile():
-                    yield member, lambda m=member, t=tar: t.extractfile(m).read()
+                    yield member, lambda m=member, t=tar: t.extractfile(m)
     except (tarfile.TarError, EOFError, OSError) as e:
         raise PrepareError(f"{path}: not a readable tar archive ({fetch.one_line(e)})") from None
 
@@ -177,52 +178,49 @@ def prepare_archive(archive: str, out: str, tasks=ARCHIVE_TASKS, *, resolution: 
     if not todo:
         return []
     pf_folder = f"pathfinder{resolution}"
-    texts: dict[str, bytes] = {}
     metadata: dict[str, bytes] = {}
     images: dict[str, np.ndarray] = {}
-    log(f"lra_prepare: reading {archive} (one pass)")
-    for member, read in _tar_members(archive):
-        name = member.name
-        base = os.path.basename(name)
-        if "listops" in todo and _after(name, "listops-1000") in LISTOPS_FILES:
-            texts[f"listops/{base}"] = read()
-        elif "retrieval" in todo and _after(name, "tsv_data") in AAN_FILES:
-            texts[f"retrieval/{AAN_FILES[base]}"] = read()
-        elif "pathfinder" in todo and (rest := _after(name, pf_folder)) and rest.startswith(difficulty + "/"):
-            rest = rest[len(difficulty) + 1:]
-            if rest.startswith("metadata/") and rest.endswith(".npy"):
-                metadata[rest[len("metadata/"):]] = read()
-            elif rest.endswith(".png"):
-                images[rest] = _decode_png(read(), resolution, f"{archive}:{name}")
-    wanted = {"listops": [f"listops/{f}" for f in LISTOPS_FILES],
-              "retrieval": [f"retrieval/{f}" for f in AAN_FILES.values()]}
-    for task in ("listops", "retrieval"):
-        missing = [f for f in wanted[task] if f not in texts]
-        if task in todo and missing:
-            sources = LISTOPS_FILES if task == "listops" else tuple(AAN_FILES)
-            raise PrepareError(f"{archive}: no {', '.join(sources)} under a listops-1000/ or tsv_data/ folder "
-                               f"(the {task} task; is it LRA's lra_release.gz? --tasks chooses the tasks)")
-    pathfinder = None
-    if "pathfinder" in todo:
-        pathfinder = _pathfinder_examples(metadata, images, f"{archive}:{pf_folder}/{difficulty}")
-        images.clear()
+    # The text files are copied as they stream by (Retrieval's train file is 1.2 GB).
+    folders = {task: _Task(out, task) for task in todo}
+    copied: dict[str, set[str]] = {"listops": set(), "retrieval": set()}
     written = []
-    for task in todo:
-        folder = _Task(out, task)
-        try:
-            if task == "pathfinder":
-                x, y = pathfinder
-                for split, idx in split_80_10_10(len(y)).items():
-                    np.savez(folder.path(f"{split}.npz"), inputs=x[idx], label=y[idx])
+    try:
+        log(f"lra_prepare: reading {archive} (one pass)")
+        for member, open_member in _tar_members(archive):
+            name = member.name
+            base = os.path.basename(name)
+            if "listops" in todo and _after(name, "listops-1000") in LISTOPS_FILES:
+                task, target = "listops", base
+            elif "retrieval" in todo and _after(name, "tsv_data") in AAN_FILES:
+                task, target = "retrieval", AAN_FILES[base]
             else:
-                for key in wanted[task]:
-                    with open(folder.path(os.path.basename(key)), "wb") as f:
-                        f.write(texts[key])
-            written.append(folder.commit())
-        except BaseException:
+                rest = _after(name, pf_folder) if "pathfinder" in todo else None
+                if rest and rest.startswith(difficulty + "/"):
+                    rest = rest[len(difficulty) + 1:]
+                    if rest.startswith("metadata/") and rest.endswith(".npy"):
+                        metadata[rest[len("metadata/"):]] = open_member().read()
+                    elif rest.endswith(".png"):
+                        images[rest] = _decode_png(open_member().read(), resolution, f"{archive}:{name}")
+                continue
+            with open(folders[task].path(target), "wb") as f:
+                shutil.copyfileobj(open_member(), f, 1 << 20)
+            copied[task].add(target)
+        for task, needed in (("listops", LISTOPS_FILES), ("retrieval", tuple(AAN_FILES))):
+            targets = LISTOPS_FILES if task == "listops" else tuple(AAN_FILES.values())
+            if task in todo and set(targets) - copied[task]:
+                raise PrepareError(f"{archive}: no {', '.join(needed)} under a listops-1000/ or tsv_data/ folder "
+                                   f"(the {task} task; is it LRA's lra_release.gz? --tasks chooses the tasks)")
+        if "pathfinder" in todo:
+            x, y = _pathfinder_examples(metadata, images, f"{archive}:{pf_folder}/{difficulty}")
+            images.clear()
+            for split, idx in split_80_10_10(len(y)).items():
+                np.savez(folders["pathfinder"].path(f"{split}.npz"), inputs=x[idx], label=y[idx])
+        for task in todo:
+            written.append(folders.pop(task).commit())
+            log(f"lra_prepare: wrote {written[-1]}")
+    finally:
+        for folder in folders.values():   # the tasks not renamed into place
             folder.abort()
-            raise
-        log(f"lra_prepare: wrote {written[-1]}")
     return written
 
 
@@ -236,7 +234,7 @@ def prepare_imdb(archive: str, out: str, log=print) -> Optional[str]:
         parts = member.name.split("/")
         if len(parts) >= 4 and parts[-4] == "aclImdb" and parts[-3] in lines and parts[-2] in ("pos", "neg") \
                 and parts[-1].endswith(".txt"):
-            text = b" ".join(read().replace(b"\r", b"\n").split(b"\n")).strip()
+            text = b" ".join(read().read().replace(b"\r", b"\n").split(b"\n")).strip()
             lines[parts[-3]].append(b"%d\t%s\n" % (parts[-2] == "pos", text))
     empty = [s for s, v in lines.items() if not v]
     if empty:
@@ -263,7 +261,7 @@ def prepare_cifar(archive: str, out: str, log=print) -> Optional[str]:
     for member, read in _tar_members(archive):
         base = os.path.basename(member.name)
         if re.fullmatch(r"(data_batch_[1-5]|test_batch)\.bin", base):
-            batches[base] = read()
+            batches[base] = read().read()
     names = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
     missing = [n for n in names if n not in batches]
     if missing:
