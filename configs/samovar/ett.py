@@ -12,8 +12,9 @@ https://raw.githubusercontent.com/zhouhaoyi/ETDataset/main/ETT-small) into `csv_
 $ZOO_DATA_DIR/ETT-small, else ~/.cache/linear_attention_zoo/ETT-small), checked (ETT header, whole
 last line, the 20 months the split uses) and then used from there. A file already in `csv_dir`, or
 --config.data.options.source=PATH, is used as it is; --config.data.options.base_url='' turns fetching
-off. Offline, the run stops before compiling with one line, exit 2: "could not fetch <URL> (<reason>);
-put <dataset>.csv (ETDataset's ETT-small) in <csv_dir> (or pass --config.data.options.source=PATH)".
+off. Offline, the run stops before compiling with one line, exit 2: "forecasting: source file <path>
+does not exist and could not fetch <URL> (<reason>); put <dataset>.csv (ETDataset's ETT-small) in
+<csv_dir> (or pass --config.data.options.source=PATH)".
 
 Protocol: 12/4/4-month split (x4 rows for ETTm), StandardScaler fit on train, mode M (7 channels), the
 paper's (L_I, P) pairs (1024, 96), (2048, 192), (2048, 336), (4096, 720), AdamW lr 6e-4 (DLinear 1e-4),

@@ -442,7 +442,7 @@ def fetch_missing(data_dir: str, options: dict) -> None:
                     expect=lambda tmp: _check_ett_csv(tmp, name),
                     put=f"put {name} (ETDataset's ETT-small) in {folder} (or pass --config.data.options.source=PATH)")
     except fetch.FetchError as e:   # a plain ValueError: the training command prints its line as it is
-        raise ValueError(str(e)) from None
+        raise ValueError(f"forecasting: source file {path!r} does not exist and {e}") from None
 
 
 def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
