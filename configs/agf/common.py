@@ -14,8 +14,10 @@ configs/common.py (parse_arg, base_config, set_lra / set_uea, finish). Their con
   graph_filter=uvt|svd  AGF's Table 6 ablations (docs/agf_options.md): the singular values
                      fixed at one, or learnable from one, with no polynomial filter (the
                      orthogonality regulariser is kept)
-  source_dir=DIR     (UEA only) the archive's .ts files; LRA file tasks take
-                     --config.data.options.source_dir=DIR instead
+  source_dir=DIR     the data set's files: UEA the archive's .ts files (else shipped, cached or
+                     fetched); LRA text / retrieval / image / pathfinder the folder that
+                     `python -m zoo_core.data.lra_prepare` wrote (docs/data.md); the same as
+                     --config.data.options.source_dir=DIR
 
 Harness settings (agf.md §3.1, §3.2):
   LRA  AdamW(b2 0.999, eps 1e-6, no weight decay), lr 1e-4 under the reference's
@@ -33,12 +35,16 @@ Harness settings (agf.md §3.1, §3.2):
 """
 from __future__ import annotations
 
+import sys
+
 import ml_collections
 
 from agf_jax import model as agf_model
 from agf_jax.validation import GRAPH_FILTERS
 from configs import common
 from configs.tasks import lra, uea
+from zoo_core.data import pipeline
+from zoo_core.data import uea as uea_data
 
 # agf.md §3.1 table: batch, warm-up, train steps, eval every.
 LRA_HARNESS = {
@@ -67,7 +73,7 @@ def _check_attention(args) -> None:
 
 def lra_args(arg) -> ml_collections.ConfigDict:
     """The `:args` of an LRA config."""
-    args = common.parse_arg(arg, smoke=False, attention="agf", graph_filter="agf")
+    args = common.parse_arg(arg, smoke=False, attention="agf", graph_filter="agf", source_dir="")
     _check_attention(args)
     return args
 
@@ -80,6 +86,8 @@ def set_lra(c: ml_collections.ConfigDict, task: str, args, *, order: int, alpha:
         raise ValueError(f"unknown LRA task {task!r}; known: {', '.join(LRA_HARNESS)}")
     h = LRA_HARNESS[task]
     facts = lra.set_data(c, task, smoke=args.smoke)
+    if args.source_dir:   # every file-based task reads source_dir (ListOps: LRA's listops-1000 folder)
+        c.data.options.source_dir = args.source_dir
     c.seed = 0
     c.total_steps = h["steps"]                 # the harness's num_train_steps
     c.batch_size = h["batch_size"]
@@ -142,6 +150,19 @@ def uea_args(arg, **defaults) -> ml_collections.ConfigDict:
     return args
 
 
+def smoke_uea_dataset(dataset: str) -> str:
+    """The data set a `:smoke` run of UEA `dataset` trains on: `dataset` itself when it is in the
+    download cache of the default data dir or can be fetched now, else (offline) JapaneseVowels,
+    said in one line on stderr."""
+    try:
+        uea_data.fetch_dataset(dataset, pipeline.resolve_data_dir(""))
+    except ValueError as e:   # the part before ';' is "could not fetch <URL> (<reason>)"
+        print(f"uea smoke: {dataset} is neither cached nor fetchable ({str(e).split('; ')[0]}); training on "
+              f"{uea.SMOKE_STANDIN} instead", file=sys.stderr, flush=True)
+        return uea.SMOKE_STANDIN
+    return dataset
+
+
 def set_uea(c: ml_collections.ConfigDict, dataset: str, args, *, basis: str, order: int,
             alpha: float | None = None, beta: float | None = None, fix_i: bool, eta: float,
             epochs: int = 100, optimizer: str = "radam") -> ml_collections.ConfigDict:
@@ -150,7 +171,9 @@ def set_uea(c: ml_collections.ConfigDict, dataset: str, args, *, basis: str, ord
     Args:
       c: a config from `common.base_config()`.
       dataset: UEA dataset name.
-      args: from `uea_args` (smoke, attention, graph_filter, source_dir).
+      args: from `uea_args` (smoke, attention, graph_filter, source_dir). A smoke run of a data set
+        that is not shipped trains on it when it is cached or fetchable, else on JapaneseVowels
+        (`smoke_uea_dataset`).
       basis, order, alpha, beta: the filter (alpha/beta only for 'jacobi').
       fix_i: the reference's --fixI (c_0 frozen at 1); without it c_0 = tanh(theta_0) starts at 0.
       eta: gamma, the weight of the orthogonality regulariser.
@@ -160,8 +183,11 @@ def set_uea(c: ml_collections.ConfigDict, dataset: str, args, *, basis: str, ord
     if (basis == "jacobi") != (alpha is not None and beta is not None):
         raise ValueError(f"alpha and beta are given exactly for basis='jacobi'; got basis={basis!r}, "
                          f"alpha={alpha!r}, beta={beta!r}")
-    data_name = uea.SMOKE_STANDIN if args.smoke and dataset not in uea.SHIPPED else dataset
+    data_name = dataset
+    if args.smoke and dataset not in uea.SHIPPED and not args.source_dir:
+        data_name = smoke_uea_dataset(dataset)
     facts = uea.set_data(c, data_name, source_dir=args.source_dir)
+    c.data.options.base_url = uea_data.BASE_URL   # where a data set that is not shipped is fetched from
     c.seed = UEA_SEED                        # the harness's global seed
     c.batch_size = 16
     c.eval_batch_size = 64                   # evaluation only: any size gives the same numbers

@@ -6,10 +6,14 @@ Filter from the reference's `best_agf.sh`: jacobi, K=4, alpha=1.5, beta=-1.0, ga
         --config.data.options.source_dir=/path/to/pathfinder
     python -m agf_jax.train --config configs/agf/lra_pathfinder.py:attention=softmax --workdir runs/sm_lra_pathfinder \
         --config.data.options.source_dir=/path/to/pathfinder
+    python -m agf_jax.train --config configs/agf/lra_pathfinder.py:source_dir=/path/to/lra/pathfinder --workdir runs/p
     python -m agf_jax.train --config configs/agf/lra_pathfinder.py:smoke --workdir /tmp/agf_smoke
 
 Data: DIR/train.npz, DIR/validation.npz and DIR/test.npz (LRA's 80/10/10 split) with 'inputs' uint8
-[N, 32, 32] and 'label' [N] in {0, 1} (zoo_core.data.lra_files).
+[N, 32, 32] and 'label' [N] in {0, 1} (zoo_core.data.lra_files), given as :source_dir=DIR or
+--config.data.options.source_dir=DIR.
+`python -m zoo_core.data.lra_prepare --archive URL_OR_PATH --out /path/to/lra` writes them from
+LRA's lra_release.gz (pathfinder32/curv_contour_length_14, a seeded 80/10/10 split; docs/data.md).
 The smoke variant builds without them (tests/configs_test.py) but needs them to run.
 Harness: batch 256, 62400 steps (312 warm-up), eval on validation every 312 steps, the best
 checkpoint by validation accuracy under workdir/best, reported on test with the

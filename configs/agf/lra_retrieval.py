@@ -6,10 +6,14 @@ Filter from the reference's `best_agf.sh`: jacobi, K=5, alpha=2.0, beta=-1.5, ga
         --config.data.options.source_dir=/path/to/retrieval
     python -m agf_jax.train --config configs/agf/lra_retrieval.py:attention=softmax --workdir runs/sm_lra_retrieval \
         --config.data.options.source_dir=/path/to/retrieval
+    python -m agf_jax.train --config configs/agf/lra_retrieval.py:source_dir=/path/to/lra/retrieval --workdir runs/r
     python -m agf_jax.train --config configs/agf/lra_retrieval.py:smoke --workdir /tmp/agf_smoke
 
 Data: DIR/train.tsv, DIR/validation.tsv and DIR/test.tsv, lines 'label<TAB>text1<TAB>text2' or LRA's
-new_aan_pairs.{train,eval,test}.tsv renamed (zoo_core.data.lra_files).
+new_aan_pairs.{train,eval,test}.tsv renamed (zoo_core.data.lra_files), given as :source_dir=DIR or
+--config.data.options.source_dir=DIR. validation.tsv is required (model selection runs on it) and
+checked with the others before anything is read. `python -m zoo_core.data.lra_prepare --archive
+URL_OR_PATH --out /path/to/lra` writes all three from LRA's lra_release.gz (docs/data.md).
 The smoke variant builds without them (tests/configs_test.py) but needs them to run.
 Harness: batch 32, 30000 steps (800 warm-up), eval on validation every 300 steps, the best
 checkpoint by validation accuracy under workdir/best, reported on test with the

@@ -17,11 +17,16 @@ vanilla Transformer baseline at the same size and budget) | any other registry s
 (e.g. favor, linear, window_graph), graph_filter = agf | uvt | svd (AGF's Table 6 ablations: no
 polynomial filter, the singular values fixed at one or learnable from one), source_dir=DIR (the archive's .ts
 files, same as --config.data.options.source_dir=DIR), smoke (2 steps, tiny model; a dataset that
-does not ship with sktime trains on JapaneseVowels instead).
+does not ship with sktime trains on itself when cached or fetchable, else on JapaneseVowels, said in
+one line).
 
-Data: BasicMotions and JapaneseVowels ship with sktime; every other dataset needs
-DIR/<Name>/<Name>_TRAIN.ts and _TEST.ts from the UEA archive (Multivariate2018_ts.zip unpacked).
-Sizes per dataset: configs/tasks/uea.py.
+Data: BasicMotions and JapaneseVowels ship with sktime; every other dataset is fetched on first use
+from <base_url>/<Name>.zip (the data option base_url, default the archive's
+https://timeseriesclassification.com/aeon-toolkit) into <data dir>/downloads/uea/<Name>/, or read
+from source_dir=DIR holding DIR/<Name>/<Name>_TRAIN.ts and _TEST.ts (Multivariate2018_ts.zip
+unpacked). Offline and not cached, the run stops with one line naming the URL and the folder to put
+the files in; `python -m zoo_core.data.download uea` fetches the ten ahead (docs/data.md). Sizes per
+dataset: configs/tasks/uea.py.
 
 Filters: the reference's `run_agf_best.sh` line per dataset (jacobi unless noted; alpha/beta only
 for jacobi; Handwriting's script passes none, so the reference defaults 1.0 / 0.2). BasicMotions is

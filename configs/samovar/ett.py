@@ -6,10 +6,15 @@
         --workdir runs/lintrans_ettm1_336
     python -m samovar_jax.train --config configs/samovar/ett.py:smoke --workdir /tmp/ett_smoke
 
-The CSVs are not shipped with any package (§12): download ETT-small (github.com/zhouhaoyi/ETDataset) and
-either put <dataset>.csv under `csv_dir` (default: $ZOO_DATA_DIR/ETT-small, else
-~/.cache/linear_attention_zoo/ETT-small) or give --config.data.options.source=PATH. Without the file the
-run stops before compiling with the dataset's one-line error ("source file ... does not exist"), exit 2.
+The CSVs are not shipped with any package (§12): on first use <dataset>.csv is fetched from ETDataset's
+ETT-small folder (the data option base_url, default zoo_core.data.forecasting.ETT_BASE_URL =
+https://raw.githubusercontent.com/zhouhaoyi/ETDataset/main/ETT-small) into `csv_dir` (default:
+$ZOO_DATA_DIR/ETT-small, else ~/.cache/linear_attention_zoo/ETT-small), checked (ETT header, whole
+last line, the 20 months the split uses) and then used from there. A file already in `csv_dir`, or
+--config.data.options.source=PATH, is used as it is; --config.data.options.base_url='' turns fetching
+off. Offline, the run stops before compiling with one line, exit 2: "forecasting: source file <path>
+does not exist and could not fetch <URL> (<reason>); put <dataset>.csv (ETDataset's ETT-small) in
+<csv_dir> (or pass --config.data.options.source=PATH)".
 
 Protocol: 12/4/4-month split (x4 rows for ETTm), StandardScaler fit on train, mode M (7 channels), the
 paper's (L_I, P) pairs (1024, 96), (2048, 192), (2048, 336), (4096, 720), AdamW lr 6e-4 (DLinear 1e-4),
@@ -27,6 +32,7 @@ import os
 
 from configs import common
 from configs.samovar import forecasting
+from zoo_core.data import forecasting as forecasting_data
 from zoo_core.data import pipeline
 
 DATASETS = ("ETTh1", "ETTh2", "ETTm1", "ETTm2")
@@ -43,4 +49,5 @@ def get_config(arg=None):
     forecasting.set_forecast(c, kind=args.kind, source=os.path.join(csv_dir, f"{args.dataset}.csv"),
                              channels=CHANNELS, horizon=args.horizon, input_length=args.input_length,
                              steps=args.steps, smoke=args.smoke)
+    c.data.options.base_url = forecasting_data.ETT_BASE_URL   # a missing <dataset>.csv is fetched from there
     return forecasting.finish(c)

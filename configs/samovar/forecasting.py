@@ -51,7 +51,8 @@ def csv_channels(path: str) -> int:
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise ValueError(f"source file {path!r} does not exist (expected an ETT-format CSV with a 'date' column); "
-                         "give channels=C to build the config without it")
+                         "give channels=C to build the config without it (configs/samovar/ett.py fetches the ETT "
+                         "files itself)")
     with open(path) as f:
         header = f.readline().strip().split(",")
     return len([h for h in header if h.strip().strip('"') != "date"])

@@ -30,8 +30,9 @@ DATASETS = {
 def make_builder(name: str, data_dir: str, **options):
     """Returns the (unprepared) TFDS builder of dataset `name` configured with `options`.
 
-    Its preparation logs one line instead of printing TFDS's download banner (there is nothing to
-    download: every dataset here is generated or read from local files).
+    Its preparation logs one line instead of printing TFDS's download banner (TFDS downloads nothing:
+    every dataset here is generated or read from local files; the files fetched on first use, UEA's
+    and ETT's, are fetched by `zoo_core.data.fetch` before preparation, docs/data.md).
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
@@ -75,7 +76,8 @@ def check_options(name: str, data_dir: str, options: dict):
     The dataset name, the data directory (a file there is an error), every path option (a file where
     a directory is expected and the reverse, a missing file) and the options themselves (the dataset's
     `make_builder`, which also reads small sources such as UEA's .ts files). A dataset module with a
-    `check_sources(builder)` function reads its unprepared sources here too (a forecasting CSV).
+    `check_sources(builder)` function reads its unprepared sources here too (a forecasting CSV); one
+    with `fetch_missing(data_dir, options)` fetches a missing source first (an ETT CSV).
 
     Returns:
       The (unprepared) builder.
@@ -94,6 +96,10 @@ def check_options(name: str, data_dir: str, options: dict):
     if not os.path.isdir(parent):
         what = "is a file" if parent == os.path.abspath(resolved) else f"is under the file {parent!r}"
         raise ValueError(f"{where} {resolved!r} {what}; expected a directory (prepared datasets go there)")
+    module = importlib.import_module(DATASETS[name])
+    fetch_missing = getattr(module, "fetch_missing", None)
+    if fetch_missing is not None:   # a source fetched on first use exists before it is checked
+        fetch_missing(resolved, options)
     for key, value in options.items():
         kind = _path_kind(key)
         if kind is None or not isinstance(value, str) or not value or value.startswith("embedded:"):
@@ -112,7 +118,7 @@ def check_options(name: str, data_dir: str, options: dict):
         # killed while writing it, an edit) ends in a protobuf traceback. Name it if that is the cause.
         _check_prepared_infos(name, os.path.join(resolved, name))
         raise
-    check_sources = getattr(importlib.import_module(DATASETS[name]), "check_sources", None)
+    check_sources = getattr(module, "check_sources", None)
     if check_sources is not None and not builder.is_prepared():
         check_sources(builder)
     return builder

@@ -1,14 +1,20 @@
-"""Building blocks shared by the dataset modules: option-keyed builder configs, pipelines helpers."""
+"""Building blocks shared by the dataset modules: option-keyed builder configs, the builder base class
+that prepares any size without TensorFlow, pipelines helpers."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import struct
+import threading
 from typing import Any, TypeVar
 
 from absl import logging
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 C = TypeVar("C", bound=tfds.core.BuilderConfig)
 
@@ -23,6 +29,76 @@ class DatasetInfo(tfds.core.DatasetInfo):
 
     def initialize_from_bucket(self) -> None:
         return None
+
+
+class _FileBucket(tfds_shuffle._Bucket):   # pylint: disable=protected-access
+    """TFDS's shuffler bucket (a temporary file of `key | size | record` entries) written and read with
+    Python's own file functions. TFDS's uses `tf.io.gfile`, which needs TensorFlow: once a split's
+    records pass `MAX_MEM_BUFFER_SIZE` (1 GB), TFDS spills them into 1000 such buckets by key hash, and
+    without TensorFlow preparing it failed. The file format, and so the record order, is TFDS's."""
+
+    def add(self, key, data: bytes):
+        if not self._fobj:
+            os.makedirs(os.path.dirname(os.fspath(self._path)), exist_ok=True)
+            try:
+                self._fobj = open(self._path, "wb")  # noqa: SIM115 - closed by flush()
+            except OSError as e:
+                if e.errno != errno.EMFILE:
+                    raise
+                tfds_shuffle._increase_open_files_limit()   # pylint: disable=protected-access
+                self._fobj = open(self._path, "wb")  # noqa: SIM115
+        self._fobj.write(tfds_shuffle._hkey_to_bytes(key))   # pylint: disable=protected-access
+        self._fobj.write(struct.pack("=Q", len(data)))
+        self._fobj.write(data)
+        self._length += 1
+        self._size += len(data)
+
+    def read_values(self):
+        self.flush()
+        if not os.path.exists(self._path):   # a bucket that no key hashed to
+            return
+        size_bytes = tfds_shuffle.HKEY_SIZE_BYTES
+        with open(self._path, "rb") as f:
+            while True:
+                head = f.read(size_bytes)
+                if not head:
+                    break
+                hkey = tfds_shuffle._read_hkey(head)   # pylint: disable=protected-access
+                (size,) = struct.unpack("=Q", f.read(8))
+                yield hkey, f.read(size)
+
+    def del_file(self):
+        if os.path.exists(self._path):
+            os.remove(self._path)
+
+
+_BUCKETS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def file_buckets():
+    """TFDS's shuffler spills through `_FileBucket` (plain files) inside this block."""
+    with _BUCKETS_LOCK:
+        previous = tfds_shuffle._Bucket   # pylint: disable=protected-access
+        tfds_shuffle._Bucket = _FileBucket   # pylint: disable=protected-access
+        try:
+            yield
+        finally:
+            tfds_shuffle._Bucket = previous   # pylint: disable=protected-access
+
+
+class GeneratorBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """The zoo's TFDS builder base: prepares a split of any size with no TensorFlow installed.
+
+    TFDS writes the records through its shuffler, which holds up to 1 GB in memory and spills larger
+    splits to temporary files through `tf.io.gfile`; here they go through Python's files
+    (`file_buckets`), so the prepared array_record files, their record order included, are the ones
+    TFDS would write, at every size.
+    """
+
+    def _download_and_prepare(self, *args, **kwargs):
+        with file_buckets():
+            return super()._download_and_prepare(*args, **kwargs)
 
 
 def absolute_path_option(options: dict[str, Any], key: str, *, keep_prefix: str = "") -> dict[str, Any]:

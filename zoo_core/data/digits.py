@@ -78,7 +78,7 @@ def load_arrays() -> tuple[np.ndarray, np.ndarray]:
     return images, labels.astype(np.int64)
 
 
-class Digits(tfds.core.GeneratorBasedBuilder):
+class Digits(base.GeneratorBuilder):
     """8x8 digits: 'image' float32 [8, 8, 1] in [0, 1], 'label' int64 in [0, 10)."""
 
     VERSION = tfds.core.Version("1.0.0")

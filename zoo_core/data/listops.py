@@ -244,7 +244,7 @@ def released_paths(source_dir: str) -> dict[str, str]:
     return paths
 
 
-class LraListops(tfds.core.GeneratorBasedBuilder):
+class LraListops(base.GeneratorBuilder):
     """LRA ListOps: 'inputs' int32 [max_length] (0 = pad), 'label' int64 in [0, 10)."""
 
     VERSION = tfds.core.Version("1.0.0")

@@ -174,7 +174,7 @@ def read_npz(path: str, side: int, num_classes: int) -> tuple[np.ndarray, np.nda
 # builders
 
 
-class _LraFiles(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class _LraFiles(base.GeneratorBuilder, skip_registration=True):
     """Shared split discovery; subclasses set EXT, FORMAT and the features."""
 
     VERSION = tfds.core.Version("1.0.0")

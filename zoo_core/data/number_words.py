@@ -256,7 +256,7 @@ def split_numbers(config: NumberWordsConfig) -> dict[str, list[list[int]]]:
     return out
 
 
-class NumberWords(tfds.core.GeneratorBasedBuilder):
+class NumberWords(base.GeneratorBuilder):
     """num2words translation: 'inputs' int32 [S_max] -> 'targets' int32 [T_max], with the texts."""
 
     VERSION = tfds.core.Version("1.0.0")

@@ -22,7 +22,7 @@ class SyntheticLinearConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
-class SyntheticLinear(tfds.core.GeneratorBasedBuilder):
+class SyntheticLinear(base.GeneratorBuilder):
     """Linear-teacher classification: 'inputs' float32 [F], 'label' int64 in [0, K)."""
 
     VERSION = tfds.core.Version("1.0.0")

@@ -156,7 +156,7 @@ def generate(config: SyntheticVarConfig) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
-class SyntheticVar(tfds.core.GeneratorBasedBuilder):
+class SyntheticVar(base.GeneratorBuilder):
     """Random VAR(p) forecasting: 'inputs' [L_I, C] -> 'target' [L_P, C], with the true coefficients."""
 
     VERSION = tfds.core.Version("1.0.0")

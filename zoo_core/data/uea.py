@@ -21,6 +21,13 @@ Sources:
   * `source_dir=DIR`: the archive layout DIR/<Name>/<Name>_TRAIN.ts and DIR/<Name>/<Name>_TEST.ts
     (as unzipped from timeseriesclassification.com's Multivariate2018_ts.zip; DIR/<Name>_TRAIN.ts works
     too).
+  * otherwise (not shipped, no `source_dir`): fetched on first use from `<base_url>/<Name>.zip` (the
+    option `base_url`, default `BASE_URL`, the archive's per-data-set zips that aeon and sktime download)
+    into `<data dir>/downloads/uea/<Name>.zip`, checked (every CRC, <Name>_TRAIN.ts and <Name>_TEST.ts at
+    the zip's root or in a <Name>/ folder) and unpacked to `<data dir>/downloads/uea/<Name>/`
+    (`zoo_core.data.fetch`). The archive publishes no checksums, so the check is by structure; the
+    prepared data are keyed by the files' contents as for any source. `base_url=''` turns fetching off.
+    Offline the error is one line naming the URL and the folder to put the files in.
 
 Features: 'inputs' float32 [T, C] (0 beyond the series), 'mask' bool [T] (True = real step),
 'label' int64. `info.metadata` holds class_names, num_channels, max_length, train_max_length and the
@@ -39,7 +46,12 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from zoo_core.data import base
+from zoo_core.data import fetch
 
+BASE_URL = "https://timeseriesclassification.com/aeon-toolkit"
+# AGF Table 1 (agf.md §3.2): the ten data sets of the paper, fetched when not shipped.
+TABLE1 = ("EthanolConcentration", "FaceDetection", "Handwriting", "Heartbeat", "JapaneseVowels", "PEMS-SF",
+          "SelfRegulationSCP1", "SelfRegulationSCP2", "SpokenArabicDigits", "UWaveGestureLibrary")
 WHEEL_PACKAGES = ("sktime", "aeon")  # searched in this order; both ship identical files
 NORMALIZATIONS = ("standardization", "minmax", "none")
 _EPS = np.finfo(float).eps  # mvts_transformer's Normalizer epsilon (float64)
@@ -203,8 +215,53 @@ def shipped_datasets() -> list[str]:
     return sorted(names)
 
 
-def locate(dataset: str, source_dir: str | None) -> tuple[str, str]:
-    """Paths of <dataset>_TRAIN.ts and <dataset>_TEST.ts.
+def _zip_members(dataset: str, names: list[str]) -> dict[str, str]:
+    """{member: file name} of <dataset>_TRAIN.ts and _TEST.ts in a zip, at its root or in <dataset>/.
+
+    Raises:
+      ValueError: a file is in neither place.
+    """
+    found = {}
+    for wanted in (f"{dataset}_TRAIN.ts", f"{dataset}_TEST.ts"):
+        member = next((m for m in (wanted, f"{dataset}/{wanted}") if m in names), None)
+        if member is None:
+            raise ValueError(f"the archive holds no {wanted} at its root or in {dataset}/")
+        found[member] = wanted
+    return found
+
+
+def cached_dir(data_dir: str) -> str:
+    """Where fetched UEA data sets are unpacked: `<data dir>/downloads/uea` (a `source_dir` layout)."""
+    return os.path.join(fetch.downloads_dir(data_dir), "uea")
+
+
+def fetch_dataset(dataset: str, data_dir: str, base_url: str = BASE_URL) -> tuple[str, str]:
+    """Paths of <dataset>_TRAIN.ts and _TEST.ts under `cached_dir(data_dir)`/<dataset>/, fetched from
+    `<base_url>/<dataset>.zip` and unpacked there if they are not there yet.
+
+    Raises:
+      fetch.FetchError: one line naming the URL, the reason and where to put the files instead.
+    """
+    folder = cached_dir(data_dir)
+    names = (f"{dataset}_TRAIN.ts", f"{dataset}_TEST.ts")
+    paths = tuple(os.path.join(folder, dataset, n) for n in names)
+    if all(os.path.isfile(p) for p in paths):
+        return paths
+    put = f"put {dataset}/{names[0]} and {dataset}/{names[1]} in {folder} (or pass source_dir=DIR)"
+    archive = fetch.fetch(f"{base_url.rstrip('/')}/{dataset}.zip", folder, put=put,
+                          expect=lambda path: _zip_members(dataset, fetch.check_zip(path)))
+    fetch.extract(archive, os.path.join(folder, dataset), _zip_members(dataset, fetch.check_zip(archive)))
+    if not all(os.path.isfile(p) for p in paths):   # a folder of that name made by hand, without them
+        raise fetch.FetchError(f"{os.path.join(folder, dataset)} exists but lacks {names[0]} or {names[1]}; "
+                               f"delete it to fetch {dataset} again")
+    return paths
+
+
+def locate(dataset: str, source_dir: str | None, *, data_dir: str | None = None,
+           base_url: str | None = None) -> tuple[str, str]:
+    """Paths of <dataset>_TRAIN.ts and <dataset>_TEST.ts: from `source_dir`, else from an installed
+    sktime/aeon, else (with `data_dir`) from the download cache, else (with `base_url` too) fetched
+    (`fetch_dataset`).
 
     Raises:
       ValueError: (one line) where the files were looked for and where to put them.
@@ -222,9 +279,19 @@ def locate(dataset: str, source_dir: str | None) -> tuple[str, str]:
         files = _wheel_files(package)
         if all(n in files for n in names):
             return files[names[0]], files[names[1]]
+    if data_dir is not None:
+        paths = tuple(os.path.join(cached_dir(data_dir), dataset, n) for n in names)
+        if all(os.path.isfile(p) for p in paths):
+            return paths
     shipped = shipped_datasets()
-    raise ValueError(f"uea: dataset {dataset!r} is not shipped by an installed {' or '.join(WHEEL_PACKAGES)} "
-                     f"(available: {', '.join(shipped) or 'none, install sktime'}); pass source_dir=DIR holding "
+    not_shipped = (f"uea: dataset {dataset!r} is not shipped by an installed {' or '.join(WHEEL_PACKAGES)} "
+                   f"(available: {', '.join(shipped) or 'none, install sktime'})")
+    if data_dir is not None and base_url:
+        try:
+            return fetch_dataset(dataset, data_dir, base_url)
+        except fetch.FetchError as e:
+            raise ValueError(f"{not_shipped} and {e}") from None
+    raise ValueError(f"{not_shipped}; pass source_dir=DIR holding "
                      f"DIR/{dataset}/{names[0]} and DIR/{dataset}/{names[1]} from the UEA archive")
 
 
@@ -320,7 +387,7 @@ def _load(train_key, test_key, max_length, normalization) -> Prepared:
 # builder
 
 
-class Uea(tfds.core.GeneratorBasedBuilder):
+class Uea(base.GeneratorBuilder):
     """UEA classification: 'inputs' float32 [T, C], 'mask' bool [T], 'label' int64."""
 
     VERSION = tfds.core.Version("1.0.0")
@@ -335,7 +402,8 @@ class Uea(tfds.core.GeneratorBasedBuilder):
 
     def _load(self) -> Prepared:
         c = self.builder_config
-        return load(c.dataset, c.source_dir, c.max_length, c.normalization)
+        paths = locate(c.dataset, c.source_dir, data_dir=os.fspath(self.data_dir_root))
+        return _load(*map(_file_key, paths), c.max_length, c.normalization)
 
     def _info(self):
         # Shapes come from the data: from the prepared directory's metadata when it exists (the
@@ -385,22 +453,28 @@ def _check(c: UeaConfig) -> None:
 def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """Returns the (unprepared) builder of one UEA dataset.
 
-    Options: dataset ('JapaneseVowels'), source_dir (None: the files shipped by sktime/aeon),
-    max_length (None: longest of both splits; 'train': longest TRAIN series; or an int),
-    normalization ('standardization' | 'minmax' | 'none').
+    Options: dataset ('JapaneseVowels'), source_dir (None: the files shipped by sktime/aeon, else
+    the download cache, else fetched), max_length (None: longest of both splits; 'train': longest TRAIN
+    series; or an int), normalization ('standardization' | 'minmax' | 'none'), base_url (`BASE_URL`;
+    '' or None: never fetch). base_url does not key the prepared data (the files' contents do).
 
     Raises:
       ValueError: unknown or invalid option, or missing files (saying where to put them).
     """
     if options.get("normalization", "") is None:
         options = {**options, "normalization": "none"}
+    options = dict(options)
+    base_url = options.pop("base_url", BASE_URL)
+    if base_url is not None and not (isinstance(base_url, str) and (
+            base_url == "" or base_url.startswith(("http://", "https://", "file://")))):
+        raise ValueError(f"uea: base_url must be an http(s):// or file:// URL, or '' (never fetch), got {base_url!r}")
     options = base.absolute_path_option(options, "source_dir")
     config = base.config_from_options(UeaConfig, options, dataset="uea")
     _check(config)
     # Keyed by the files' contents too: an edited or replaced .ts file is prepared again. Without the
     # files, data prepared from them with these options is still usable.
     try:
-        sources = locate(config.dataset, config.source_dir)
+        sources = locate(config.dataset, config.source_dir, data_dir=os.fspath(data_dir), base_url=base_url)
     except ValueError:
         prepared = base.find_prepared(data_dir, "uea", config)
         if prepared is None:

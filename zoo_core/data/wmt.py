@@ -127,7 +127,7 @@ def _fit(ids: list[int], max_length: int) -> tuple[np.ndarray, bool]:
     return np.asarray(ids + [PAD_ID] * (max_length - len(ids)), np.int32), cut
 
 
-class Wmt14EnDe(tfds.core.GeneratorBasedBuilder):
+class Wmt14EnDe(base.GeneratorBuilder):
     """Parallel text with joint SentencePiece ids: 'inputs', 'targets' int32 [max_length], raw texts."""
 
     VERSION = tfds.core.Version("1.0.0")
