@@ -19,7 +19,8 @@ Packed rows: `__call__`, `scan` (and `global_self`, `layer_outputs`) take `segme
 padding, `zoo_core.ops.packing`): every state is cut at each document start, so a packed row gives each
 document's own outputs (docs/samovar_packing.md). `sequence_axis` splits `__call__` over a mesh axis
 (`zoo_core.ops.context_parallel`, `samovar_jax.context_parallel` for the chain). `step` decodes one
-document: a new document is a new `init_state`.
+document: a new document is a new `init_state`. `cross` takes no segment ids (zoo_core's global form
+has no per-document cross-attention yet).
 """
 from __future__ import annotations
 
