@@ -146,6 +146,10 @@ class LinearAttention(nn.Module):
         """Global (non-causal) linear attention without normaliser on this layer's parameters:
         x [B, T, E] attends to every valid token of memory [B, S, E_m] (memory_mask [B, S],
         query_mask [B, T], True = valid) -> y [B, T, E_out] (`linear_attention.noncausal`)."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        checks.check_tokens("memory", memory, "[B, S, E_m]")
+        if memory.shape[0] != x.shape[0]:
+            checks.fail(f"`memory` [B, S, E_m] must have x's batch {x.shape[0]}, got shape {memory.shape}")
         q, k, v = self._qkv(x, deterministic, memory)
         num, _ = linear_attention.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask)
         return self._out(num, x)

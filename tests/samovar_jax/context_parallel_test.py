@@ -103,15 +103,20 @@ def test_bytes_between_devices_do_not_grow_with_the_length():
     mesh = _mesh(2)
 
     def moved(fn, t, packed):
-        x0 = jax.ShapeDtypeStruct((1, t, H, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, "sequence")))
-        qv = jax.ShapeDtypeStruct((L, 1, t, H, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "sequence")))
-        ids = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=NamedSharding(mesh, P(None, "sequence")))
+        tokens, layered = NamedSharding(mesh, P(None, "sequence")), NamedSharding(mesh, P(None, None, "sequence"))
+        x0 = jax.ShapeDtypeStruct((1, t, H, 16), jnp.float32, sharding=tokens)
+        qv = jax.ShapeDtypeStruct((L, 1, t, H, 16), jnp.float32, sharding=layered)
+        ids = jax.ShapeDtypeStruct((1, t), jnp.int32, sharding=tokens)
         loss = lambda x0, q, v, i: jnp.sum(fn(x0, q, v, i if packed else None))  # noqa: E731
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x0, qv, qv, ids)
         return collective_bytes(lowered.compile().as_text())
 
-    split = lambda x0, q, v, i: context_parallel.var_chain(x0, q, v, chunk_size=64, mesh=mesh, segment_ids=i)  # noqa: E731
-    auto = lambda x0, q, v, i: ops.var_chain_chunked(x0, q, v, 64, segment_ids=i)[0]  # noqa: E731
+    def split(x0, q, v, i):
+        return context_parallel.var_chain(x0, q, v, chunk_size=64, mesh=mesh, segment_ids=i)
+
+    def auto(x0, q, v, i):
+        return ops.var_chain_chunked(x0, q, v, 64, segment_ids=i)[0]
+
     for packed in (False, True):
         ours = [moved(split, t, packed) for t in (512, 2048)]
         assert 0 < ours[0] and ours[1] <= 1.5 * ours[0], (packed, ours)
