@@ -329,9 +329,11 @@ class _FixedQV(nn.Module):
             if positions.ndim == 1:
                 t = jnp.take(table, positions, axis=1)                             # [C_t, T, H, D]
                 t = jnp.tile(t, (x0.shape[0] // self.num_channels, 1, 1, 1))
-            else:
+            else:   # out-of-table positions give NaN, as `jnp.take`'s fill mode does above
                 channel = jnp.arange(x0.shape[0]) % self.num_channels
-                t = table[channel[:, None], positions]                             # [B', T, H, D]
+                inside = (positions >= 0) & (positions < self.max_tokens)
+                t = table[channel[:, None], jnp.clip(positions, 0, self.max_tokens - 1)]   # [B', T, H, D]
+                t = jnp.where(inside[..., None, None], t, jnp.asarray(jnp.nan, t.dtype))
             return t if self.dtype is None else t.astype(self.dtype)
         return rows(self.query), rows(self.value)
 

@@ -189,3 +189,15 @@ def test_packed_layers_equal_each_document_alone(name):
     if not chain:
         packed, alone = packed[None], alone[None]
     assert_trees_close(packed[:, IDS > 0], _unrows(alone, packed)[:, IDS > 0], **F32_SIMPLE)
+
+
+def test_fixed_tables_read_per_row_positions_as_shared_ones():
+    """FixedVAR's per-row positions [B, T] (what packing gives) read the tables as the shared [T] ones do,
+    an out-of-table position NaN in both."""
+    chain = LAYERS["fixed_var_chain"]
+    x = np.zeros((B, T, E), np.float32)
+    variables = chain.init(jax.random.PRNGKey(2), x)
+    pos = np.arange(T) + 1                                   # the last one is past the table (max_tokens = T)
+    project = jax.jit(lambda p: chain.apply(variables, x, p, method="project")[1:3])
+    assert_trees_close(project(np.tile(pos, (B, 1))), project(pos), rtol=0, atol=0)
+    assert np.isnan(np.asarray(project(pos)[0])[:, :, -1]).all()
