@@ -7,7 +7,7 @@ v^(m) and key = the previous layer's output (x0 for m = 1), samovar.md ยง2.6 / ย
 * `var_masked`: `samovar_jax.ops.var_chain_parallel` (quadratic, materialises [B, H, N, N] per layer);
   all three VAR cases run on the shared kernels of `zoo_core.ops.linear_attention`;
 * `var_chunked`: `ops.var_chain_chunked` (intra-chunk masked + inter-chunk state, `--chunk` tokens);
-* `var_scan`: `ops.var_chain_recurrent` (a token `lax.scan` per layer carrying a D x D state per head);
+* `var_scan`: `ops.var_chain_scan` (a token `lax.scan` per layer carrying a D x D state per head);
 * `softmax`: the same chain with causal softmax attention, `jax.nn.dot_product_attention`
   (`is_causal=True`, XLA implementation), i.e. what a softmax transformer of the same shape pays.
 
@@ -66,7 +66,7 @@ def chain_fn(case: str, chunk: int):
     if case == "var_chunked":
         return lambda x0, q, v: ops.var_chain_chunked(x0, q, v, chunk)[0]
     if case == "var_scan":
-        return lambda x0, q, v: ops.var_chain_recurrent(x0, q, v)[0]
+        return lambda x0, q, v: ops.var_chain_scan(x0, q, v)[0]
     if case == "softmax":
         return softmax_chain
     raise ValueError(f"unknown case {case!r}; choose from {CASES}")

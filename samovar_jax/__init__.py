@@ -1,6 +1,6 @@
 """SAMoVAR in JAX/Flax: linear transformers read as VAR models (Lu & Yang, ICML 2025, arXiv:2502.07244).
 
-Modules: `ops` (pure kernels: the VAR attention chain in parallel, chunked, recurrent and single-step
+Modules: `ops` (pure kernels: the VAR attention chain in parallel, chunked, scan and single-step
 forms on `zoo_core.ops.linear_attention`; structural matrix; instance norm and patching), `layers` (the
 causal attention layers `LinearAttention`, `LinTransBlock`, `VARChain` and their states), `blocks`
 (norms, MLP, ARX tokeniser and embeddings, structural matrix), `model` (`Model(**config.model)`,

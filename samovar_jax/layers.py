@@ -14,6 +14,13 @@ padded and future positions (NaN or 1e30 included) out of every valid, past outp
   pre-norm MLP block; state `LinearState`.
 * `VARChain`: the VAR attention stack of SAMoVAR / FixedVAR (samovar.md §2.6): q, v from x0, key of layer
   m = output of layer m-1; state `VARChainState`.
+
+Packed rows: `__call__`, `scan` (and `global_self`, `layer_outputs`) take `segment_ids` `[B, T]` (int, 0 =
+padding, `zoo_core.ops.packing`): every state is cut at each document start, so a packed row gives each
+document's own outputs (docs/samovar_packing.md). `sequence_axis` splits `__call__` over a mesh axis
+(`zoo_core.ops.context_parallel`, `samovar_jax.context_parallel` for the chain). `step` decodes one
+document: a new document is a new `init_state`. `cross` takes no segment ids (zoo_core's global form
+has no per-document cross-attention yet).
 """
 from __future__ import annotations
 
@@ -22,11 +29,13 @@ from typing import Any, Callable, NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from samovar_jax import context_parallel as var_context_parallel
 from samovar_jax import ops
 from samovar_jax.blocks import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
 from zoo_core import checks
-from zoo_core.ops import context_parallel, linear_attention, xla_forms
+from zoo_core.ops import context_parallel, linear_attention, packing, xla_forms
 from zoo_core.ops.dropout import Dropout, keep_mask
 from zoo_core.ops.linear_attention import LinearState
 
@@ -113,8 +122,7 @@ class LinearAttention(nn.Module):
 
     def setup(self):
         checks.check_chunk_size(self.chunk_size)
-        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
-            checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
+        _check_sequence_axis(self.sequence_axis)
         proj = lambda name: xla_forms.Dense(  # noqa: E731
             self.num_heads * self.head_dim, kernel_init=self.kernel_init, bias_init=nn.initializers.zeros,
             dtype=self.dtype, param_dtype=self.param_dtype, name=name)
@@ -138,6 +146,10 @@ class LinearAttention(nn.Module):
         """Global (non-causal) linear attention without normaliser on this layer's parameters:
         x [B, T, E] attends to every valid token of memory [B, S, E_m] (memory_mask [B, S],
         query_mask [B, T], True = valid) -> y [B, T, E_out] (`linear_attention.noncausal`)."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        checks.check_tokens("memory", memory, "[B, S, E_m]")
+        if memory.shape[0] != x.shape[0]:
+            checks.fail(f"`memory` [B, S, E_m] must have x's batch {x.shape[0]}, got shape {memory.shape}")
         q, k, v = self._qkv(x, deterministic, memory)
         num, _ = linear_attention.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask)
         return self._out(num, x)
@@ -176,11 +188,13 @@ class LinearAttention(nn.Module):
         return self._out(num, x), {}
 
     def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
-             deterministic: bool = True) -> tuple[Array, LinearState]:
-        """Token recurrence from `state` (zeros if None): x [B, T, E] -> (y [B, T, E_out], final state)."""
+             segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, LinearState]:
+        """Token recurrence from `state` (zeros if None): x [B, T, E] -> (y [B, T, E_out], final state).
+        Packed (`segment_ids` [B, T]): the state restarts at each document start, `state` is read by
+        each row's first document and the final state is the last document's."""
         checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
-        num, _, state = linear_attention.causal_scan(q, k, v, state=state, mask=mask)
+        num, _, state = linear_attention.causal_scan(q, k, v, state=state, mask=mask, segment_ids=segment_ids)
         return self._out(num, x), state
 
     def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
@@ -206,6 +220,8 @@ class LinTransBlock(nn.Module):
       out_init_std: init std of the attention `out` and MLP `fc_out` kernels (0.02 / sqrt(2 l)).
       chunk_size: form of `__call__` (None = parallel, int = chunked), as in `LinearAttention`.
       dtype, param_dtype: compute and parameter dtypes.
+      sequence_axis: the mesh axis `__call__`'s attention splits the sequence over (as in
+        `LinearAttention`; the norms and the MLP act per token); None: one device.
     """
     width: int
     num_heads: int
@@ -215,6 +231,7 @@ class LinTransBlock(nn.Module):
     chunk_size: Optional[int] = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         checks.check_divisible("width", self.width, "num_heads", self.num_heads)
@@ -222,8 +239,8 @@ class LinTransBlock(nn.Module):
         self.attention_norm = RMSNorm(self.width, **kw, name="attention_norm")
         self.attention = LinearAttention(
             self.num_heads, self.width // self.num_heads, chunk_size=self.chunk_size,
-            dropout_rate=self.dropout_rate, out_kernel_init=nn.initializers.normal(self.out_init_std), **kw,
-            name="attention")
+            dropout_rate=self.dropout_rate, out_kernel_init=nn.initializers.normal(self.out_init_std),
+            sequence_axis=self.sequence_axis, **kw, name="attention")
         self.attention_dropout = Dropout(self.dropout_rate)
         self.mlp = MLPBlock(self.width, self.hidden, self.dropout_rate, self.out_init_std, **kw, name="mlp")
 
@@ -234,16 +251,18 @@ class LinTransBlock(nn.Module):
         """The attention's zero state."""
         return self.attention.init_state(batch_size)
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """x [B, T, E] -> (y [B, T, E], aux of the attention)."""
-        y, aux = self.attention(self.attention_norm(x), mask=mask, deterministic=deterministic)
+        """x [B, T, E] (segment_ids [B, T]: packed documents) -> (y [B, T, E], aux of the attention)."""
+        y, aux = self.attention(self.attention_norm(x), mask=mask, segment_ids=segment_ids,
+                                deterministic=deterministic)
         return self._finish(x, y, deterministic), aux
 
     def scan(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
-             deterministic: bool = True) -> tuple[Array, LinearState]:
-        """x [B, T, E], state or None -> (y [B, T, E], final state)."""
-        y, state = self.attention.scan(self.attention_norm(x), state, mask=mask, deterministic=deterministic)
+             segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, LinearState]:
+        """x [B, T, E], state or None (segment_ids [B, T]: packed) -> (y [B, T, E], final state)."""
+        y, state = self.attention.scan(self.attention_norm(x), state, mask=mask, segment_ids=segment_ids,
+                                       deterministic=deterministic)
         return self._finish(x, y, deterministic), state
 
     def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
@@ -304,10 +323,17 @@ class _FixedQV(nn.Module):
         self.value = self.param("value", normal002, shape, self.param_dtype)
 
     def __call__(self, x0: Array, positions: Array) -> tuple[Array, Array]:
-        """Tables at token indices `positions` [T] for folded rows (row = b * C_t + c): q, v [B', T, H, D]."""
+        """Tables at token indices `positions` [T] (every row) or [B', T] (per row, e.g. restarting at
+        each packed document) for folded rows (row = b * C_t + c): q, v [B', T, H, D]."""
         def rows(table):
-            t = jnp.take(table, positions, axis=1)                                 # [C_t, T, H, D]
-            t = jnp.tile(t, (x0.shape[0] // self.num_channels, 1, 1, 1))
+            if positions.ndim == 1:
+                t = jnp.take(table, positions, axis=1)                             # [C_t, T, H, D]
+                t = jnp.tile(t, (x0.shape[0] // self.num_channels, 1, 1, 1))
+            else:   # out-of-table positions give NaN, as `jnp.take`'s fill mode does above
+                channel = jnp.arange(x0.shape[0]) % self.num_channels
+                inside = (positions >= 0) & (positions < self.max_tokens)
+                t = table[channel[:, None], jnp.clip(positions, 0, self.max_tokens - 1)]   # [B', T, H, D]
+                t = jnp.where(inside[..., None, None], t, jnp.asarray(jnp.nan, t.dtype))
             return t if self.dtype is None else t.astype(self.dtype)
         return rows(self.query), rows(self.value)
 
@@ -326,8 +352,10 @@ class VARChain(nn.Module):
     Parameters: `layer_00`, `layer_01`, ... each holding `query`, `value` (+ `query_norm`,
     `value_norm`, `key`): Dense/norm modules for SAMoVAR, [C_t, max_tokens, H, D] tables for FixedVAR.
 
-    `positions` (absolute token indices) are read only by FixedVAR's tables (default: 0..T-1 for
-    `__call__`, `state.position` onwards for `scan` / `step`); giving them to a SAMoVAR chain raises.
+    `positions` (token indices, [T] or [B, T]) are read only by FixedVAR's tables (default: 0..T-1 for
+    `__call__`, `state.position` onwards for `scan` / `step`; packed, each document from 0); giving
+    them to a SAMoVAR chain raises. `segment_ids` [B, T] (packed documents, 0 = padding) cut every
+    layer's state at each document start (`ops.var_chain_*`).
 
     Attributes:
       width: E.
@@ -341,6 +369,10 @@ class VARChain(nn.Module):
       dropout_rate: rate of the dropout on every layer output.
       chunk_size: form of `__call__`: None = parallel (masked), an int C >= 1 = chunked.
       dtype, param_dtype: compute and parameter dtypes; sums and states stay float32.
+      sequence_axis: the mesh axis one sequence is split over (`samovar_jax.context_parallel`):
+        `__call__` and `layer_outputs` then run the chain under `jax.shard_map`, called under
+        `jax.set_mesh(mesh)` with T divisible by the axis size, and give one device's numbers
+        (`chunk_size` None: each shard one chunk). `scan` and `step` are one device's forms. None: one device.
     """
     width: int
     num_heads: int
@@ -354,11 +386,13 @@ class VARChain(nn.Module):
     chunk_size: Optional[int] = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         checks.check_divisible("width", self.width, "num_heads", self.num_heads)
         checks.check_choice("qv_source", self.qv_source, ("projection", "fixed"))
         checks.check_chunk_size(self.chunk_size)
+        _check_sequence_axis(self.sequence_axis)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         if self.qv_source == "projection":
             self.layers = [_ProjectedQV(self.width, self.num_heads, self.use_qv_norm, self.use_key_proj, **kw,
@@ -374,37 +408,51 @@ class VARChain(nn.Module):
     def head_dim(self) -> int:
         return self.width // self.num_heads
 
-    def _positions(self, positions: Optional[Array], start, length: int) -> Optional[Array]:
+    def _check_x0(self, x0: Array) -> None:
+        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
+        if x0.shape[-1] != self.width:
+            checks.fail(f"`x0` must be [B, T, {self.width}], got shape {x0.shape}")
+        if self.qv_source == "fixed" and x0.shape[0] % self.num_channels:
+            checks.fail(f"FixedVAR rows must be batch x {self.num_channels} channels, got {x0.shape[0]}")
+
+    def _positions(self, positions: Optional[Array], start, shape, segment_ids: Optional[Array]
+                   ) -> Optional[Array]:
+        """FixedVAR's table indices ([T] or [B, T]) for tokens of `shape` [B, T]; None for SAMoVAR."""
         if self.qv_source == "projection":
             if positions is not None:
-                raise NotImplementedError("positions are read by qv_source='fixed' (FixedVAR) only; "
-                                          "a SAMoVAR chain does not depend on them")
+                checks.fail("`positions` are read by qv_source='fixed' (FixedVAR) only; a SAMoVAR chain does "
+                            "not depend on them")
             return None
-        return start + jnp.arange(length) if positions is None else positions
+        if positions is not None:
+            if tuple(np.shape(positions)) not in (tuple(shape[1:]), tuple(shape)):
+                checks.fail(f"`positions` must be [T] = {tuple(shape[1:])} or [B, T] = {tuple(shape)}, "
+                            f"got {tuple(np.shape(positions))}")
+            return positions
+        if segment_ids is None:
+            return start + jnp.arange(shape[1])
+        return document_positions(segment_ids, start)
 
-    def project(self, x0: Array, positions: Optional[Array] = None, start=0):
+    def project(self, x0: Array, positions: Optional[Array] = None, start=0, segment_ids: Optional[Array] = None):
         """Per-layer operands of the chain.
 
         Args:
           x0: [B, T, E] VAR observations (B = batch x C_t, folded).
-          positions: [T] absolute token indices (FixedVAR only; default start..start+T-1).
+          positions: [T] or [B, T] token indices (FixedVAR only; default start..start+T-1, or each
+            document's own from `segment_ids`).
           start: first default position.
+          segment_ids: optional [B, T] packed documents (only FixedVAR's default positions read them here).
 
         Returns:
           (x0 split into heads [B, T, H, D], q [L, B, T, H, D], v [L, B, T, H, D],
            key kernels [L, E, E] or None), in the compute dtype.
         """
-        if x0.ndim != 3 or x0.shape[-1] != self.width:
-            checks.fail(f"`x0` must be [B, T, {self.width}], got shape {x0.shape}")
-        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
-        if self.qv_source == "fixed" and x0.shape[0] % self.num_channels:
-            checks.fail(f"FixedVAR rows must be batch x {self.num_channels} channels, got {x0.shape[0]}")
-        xh, q, v, kernels = self._project_layers(x0, positions, start)
+        self._check_x0(x0)
+        xh, q, v, kernels = self._project_layers(x0, positions, start, segment_ids)
         return xh, jnp.stack(q), jnp.stack(v), kernels
 
-    def _project_layers(self, x0: Array, positions: Optional[Array], start):
+    def _project_layers(self, x0: Array, positions: Optional[Array], start, segment_ids: Optional[Array] = None):
         """`project` with q and v as tuples of L arrays [B, T, H, D] (not stacked)."""
-        positions = self._positions(positions, start, x0.shape[1])
+        positions = self._positions(positions, start, x0.shape[:2], segment_ids)
         dtype = self.dtype if self.dtype is not None else jnp.promote_types(x0.dtype, self.param_dtype)
         x0 = x0.astype(dtype)
         qv = [layer(x0, positions) for layer in self.layers]
@@ -419,41 +467,75 @@ class VARChain(nn.Module):
         num = ops.var_chain_init_state(self.num_layers, batch_size, self.num_heads, self.head_dim)
         return VARChainState(num, jnp.zeros((), jnp.int32))
 
-    def __call__(self, x0: Array, *, positions: Optional[Array] = None, mask: Optional[Array] = None,
-                 deterministic: bool = True) -> tuple[Array, dict]:
-        """x0 [B, T, E], mask [B, T] (True = valid) -> (o [L, B, T, H, D], {}); form per `chunk_size`."""
-        xh, q, v, kernels = self.project(x0, positions)
-        drop = _dropout_mask(self, self.dropout_rate, q.shape, deterministic)
-        kw = dict(key_kernels=kernels, dropout_mask=drop, mask=mask)
+    def _sequence_form(self, xh, q, v, **kw):
+        """The chain of `__call__` / `layer_outputs` (q, v stacked or per layer): over `sequence_axis`
+        when set, else parallel or chunked per `chunk_size`."""
+        if self.sequence_axis is not None:
+            return var_context_parallel.var_chain(xh, q, v, chunk_size=self.chunk_size or xh.shape[1],
+                                                  axis_name=self.sequence_axis, **kw)
+        if isinstance(q, tuple):
+            return ops.var_chain_layers(xh, q, v, chunk_size=self.chunk_size, **kw)
         if self.chunk_size is None:
-            return ops.var_chain_parallel(xh, q, v, **kw), {}
-        return ops.var_chain_chunked(xh, q, v, self.chunk_size, **kw)[0], {}
+            return ops.var_chain_parallel(xh, q, v, **kw)
+        return ops.var_chain_chunked(xh, q, v, self.chunk_size, **kw)[0]
+
+    def __call__(self, x0: Array, *, positions: Optional[Array] = None, mask: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, dict]:
+        """x0 [B, T, E], mask [B, T] (True = valid), segment_ids [B, T] (packed documents) ->
+        (o [L, B, T, H, D], {}); form per `chunk_size` and `sequence_axis`."""
+        xh, q, v, kernels = self.project(x0, positions, segment_ids=segment_ids)
+        drop = _dropout_mask(self, self.dropout_rate, q.shape, deterministic)
+        return self._sequence_form(xh, q, v, key_kernels=kernels, dropout_mask=drop, mask=mask,
+                                   segment_ids=segment_ids), {}
 
     def layer_outputs(self, x0: Array, *, positions: Optional[Array] = None, mask: Optional[Array] = None,
-                      deterministic: bool = True) -> tuple[Array, ...]:
+                      segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, ...]:
         """`__call__`'s outputs as a tuple of L arrays [B, T, H, D] (`ops.var_chain_layers`): the
         same values, without stacking the layers' operands and outputs along L (for a caller that
         only sums them)."""
-        checks.check_tokens("x0", x0, f"[B, T, {self.width}]")
-        xh, q, v, kernels = self._project_layers(x0, positions, 0)
+        self._check_x0(x0)
+        xh, q, v, kernels = self._project_layers(x0, positions, 0, segment_ids)
         drop = _dropout_mask(self, self.dropout_rate, (len(q),) + q[0].shape, deterministic)
-        return ops.var_chain_layers(xh, q, v, chunk_size=self.chunk_size, key_kernels=kernels,
-                                    dropout_mask=drop, mask=mask)
+        return self._sequence_form(xh, q, v, key_kernels=kernels, dropout_mask=drop, mask=mask,
+                                   segment_ids=segment_ids)
 
     def scan(self, x0: Array, state: Optional[VARChainState] = None, *, positions: Optional[Array] = None,
-             mask: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, VARChainState]:
-        """Token recurrence from `state` (zeros if None): x0 [B, T, E] -> (o [L, B, T, H, D], final state)."""
+             mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+             deterministic: bool = True) -> tuple[Array, VARChainState]:
+        """Token recurrence from `state` (zeros if None): x0 [B, T, E] -> (o [L, B, T, H, D], final state).
+
+        Packed (`segment_ids` [B, T]): each layer's state restarts at every document start; `state` is
+        read by each row's first document, the final state is the last document's, and FixedVAR
+        needs `positions` [B, T] (one position in the state cannot follow every row's documents).
+        """
+        if segment_ids is not None and positions is None and self.qv_source == "fixed":
+            checks.fail("a packed FixedVAR `scan` needs `positions` [B, T] (each document's token indices)")
         state = self.init_state(x0.shape[0]) if state is None else state
-        xh, q, v, kernels = self.project(x0, positions, state.position)
+        xh, q, v, kernels = self.project(x0, positions, state.position, segment_ids)
         drop = _dropout_mask(self, self.dropout_rate, q.shape, deterministic)
-        o, num = ops.var_chain_recurrent(xh, q, v, state=state.num, key_kernels=kernels, dropout_mask=drop,
-                                         mask=mask)
+        o, num = ops.var_chain_scan(xh, q, v, state=state.num, key_kernels=kernels, dropout_mask=drop, mask=mask,
+                                    segment_ids=segment_ids)
         return o, VARChainState(num, state.position + x0.shape[1])
 
     def step(self, state: VARChainState, x0_t: Array, *, position: Optional[Array] = None
              ) -> tuple[Array, VARChainState]:
         """One token (no dropout): x0_t [B, E] -> (o_t [L, B, H, D], new state); position [] (FixedVAR)."""
+        checks.check_rank("x0_t", x0_t, 2, f"[B, {self.width}]")
         pos = None if position is None else jnp.reshape(position, (1,))
         xh, q, v, kernels = self.project(x0_t[:, None], pos, state.position)
         num, o_t = ops.var_chain_step(state.num, xh[:, 0], q[:, :, 0], v[:, :, 0], key_kernels=kernels)
         return o_t, VARChainState(num, state.position + 1)
+
+
+def document_positions(segment_ids: Array, start=0) -> Array:
+    """int [B, T]: each token's index within its packed document (`zoo_core.ops.packing`), the first
+    document of each row counted from `start` (it may continue an earlier call)."""
+    begins = packing.starts(segment_ids)
+    t = jnp.arange(segment_ids.shape[1])
+    first = jax.lax.cummax(jnp.where(begins, t, 0), axis=1)
+    return t - first + jnp.where(packing.first_segment(begins), start, 0)
+
+
+def _check_sequence_axis(axis) -> None:
+    if axis is not None and not isinstance(axis, str):
+        checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {axis!r}")

@@ -15,10 +15,13 @@ Contents:
   W_k (the "w/ W_k" ablation). Each layer is the zoo's causal linear attention without normaliser,
   `o_t = sum_{s<=t} (q_t . k_s) v_s` (`zoo_core.ops.linear_attention`, denominator=False), in four forms:
   `var_chain_parallel`, `var_chain_chunked` (per platform: on accelerators
-  `var_chain_chunked_batched`, batched over heads with no loop), `var_chain_recurrent` (a token scan
+  `var_chain_chunked_batched`, batched over heads with no loop), `var_chain_scan` (a token scan
   per layer) and `var_chain_step`, with `var_chain_init_state`. Padding masks and non-finite values are handled by
   the shared kernels with `jnp.where` (NaN-safe: no future or padded position reaches a past or valid
-  output, in any form and through the whole chain).
+  output, in any form and through the whole chain). Packed rows (`segment_ids` `[B, T]`, 0 = padding,
+  `zoo_core.ops.packing`): every layer's state is cut at each document start, so a packed row gives
+  each document's own chain (docs/samovar_packing.md). The chain split over a mesh axis is
+  `samovar_jax.context_parallel`.
 * The LU-parameterised structural matrix D = L U (samovar.md §2.7): `structural_matrix`,
   `structural_matrix_inverse` (two triangular solves).
 * RMS normalisation (samovar.md §1), instance normalisation and patching (samovar.md §2.1-2.2).
@@ -33,8 +36,10 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from zoo_core.ops import linear_attention
+from zoo_core import checks
+from zoo_core.ops import linear_attention, masking, packing
 
 Array = jax.Array
 
@@ -127,16 +132,39 @@ def _key_map(o: Array, key_kernel: Optional[Array]) -> Array:
     return (flat @ key_kernel.astype(flat.dtype)).reshape(o.shape)
 
 
-def _check_chain(x0, q, v, key_kernels, dropout_mask):
-    """Structural asserts of the chain's operands (the `VARChain` layer builds them well formed)."""
-    assert q.ndim == x0.ndim + 1 and v.shape == q.shape and q.shape[1:] == x0.shape, (
-        f"VAR chain expects x0 [B, T, H, D] and q, v [L, B, T, H, D]; got x0 {x0.shape}, q {q.shape}, "
-        f"v {v.shape}")
-    e = x0.shape[-1] * x0.shape[-2]
-    assert key_kernels is None or key_kernels.shape == (q.shape[0], e, e), (
-        f"key_kernels must be [L, E, E] = {(q.shape[0], e, e)}, got {key_kernels.shape}")
-    assert dropout_mask is None or dropout_mask.shape == q.shape, (
-        f"dropout_mask must have q's shape {q.shape}, got {dropout_mask.shape}")
+def check_chain(x0, q, v, *, key_kernels=None, dropout_mask=None, mask=None, segment_ids=None,
+                state=None, chunk_size=None, token_axis: bool = True) -> None:
+    """The public chain kernels' argument checks, once per call, each problem in one line (ValueError).
+
+    x0 `[B, T, H, D]` (`[B, H, D]` for a step, `token_axis=False`), q and v `[L, *x0.shape]` (or
+    sequences of L arrays of x0's shape), key_kernels `[L, E, E]`, dropout_mask q's shape, mask and
+    segment_ids `[B, T]` (segment_ids integers), state `[L, B, H, D, D]`, chunk_size an int >= 1.
+    """
+    rank = 4 if token_axis else 3
+    doc = "[B, T, H, D]" if token_axis else "[B, H, D]"
+    checks.check_rank("x0", x0, rank, doc)
+    q_shape, v_shape = (tuple(np.shape(a)) if not isinstance(a, (list, tuple)) else
+                        (len(a),) + (tuple(np.shape(a[0])) if len(a) else ()) for a in (q, v))
+    for name, seq in (("q", q), ("v", v)):
+        if isinstance(seq, (list, tuple)) and any(np.shape(a) != np.shape(x0) for a in seq):
+            checks.fail(f"each of `{name}` must have x0's shape {tuple(np.shape(x0))}, got "
+                        f"{[tuple(np.shape(a)) for a in seq]}")
+    want = q_shape[:1] + tuple(np.shape(x0))
+    if len(q_shape) != rank + 1 or q_shape[0] < 1 or q_shape != want or v_shape != want:
+        checks.fail(f"the VAR chain expects x0 {doc} and q, v [L] + x0's shape (L >= 1); got x0 "
+                    f"{tuple(np.shape(x0))}, q {q_shape}, v {v_shape}")
+    layers, b, h, d = q_shape[0], x0.shape[0], x0.shape[-2], x0.shape[-1]
+    if key_kernels is not None:
+        checks.check_shape("key_kernels", key_kernels, (layers, h * d, h * d), "[L, E, E]")
+    if dropout_mask is not None:
+        checks.check_shape("dropout_mask", dropout_mask, q_shape, "[L] + x0's shape")
+    if state is not None:
+        checks.check_shape("state", state, (layers, b, h, d, d), "[L, B, H, D, D]")
+    if token_axis:
+        masking.check_mask(mask, x0.shape[:2])
+        packing.check_segment_ids(segment_ids, x0.shape[:2])
+    if chunk_size is not None:
+        checks.check_int("chunk_size", chunk_size, 1)
 
 
 def var_chain_init_state(layers: int, batch: int, heads: int, head_dim: int, dtype=jnp.float32) -> Array:
@@ -145,7 +173,8 @@ def var_chain_init_state(layers: int, batch: int, heads: int, head_dim: int, dty
 
 
 def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state, stack=True):
-    """Runs `layer_fn(m, q_m, key_m, v_m, state_m) -> (num, state)` for m = 1..L, chaining keys.
+    """Runs `layer_fn(q_m, key_m, v_m, state_m) -> (num, state)` for m = 1..L, chaining keys (the one
+    loop over layers of every form, also `samovar_jax.context_parallel`'s; callers checked the operands).
 
     q, v (and dropout_mask) are [L, ...] arrays or sequences of L arrays; with `stack=False` the
     outputs come back as a tuple of L arrays (and no state).
@@ -172,7 +201,8 @@ def _chain(layer_fn, x0, q, v, key_kernels, dropout_mask, state, stack=True):
 
 
 def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[Array] = None,
-                       dropout_mask: Optional[Array] = None, mask: Optional[Array] = None) -> Array:
+                       dropout_mask: Optional[Array] = None, mask: Optional[Array] = None,
+                       segment_ids: Optional[Array] = None) -> Array:
     """Masked form of the VAR chain: `zoo_core.ops.linear_attention.causal_parallel` once per layer.
 
     For m = 1..L (samovar.md §2.6): `k^(0) = x0`,
@@ -187,66 +217,74 @@ def var_chain_parallel(x0: Array, q: Array, v: Array, *, key_kernels: Optional[A
       dropout_mask: optional [L, B, T, H, D] multiplier applied to each layer output (already scaled
         by 1/(1-rate)); the same mask makes every form agree in training mode.
       mask: optional [B, T] bool key-padding mask (True = valid); padded outputs are 0.
+      segment_ids: optional int [B, T] packed documents (0 = padding): in every layer a token reads
+        only the keys of its own document, so each document gets its own chain.
 
     Returns:
       [L, B, T, H, D] every layer's output in x0's dtype (the model sums them over L).
     """
-    _check_chain(x0, q, v, key_kernels, dropout_mask)
-    return _chain(_masked_layer(mask), x0, q, v, key_kernels, dropout_mask, None)[0]
+    check_chain(x0, q, v, key_kernels=key_kernels, dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids)
+    return _chain(_masked_layer(mask, segment_ids), x0, q, v, key_kernels, dropout_mask, None)[0]
 
 
-def _masked_layer(mask):
+def _masked_layer(mask, segment_ids):
     """`_chain`'s layer function of the masked form (no state)."""
-    return lambda qm, km, vm, _: (linear_attention.causal_parallel(qm, km, vm, mask=mask)[0], None)
+    return lambda qm, km, vm, _: (linear_attention.causal_parallel(qm, km, vm, mask=mask,
+                                                                   segment_ids=segment_ids)[0], None)
 
 
-def _chunked_layer(chunk_size, mask, form=linear_attention.causal_chunked):
+def _chunked_layer(chunk_size, mask, segment_ids, form=linear_attention.causal_chunked):
     """`_chain`'s layer function of a chunked form (carries each layer's state)."""
     def fn(qm, km, vm, s):
-        num, _, s = form(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask)
+        num, _, s = form(qm, km, vm, chunk_size=chunk_size, state=s, mask=mask, segment_ids=segment_ids)
         return num, s
     return fn
 
 
 def var_chain_chunked(x0: Array, q: Array, v: Array, chunk_size: int, *, state: Optional[Array] = None,
                       key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
-                      mask: Optional[Array] = None) -> tuple[Array, Array]:
+                      mask: Optional[Array] = None, segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
     """Chunked form: `zoo_core.ops.linear_attention.causal_chunked` once per layer (samovar.md §4).
 
     The form of each layer is chosen per platform by `causal_chunked`: on accelerators it is
     `var_chain_chunked_batched`'s (all heads and chunks in the same einsums, no loop, a program that
-    does not grow with H); on the CPU one head at a time (or a scan over chunks).
+    does not grow with H); on the CPU one head at a time (or a scan over chunks). Packed
+    (`segment_ids`), every platform takes the batched form with each layer's state cut at every
+    document start (`zoo_core.ops.packing`'s gated chain).
 
     Args:
-      x0, q, v, key_kernels, dropout_mask, mask: as in `var_chain_parallel`.
+      x0, q, v, key_kernels, dropout_mask, mask, segment_ids: as in `var_chain_parallel`.
       chunk_size: C >= 1 (need not divide T).
-      state: optional [L, B, H, D, D] state carried in from earlier tokens.
+      state: optional [L, B, H, D, D] state carried in from earlier tokens; packed, it is read by
+        each row's first document only.
 
     Returns:
-      (o [L, B, T, H, D], final state [L, B, H, D, D] float32).
+      (o [L, B, T, H, D], final state [L, B, H, D, D] float32; packed: the last document's).
     """
-    _check_chain(x0, q, v, key_kernels, dropout_mask)
-    return _chain(_chunked_layer(chunk_size, mask), x0, q, v, key_kernels, dropout_mask, state)
+    check_chain(x0, q, v, key_kernels=key_kernels, dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids,
+                state=state, chunk_size=chunk_size)
+    return _chain(_chunked_layer(chunk_size, mask, segment_ids), x0, q, v, key_kernels, dropout_mask, state)
 
 
 def var_chain_chunked_batched(x0: Array, q: Array, v: Array, chunk_size: int, *,
                               state: Optional[Array] = None, key_kernels: Optional[Array] = None,
-                              dropout_mask: Optional[Array] = None,
-                              mask: Optional[Array] = None) -> tuple[Array, Array]:
+                              dropout_mask: Optional[Array] = None, mask: Optional[Array] = None,
+                              segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
     """The accelerator form of `var_chain_chunked`, on any platform: per layer
     `zoo_core.ops.linear_attention.causal_chunked_batched` (every chunk's entering state at once by an
     exclusive prefix sum over the chunks, each product one einsum over [B, n, H]).
 
     Args and Returns: as in `var_chain_chunked`.
     """
-    _check_chain(x0, q, v, key_kernels, dropout_mask)
-    return _chain(_chunked_layer(chunk_size, mask, linear_attention.causal_chunked_batched), x0, q, v, key_kernels,
-                  dropout_mask, state)
+    check_chain(x0, q, v, key_kernels=key_kernels, dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids,
+                state=state, chunk_size=chunk_size)
+    return _chain(_chunked_layer(chunk_size, mask, segment_ids, linear_attention.causal_chunked_batched), x0, q, v,
+                 key_kernels, dropout_mask, state)
 
 
 def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk_size: Optional[int] = None,
                      key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
-                     mask: Optional[Array] = None) -> tuple[Array, ...]:
+                     mask: Optional[Array] = None, segment_ids: Optional[Array] = None) -> tuple[Array, ...]:
     """The VAR chain on per-layer operands, returning per-layer outputs: no `[L, ...]` stacks.
 
     The same maths as `var_chain_parallel` (`chunk_size=None`) and `var_chain_chunked`; what a
@@ -257,38 +295,37 @@ def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk
       x0: [B, T, H, D].
       q, v: sequences of L arrays [B, T, H, D].
       chunk_size: None for the masked form, else the chunked form's C.
-      key_kernels: optional [L, E, E]; dropout_mask: optional [L, B, T, H, D]; mask: optional [B, T].
+      key_kernels: optional [L, E, E]; dropout_mask: optional [L, B, T, H, D]; mask: optional [B, T];
+      segment_ids: optional int [B, T] (as in `var_chain_parallel`).
 
     Returns:
       a tuple of L arrays [B, T, H, D], layer m's output in x0's dtype.
     """
-    assert q and len(q) == len(v), f"q and v must be non-empty sequences of equal length, got {len(q)} and {len(v)}"
-    for name, seq in (("q", q), ("v", v)):
-        assert all(a.shape == x0.shape for a in seq), \
-            f"each {name} must have x0's shape {x0.shape}, got {[a.shape for a in seq]}"
-    layers = len(q)
-    _check_chain(x0, jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype),
-                 jax.ShapeDtypeStruct((layers,) + x0.shape, x0.dtype), key_kernels, dropout_mask)
-    fn = _masked_layer(mask) if chunk_size is None else _chunked_layer(chunk_size, mask)
+    check_chain(x0, tuple(q), tuple(v), key_kernels=key_kernels, dropout_mask=dropout_mask, mask=mask,
+                segment_ids=segment_ids, chunk_size=chunk_size)
+    fn = _masked_layer(mask, segment_ids) if chunk_size is None else _chunked_layer(chunk_size, mask, segment_ids)
     return _chain(fn, x0, q, v, key_kernels, dropout_mask, None, stack=False)
 
 
-def var_chain_recurrent(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,
-                        key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
-                        mask: Optional[Array] = None) -> tuple[Array, Array]:
-    """Recurrent form: `zoo_core.ops.linear_attention.causal_scan` (a token `lax.scan`) once per layer.
+def var_chain_scan(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,
+                   key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
+                   mask: Optional[Array] = None, segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
+    """Token recurrence: `zoo_core.ops.linear_attention.causal_scan` (a token `lax.scan`) once per layer.
 
     Args:
-      x0, q, v, key_kernels, dropout_mask, mask: as in `var_chain_parallel`.
-      state: optional [L, B, H, D, D] initial state (zeros if None).
+      x0, q, v, key_kernels, dropout_mask, mask, segment_ids: as in `var_chain_parallel` (packed,
+        each layer's state is reset to zero at every document start).
+      state: optional [L, B, H, D, D] initial state (zeros if None); packed, read by each row's first
+        document only.
 
     Returns:
-      (o [L, B, T, H, D], final state [L, B, H, D, D] float32).
+      (o [L, B, T, H, D], final state [L, B, H, D, D] float32; packed: the last document's).
     """
-    _check_chain(x0, q, v, key_kernels, dropout_mask)
+    check_chain(x0, q, v, key_kernels=key_kernels, dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids,
+                state=state)
 
     def fn(qm, km, vm, s):
-        num, _, s = linear_attention.causal_scan(qm, km, vm, state=s, mask=mask)
+        num, _, s = linear_attention.causal_scan(qm, km, vm, state=s, mask=mask, segment_ids=segment_ids)
         return num, s
     return _chain(fn, x0, q, v, key_kernels, dropout_mask, state)
 
@@ -300,6 +337,7 @@ def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
 
     With `k = x0_t`, for m = 1..L: `S^(m) += k v^(m)_t^T`, `o^(m)_t = q^(m)_t S^(m)`, `k = o^(m)_t`.
     This works token by token because layer m at time t needs only layer m-1's outputs at times <= t.
+    (A new document is a new state: `var_chain_init_state`.)
 
     Args:
       state: [L, B, H, D, D] per-layer states.
@@ -311,6 +349,9 @@ def var_chain_step(state: Array, x0_t: Array, q_t: Array, v_t: Array, *,
     Returns:
       (new state [L, B, H, D, D], o_t [L, B, H, D]) in the scan-carry order.
     """
+    check_chain(x0_t, q_t, v_t, key_kernels=key_kernels, dropout_mask=dropout_mask_t, state=state,
+                token_axis=False)
+
     def fn(qm, km, vm, s):
         num, _, s = linear_attention.causal_step(s, qm, km, vm)
         return num, s

@@ -1,7 +1,7 @@
 """Tests of samovar_jax.layers against the zoo's layer contract: every form of `__call__` (parallel,
 chunked with dividing and non-dividing chunks), `scan` (whole and split) and the `step` loop agree;
 NaN / 1e30 in padding or in the future changes no valid or past output in any form; bfloat16 compute
-is close to float32; jit == eager; State types; parameter names; one table of argument errors."""
+is close to float32; jit == eager; State types; parameter names. (Argument errors: bad_arguments_test.py.)"""
 import functools
 
 import flax.linen as nn
@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from samovar_jax import blocks
 from samovar_jax.layers import LinearAttention, LinearState, LinTransBlock, VARChain, VARChainState
 from zoo_core.testing import BF16, F32_SIMPLE, assert_forms_agree, param_shapes
 
@@ -178,47 +177,3 @@ def test_parameter_names():
     assert names("fixed_var_chain") == {f"layer_{m:02d}/{p}" for m in range(3) for p in ("query", "value")}
     assert "layer_00/key" in names("var_chain_key_proj") and "layer_00/key" not in names("var_chain")
     assert "layer_02/query_norm/scale" in names("var_chain")
-
-
-@functools.lru_cache(maxsize=None)
-def _bad_call_layers():
-    x, key = _x(), jax.random.PRNGKey(0)
-    la = LinearAttention(num_heads=H, head_dim=4)
-    chain = VARChain(E, H, 2)
-    return key, la, la.init(key, x), chain, chain.init(key, x)
-
-
-def _bad_calls():
-    x = _x()
-    key, la, la_vars, chain, chain_vars = _bad_call_layers()
-    return {
-        "chain positions (SAMoVAR)": (lambda: chain.apply(chain_vars, x, positions=np.arange(T)),
-                                      NotImplementedError, "qv_source='fixed'"),
-        "chain step position (SAMoVAR)": (lambda: chain.apply(chain_vars, chain.apply(
-            chain_vars, B, method="init_state"), x[:, 0], position=jnp.asarray(0), method="step"),
-            NotImplementedError, "qv_source='fixed'"),
-        "attention rank": (lambda: la.init(key, x[0]), ValueError, r"`x` must have rank 3"),
-        "attention chunk_size": (lambda: la.clone(chunk_size=0).init(key, x), ValueError, "chunk_size"),
-        "attention mask shape": (lambda: la.apply(la_vars, x, mask=np.ones((B, T + 1), bool)), ValueError, "mask"),
-        "chain width": (lambda: VARChain(E, 3, 2).init(key, x), ValueError, "divisible by `num_heads`"),
-        "chain qv_source": (lambda: VARChain(E, H, 2, qv_source="free").init(key, x), ValueError, "qv_source"),
-        "chain fixed with norms": (lambda: VARChain(E, H, 2, qv_source="fixed").init(key, x), ValueError, "FixedVAR"),
-        "chain fixed rows": (lambda: VARChain(E, H, 2, qv_source="fixed", use_qv_norm=False, num_channels=3)
-                             .init(key, x), ValueError, "FixedVAR rows"),
-        "chain x0 width": (lambda: chain.init(key, x[..., :4]), ValueError, r"`x0` must be \[B, T, 8\]"),
-        "block width": (lambda: LinTransBlock(E, 3, 16).init(key, x), ValueError, "divisible by `num_heads`"),
-        "rms norm width": (lambda: blocks.RMSNorm(8).init(key, np.ones((2, 1), np.float32)), ValueError,
-                           r"\[\.\.\., 8\]"),
-        "embedding positions": (lambda: blocks.ARXEmbedding(num_targets=1, max_tokens=4, width=E).init(
-            key, jnp.arange(6)), ValueError, r"token positions must be in \[0, max_tokens=4\)"),
-        "tokenizer segments": (lambda: blocks.ARXTokenizer(5, 3, 2, E).init(
-            key, np.ones((B, 2, 4, 5), np.float32)),
-                               ValueError, "segments"),
-    }
-
-
-@pytest.mark.parametrize("case", list(_bad_calls()))
-def test_bad_arguments_raise(case):
-    call, error, match = _bad_calls()[case]
-    with pytest.raises(error, match=match):
-        call()

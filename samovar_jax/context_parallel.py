@@ -1,0 +1,120 @@
+"""Context parallelism for SAMoVAR's VAR chain: one sequence split over a mesh axis (issue 42).
+
+The chain (samovar.md §2.6, `samovar_jax.ops`) is L causal linear attentions in series: layer m's
+keys are layer m-1's outputs. Read as one recurrence, its state is the stack (S^(1), ..., S^(L)) of
+the layers' `[B, H, D, D]` sums, and a token's update is not the identity on it: S^(m) grows by
+`o^(m-1)_t^T v^(m)_t = (q^(m-1)_t S^(m-1))^T v^(m)_t`, so layer m's state reads layer m-1's. Over a
+shard p of the sequence the stacked state moves affinely, `S_out = A_p S_in + b_p`, with A_p block
+lower-triangular: identity blocks on the diagonal, and below it maps on `[D, D]` matrices
+(`S^(1) -> S^(1)T G`, G = sum_t q^(1)T_t v^(2)_t, for L = 2; sums of `C_t^T S q_t^T v_t` sandwiches,
+`[D^2, D^2]` per head, from L = 3 on).
+
+Gathering that transition (fla's per-rank "state and transition", LASP-2's fold generalised) would
+move L^2 H D^4 values per shard. The triangular structure gives a cheaper exact order: fold layer by
+layer. Layer 1 is plain linear attention over x0 (transition I): one all-gather of the shards'
+summaries and a local exclusive fold (`zoo_core.ops.context_parallel.shard_causal`) give every shard
+its entering S^(1) and so layer 1's exact outputs. Those are layer 2's keys on the same shard, so
+layer 2's own transition is again I, and so on: L all-gathers of the `(transition, state)` pair each
+layer needs, `[B, H, D, D]` states (plus, packed, the per-row gate A in {0, I} of
+`zoo_core.ops.packing`: 0 when a document starts inside the shard, and the last document ids).
+Per call each device receives L P B H D^2 numbers (and the backward pass their transposes),
+independent of the length T.
+
+`shard_var_chain` is the body under `jax.shard_map`; `var_chain` wraps it for a jit-level caller
+whose inputs are (or will be) split along T on `axis_name`. Both give the numbers of the unsharded
+`ops.var_chain_chunked`, NaN-safety included (a non-finite key makes its shard's summary NaN, which
+reaches every later token of its document, as the recurrence would). Decoding (`ops.var_chain_step`)
+is one device's form.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from samovar_jax import ops
+from zoo_core import checks
+from zoo_core.ops import context_parallel
+
+Array = jax.Array
+Operands = Union[Array, Sequence[Array]]
+
+
+def shard_var_chain(x0: Array, q: Operands, v: Operands, *, axis_name: str, chunk_size: int,
+                    key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
+                    mask: Optional[Array] = None, segment_ids: Optional[Array] = None):
+    """This shard's VAR chain (the body under `shard_map`; operands checked by the caller).
+
+    Args:
+      x0: `[B, T_p, H, D]` this shard's observations (the first layer's keys).
+      q, v: `[L, B, T_p, H, D]`, or sequences of L arrays `[B, T_p, H, D]`.
+      axis_name: the mesh axis the sequence is split over; shard i holds tokens i T_p ... .
+      chunk_size: C >= 1 of each shard's chunked form.
+      key_kernels: optional `[L, E, E]` (replicated); dropout_mask: optional `[L, B, T_p, H, D]`;
+      mask, segment_ids: optional `[B, T_p]` (a packed document may span shards).
+
+    Returns:
+      `[L, B, T_p, H, D]` (stacked q) or a tuple of L arrays `[B, T_p, H, D]`, in x0's dtype.
+    """
+    def layer(qm, km, vm, _):
+        num, _, _ = context_parallel.shard_causal(qm, km, vm, axis_name=axis_name, chunk_size=chunk_size,
+                                                  mask=mask, segment_ids=segment_ids)
+        return num, None
+
+    stacked = not isinstance(q, (list, tuple))
+    out = ops._chain(layer, x0, q, v, key_kernels, dropout_mask, None, stack=stacked)  # noqa: SLF001
+    return out[0] if stacked else out
+
+
+def var_chain(x0: Array, q: Operands, v: Operands, *, chunk_size: int, mesh=None, axis_name: str = "sequence",
+              batch_axis: Optional[str] = None, key_kernels: Optional[Array] = None,
+              dropout_mask: Optional[Array] = None, mask: Optional[Array] = None,
+              segment_ids: Optional[Array] = None):
+    """`ops.var_chain_chunked`'s outputs (or `ops.var_chain_layers`' with per-layer q, v) with the
+    sequence split over `axis_name` of `mesh` (None: the mesh of `jax.set_mesh`).
+
+    Args:
+      x0: `[B, T, H, D]`; T must divide by the axis size.
+      q, v: `[L, B, T, H, D]` or sequences of L arrays `[B, T, H, D]`.
+      chunk_size: C >= 1 of each shard's chunked form (clipped to the shard's length).
+      mesh, axis_name: the mesh and its sequence axis; batch_axis: the axis B is split over (None: not).
+      key_kernels, dropout_mask, mask, segment_ids: as in `ops.var_chain_parallel`.
+
+    Returns:
+      `[L, B, T, H, D]` (or a tuple of L `[B, T, H, D]`), in x0's dtype, sharded like the inputs.
+    """
+    stacked = not isinstance(q, (list, tuple))
+    ops.check_chain(x0, q if stacked else tuple(q), v if stacked else tuple(v), key_kernels=key_kernels,
+                    dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids, chunk_size=chunk_size)
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    _check_layout(x0.shape[1], mesh, axis_name)
+    tokens, layered = P(batch_axis, axis_name), P(None, batch_axis, axis_name)
+    per_layer = layered if stacked else tuple(tokens for _ in q)
+    given = {name: (x, spec) for name, x, spec in (
+        ("x0", x0, tokens), ("q", q if stacked else tuple(q), per_layer), ("v", v if stacked else tuple(v), per_layer),
+        ("key_kernels", key_kernels, P()), ("dropout_mask", dropout_mask, layered), ("mask", mask, tokens),
+        ("segment_ids", segment_ids, tokens)) if x is not None}
+    xs = [x for x, _ in given.values()]
+    specs = tuple(spec for _, spec in given.values())
+    if dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit:
+        # an explicit mesh refuses inputs not yet split as the specs say; an Auto one reshards them itself
+        split = lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s))  # noqa: E731
+        xs = [tuple(map(split, x, spec)) if isinstance(x, tuple) else split(x, spec) for x, spec in zip(xs, specs)]
+    body = functools.partial(shard_var_chain, axis_name=axis_name, chunk_size=chunk_size)
+
+    def run(*args):
+        return body(**dict(zip(given, args)))
+
+    return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=per_layer)(*xs)
+
+
+def _check_layout(t: int, mesh, axis_name: str) -> None:
+    """The mesh has `axis_name` and T divides by its size (one line each)."""
+    if axis_name not in mesh.axis_names:
+        checks.fail(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); build it with a "
+                    f"sequence axis or pass axis_name=")
+    if t % mesh.shape[axis_name]:
+        checks.fail(f"the sequence length {t} must divide by the {axis_name!r} axis size {mesh.shape[axis_name]}")
