@@ -8,6 +8,9 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No test reaches the network: every fetch fails at once as offline (zoo_core.data.fetch), here and in the
+# commands the tests start; the fetch tests serve their files from a local HTTP server and clear it.
+os.environ["ZOO_OFFLINE"] = "1"
 # One persistent compilation cache for the whole run, in a fresh temporary folder that the run
 # removes at its end (never the user's ~/.cache): the xdist workers and the commands the tests start
 # inherit it, so a program that several tests or parametrisations compile (the same HLO) is compiled

@@ -1,15 +1,14 @@
 """AGF Table 2 (agf.md §3.1): LRA test accuracy of the five tasks for every self-attention mechanism.
 
     python -m zoo_core.study configs/studies/agf_lra.py --workdir runs/study_agf_lra
-    python -m zoo_core.study configs/studies/agf_lra.py:source_dir=/data/lra_release --workdir runs/study_agf_lra
+    python -m zoo_core.study configs/studies/agf_lra.py:source_dir=$HOME/lra --workdir runs/study_agf_lra
     python -m zoo_core.study configs/studies/agf_lra.py:smoke --workdir /tmp/agf_lra_smoke
 
 Cells: listops, text, retrieval, image, pathfinder (configs/agf/lra_<task>.py) x every name of
-`zoo_core.attention.names("self")` read at load time (`:attention=NAME`; names the AGF model does not take
-yet fail with one line). Protocol: model selection on validation (the best checkpoint by eval/accuracy),
+`zoo_core.attention.names("self")` read at load time (`:attention=NAME`). Protocol: model selection on validation (the best checkpoint by eval/accuracy),
 then that checkpoint on test (`--eval_only --eval_split=test`, run after each training run). Data:
-ListOps is generated on first use; text, retrieval, image and pathfinder read LRA's prepared files
-(`source_dir=DIR` gives --config.data.options.source_dir=DIR/<task> to those cells; without it they fail
+ListOps is generated on first use; text, retrieval, image and pathfinder read the files that
+`python -m zoo_core.data.lra_prepare --out DIR ...` writes (docs/data.md; `source_dir=DIR` gives --config.data.options.source_dir=DIR/<task> to those cells; without it they fail
 with the data's one-line error). Budget: the harness's steps (ListOps 5,000, ~100 min a run on an idle
 2-core CPU; the others need an accelerator). Smoke: ListOps x {agf, softmax}, 2-step runs, one seed.
 """

@@ -6,10 +6,10 @@
 
 Cells: the paper's ten data sets (configs/agf/uea.py's REFERENCE less BasicMotions) x every name of
 `zoo_core.attention.names("self")` read when the study loads, so mechanisms registered later join the
-grid (`:attention=NAME` of configs/agf/uea.py; until the AGF model takes a registry name other than agf
-and softmax, those cells fail with one line). Data: JapaneseVowels ships with sktime; the other nine
-need the UEA archive's .ts files (`source_dir=DIR`, the unpacked Multivariate2018_ts.zip) and are
-recorded as failed cells with the data's one-line error without it. Metric: the UEA protocol's best
+grid (`:attention=NAME` of configs/agf/uea.py). Data: JapaneseVowels ships with sktime; the other nine
+are fetched from the UEA archive on first use (`python -m zoo_core.data.download uea` fetches them ahead;
+docs/data.md), or read from `source_dir=DIR` (the unpacked Multivariate2018_ts.zip); offline and
+uncached, a cell is recorded as failed with the data's one-line error. Metric: the UEA protocol's best
 test accuracy over the evaluations (epochs 1, 2, 4, ..., the last) and the last one. Budget: the
 reference's 100 epochs (PEMS-SF 400) at batch 16; JapaneseVowels about 7 min a run on an idle 2-core
 CPU, the large sets (FaceDetection, PEMS-SF, SpokenArabicDigits) need an accelerator. Seeds: 666 (the

@@ -20,7 +20,8 @@ import sys
 from zoo_core.data import fetch, forecasting, pipeline, uea
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (argv without the program name; None = sys.argv)."""
     parser = argparse.ArgumentParser(prog="python -m zoo_core.data.download",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("source", choices=("uea", "ett"))
@@ -29,7 +30,11 @@ def main(argv=None) -> int:
     parser.add_argument("--base_url", default="", help=f"default: {uea.BASE_URL} (uea), "
                                                        f"{forecasting.ETT_BASE_URL} (ett)")
     parser.add_argument("--csv_dir", default="", help="ett: where the CSVs go (default: <data dir>/ETT-small)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     data_dir = pipeline.resolve_data_dir(args.data_dir or None)
     failed = 0
     if args.source == "uea":

@@ -291,7 +291,8 @@ def prepare_cifar(archive: str, out: str, log=print) -> Optional[str]:
     return path
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (argv without the program name; None = sys.argv)."""
     parser = argparse.ArgumentParser(prog="python -m zoo_core.data.lra_prepare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the folder that gets one sub-folder per task")
@@ -303,7 +304,11 @@ def main(argv=None) -> int:
     parser.add_argument("--pathfinder_resolution", type=int, default=32, choices=RESOLUTIONS)
     parser.add_argument("--pathfinder_difficulty", default="curv_contour_length_14", choices=DIFFICULTIES)
     parser.add_argument("--data_dir", default="", help="where URLs are downloaded to (<data dir>/downloads/lra)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     given = {"archive": args.archive, "imdb": args.imdb, "cifar": args.cifar}
     source_of = {"listops": "archive", "retrieval": "archive", "pathfinder": "archive", "text": "imdb",
                  "image": "cifar"}
