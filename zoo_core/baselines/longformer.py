@@ -27,6 +27,12 @@ to NaN, so NaN or 1e30 in padding, or (causal) in the future, changes no valid o
 row's keys sit at fixed slots, so the future does not change their rounding either. Logits, weights
 and outputs are float32.
 
+Packed rows (`segment_ids` int `[B, T]`, 0 = padding; issue 42): each document is a sequence of its
+own, its window stops at its edges and its global tokens are its own first g tokens (positions
+restart per document; docs/baselines.md "Packed sequences"). `_packed` gathers each query's
+document's global keys (`[B, T, g]`) and computes the non-causal global rows per (document, slot) by
+segment reductions, so packing adds no T x T product; without `segment_ids` the program is unchanged.
+
 `LongformerAttention` (below) follows the zoo's layer contract (README "Layer contract"):
 non-causal and causal self-attention, no `scan` / `step` / decode form and no cross form.
 """
