@@ -253,17 +253,6 @@ def test_gradients_finite_and_one_step_decreases_loss(cls, fields):
     assert float(after) < float(before)
 
 
-@pytest.mark.parametrize("cls,field,value", [
-    (ReformerAttention, "num_buckets", 3), (ReformerAttention, "chunk_length", 0),
-    (ReformerAttention, "num_hashes", 0), (LongformerAttention, "window", 0),
-    (LongformerAttention, "num_global", -1),
-], ids=["buckets-odd", "chunk-0", "hashes-0", "window-0", "global-neg"])
-def test_bad_field_is_one_line_error(cls, field, value):
-    with pytest.raises(ValueError, match=f"`{field}`") as info:
-        cls(num_heads=H, head_dim=D, **{field: value}).init(jax.random.PRNGKey(0), _x()[:, :2])
-    assert "\n" not in str(info.value)
-
-
 def _largest_intermediate(jaxpr) -> int:
     """The element count of the largest value any equation of `jaxpr` (sub-jaxprs included) makes."""
     sizes = [0]
@@ -340,12 +329,10 @@ def test_longformer_packed_equals_each_document_alone(window, num_global, causal
     assert np.isnan(out[1, 8, 0]).all() and np.isfinite(out[:, :, 1]).all()
 
 
-def test_longformer_layer_takes_segment_ids_and_the_others_refuse_them():
+def test_longformer_layer_takes_segment_ids():
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 8))
     layer = LongformerAttention(num_heads=2, head_dim=4, window=4, num_global=1)
     params = layer.init(jax.random.PRNGKey(1), x)
     y = jax.jit(lambda x: layer.apply(params, x, segment_ids=PACKED)[0])(x)
     alone = jax.jit(lambda x: layer.apply(params, x)[0])(x[1:2, 6:13])   # document 5, alone
     np.testing.assert_allclose(y[1, 6:13], alone[0], **F32_SIMPLE)
-    with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\]"):
-        layer.apply(params, x, segment_ids=PACKED[:, :3])
