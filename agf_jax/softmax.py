@@ -43,9 +43,9 @@ docs/specs/context_parallel.md §3; causal and not, packed or not, the single-de
 Decoding past the cache: a token written past `max_length` is an error. With a concrete cache (an
 eager decoding loop, `DropInAttention(decode=True)` applied without `jit`) `check_room` raises
 `ValueError` naming `max_length` before anything is computed; under `jit` (the length is traced) the
-step runs a host callback (`jax.debug.callback`, inside a `lax.cond` taken only when the cache is
-full, so a step with room costs one scalar compare) that raises the same `ValueError` line, which
-jax re-raises as a `jax.errors.JaxRuntimeError` whose message ends with it. The output of such a
+step runs a host callback (`jax.pure_callback`, inside a `lax.cond` taken only when the cache is
+full, so a step with room costs one compare and jit keeps its fast dispatch) that raises the same
+`ValueError` line, which jax re-raises as a `jax.errors.JaxRuntimeError` whose message ends with it. The output of such a
 token is NaN should the error be swallowed.
 
 Logits, weights, outputs and the cache are float32 (float64 stays float64); the fused form takes
@@ -114,12 +114,19 @@ def _raise_if_over(need, *, slots: int) -> None:
             f"init the cache with max_length >= the tokens you decode")
 
 
-def _room_callback(length: Array, slots: int) -> None:
+def _room_callback(length: Array, slots: int) -> Array:
     """Under `jit`: the error of `check_room`, raised on the host by a callback that runs only when
-    a sample's length (after the write) exceeds the slots (`lax.cond`: no host call while there is room)."""
-    jax.lax.cond(jnp.any(length > slots),
-                 lambda: jax.debug.callback(functools.partial(_raise_if_over, slots=slots), length),
-                 lambda: None)
+    a sample's length (after the write) exceeds the slots (`lax.cond`: no host call while there is
+    room). A `pure_callback` (no effect, so jit keeps its fast dispatch) whose True result the step's
+    output depends on, so that it is never removed. Returns bool `[]`: True."""
+    def host(need):
+        _raise_if_over(need, slots=slots)
+        return np.array(True)
+
+    return jax.lax.cond(
+        jnp.any(length > slots),
+        lambda: jax.pure_callback(host, jax.ShapeDtypeStruct((), jnp.bool_), length, vmap_method="sequential"),
+        lambda: jnp.array(True))
 
 
 def _prepare(q, k, v, mask, causal):
@@ -485,15 +492,15 @@ def softmax_step(cache: KVCache, q_t: Array, k_t: Array, v_t: Array, *,
     key = jnp.where(write, k_t[:, None], cache.key.astype(dt))
     value = jnp.where(write, v_t[:, None], cache.value.astype(dt))
     length = cache.length + append.astype(jnp.int32)
-    if isinstance(length, jax.core.Tracer):
-        _room_callback(length, cache.key.shape[1])
+    # Under jit the host check; its result feeds the output, so that it is never removed.
+    room = _room_callback(length, cache.key.shape[1]) if isinstance(length, jax.core.Tracer) else jnp.array(True)
     valid = slots < length[:, None]                                                  # [B, L]
     logits = jnp.einsum("bhd,blhd->bhl", q_t, key) / math.sqrt(q_t.shape[-1])
     w = jax.nn.softmax(jnp.where(valid[:, None], logits, -MASK_OFFSET), axis=-1)
     if dropout is not None:
         w = dropout(w, index)
     y = jnp.einsum("bhl,blhm->bhm", w, jnp.where(valid[..., None, None], value, 0.0))
-    full = length > cache.key.shape[1]   # overflowed by now (a padded token that writes nothing is not)
+    full = (length > cache.key.shape[1]) | ~room   # overflowed (a padded token that writes nothing is not)
     return KVCache(key, value, length), jnp.where(full[:, None, None], jnp.nan, y)
 
 
