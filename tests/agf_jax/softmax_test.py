@@ -169,6 +169,14 @@ def test_accelerator_programs_have_no_loop_over_chunks(dropout):
         assert while_loops(_train_program(sm.softmax_chunked, platform, **chunked)) == 0, platform
 
 
+def test_packed_accelerator_programs_have_no_loop_over_chunks():
+    """segment_ids take the XLA forms on every platform (the fused one has none): still no loop there."""
+    chunked = dict(chunk_size=64, segment_ids=np.repeat(np.arange(1, 5, dtype=np.int32), 64)[None].repeat(2, 0))
+    assert while_loops(_train_program(sm.softmax_chunked, "cpu", **chunked)) > 0
+    for platform in ("cuda", "tpu"):
+        assert while_loops(_train_program(sm.softmax_chunked, platform, **chunked)) == 0, platform
+
+
 def _logit_dots(program: str) -> set:
     """The operand element types of the program's dot_generals."""
     return {line.split(":")[-1].split("->")[0].strip() for line in program.splitlines()
