@@ -40,7 +40,7 @@ from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
 from zoo_core import checks
-from zoo_core.ops import xla_forms
+from zoo_core.ops import packing, xla_forms
 from zoo_core.ops.dropout import Dropout, keep_mask
 
 Array = jax.Array
@@ -338,15 +338,21 @@ class SoftmaxAttention(_Attention):
         max_length: causal only: the `KVCache` slots of `init_state` (required there).
         dropout_rate: dropout on the attention weights (the reference's `attention_dropout`).
         dtype, param_dtype, kernel_init, bias_init, out_bias_init: as in `AGFAttention`.
+        sequence_axis: the mesh axis one sequence is split over (context parallelism): `__call__`
+            then runs `agf_jax.softmax.softmax_context_parallel` (an all-gather of K and V, any
+            `chunk_size` ignored) under the mesh of `jax.set_mesh`; None = the single-device program.
 
     Inside `zoo_core.ops.xla_forms.plain('dense' / 'dropout')` as `AGFAttention`.
     """
     # num_heads, head_dim, out_features, causal, chunk_size, dropout_rate, dtype, param_dtype,
     # kernel_init, bias_init, out_bias_init: declared in `_Attention`.
     max_length: Optional[int] = None
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         validation.check_softmax_fields(self)
+        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
+            checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
         self.dropout = self._dropout()
@@ -354,19 +360,25 @@ class SoftmaxAttention(_Attention):
     def _finish(self, o: Array, x: Array) -> Array:
         return self._out(o.astype(self._compute_dtype(x)), x.shape[-1])
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """x `[B, T, E]`, mask `[B, T]` key-padding mask -> (y `[B, T, E']`, {})."""
+        """x `[B, T, E]`, mask `[B, T]` key-padding mask, segment_ids int `[B, T]` packed documents
+        (0 = padding; a token attends within its document) -> (y `[B, T, E']`, {})."""
         validation.check_inputs(x, mask)
+        packing.check_segment_ids(segment_ids, x.shape[:2])
         q, k, v = self.query(x), self.key(x), self.value(x)
-        if self.chunk_size is not None:
+        if self.sequence_axis is not None:
+            o = softmax_ops.softmax_context_parallel(q, k, v, axis_name=self.sequence_axis, causal=self.causal,
+                                                     mask=mask, segment_ids=segment_ids,
+                                                     dropout=self._dropout_fn(deterministic))
+        elif self.chunk_size is not None:
             o = softmax_ops.softmax_chunked(q, k, v, chunk_size=self.chunk_size, mask=mask,
-                                            dropout=self._dropout_fn(deterministic))
+                                            dropout=self._dropout_fn(deterministic), segment_ids=segment_ids)
         else:
             # No dropout function when none applies, so that a GPU takes the fused attention.
             active = not deterministic and self.dropout_rate > 0.0
             o = softmax_ops.softmax_parallel(
-                q, k, v, mask=mask, causal=self.causal,
+                q, k, v, mask=mask, causal=self.causal, segment_ids=segment_ids,
                 dropout=(lambda w, _: self.dropout(w, deterministic=False)) if active else None)
         return self._finish(o, x), {}
 
@@ -376,13 +388,15 @@ class SoftmaxAttention(_Attention):
         return softmax_ops.init_cache(batch_size, self.max_length, self.num_heads, self.head_dim)
 
     def scan(self, x: Array, state: Optional[KVCache] = None, *, mask: Optional[Array] = None,
-             deterministic: bool = True) -> tuple[Array, KVCache]:
-        """Token recurrence on the KV cache (padded tokens are not written): (y, final cache)."""
+             segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, KVCache]:
+        """Token recurrence on the KV cache (padded tokens are not written; with segment_ids the
+        cache is emptied at each document start): (y, final cache)."""
         validation.check_softmax_scan(self, x, mask, state)
+        packing.check_segment_ids(segment_ids, x.shape[:2])
         if state is None:
             state = self.init_state(x.shape[0])
         q, k, v = self.query(x), self.key(x), self.value(x)
-        o, state = softmax_ops.softmax_scan(q, k, v, cache=state, mask=mask,
+        o, state = softmax_ops.softmax_scan(q, k, v, cache=state, mask=mask, segment_ids=segment_ids,
                                             dropout=self._dropout_fn(deterministic))
         return self._finish(o, x), state
 

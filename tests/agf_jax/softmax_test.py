@@ -169,6 +169,14 @@ def test_accelerator_programs_have_no_loop_over_chunks(dropout):
         assert while_loops(_train_program(sm.softmax_chunked, platform, **chunked)) == 0, platform
 
 
+def test_packed_accelerator_programs_have_no_loop_over_chunks():
+    """segment_ids take the XLA forms on every platform (the fused one has none): still no loop there."""
+    chunked = dict(chunk_size=64, segment_ids=np.repeat(np.arange(1, 5, dtype=np.int32), 64)[None].repeat(2, 0))
+    assert while_loops(_train_program(sm.softmax_chunked, "cpu", **chunked)) > 0
+    for platform in ("cuda", "tpu"):
+        assert while_loops(_train_program(sm.softmax_chunked, platform, **chunked)) == 0, platform
+
+
 def _logit_dots(program: str) -> set:
     """The operand element types of the program's dot_generals."""
     return {line.split(":")[-1].split("->")[0].strip() for line in program.splitlines()
@@ -235,11 +243,33 @@ def test_decoding_past_the_cache_is_an_error_where_the_length_is_concrete():
         sm.softmax_scan(q, k, v, cache=sm.init_cache(B, 2, H, D))
     y, final = sm.softmax_scan(q, k, v, cache=sm.init_cache(B, 2, H, D), mask=np.array([[1, 1, 0], [1, 0, 1]]))
     assert final.length.tolist() == [2, 2] and np.all(np.isfinite(np.asarray(y)))
-    # Under jit the length is traced: the overflowing token's output is NaN, and check_room says why.
-    _, y = jax.jit(sm.softmax_step)(cache, q[:, 2], k[:, 2], v[:, 2])
-    assert np.all(np.isnan(np.asarray(y)))
     with pytest.raises(ValueError, match=r"init the cache with max_length >= the tokens you decode"):
         sm.check_room(cache)
+
+
+def _full_cache_error(message):
+    """The error of a write past the cache: `ValueError` eagerly; under jit (a traced length) the host
+    callback's `ValueError`, which jax re-raises as a `JaxRuntimeError` ending with the same line."""
+    return pytest.raises((ValueError, jax.errors.JaxRuntimeError), match=message)
+
+
+def test_decoding_past_the_cache_under_jit_is_the_same_error_not_nan():
+    """Issue 43: under jit the overflowing token used to return NaN silently (a6dca18)."""
+    q, k, v = _inputs(t=3)
+    step = jax.jit(sm.softmax_step)
+    cache = sm.init_cache(B, 2, H, D)
+    for t in range(2):
+        cache, y = step(cache, q[:, t], k[:, t], v[:, t])
+        assert np.all(np.isfinite(np.asarray(y)))
+    with _full_cache_error(r"ValueError: softmax decoding: the key/value cache has 2 slots \(the max_length "
+                           r"given at init.* sample\(s\) \[0, 1\] would write token 3"):
+        jax.block_until_ready(step(cache, q[:, 2], k[:, 2], v[:, 2]))
+    # A padded token writes nothing: a full cache still takes it under jit.
+    _, y = step(cache, q[:, 2], k[:, 2], v[:, 2], append=jnp.array([False, False]))
+    assert np.all(np.isfinite(np.asarray(y)))
+    # The scan's steps are traced even when it is called eagerly with a traced cache.
+    with _full_cache_error(r"cache has 2 slots .* would write token 3"):
+        jax.block_until_ready(jax.jit(lambda c: sm.softmax_scan(q, k, v, cache=c))(sm.init_cache(B, 2, H, D)))
 
 
 def test_dropin_decoding_past_its_init_length_is_an_error():
@@ -255,3 +285,7 @@ def test_dropin_decoding_past_its_init_length_is_an_error():
         assert np.all(np.isfinite(np.asarray(y)))
     with pytest.raises(ValueError, match=r"cache has 3 slots \(the max_length given at init"):
         dec.apply({"params": params, "cache": cache}, x[:, :1], mutable=["cache"])
+    # The same error under jit, where the cache length is traced (it was NaN, issue 43).
+    step = jax.jit(lambda c, x: dec.apply({"params": params, "cache": c}, x, mutable=["cache"]))
+    with _full_cache_error(r"cache has 3 slots \(the max_length given at init"):
+        jax.block_until_ready(step(cache, x[:, :1]))

@@ -78,10 +78,6 @@ def test_linformer_shorter_input_uses_the_first_columns():
     exact = long.clone(max_length=T)
     np.testing.assert_allclose(np.asarray(long.apply(params, x, mask=mask)[0]),
                                np.asarray(exact.apply(cut, x, mask=mask)[0]), **F32_SIMPLE)
-    short = long.clone(max_length=T - 1)
-    short_params = jax.jit(short.init)(jax.random.PRNGKey(0), x[:, :T - 1])
-    with pytest.raises(ValueError, match=r"input length 7 exceeds `max_length` = 6"):
-        short.apply(short_params, x)
 
 
 def test_nystromformer_with_a_landmark_per_token_is_softmax():
@@ -130,28 +126,6 @@ def test_nystromformer_conv_skip_adds_the_depthwise_convolution_of_v():
     shifted = nystromformer.depthwise_conv(v, jnp.tile(jnp.asarray([[1.0, 0.0, 0.0]]), (HEADS, 1)))
     np.testing.assert_allclose(np.asarray(shifted[:, 1:]), np.asarray(v[:, :-1]), **F32_SIMPLE)
     np.testing.assert_array_equal(np.asarray(shifted[:, 0]), 0.0)
-
-
-@pytest.mark.parametrize("call,message", [
-    (lambda: attention.make("linformer", num_heads=2, qkv_features=16, causal=True),
-     r"attention 'linformer' has no causal=True mode \(it is non-causal only\)"),
-    (lambda: attention.make("nystromformer", num_heads=2, qkv_features=16, causal=True),
-     r"attention 'nystromformer' has no causal=True mode \(it is non-causal only\)"),
-    (lambda: attention.make("nystromformer", num_heads=2, qkv_features=16, decode=True),
-     r"has no decode=True form"),
-    (lambda: nystromformer.NystromformerAttention(num_heads=2, head_dim=8, conv_kernel=4).init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 3, 16))), r"`conv_kernel` must be odd \(a centred window\), got 4"),
-    (lambda: nystromformer.NystromformerAttention(num_heads=2, head_dim=8, num_landmarks=0).init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 3, 16))), r"`num_landmarks` must be an integer >= 1, got 0"),
-    (lambda: linformer.LinformerAttention(num_heads=2, head_dim=8, proj_len=0).init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 3, 16))), r"`proj_len` must be an integer >= 1, got 0"),
-    (lambda: linformer.LinformerAttention(num_heads=2, head_dim=8, share_kv=1).init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 3, 16))), r"`share_kv` must be True or False, got 1"),
-])
-def test_refusals_are_one_line(call, message):
-    with pytest.raises(ValueError, match=message) as e:
-        call()
-    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name,options", [("linformer", {"max_length": T, "proj_len": 4}),

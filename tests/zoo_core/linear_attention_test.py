@@ -178,12 +178,3 @@ def test_accelerator_program_has_no_loop_and_does_not_grow_with_heads(platform):
             dots.add(program.count("stablehlo.dot_general"))
     assert len(dots) == 1, dots
 
-
-def test_bad_arguments_raise():
-    q, k, v = _inputs(4)
-    with pytest.raises(ValueError, match="chunk_size"):
-        la.causal_chunked(q, k, v, chunk_size=0)
-    with pytest.raises(ValueError, match="mask"):
-        la.causal_parallel(q, k, v, mask=jnp.ones((B, 3), bool))
-    with pytest.raises(ValueError, match="state.den"):
-        la.causal_scan(q, k, v, state=la.init_state(B, H, D, M), denominator=True)

@@ -30,6 +30,9 @@ from zoo_core.ops.dropout import Dropout, keep_mask
 Array = jax.Array
 Initializer = Callable[..., Array]
 
+# What a refusal of `segment_ids` offers instead: softmax-based mechanisms that keep packed documents apart.
+PACKING_BASELINES = "softmax, longformer (or a linear mechanism: linear, favor, agf)"
+
 # PyTorch's nn.Linear weight init (kaiming-uniform, a = sqrt 5): the softmax baseline's default.
 TORCH_LINEAR_KERNEL_INIT = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 
@@ -104,6 +107,14 @@ class ProjectedAttention(nn.Module):
         def drop(w, index):
             return jnp.where(keep_mask(jax.random.fold_in(rng, index), keep, w.shape), w / keep, 0.0)
         return drop
+
+    @staticmethod
+    def _refuse_segments(segment_ids: Optional[Any], name: str, what: str) -> None:
+        """One line for a baseline whose definition mixes the whole sequence (`what`: its projections,
+        landmarks or buckets), so that packed documents (`segment_ids`, issue 42) would read each other."""
+        if segment_ids is not None:
+            checks.fail(f"{name} mixes the whole sequence in its {what}; it cannot keep packed documents "
+                        f"apart: unpack, or use one of {PACKING_BASELINES}")
 
     @staticmethod
     def _check_inputs(x: Any, mask: Optional[Any]) -> None:

@@ -110,9 +110,11 @@ class LinformerAttention(ProjectedAttention):
         f = self.proj_kv if self.share_kv else self.proj_value
         return e[..., :length], f[..., :length]
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """x `[B, T, E]`, mask `[B, T]` key-padding mask (True = valid) -> (y `[B, T, E']`, {})."""
+        """x `[B, T, E]`, mask `[B, T]` key-padding mask (True = valid) -> (y `[B, T, E']`, {}).
+        `segment_ids` (packed documents) is refused in one line: the definition mixes the whole sequence."""
+        self._refuse_segments(segment_ids, "Linformer", "sequence projections E and F")
         self._check_inputs(x, mask)
         e, f = self.projections(x.shape[1])
         o = linformer_attention(self.query(x), self.key(x), self.value(x), e, f, mask=mask,

@@ -27,6 +27,12 @@ to NaN, so NaN or 1e30 in padding, or (causal) in the future, changes no valid o
 row's keys sit at fixed slots, so the future does not change their rounding either. Logits, weights
 and outputs are float32.
 
+Packed rows (`segment_ids` int `[B, T]`, 0 = padding; issue 42): each document is a sequence of its
+own, its window stops at its edges and its global tokens are its own first g tokens (positions
+restart per document; docs/baselines.md "Packed sequences"). `_packed` gathers each query's
+document's global keys (`[B, T, g]`) and computes the non-causal global rows per (document, slot) by
+segment reductions, so packing adds no T x T product; without `segment_ids` the program is unchanged.
+
 `LongformerAttention` (below) follows the zoo's layer contract (README "Layer contract"):
 non-causal and causal self-attention, no `scan` / `step` / decode form and no cross form.
 """
@@ -40,7 +46,7 @@ import jax.numpy as jnp
 
 from zoo_core import checks
 
-from zoo_core.ops import masking
+from zoo_core.ops import guard, masking, packing
 from zoo_core.baselines import ProjectedAttention
 
 Array = jax.Array
@@ -84,7 +90,7 @@ def _softmax_rows(logits, allowed, bad, v, dropout, index):
 
 def longformer_attention(q: Array, k: Array, v: Array, *, window: int, num_global: int = 0,
                          mask: Optional[Array] = None, causal: bool = False,
-                         dropout: DropoutFn = None) -> Array:
+                         dropout: DropoutFn = None, segment_ids: Optional[Array] = None) -> Array:
     """Sliding-window plus global softmax attention (the module docstring), banded.
 
     Args:
@@ -95,7 +101,10 @@ def longformer_attention(q: Array, k: Array, v: Array, *, window: int, num_globa
         mask: `[B, T]` bool key-padding mask (True = valid), or None.
         causal: token i attends to j <= i only.
         dropout: optional `(weights, index) -> weights`: index 0 on the band weights
-            `[B, H, n, C, K + g]`, index 1 on the global rows `[B, H, g, T]`.
+            `[B, H, n, C, K + g]`, index 1 on the global rows `[B, H, g, T]` (packed: `[B, T, H, g]`,
+            each key's weight in the rows of its document's global tokens).
+        segment_ids: optional int `[B, T]` packed documents (0 = padding; `_packed` below): the window
+            and the global tokens per document; a padding row is 0.
 
     Returns:
         `[B, T, H, M]` float32.
@@ -103,6 +112,9 @@ def longformer_attention(q: Array, k: Array, v: Array, *, window: int, num_globa
     b, t, h, d = q.shape
     assert k.shape == q.shape and v.shape[:3] == (b, t, h), (q.shape, k.shape, v.shape)
     assert window >= 1 and num_global >= 0, (window, num_global)
+    if segment_ids is not None:
+        return _packed(q, k, v, segment_ids, window=window, num_global=num_global, mask=mask, causal=causal,
+                       dropout=dropout)
     g = min(num_global, t)
     dt = jnp.promote_types(jnp.result_type(q, k, v), jnp.float32)
     valid = masking.as_bool(mask, (b, t))
@@ -151,6 +163,108 @@ def longformer_attention(q: Array, k: Array, v: Array, *, window: int, num_globa
     return jnp.swapaxes(o, 1, 2)
 
 
+def _packed(q, k, v, segment_ids, *, window, num_global, mask, causal, dropout):
+    """`longformer_attention` over packed documents (docs/baselines.md, "Longformer, packed").
+
+    Each document is a sequence of its own: its global tokens are its own first g tokens (positions
+    restart at each document), its window stops at its edges. So every valid query sees (a) the keys of
+    its document within the window, minus the document's global tokens, and (b) its document's global
+    tokens (causal: those before it), gathered per query (`[B, T, g]` keys, O(T g D)); non-causal, a
+    document's global tokens attend to every token of their document: a softmax per (document, global
+    slot) by segment sums over the row's documents (O(T g M), no T x T product).
+    """
+    b, t, h, d = q.shape
+    g = min(num_global, t)
+    dt = jnp.promote_types(jnp.result_type(q, k, v), jnp.float32)
+    valid = packing.valid(segment_ids, mask)                                          # [B, T]
+    q, k, v = (masking.zero_padding(x.astype(dt), valid) for x in (q, k, v))
+    bad = guard.nonfinite(v, valid=valid)                                             # [B, T, H]
+    v = guard.clean(v, bad)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    start = packing.starts(segment_ids).at[:, 0].set(True)
+    doc_start = jax.lax.cummax(jnp.where(start, pos, 0), axis=1)                     # [B, T]
+    doc_pos = pos - doc_start                                                         # restarts per document
+    scale = 1.0 / math.sqrt(d)
+    heads = lambda x: jnp.broadcast_to(x[:, None], (b, h) + x.shape[1:])             # [B, T] -> [B, H, T]
+
+    # (a) the band, as the unpacked form, within the query's document and without its global tokens.
+    c = min(max(window if causal else window // 2, 1), t)
+    n = -(-t // c)
+    qh, kh, vh, bad_h = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, bad))              # [B, H, T, ...]
+    pq, iq = _blocks(heads(jnp.broadcast_to(pos, (b, t))), n, c), _blocks(heads(segment_ids), n, c)
+    pk, ik = _neighbours(pq, causal), _neighbours(iq, causal)
+    global_k = _neighbours(_blocks(heads(doc_pos), n, c), causal)
+    valid_k = _neighbours(_blocks(heads(valid), n, c), causal)
+    kb, vb = _neighbours(_blocks(kh, n, c), causal), _neighbours(_blocks(vh, n, c), causal)
+    logits = jnp.einsum("bhnqd,bhnkd->bhnqk", _blocks(qh, n, c), kb) * scale         # [B, H, n, C, K]
+    gap = pq[..., :, None] - pk[..., None, :]
+    near = (gap >= 0) & (gap < window) if causal else jnp.abs(gap) <= window // 2
+    allowed = (valid_k[..., None, :] & near & (iq[..., :, None] == ik[..., None, :])
+               & (global_k[..., None, :] >= g))
+    bad_k = jnp.broadcast_to(_neighbours(_blocks(bad_h, n, c), causal)[..., None, :], allowed.shape)
+
+    # (b) the query's document's global tokens: key index doc_start + j, j < g, gathered per query.
+    gi = doc_start[:, :, None] + jnp.arange(g)[None, None]                            # [B, T, g]
+    gi_c = jnp.minimum(gi, t - 1)
+    take = lambda x: jnp.take_along_axis(x, gi_c.reshape(b, t * g)[..., None, None], axis=1).reshape(
+        (b, t, g) + x.shape[2:])
+    kg, vg = take(k), take(v)                                                         # [B, T, g, H, .]
+    gallowed = ((gi < t) & (jnp.take_along_axis(segment_ids, gi_c.reshape(b, -1), 1).reshape(b, t, g)
+                            == segment_ids[..., None])
+                & jnp.take_along_axis(valid, gi_c.reshape(b, -1), 1).reshape(b, t, g))
+    if causal:
+        gallowed = gallowed & (gi <= pos[None, :, None])
+    gbad = take(bad[..., None])[..., 0]                                               # [B, T, g, H]
+    glogits = jnp.einsum("bthd,btjhd->bhtj", q, kg) * scale                          # [B, H, T, g]
+    gallowed = jnp.broadcast_to(gallowed[:, None], glogits.shape)
+    to_blocks = lambda x: _blocks(x, n, c)                                            # [B, H, n, C, g]
+    gbad = to_blocks(jnp.moveaxis(gbad, 3, 1))
+    w = jax.nn.softmax(jnp.where(jnp.concatenate([allowed, to_blocks(gallowed)], -1),
+                                 jnp.concatenate([logits, to_blocks(glogits)], -1), MASKED), axis=-1)
+    if dropout is not None:
+        w = dropout(w, 0)
+    vg_b = to_blocks(jnp.moveaxis(vg, 3, 1))                                          # [B, H, n, C, g, M]
+    o = (jnp.einsum("bhnqk,bhnkm->bhnqm", w[..., :-g or None], vb)
+         + jnp.einsum("bhnqj,bhnqjm->bhnqm", w[..., w.shape[-1] - g:], vg_b))
+    hit = jnp.any(allowed & bad_k, axis=-1) | jnp.any(to_blocks(gallowed) & gbad, axis=-1)
+    o = jnp.where(hit[..., None], jnp.nan, o)
+    o = jnp.swapaxes(o.reshape((b, h, n * c) + o.shape[4:])[:, :, :t], 1, 2)         # [B, T, H, M]
+    o = masking.zero_padding(o, valid)
+    if g and not causal:
+        o = jnp.where(((doc_pos < g) & valid)[..., None, None],
+                      _global_rows(q, k, v, bad, valid, doc_start, doc_pos, start, g, scale, dropout), o)
+    return o
+
+
+def _global_rows(q, k, v, bad, valid, doc_start, doc_pos, start, g, scale, dropout):
+    """Non-causal packed: the rows of each document's global tokens, each over its whole document:
+    `[B, T, H, M]` (meaningful where doc_pos < g). Key s and global slot j meet in the row of token
+    doc_start(s) + j; the softmax over s is per (row, document, j), by segment reductions."""
+    b, t, h, _ = q.shape
+    gi = doc_start[:, :, None] + jnp.arange(g)[None, None]                            # [B, T, g]
+    gi_c = jnp.minimum(gi, t - 1)
+    same = (gi < t) & (jnp.take_along_axis(doc_start, gi_c.reshape(b, -1), 1).reshape(b, t, g)
+                       == doc_start[..., None])
+    qg = jnp.take_along_axis(q, gi_c.reshape(b, t * g)[..., None, None], axis=1).reshape((b, t, g) + q.shape[2:])
+    logits = jnp.einsum("btjhd,bthd->bthj", qg, k) * scale                           # [B, T, H, g]
+    allowed = (same & valid[..., None])[:, :, None, :]                                # [B, T, 1, g]
+    logits = jnp.where(allowed, logits, MASKED)
+    doc = (jnp.cumsum(start.astype(jnp.int32), axis=1) - 1 + t * jnp.arange(b)[:, None]).reshape(-1)
+    seg = lambda f, x: f(x.reshape((b * t,) + x.shape[2:]), doc, num_segments=b * t)
+    top = seg(jax.ops.segment_max, logits)                                           # [B T, H, g]
+    w = jnp.where(allowed, jnp.exp(logits - top[doc].reshape(logits.shape)), 0.0)
+    total = seg(jax.ops.segment_sum, w)
+    w = w / jnp.where(total > 0, total, 1.0)[doc].reshape(w.shape)
+    if dropout is not None:
+        w = dropout(w, 1)
+    num = seg(jax.ops.segment_sum, jnp.einsum("bthj,bthm->bthjm", w, v))             # [B T, H, g, M]
+    hit = seg(jax.ops.segment_max, (allowed & bad[..., None]).astype(jnp.int32)) > 0  # [B T, H, g]
+    num = jnp.where(hit[..., None], jnp.nan, num)
+    slot = jnp.minimum(doc_pos, g - 1).reshape(-1)
+    rows = num[doc, :, slot]                                                          # [B T, H, M]
+    return rows.reshape((b, t) + rows.shape[1:])
+
+
 class LongformerAttention(ProjectedAttention):
     """Longformer self-attention: sliding window plus global tokens (module docstring), the zoo's
     layer contract.
@@ -185,14 +299,16 @@ class LongformerAttention(ProjectedAttention):
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """x `[B, T, E]`, mask `[B, T]` bool key-padding mask (True = valid) -> (y `[B, T, E']`, {}).
+        """x `[B, T, E]`, mask `[B, T]` bool key-padding mask (True = valid), segment_ids int `[B, T]`
+        packed documents (0 = padding; the window and the global tokens per document) -> (y `[B, T, E']`, {}).
 
         `deterministic=False` with `dropout_rate` > 0 drops attention weights (the 'dropout' rng).
         """
         self._check_inputs(x, mask)
+        packing.check_segment_ids(segment_ids, x.shape[:2])
         o = longformer_attention(self.query(x), self.key(x), self.value(x), window=self.window,
                                  num_global=self.num_global, mask=mask, causal=self.causal,
-                                 dropout=self._indexed_dropout(deterministic))
+                                 dropout=self._indexed_dropout(deterministic), segment_ids=segment_ids)
         return self._finish(o, x), {}

@@ -160,9 +160,11 @@ class NystromformerAttention(ProjectedAttention):
             self.conv = self.param("conv", self.conv_init, (self.num_heads, self.conv_kernel),
                                    self.param_dtype)
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
-        """x `[B, T, E]`, mask `[B, T]` key-padding mask (True = valid) -> (y `[B, T, E']`, {})."""
+        """x `[B, T, E]`, mask `[B, T]` key-padding mask (True = valid) -> (y `[B, T, E']`, {}).
+        `segment_ids` (packed documents) is refused in one line: the definition mixes the whole sequence."""
+        self._refuse_segments(segment_ids, "Nystromformer", "landmarks (segment means over the sequence)")
         self._check_inputs(x, mask)
         q, k, v = self.query(x), self.key(x), self.value(x)
         o = nystrom_attention(q, k, v, num_landmarks=self.num_landmarks, mask=mask,

@@ -260,12 +260,14 @@ class ReformerAttention(ProjectedAttention):
         return draw_rotations(self.hash_seed, self.num_heads, self.num_hashes, self.head_dim,
                               self.num_buckets)
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
         """x `[B, T, E]`, mask `[B, T]` bool key-padding mask (True = valid) -> (y `[B, T, E']`, {}).
+        `segment_ids` (packed documents) is refused in one line: the definition mixes the whole sequence.
 
         `deterministic=False` with `dropout_rate` > 0 drops attention weights (the 'dropout' rng).
         """
+        self._refuse_segments(segment_ids, "Reformer", "hash buckets and sorted chunks")
         self._check_inputs(x, mask)
         o = lsh_attention(self.query(x), self.value(x), self.rotations(), num_buckets=self.num_buckets,
                           chunk_length=self.chunk_length, mask=mask, causal=self.causal,

@@ -188,6 +188,16 @@ def noncausal(q: Array, k: Array, v: Array, *, mesh=None, axis_name: str = "sequ
                     (spec, spec if denominator else None))
 
 
+def sequence_map(body, arrays: dict, *, mesh=None, axis_name: str = "sequence",
+                 batch_axis: Optional[str] = None):
+    """`body(**arrays)` under `jax.shard_map` over `axis_name` of `mesh` (None: the mesh of
+    `jax.set_mesh`), for a mechanism's own context-parallel body (e.g. `agf_jax.softmax.shard_softmax`):
+    each array `[B, T, ...]` split along T (and along B on `batch_axis`), None entries passed as
+    None, one result `[B, T, ...]` split the same way. T must divide by the axis size (one line)."""
+    _check_length(next(x for x in arrays.values() if x is not None).shape[1], mesh, axis_name)
+    return _sharded(body, mesh, axis_name, batch_axis, arrays, P(batch_axis, axis_name))
+
+
 def _check_length(t: int, mesh, axis_name: str) -> None:
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if axis_name not in mesh.axis_names:

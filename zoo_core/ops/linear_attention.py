@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo_core.ops import guard, masking, packing, xla_forms
-from zoo_core.checks import check_int
+from zoo_core import checks
 
 Array = jax.Array
 
@@ -76,26 +76,34 @@ def init_state(batch_size: int, num_heads: int, key_dim: int, value_dim: int, *,
     return LinearState(num, den)
 
 
-def _check(q: Array, k: Array, v: Array, mask: Optional[Array], rank: int,
-           segment_ids: Optional[Array] = None) -> None:
-    """Structural asserts on q, k, v (the layers build them); the user-given mask's and segment ids'
-    shape checks."""
-    assert q.ndim == rank and k.shape == q.shape and v.shape[:-1] == q.shape[:-1], (
-        f"causal linear attention expects q [B, T, H, D] (or [B, H, D] for a step), k like q, "
-        f"v [..., M]; got q {q.shape}, k {k.shape}, v {v.shape}")
-    masking.check_mask(mask, q.shape[:2])
-    packing.check_segment_ids(segment_ids, q.shape[:2])
+def _check(q: Array, k: Array, v: Array, mask: Optional[Array] = None, segment_ids: Optional[Array] = None, *,
+           rank: int = 4, state: Optional[LinearState] = None, denominator: bool = False,
+           chunk_size: Optional[int] = None) -> None:
+    """The boundary checks of the causal kernels, once per public call, one line each: q, k
+    `[B, T, H, D]` (a step: `[B, H, D]`), v like q but its last axis, the mask and segment ids `[B, T]`,
+    a given state's shapes, `chunk_size` >= 1. The private forms below trust them."""
+    qs, ks, vs = jnp.shape(q), jnp.shape(k), jnp.shape(v)
+    if len(qs) != rank or ks != qs or len(vs) != rank or vs[:-1] != qs[:-1]:
+        what = "[B, T, H, D]" if rank == 4 else "[B, H, D] (one token)"
+        checks.fail(f"causal linear attention expects q {what}, k like q, v like q but its last axis (M); "
+                    f"got q {qs}, k {ks}, v {vs}")
+    if rank == 4:
+        masking.check_mask(mask, qs[:2])
+        packing.check_segment_ids(segment_ids, qs[:2])
+    if chunk_size is not None:
+        checks.check_int("chunk_size", chunk_size, 1)
+    if state is not None:
+        _check_state(state, qs, vs[-1], denominator)
 
 
-def _check_state(state: LinearState, q: Array, v: Array, denominator: bool) -> None:
-    b, h, d, m = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
-    if tuple(state.num.shape) != (b, h, d, m):
-        raise ValueError(f"state.num must be [B, H, D, M] = {(b, h, d, m)}, got {tuple(state.num.shape)}")
+def _check_state(state: LinearState, q_shape, m: int, denominator: bool) -> None:
+    b, h, d = q_shape[0], q_shape[-2], q_shape[-1]
+    if tuple(jnp.shape(state.num)) != (b, h, d, m):
+        checks.fail(f"state.num must be [B, H, D, M] = {(b, h, d, m)}, got {tuple(jnp.shape(state.num))}")
     if denominator != (state.den is not None):
-        raise ValueError(f"state.den must be {'[B, H, D]' if denominator else 'None'} with "
-                         f"denominator={denominator}")
-    if denominator and tuple(state.den.shape) != (b, h, d):
-        raise ValueError(f"state.den must be [B, H, D] = {(b, h, d)}, got {tuple(state.den.shape)}")
+        checks.fail(f"state.den must be {'[B, H, D]' if denominator else 'None'} with denominator={denominator}")
+    if denominator and tuple(jnp.shape(state.den)) != (b, h, d):
+        checks.fail(f"state.den must be [B, H, D] = {(b, h, d)}, got {tuple(jnp.shape(state.den))}")
 
 
 def _prepare(q: Array, k: Array, v: Array, mask: Optional[Array], segment_ids: Optional[Array] = None):
@@ -129,7 +137,6 @@ def _initial(state: Optional[LinearState], q: Array, v: Array, denominator: bool
     if state is None:
         return init_state(q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1], denominator=denominator,
                           dtype=dt)
-    _check_state(state, q, v, denominator)
     return LinearState(state.num.astype(dt), None if state.den is None else state.den.astype(dt))
 
 
@@ -150,7 +157,7 @@ def causal_parallel(q: Array, k: Array, v: Array, *, mask: Optional[Array] = Non
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
     """
-    _check(q, k, v, mask, 4, segment_ids)
+    _check(q, k, v, mask, segment_ids)
     q, k, v, poisoned = _prepare(q, k, v, mask, segment_ids)
     t = q.shape[1]
     scores = jnp.einsum("bthd,bshd->bhts", q, k)
@@ -196,9 +203,9 @@ def causal_chunked(q: Array, k: Array, v: Array, *, chunk_size: int,
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
     """
+    _check(q, k, v, mask, segment_ids, state=state, denominator=denominator, chunk_size=chunk_size)
     if segment_ids is not None:
-        return causal_chunked_batched(q, k, v, chunk_size=chunk_size, state=state, mask=mask,
-                                      denominator=denominator, segment_ids=segment_ids)
+        return _batched(q, k, v, chunk_size, state, mask, denominator, segment_ids)
     q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator)
     num, den, final = jax.lax.platform_dependent(q, k, v, state, cpu=functools.partial(_chunked_cpu, c),
                                                  default=functools.partial(_chunked_batched, c))
@@ -220,6 +227,12 @@ def causal_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
 
     Args and Returns: as in `causal_chunked`.
     """
+    _check(q, k, v, mask, segment_ids, state=state, denominator=denominator, chunk_size=chunk_size)
+    return _batched(q, k, v, chunk_size, state, mask, denominator, segment_ids)
+
+
+def _batched(q, k, v, chunk_size, state, mask, denominator, segment_ids):
+    """`causal_chunked_batched` after its checks (also the packed `causal_chunked` and the packed global form)."""
     q, k, v, poisoned, state, c = _chunked_inputs(q, k, v, chunk_size, state, mask, denominator, segment_ids)
     if segment_ids is not None:
         return _guard(poisoned, *_chunked_segments(c, q, k, v, state, segment_ids))
@@ -227,9 +240,7 @@ def causal_chunked_batched(q: Array, k: Array, v: Array, *, chunk_size: int,
 
 
 def _chunked_inputs(q, k, v, chunk_size, state, mask, denominator, segment_ids=None):
-    """Checks and `_prepare` of the chunked forms: (q, k, v, poisoned, initial state, C)."""
-    check_int("chunk_size", chunk_size, 1)   # a user-chosen argument of a public kernel
-    _check(q, k, v, mask, 4, segment_ids)
+    """`_prepare` of the chunked forms: (q, k, v, poisoned, initial state, C)."""
     q, k, v, poisoned = _prepare(q, k, v, mask, segment_ids)
     state = _initial(state, q, v, denominator, q.dtype)
     return q, k, v, poisoned, state, max(1, min(chunk_size, q.shape[1]))
@@ -380,7 +391,12 @@ def causal_step(state: LinearState, q_t: Array, k_t: Array,
     Returns:
       (num_t `[B, H, M]`, den_t `[B, H]` or None, new state).
     """
-    _check(q_t, k_t, v_t, None, 3)
+    _check(q_t, k_t, v_t, rank=3, state=state, denominator=state.den is not None)
+    return _step(state, q_t, k_t, v_t)
+
+
+def _step(state: LinearState, q_t: Array, k_t: Array, v_t: Array):
+    """`causal_step` after its checks (the scan's body)."""
     dt = acc_dtype(state.num, q_t, k_t, v_t)
     q_t, k_t, v_t = q_t.astype(dt), k_t.astype(dt), v_t.astype(dt)
     num_state = state.num.astype(dt) + jnp.einsum("bhd,bhm->bhdm", k_t, v_t)
@@ -406,7 +422,7 @@ def causal_scan(q: Array, k: Array, v: Array, *, state: Optional[LinearState] = 
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None, final `LinearState`).
     """
-    _check(q, k, v, mask, 4, segment_ids)
+    _check(q, k, v, mask, segment_ids, state=state, denominator=denominator)
     q, k, v, poisoned = _prepare(q, k, v, mask, segment_ids)
     state = _initial(state, q, v, denominator, q.dtype)
     xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
@@ -417,7 +433,7 @@ def causal_scan(q: Array, k: Array, v: Array, *, state: Optional[LinearState] = 
         if segment_ids is not None:
             xs, start = xs[:3], xs[3]
             carry = jax.tree_util.tree_map(lambda s: jnp.where(masking.expand(start, s.ndim), 0.0, s), carry)
-        num, den, carry = causal_step(carry, *xs)
+        num, den, carry = _step(carry, *xs)
         return carry, (num, jnp.zeros((), q.dtype) if den is None else den)
 
     final, (num, den) = jax.lax.scan(body, state, xs)
@@ -432,6 +448,14 @@ def summary(k: Array, v: Array, *, mask: Optional[Array] = None,
     sum_s k_s` `[B, H, D]` (or None), over the valid positions (`mask` `[B, S]`, padding removed with
     `jnp.where`), in the accumulation dtype. Summaries of disjoint blocks add: the fold of context
     parallelism (`zoo_core.ops.context_parallel`) and of the global form below."""
+    ks, vs = jnp.shape(k), jnp.shape(v)
+    if len(ks) != 4 or len(vs) != 4 or vs[:3] != ks[:3]:
+        checks.fail(f"summary expects k [B, S, H, D] and v [B, S, H, M]; got k {ks}, v {vs}")
+    masking.check_mask(mask, ks[:2], "mask", "[B, S]")
+    return _summary(k, v, mask, denominator)
+
+
+def _summary(k: Array, v: Array, mask: Optional[Array], denominator: bool) -> LinearState:
     acc = acc_dtype(k, v)
     k, v = masking.zero_padding(k.astype(acc), mask), masking.zero_padding(v.astype(acc), mask)
     return LinearState(jnp.einsum("bshd,bshm->bhdm", k, v), jnp.sum(k, axis=1) if denominator else None)
@@ -440,6 +464,15 @@ def summary(k: Array, v: Array, *, mask: Optional[Array] = None,
 def read(q: Array, state: LinearState, *, query_mask: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
     """What queries q `[B, T, H, D]` read from a state: `num_t = q_t S` `[B, T, H, M]`, `den_t = q_t .
     z` `[B, T, H]` (None without `state.den`); padded queries (`query_mask` False) read 0."""
+    qs = jnp.shape(q)
+    if len(qs) != 4:
+        checks.fail(f"read expects q [B, T, H, D], got shape {qs}")
+    _check_state(state, qs, jnp.shape(state.num)[-1], state.den is not None)
+    masking.check_mask(query_mask, qs[:2], "query_mask", "[B, T]")
+    return _read(q, state, query_mask)
+
+
+def _read(q: Array, state: LinearState, query_mask: Optional[Array]) -> tuple[Array, Optional[Array]]:
     q = masking.zero_padding(q.astype(acc_dtype(q, state.num)), query_mask)
     num = jnp.einsum("bthd,bhdm->bthm", q, state.num)
     return num, None if state.den is None else jnp.einsum("bthd,bhd->bth", q, state.den)
@@ -476,20 +509,19 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
     """
+    qs, ks, vs = jnp.shape(q), jnp.shape(k), jnp.shape(v)
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or ks[:1] + ks[2:] != qs[:1] + qs[2:] or vs[:3] != ks[:3]:
+        checks.fail(f"non-causal linear attention expects q [B, T, H, D], k [B, S, H, D], v [B, S, H, M]; "
+                    f"got q {qs}, k {ks}, v {vs}")
+    masking.check_mask(mask, ks[:2], "mask", "[B, S]")
+    masking.check_mask(query_mask, qs[:2], "query_mask", "[B, T]")
     if segment_ids is not None:
-        assert q.shape == k.shape and v.shape[:3] == q.shape[:3], (
-            f"packed non-causal linear attention is a self-attention: q, k [B, T, H, D], v [B, T, H, M]; "
-            f"got q {q.shape}, k {k.shape}, v {v.shape}")
-        masking.check_mask(query_mask, q.shape[:2], "query_mask", "[B, T]")
+        if ks != qs:
+            checks.fail(f"packed non-causal linear attention is a self-attention (T = S): got q {qs}, k {ks}")
+        packing.check_segment_ids(segment_ids, qs[:2])
         return _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids)
-    assert q.ndim == k.ndim == v.ndim == 4 and k.shape[:1] + k.shape[2:] == q.shape[:1] + q.shape[2:] \
-        and v.shape[:3] == k.shape[:3], (f"non-causal linear attention expects q [B, T, H, D], "
-                                         f"k [B, S, H, D], v [B, S, H, M]; got q {q.shape}, k {k.shape}, v {v.shape}")
-    masking.check_mask(mask, k.shape[:2], "mask", "[B, S]")
-    masking.check_mask(query_mask, q.shape[:2], "query_mask", "[B, T]")
     acc = acc_dtype(q, k, v)
-    return read(q.astype(acc), summary(k.astype(acc), v, mask=mask, denominator=denominator),
-                query_mask=query_mask)
+    return _read(q.astype(acc), _summary(k.astype(acc), v, mask, denominator), query_mask)
 
 
 # Chunk length of the causal passes that make the packed global form.
@@ -499,10 +531,9 @@ SEGMENT_CHUNK = 64
 def _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids):
     """`noncausal` per packed document: forward + backward inclusive causal sums - the diagonal."""
     flip = lambda x: None if x is None else jnp.flip(x, axis=1)
-    kwargs = dict(chunk_size=SEGMENT_CHUNK, denominator=denominator)
-    fwd_num, fwd_den, _ = causal_chunked_batched(q, k, v, mask=mask, segment_ids=segment_ids, **kwargs)
-    bwd_num, bwd_den, _ = causal_chunked_batched(flip(q), flip(k), flip(v), mask=flip(mask),
-                                                 segment_ids=flip(segment_ids), **kwargs)
+    fwd_num, fwd_den, _ = _batched(q, k, v, SEGMENT_CHUNK, None, mask, denominator, segment_ids)
+    bwd_num, bwd_den, _ = _batched(flip(q), flip(k), flip(v), SEGMENT_CHUNK, None, flip(mask), denominator,
+                                   flip(segment_ids))
     qp, kp, vp, _ = _prepare(q, k, v, mask, segment_ids)
     diag = jnp.einsum("bthd,bthd->bth", qp, kp)                                   # q_t . k_t  [B, T, H]
     num = masking.zero_padding(fwd_num + flip(bwd_num) - diag[..., None] * vp, query_mask)

@@ -1,0 +1,124 @@
+"""zoo_core's bad arguments, one table (issue 43 item 2): every public kernel and layer refuses a bad argument
+once, at its boundary, in one line that names it. Each row is (id, call, fragment): `call` must raise
+ValueError or TypeError whose one-line message contains `fragment`."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from zoo_core import attention
+from zoo_core.baselines.linformer import LinformerAttention
+from zoo_core.baselines.longformer import LongformerAttention
+from zoo_core.baselines.nystromformer import NystromformerAttention
+from zoo_core.baselines.reformer import ReformerAttention
+from zoo_core.ops import context_parallel, linear_attention as la, packing
+
+B, T, H, D, M = 2, 6, 2, 4, 3
+Q = jnp.ones((B, T, H, D))
+V = jnp.ones((B, T, H, M))
+X = jnp.ones((B, T, 8))
+IDS = jnp.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 3, 3]], jnp.int32)
+KEY = jax.random.PRNGKey(0)
+
+
+def _mesh(p=1):
+    """A `sequence` mesh of p devices (the suite runs with 2 host devices, tests/conftest.py)."""
+    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _init(layer, **call):
+    """`layer.init` on X with `call`'s keyword arguments (a field error raises in setup)."""
+    return lambda: layer.init(KEY, X, **call)
+
+
+def _apply(layer, **call):
+    """`layer.apply` with valid parameters (made when the row runs) and `call`'s keyword arguments."""
+    return lambda: layer.apply(layer.init(KEY, X), X, **call)
+
+
+ROWS = [
+    # ops.linear_attention: each public kernel checks its own arguments once.
+    ("la-parallel-q-rank", lambda: la.causal_parallel(Q[0], Q[0], V[0]), "expects q [B, T, H, D]"),
+    ("la-parallel-k-shape", lambda: la.causal_parallel(Q, Q[:, :3], V), "k like q"),
+    ("la-parallel-mask", lambda: la.causal_parallel(Q, Q, V, mask=jnp.ones((B, 3), bool)),
+     "`mask` must have shape [B, T] = (2, 6), got (2, 3)"),
+    ("la-parallel-segments", lambda: la.causal_parallel(Q, Q, V, segment_ids=IDS[:, :3]),
+     "`segment_ids` must have shape [B, T] = (2, 6), got (2, 3)"),
+    ("la-parallel-segments-float", lambda: la.causal_parallel(Q, Q, V, segment_ids=IDS.astype(jnp.float32)),
+     "`segment_ids` must be integers"),
+    ("la-chunked-chunk-0", lambda: la.causal_chunked(Q, Q, V, chunk_size=0), "`chunk_size` must be an integer >= 1"),
+    ("la-batched-chunk-float", lambda: la.causal_chunked_batched(Q, Q, V, chunk_size=2.0),
+     "`chunk_size` must be an integer >= 1"),
+    ("la-chunked-state", lambda: la.causal_chunked(Q, Q, V, chunk_size=2, state=la.init_state(B, H, D, D)),
+     "state.num must be [B, H, D, M] = (2, 2, 4, 3)"),
+    ("la-scan-state-den", lambda: la.causal_scan(Q, Q, V, state=la.init_state(B, H, D, M), denominator=True),
+     "state.den must be [B, H, D] with denominator=True"),
+    ("la-step-rank", lambda: la.causal_step(la.init_state(B, H, D, M), Q, Q, V), "[B, H, D] (one token)"),
+    ("la-step-state", lambda: la.causal_step(la.init_state(B, H, D, D), Q[:, 0], Q[:, 0], V[:, 0]),
+     "state.num must be [B, H, D, M]"),
+    ("la-noncausal-v", lambda: la.noncausal(Q, Q, V[:, :2]), "non-causal linear attention expects"),
+    ("la-noncausal-query-mask", lambda: la.noncausal(Q, Q, V, query_mask=jnp.ones((B, 2), bool)),
+     "`query_mask` must have shape [B, T]"),
+    ("la-noncausal-packed-cross", lambda: la.noncausal(Q, Q[:, :4], V[:, :4], segment_ids=IDS),
+     "packed non-causal linear attention is a self-attention"),
+    ("la-summary-v", lambda: la.summary(Q, V[:, :2]), "summary expects k [B, S, H, D]"),
+    ("la-summary-mask", lambda: la.summary(Q, V, mask=jnp.ones((B, 2), bool)), "`mask` must have shape [B, S]"),
+    ("la-read-state", lambda: la.read(Q, la.init_state(B, H + 1, D, M)), "state.num must be [B, H, D, M]"),
+    # ops.packing and ops.context_parallel
+    ("packing-shape", lambda: packing.check_segment_ids(IDS, (B, T + 1)), "`segment_ids` must have shape [B, T]"),
+    ("cp-length", lambda: context_parallel.causal(Q[:, :5], Q[:, :5], V[:, :5], chunk_size=2, mesh=_mesh(2)),
+     "the sequence length 5 must divide by the 'sequence' axis size 2"),
+    ("cp-axis", lambda: context_parallel.noncausal(Q, Q, V, mesh=_mesh(), axis_name="seq"),
+     "the mesh has no axis 'seq'"),
+    ("cp-sequence-map-axis", lambda: context_parallel.sequence_map(lambda **a: a["x"], dict(x=V), mesh=_mesh(),
+                                                                   axis_name="seq"), "the mesh has no axis 'seq'"),
+    # baselines: fields, and segment_ids where the definition mixes the whole sequence
+    ("reformer-buckets-odd", _init(ReformerAttention(num_heads=H, head_dim=D, num_buckets=3)), "`num_buckets`"),
+    ("reformer-chunk-0", _init(ReformerAttention(num_heads=H, head_dim=D, chunk_length=0)), "`chunk_length`"),
+    ("reformer-hashes-0", _init(ReformerAttention(num_heads=H, head_dim=D, num_hashes=0)), "`num_hashes`"),
+    ("longformer-window-0", _init(LongformerAttention(num_heads=H, head_dim=D, window=0)), "`window`"),
+    ("longformer-global-neg", _init(LongformerAttention(num_heads=H, head_dim=D, num_global=-1)), "`num_global`"),
+    ("longformer-segments-shape", _apply(LongformerAttention(num_heads=H, head_dim=D), segment_ids=IDS[:, :2]),
+     "`segment_ids` must have shape [B, T]"),
+    ("nystromformer-conv-even", _init(NystromformerAttention(num_heads=H, head_dim=D, conv_kernel=4)),
+     "`conv_kernel` must be odd (a centred window), got 4"),
+    ("nystromformer-landmarks-0", _init(NystromformerAttention(num_heads=H, head_dim=D, num_landmarks=0)),
+     "`num_landmarks` must be an integer >= 1, got 0"),
+    ("linformer-proj-len-0", _init(LinformerAttention(num_heads=H, head_dim=D, proj_len=0)),
+     "`proj_len` must be an integer >= 1, got 0"),
+    ("linformer-share-kv-int", _init(LinformerAttention(num_heads=H, head_dim=D, share_kv=1)),
+     "`share_kv` must be True or False, got 1"),
+    ("linformer-too-long", lambda: (lambda lay: lay.apply(lay.init(KEY, X[:, :T - 1]), X))(
+        LinformerAttention(num_heads=H, head_dim=D, max_length=T - 1)), "input length 6 exceeds `max_length` = 5"),
+    ("linformer-segments", _apply(LinformerAttention(num_heads=H, head_dim=D, max_length=T), segment_ids=IDS),
+     "Linformer mixes the whole sequence in its sequence projections E and F; it cannot keep packed documents "
+     "apart: unpack, or use one of softmax, longformer"),
+    ("nystromformer-segments", _apply(NystromformerAttention(num_heads=H, head_dim=D), segment_ids=IDS),
+     "Nystromformer mixes the whole sequence in its landmarks"),
+    ("reformer-segments", _apply(ReformerAttention(num_heads=H, head_dim=D), segment_ids=IDS),
+     "Reformer mixes the whole sequence in its hash buckets and sorted chunks"),
+    # the registry: attention.make / attention.layer
+    ("make-linformer-causal", lambda: attention.make("linformer", num_heads=2, qkv_features=16, causal=True),
+     "attention 'linformer' has no causal=True mode (it is non-causal only)"),
+    ("make-nystromformer-causal", lambda: attention.make("nystromformer", num_heads=2, qkv_features=16, causal=True),
+     "attention 'nystromformer' has no causal=True mode (it is non-causal only)"),
+    ("make-nystromformer-decode", lambda: attention.make("nystromformer", num_heads=2, qkv_features=16, decode=True),
+     "has no decode=True form"),
+    ("layer-reformer-segments", _apply(attention.layer("reformer", num_heads=2, qkv_features=8), segment_ids=IDS),
+     "Reformer mixes the whole sequence"),
+    ("layer-linformer-segments", _apply(attention.layer("linformer", num_heads=2, qkv_features=8, max_length=T),
+                                        segment_ids=IDS), "Linformer mixes the whole sequence"),
+]
+
+
+@pytest.mark.parametrize("call,fragment", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_argument_is_one_line(call, fragment):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    message = str(info.value)
+    assert fragment in message, message
+    assert "\n" not in message, message
+
+
+def test_the_table_has_unique_ids():
+    ids = [r[0] for r in ROWS]
+    assert len(ids) == len(set(ids)) and all(callable(r[1]) and r[2] for r in ROWS)
