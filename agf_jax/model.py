@@ -20,7 +20,7 @@ Interface (the zoo's model contract): `model.apply(variables, batch, train=False
 returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True` (it is
 `zoo_core.ops.dropout.Dropout`: flax's semantics, cheap hashed bits, keep probability within 2^-33). Blocks and
 encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
-(`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
+(`zoo_core.ops.aux_merge.stack_aux`: `loss/*` summed, diagnostics stacked per layer).
 
 aux (attention='agf'; with 'softmax' it is empty, there is no regulariser; another registry
 attention passes its own `loss/*` terms, summed over layers, e.g. window_graph's 'loss/kl'):
@@ -42,10 +42,8 @@ Larger intermediates are sown (collection 'intermediates', only when made mutabl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -59,6 +57,7 @@ from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions
                                      check_attention_options, options_tuple)
 from zoo_core import checks
 from zoo_core.ops import xla_forms
+from zoo_core.ops.aux_merge import stack_aux
 from zoo_core.ops.remat import call_block
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.positions import sinusoidal_table
@@ -86,13 +85,6 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "rel
 # computed in their plain form, with the same parameters and values.
 
 
-def merge_aux(auxes: Sequence[dict]) -> dict:
-    """Merges the aux dicts of a stack of layers: `loss/*` scalars summed, other keys stacked."""
-    keys = auxes[0].keys() if auxes else ()
-    return {k: functools.reduce(operator.add, [a[k] for a in auxes]) if k.startswith("loss/")
-            else jnp.stack([a[k] for a in auxes]) for k in keys}
-
-
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
     cls = nn.Dense if xla_forms.is_plain("dense") else xla_forms.Dense
@@ -116,10 +108,10 @@ def _embed(m, num: int, init) -> nn.Embed:
 
 
 def _aux(aux: dict, weight: float) -> dict:
-    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1).
+    """The model's aux from its encoder's (`stack_aux`); `weight` is applied on top (UEA eta, LRA 1).
 
     AGF's regulariser is averaged over layers (agf.md §2.5); another mechanism's `loss/*` terms
-    pass through as `merge_aux` summed them."""
+    pass through as `stack_aux` summed them."""
     if "orthogonality/per_sample" not in aux:
         return {k: v for k, v in aux.items() if k.startswith("loss/")}
     per_layer = aux["orthogonality/per_sample"]                # [L, B]
@@ -231,7 +223,7 @@ class LRAEncoder(_BlockFields, kw_only=True):
             auxes.append(aux)
         x = self.final_norm(x) * mask[:, :, None].astype(x.dtype)
         self.sow("intermediates", "token_out", x)
-        return x, merge_aux(auxes)
+        return x, stack_aux(auxes)
 
 
 class _LRABase(_BlockFields, kw_only=True):
@@ -454,7 +446,7 @@ class UEAClassifier(_BlockFields, kw_only=True):
         h = self.dropout(ACTIVATIONS[self.activation](h), deterministic=det)
         h = h * mask[:, :, None].astype(h.dtype)
         logits = self.output(h.reshape(h.shape[0], -1)).astype(jnp.float32)
-        return {"logits": logits}, _aux(merge_aux(auxes), self.ortho_weight)
+        return {"logits": logits}, _aux(stack_aux(auxes), self.ortho_weight)
 
 
 # ---------------------------------------------------------------------------------------------
