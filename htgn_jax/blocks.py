@@ -14,7 +14,8 @@ with `norm='post'`; DropPath rate p_l = p_0 + (drop_path - p_0) * l / (L - 1), p
   `block.step(state, y_t, memory, position=t) -> (y_t, state)` for one decoding token from its
   `DecoderState` and `DecoderMemory` (`init_cache`; O(1) attention work per token).
 
-Blocks and the encoder return `(y, aux)`, their layers' aux merged (`zoo_core.ops.aux_merge.sum_aux`: equal keys summed).
+Blocks and the encoder return `(y, aux)`, their layers' aux merged (`zoo_core.ops.aux_merge.sum_aux`:
+equal keys summed).
 The graph layers report the KL term of htgn.md §5.7 as 'kl_sum' and 'kl_count'; the model forms the
 loss once from the sums over all layers.
 """
