@@ -58,6 +58,7 @@ from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions
 from zoo_core import checks
 from zoo_core.ops import xla_forms
 from zoo_core.ops.aux_merge import stack_aux
+from zoo_core.ops.block_config import config_from
 from zoo_core.ops.remat import call_block
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.positions import sinusoidal_table
@@ -125,12 +126,47 @@ def _aux(aux: dict, weight: float) -> dict:
     return out
 
 
-class _BlockFields(nn.Module, kw_only=True):
-    """The fields every block, encoder and model below shares, declared once (keyword-only).
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """The fields every block and encoder of a model shares, built once by the model from its own
+    same-named fields and passed down as `config` (flax wmt's `TransformerConfig` pattern,
+    `zoo_core.ops.block_config`; `htgn_jax.blocks.BlockConfig` is HTGN's).
 
-    A parent builds its children with `_child`, which passes the fields of the same names on, so
-    a block sees exactly its model's settings. Attributes: see `_LRABase` / `UEAClassifier`.
+    Attributes: as the models' fields of the same names (`_LRABase`, `UEAClassifier`), with
+    head_dim resolved (UEA: d_model // num_heads unless given). ortho_weight: LRA's `reg`, applied
+    inside each layer; learn_c0, activation: UEA's.
     """
+    d_model: int
+    mlp_dim: int
+    num_heads: int
+    head_dim: int
+    attention: str = "agf"
+    attention_options: Any = ()
+    graph_filter: str = "agf"
+    basis: str = "jacobi"
+    order: int = 3
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    ortho_weight: float = 0.0
+    learn_c0: bool = False
+    activation: str = "gelu"
+    dropout_rate: float = 0.1
+    attention_dropout: float = 0.0
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+    # The longest input (a registry attention's length option, `model_attention.registry_attention`).
+    max_len: Optional[int] = None
+
+    @classmethod
+    def from_module(cls, m: Any, **overrides) -> "BlockConfig":
+        """The config from the same-named fields of a model (`overrides` win; `config_from`)."""
+        return config_from(cls, m, **overrides)
+
+
+class _ModelFields(nn.Module, kw_only=True):
+    """The fields the three models share, declared once (keyword-only). Attributes: see `_LRABase`
+    / `UEAClassifier`; the models pass them to their blocks as one `BlockConfig`."""
     d_model: int
     mlp_dim: int
     num_heads: int
@@ -147,16 +183,8 @@ class _BlockFields(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
-    # The longest input (a registry attention's length option, `model_attention.registry_attention`);
-    # the models declare it as a required field.
+    # The longest input; the models declare it as a required field.
     max_len: Optional[int] = None
-
-
-def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
-    """`cls(...)` with every field that `parent` also has taken from `parent`, then `overrides`."""
-    shared = {f.name for f in dataclasses.fields(parent)} - {"parent", "name"}
-    kwargs = {f.name: getattr(parent, f.name) for f in dataclasses.fields(cls) if f.name in shared}
-    return cls(**{**kwargs, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,19 +192,24 @@ def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 
 
-class LRABlock(_BlockFields, kw_only=True):
-    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`."""
-    ortho_weight: float = 0.0
+class LRABlock(nn.Module):
+    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`.
+
+    Attributes:
+        config: the model's `BlockConfig`.
+    """
+    config: BlockConfig
 
     def setup(self):
-        self.attention_norm = _layer_norm(self, "attention_norm")
+        c = self.config
+        self.attention_norm = _layer_norm(c, "attention_norm")
         # LRA: c_0 is always frozen (the reference ignores fixI); `reg` is applied inside the layer.
-        self.attention_layer = _attention(self, ortho_scale=self.ortho_weight, learn_c0=False,
+        self.attention_layer = _attention(self, c, ortho_scale=c.ortho_weight, learn_c0=False,
                                           name="attention")
-        self.mlp_norm = _layer_norm(self, "mlp_norm")
-        self.mlp_in = _dense(self.mlp_dim, self.d_model, self, "mlp_in")
-        self.mlp_out = _dense(self.d_model, self.mlp_dim, self, "mlp_out")
-        self.dropout = _dropout(self)
+        self.mlp_norm = _layer_norm(c, "mlp_norm")
+        self.mlp_in = _dense(c.mlp_dim, c.d_model, c, "mlp_in")
+        self.mlp_out = _dense(c.d_model, c.mlp_dim, c, "mlp_out")
+        self.dropout = _dropout(c)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
@@ -188,24 +221,26 @@ class LRABlock(_BlockFields, kw_only=True):
         return x, aux
 
 
-class LRAEncoder(_BlockFields, kw_only=True):
+class LRAEncoder(nn.Module):
     """Token + position embeddings, `num_layers` pre-LN blocks, final LN times the mask.
 
-    Attributes: see `LRAClassifier`.
+    Attributes:
+        config: the model's `BlockConfig` (its max_len: rows of the position table).
+        vocab_size: V (token 0 is padding).
+        num_layers: L.
     """
+    config: BlockConfig
     vocab_size: int
-    max_len: int
     num_layers: int
-    ortho_weight: float = 0.0
 
     def setup(self):
+        c = self.config
         emb_init = nn.initializers.normal(stddev=0.02)
-        self.token_embed = _embed(self, self.vocab_size, emb_init)
-        self.pos_embed = _embed(self, self.max_len, emb_init)
-        self.blocks = [_child(self, LRABlock, name=f"block_{i:02d}")
-                       for i in range(self.num_layers)]
-        self.final_norm = _layer_norm(self, "final_norm")
-        self.dropout = _dropout(self)
+        self.token_embed = _embed(c, self.vocab_size, emb_init)
+        self.pos_embed = _embed(c, c.max_len, emb_init)
+        self.blocks = [LRABlock(c, name=f"block_{i:02d}") for i in range(self.num_layers)]
+        self.final_norm = _layer_norm(c, "final_norm")
+        self.dropout = _dropout(c)
 
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
@@ -213,12 +248,13 @@ class LRAEncoder(_BlockFields, kw_only=True):
         # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/ops/xla_forms.py).
         add = ((lambda x, table: x + table[None]) if xla_forms.is_plain("add_to_each")
                else xla_forms.add_to_each)
-        x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
+        c = self.config
+        x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(c.dtype or c.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
         auxes = []
         for block in self.blocks:
-            x, aux = call_block(block, x, mask=mask, deterministic=deterministic, remat=self.remat)
+            x, aux = call_block(block, x, mask=mask, deterministic=deterministic, remat=c.remat)
             self.sow("intermediates", "hidden_states", x)
             auxes.append(aux)
         x = self.final_norm(x) * mask[:, :, None].astype(x.dtype)
@@ -226,7 +262,7 @@ class LRAEncoder(_BlockFields, kw_only=True):
         return x, stack_aux(auxes)
 
 
-class _LRABase(_BlockFields, kw_only=True):
+class _LRABase(_ModelFields, kw_only=True):
     """Fields shared by the LRA classifier and the retrieval model.
 
     Attributes:
@@ -261,7 +297,7 @@ class _LRABase(_BlockFields, kw_only=True):
     pooling: str = "mean"
 
     def _setup_encoder(self):
-        self.encoder = _child(self, LRAEncoder)
+        self.encoder = LRAEncoder(BlockConfig.from_module(self), self.vocab_size, self.num_layers)
         self.head_hidden = _dense(self.mlp_dim, self.head_inputs * self.d_model, self, "head_hidden")
         self.head_out = _dense(self.num_classes, self.mlp_dim, self, "head_out")
 
@@ -334,30 +370,34 @@ class LRARetrieval(_LRABase, kw_only=True):
 # ---------------------------------------------------------------------------------------------
 
 
-class UEABlock(_BlockFields, kw_only=True):
+class UEABlock(nn.Module):
     """Post-LN block: x = LN1(x + Drop(Attn(x))); x = LN2(x + Drop(W2 Drop(act(W1 x)))).
 
     The 1x1 Conv1d layers of the reference are position-wise Dense layers. x `[B, T, E]`.
+
+    Attributes:
+        config: the model's `BlockConfig`.
     """
-    learn_c0: bool = False
-    activation: str = "gelu"
+    config: BlockConfig
 
     def setup(self):
+        c = self.config
         # UEA: the layer's regulariser is unweighted; eta is applied by the model (agf.md §6).
-        self.attention_layer = _attention(self, ortho_scale=1.0, learn_c0=self.learn_c0,
+        self.attention_layer = _attention(self, c, ortho_scale=1.0, learn_c0=c.learn_c0,
                                           name="attention")
-        self.attention_norm = _layer_norm(self, "attention_norm")
-        self.ffn_in = _dense(self.mlp_dim, self.d_model, self, "ffn_in")
-        self.ffn_out = _dense(self.d_model, self.mlp_dim, self, "ffn_out")
-        self.ffn_norm = _layer_norm(self, "ffn_norm")
-        self.dropout = _dropout(self)
+        self.attention_norm = _layer_norm(c, "attention_norm")
+        self.ffn_in = _dense(c.mlp_dim, c.d_model, c, "ffn_in")
+        self.ffn_out = _dense(c.d_model, c.mlp_dim, c, "ffn_out")
+        self.ffn_norm = _layer_norm(c, "ffn_norm")
+        self.dropout = _dropout(c)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
         the reference UEA attention is never masked, padding is zero input (agf.md §2.2)."""
         y, aux = call_attention(self.attention_layer, x, mask=mask, deterministic=deterministic)
         x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
-        h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
+        h = self.dropout(ACTIVATIONS[self.config.activation](self.ffn_in(x)),
+                         deterministic=deterministic)
         h = self.dropout(self.ffn_out(h), deterministic=deterministic)
         return self.ffn_norm(x + h), aux
 
@@ -369,7 +409,7 @@ def _uniform(lo: float, hi: float):
     return init
 
 
-class UEAClassifier(_BlockFields, kw_only=True):
+class UEAClassifier(_ModelFields, kw_only=True):
     """AGF_UEA `AGFClassiregressor` (classification).
 
     Batch: 'inputs' float `[B, T, C]` with T == max_len (zero beyond each length), optional 'mask'
@@ -417,8 +457,8 @@ class UEAClassifier(_BlockFields, kw_only=True):
         if self.pos_encoding == "learnable":
             self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),
                                         (self.max_len, self.d_model), self.param_dtype)
-        self.blocks = [_child(self, UEABlock, head_dim=head_dim, name=f"block_{i:02d}")
-                       for i in range(self.num_layers)]
+        config = BlockConfig.from_module(self, head_dim=head_dim)
+        self.blocks = [UEABlock(config, name=f"block_{i:02d}") for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
         self.output = _dense(self.num_classes, self.max_len * self.d_model, self, "output")
         self.dropout = _dropout(self)

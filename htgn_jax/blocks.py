@@ -34,6 +34,7 @@ from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
 from zoo_core import attention as zoo_attention
 from zoo_core.ops.aux_merge import sum_aux
+from zoo_core.ops.block_config import config_from
 from zoo_core.ops.linear_attention import LinearState
 from zoo_core.ops.remat import call_block
 
@@ -44,7 +45,8 @@ LN_EPS = 1e-6                          # htgn.md §5.6
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """Hyper-parameters shared by every block of a model (flax wmt's `TransformerConfig` pattern).
+    """Hyper-parameters shared by every block of a model, built once by the model and passed down
+    (flax wmt's `TransformerConfig` pattern, `zoo_core.ops.block_config`).
 
     Attributes:
       d_model, num_heads, mlp_dim: width d, heads H (d_h = d / H), FFN width d_ff.
@@ -105,9 +107,8 @@ class BlockConfig:
 
     @classmethod
     def from_module(cls, m: Any, **overrides) -> "BlockConfig":
-        """The config from the same-named fields of a model (`overrides` win)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{**{n: getattr(m, n) for n in names if hasattr(m, n)}, **overrides})
+        """The config from the same-named fields of a model (`overrides` win; `config_from`)."""
+        return config_from(cls, m, **overrides)
 
     @property
     def head_dim(self) -> int:
