@@ -42,6 +42,7 @@ Larger intermediates are sown (collection 'intermediates', only when made mutabl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -60,6 +61,7 @@ from zoo_core.ops import xla_forms
 from zoo_core.ops.aux_merge import stack_aux
 from zoo_core.ops.block_config import config_from
 from zoo_core.ops.remat import call_block
+from zoo_core.ops.residual import feed_forward, residual
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.positions import sinusoidal_table
 
@@ -187,6 +189,15 @@ class _ModelFields(nn.Module, kw_only=True):
     max_len: Optional[int] = None
 
 
+def _attend(layer: nn.Module, aux: dict, mask, deterministic: bool):
+    """A block's attention as a residual branch `h -> y`; its aux goes into `aux`."""
+    def branch(h):
+        y, layer_aux = call_attention(layer, h, mask=mask, deterministic=deterministic)
+        aux.update(layer_aux)
+        return y
+    return branch
+
+
 # ---------------------------------------------------------------------------------------------
 # LRA (pre-LN encoder, agf.md §3.1).
 # ---------------------------------------------------------------------------------------------
@@ -213,12 +224,12 @@ class LRABlock(nn.Module):
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
-        y, aux = call_attention(self.attention_layer, self.attention_norm(x), mask=mask,
-                                deterministic=deterministic)
-        x = x + self.dropout(y, deterministic=deterministic)
-        h = self.dropout(xla_forms.gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
-        x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
-        return x, aux
+        drop = functools.partial(self.dropout, deterministic=deterministic)
+        aux = {}
+        x = residual(x, _attend(self.attention_layer, aux, mask, deterministic),
+                     norm=self.attention_norm, drop=drop)
+        mlp = lambda h: feed_forward(h, self.mlp_in, self.mlp_out, xla_forms.gelu, drop)  # noqa: E731
+        return residual(x, mlp, norm=self.mlp_norm, drop=drop), aux
 
 
 class LRAEncoder(nn.Module):
@@ -394,12 +405,13 @@ class UEABlock(nn.Module):
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
         the reference UEA attention is never masked, padding is zero input (agf.md §2.2)."""
-        y, aux = call_attention(self.attention_layer, x, mask=mask, deterministic=deterministic)
-        x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
-        h = self.dropout(ACTIVATIONS[self.config.activation](self.ffn_in(x)),
-                         deterministic=deterministic)
-        h = self.dropout(self.ffn_out(h), deterministic=deterministic)
-        return self.ffn_norm(x + h), aux
+        drop = functools.partial(self.dropout, deterministic=deterministic)
+        aux = {}
+        x = residual(x, _attend(self.attention_layer, aux, mask, deterministic),
+                     norm=self.attention_norm, drop=drop, pre=False)
+        act = ACTIVATIONS[self.config.activation]
+        ffn = lambda h: feed_forward(h, self.ffn_in, self.ffn_out, act, drop)  # noqa: E731
+        return residual(x, ffn, norm=self.ffn_norm, drop=drop, pre=False), aux
 
 
 def _uniform(lo: float, hi: float):
