@@ -59,7 +59,7 @@ from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions
 from zoo_core import checks
 from zoo_core.ops import xla_forms
 from zoo_core.ops.aux_merge import stack_aux
-from zoo_core.ops.block_config import config_from
+from zoo_core.ops.block_config import config_class
 from zoo_core.ops.remat import call_block
 from zoo_core.ops.residual import feed_forward, residual
 from zoo_core.ops.dropout import Dropout
@@ -128,44 +128,6 @@ def _aux(aux: dict, weight: float) -> dict:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockConfig:
-    """The fields every block and encoder of a model shares, built once by the model from its own
-    same-named fields and passed down as `config` (flax wmt's `TransformerConfig` pattern,
-    `zoo_core.ops.block_config`; `htgn_jax.blocks.BlockConfig` is HTGN's).
-
-    Attributes: as the models' fields of the same names (`_LRABase`, `UEAClassifier`), with
-    head_dim resolved (UEA: d_model // num_heads unless given). ortho_weight: LRA's `reg`, applied
-    inside each layer; learn_c0, activation: UEA's.
-    """
-    d_model: int
-    mlp_dim: int
-    num_heads: int
-    head_dim: int
-    attention: str = "agf"
-    attention_options: Any = ()
-    graph_filter: str = "agf"
-    basis: str = "jacobi"
-    order: int = 3
-    alpha: Optional[float] = None
-    beta: Optional[float] = None
-    ortho_weight: float = 0.0
-    learn_c0: bool = False
-    activation: str = "gelu"
-    dropout_rate: float = 0.1
-    attention_dropout: float = 0.0
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    remat: bool = False
-    # The longest input (a registry attention's length option, `model_attention.registry_attention`).
-    max_len: Optional[int] = None
-
-    @classmethod
-    def from_module(cls, m: Any, **overrides) -> "BlockConfig":
-        """The config from the same-named fields of a model (`overrides` win; `config_from`)."""
-        return config_from(cls, m, **overrides)
-
-
 class _ModelFields(nn.Module, kw_only=True):
     """The fields the three models share, declared once (keyword-only). Attributes: see `_LRABase`
     / `UEAClassifier`; the models pass them to their blocks as one `BlockConfig`."""
@@ -185,8 +147,20 @@ class _ModelFields(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
-    # The longest input; the models declare it as a required field.
+    # The longest input (a registry attention's length option, `model_attention.registry_attention`);
+    # the models declare it as a required field.
     max_len: Optional[int] = None
+
+
+BlockConfig = config_class(_ModelFields, "BlockConfig", """The fields every block and encoder of a model
+    shares, built once by the model from its own same-named fields (`BlockConfig.from_module(model,
+    **overrides)`) and passed down as `config` (flax wmt's `TransformerConfig` pattern,
+    `zoo_core.ops.block_config`; `htgn_jax.blocks.BlockConfig` is HTGN's).
+
+    Attributes: the `_ModelFields` (`_LRABase`, `UEAClassifier`), with head_dim resolved (UEA:
+    d_model // num_heads unless given); ortho_weight: LRA's `reg`, applied inside each layer;
+    learn_c0, activation: UEA's.
+    """, extra=(("ortho_weight", float, 0.0), ("learn_c0", bool, False), ("activation", str, "gelu")))
 
 
 def _attend(layer: nn.Module, aux: dict, mask, deterministic: bool):

@@ -12,3 +12,4 @@ def test_pre_and_post_norm_wiring_and_the_mlp():
     dense_in, dense_out, relu = (lambda v: v - 1), (lambda v: 3 * v), (lambda v: np.maximum(v, 0))
     np.testing.assert_array_equal(feed_forward(x, dense_in, dense_out, relu), [0.0, 0.0, 6.0])
     np.testing.assert_array_equal(feed_forward(x, dense_in, dense_out, relu, drop), [0.0, 0.0, 60.0])
+
