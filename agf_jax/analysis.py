@@ -1,7 +1,7 @@
 """Filter analysis for AGF (Wi, Choi, Park, IJCAI 2025): pure functions usable from notebooks.
 
 * The learned graph filter g(s) = sum_k c_k P_k(s) of every AGF layer over s in [0, 1] and its
-    coefficients c_k, read from a params tree (`filter_coefficients`, `filter_response`).
+    coefficients c_k, read from a params tree (`filter_coefficients_of`, `filter_response`).
 * The implicit T x T attention matrix H_tj = sum_k U_tk g_tk V_jk of a layer for small T
     (`implicit_attention`), and the same-projection softmax matrix softmax(Z_U Z_V^T / sqrt(D)) for
     comparison (`softmax_attention_matrix`).
@@ -53,8 +53,9 @@ def agf_layers(params: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return found
 
 
-def filter_coefficients(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Effective coefficients c_0..c_K of every AGF layer (c_0 = 1 if frozen, else tanh(theta_0)).
+def filter_coefficients_of(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Effective coefficients c_0..c_K of every AGF layer of a params tree: `ops.filter_coefficients`
+    of each layer's theta (c_0 = 1 if frozen, else tanh(theta_0)).
 
     Args:
         params: a params tree.
@@ -87,7 +88,7 @@ def filter_response(params: Mapping[str, Any], *, basis: str = "jacobi",
     grid = jnp.asarray(s, jnp.float32)
     out = {path: np.asarray(ops.graph_filter(grid, jnp.asarray(c), basis=basis, alpha=alpha,
                                              beta=beta))
-           for path, c in filter_coefficients(params).items()}
+           for path, c in filter_coefficients_of(params).items()}
     return s, out
 
 

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from zoo_core import checks
+from zoo_core.testing import Golden, check_golden_files, golden_excess, golden_parser
 
 # Reference state_dict name roots of the two harnesses.
 LRA_ATTENTION_NAMES = dict(query="W_q", key="W_k", value="W_v", sigma="W_Sigma", out="ff",
@@ -481,8 +481,6 @@ def check_golden(path) -> dict[str, tuple[float, float]]:
     Raises:
         ValueError: the port does not produce one of the golden's outputs, or conversion failed.
     """
-    from zoo_core.testing import Golden, golden_excess
-
     golden = Golden(path)
     port = run_golden(golden)
     missing = sorted(set(golden.outputs) - set(port))
@@ -499,29 +497,18 @@ def check_golden(path) -> dict[str, tuple[float, float]]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (`--check FILE.npz ...`); exits with the usage line on a bad one."""
-    parser = argparse.ArgumentParser(prog="python -m agf_jax.convert", description=__doc__.split(
-        "\n")[0])
-    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True, type=checks.existing_file,
-                        help="golden files to run through the converter and the port")
-    return parser.parse_args(argv)
+    return golden_parser("python -m agf_jax.convert", __doc__.split("\n")[0],
+                         "golden files to run through the converter and the port").parse_args(argv)
+
+
+def _output_lines(path) -> list[tuple[str, float]]:
+    """(line, excess) per output of one golden (`zoo_core.testing.check_golden_files`)."""
+    return [(f"output/{name}: max_abs_diff={diff:.3e} excess={excess:+.3e}", excess)
+            for name, (diff, excess) in check_golden(path).items()]
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    ok = True
-    for path in args.check:
-        try:
-            result = check_golden(path)
-        except Exception as e:  # noqa: BLE001  report every file, then fail
-            print(f"{path}: ERROR {type(e).__name__}: {e}")
-            ok = False
-            continue
-        for name, (diff, excess) in result.items():
-            status = "ok" if excess <= 0 else "FAIL"
-            ok &= excess <= 0
-            print(f"{path}: output/{name}: max_abs_diff={diff:.3e} excess={excess:+.3e} {status}")
-    print("all within 1e-5 + 1e-5|golden|" if ok else "golden check FAILED")
-    return 0 if ok else 1
+    return check_golden_files(parse_args(argv).check, _output_lines)
 
 
 if __name__ == "__main__":

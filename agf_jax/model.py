@@ -20,7 +20,7 @@ Interface (the zoo's model contract): `model.apply(variables, batch, train=False
 returns `({'logits': [B, K] float32}, aux)`; dropout is active only when `train=True` (it is
 `zoo_core.ops.dropout.Dropout`: flax's semantics, cheap hashed bits, keep probability within 2^-33). Blocks and
 encoders return `(y, aux)` too: a block passes its layer's aux up, an encoder merges its blocks'
-(`merge_aux`: `loss/*` summed, diagnostics stacked per layer).
+(`zoo_core.ops.aux_merge.stack_aux`: `loss/*` summed, diagnostics stacked per layer).
 
 aux (attention='agf'; with 'softmax' it is empty, there is no regulariser; another registry
 attention passes its own `loss/*` terms, summed over layers, e.g. window_graph's 'loss/kl'):
@@ -44,8 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -59,7 +58,10 @@ from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions
                                      check_attention_options, options_tuple)
 from zoo_core import checks
 from zoo_core.ops import xla_forms
+from zoo_core.ops.aux_merge import stack_aux
+from zoo_core.ops.block_config import config_class
 from zoo_core.ops.remat import call_block
+from zoo_core.ops.residual import feed_forward, residual
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.positions import sinusoidal_table
 
@@ -86,13 +88,6 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"gelu": xla_forms.gelu, "rel
 # computed in their plain form, with the same parameters and values.
 
 
-def merge_aux(auxes: Sequence[dict]) -> dict:
-    """Merges the aux dicts of a stack of layers: `loss/*` scalars summed, other keys stacked."""
-    keys = auxes[0].keys() if auxes else ()
-    return {k: functools.reduce(operator.add, [a[k] for a in auxes]) if k.startswith("loss/")
-            else jnp.stack([a[k] for a in auxes]) for k in keys}
-
-
 def _dense(features: int, fan_in: int, m, name: str) -> nn.Dense:
     """nn.Linear(fan_in -> features) with PyTorch's kernel and bias initialisation."""
     cls = nn.Dense if xla_forms.is_plain("dense") else xla_forms.Dense
@@ -116,10 +111,10 @@ def _embed(m, num: int, init) -> nn.Embed:
 
 
 def _aux(aux: dict, weight: float) -> dict:
-    """The model's aux from its encoder's (`merge_aux`); `weight` is applied on top (UEA eta, LRA 1).
+    """The model's aux from its encoder's (`stack_aux`); `weight` is applied on top (UEA eta, LRA 1).
 
     AGF's regulariser is averaged over layers (agf.md §2.5); another mechanism's `loss/*` terms
-    pass through as `merge_aux` summed them."""
+    pass through as `stack_aux` summed them."""
     if "orthogonality/per_sample" not in aux:
         return {k: v for k, v in aux.items() if k.startswith("loss/")}
     per_layer = aux["orthogonality/per_sample"]                # [L, B]
@@ -133,12 +128,9 @@ def _aux(aux: dict, weight: float) -> dict:
     return out
 
 
-class _BlockFields(nn.Module, kw_only=True):
-    """The fields every block, encoder and model below shares, declared once (keyword-only).
-
-    A parent builds its children with `_child`, which passes the fields of the same names on, so
-    a block sees exactly its model's settings. Attributes: see `_LRABase` / `UEAClassifier`.
-    """
+class _ModelFields(nn.Module, kw_only=True):
+    """The fields the three models share, declared once (keyword-only). Attributes: see `_LRABase`
+    / `UEAClassifier`; the models pass them to their blocks as one `BlockConfig`."""
     d_model: int
     mlp_dim: int
     num_heads: int
@@ -160,11 +152,24 @@ class _BlockFields(nn.Module, kw_only=True):
     max_len: Optional[int] = None
 
 
-def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
-    """`cls(...)` with every field that `parent` also has taken from `parent`, then `overrides`."""
-    shared = {f.name for f in dataclasses.fields(parent)} - {"parent", "name"}
-    kwargs = {f.name: getattr(parent, f.name) for f in dataclasses.fields(cls) if f.name in shared}
-    return cls(**{**kwargs, **overrides})
+BlockConfig = config_class(_ModelFields, "BlockConfig", """The fields every block and encoder of a model
+    shares, built once by the model from its own same-named fields (`BlockConfig.from_module(model,
+    **overrides)`) and passed down as `config` (flax wmt's `TransformerConfig` pattern,
+    `zoo_core.ops.block_config`; `htgn_jax.blocks.BlockConfig` is HTGN's).
+
+    Attributes: the `_ModelFields` (`_LRABase`, `UEAClassifier`), with head_dim resolved (UEA:
+    d_model // num_heads unless given); ortho_weight: LRA's `reg`, applied inside each layer;
+    learn_c0, activation: UEA's.
+    """, extra=(("ortho_weight", float, 0.0), ("learn_c0", bool, False), ("activation", str, "gelu")))
+
+
+def _attend(layer: nn.Module, aux: dict, mask, deterministic: bool):
+    """A block's attention as a residual branch `h -> y`; its aux goes into `aux`."""
+    def branch(h):
+        y, layer_aux = call_attention(layer, h, mask=mask, deterministic=deterministic)
+        aux.update(layer_aux)
+        return y
+    return branch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,48 +177,55 @@ def _child(parent: nn.Module, cls: type, **overrides) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 
 
-class LRABlock(_BlockFields, kw_only=True):
-    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`."""
-    ortho_weight: float = 0.0
+class LRABlock(nn.Module):
+    """Pre-LN block: x += Drop(Attn(LN(x))); x += Drop(W2 Drop(GELU(W1 LN(x)))). x `[B, T, E]`.
+
+    Attributes:
+        config: the model's `BlockConfig`.
+    """
+    config: BlockConfig
 
     def setup(self):
-        self.attention_norm = _layer_norm(self, "attention_norm")
+        c = self.config
+        self.attention_norm = _layer_norm(c, "attention_norm")
         # LRA: c_0 is always frozen (the reference ignores fixI); `reg` is applied inside the layer.
-        self.attention_layer = _attention(self, ortho_scale=self.ortho_weight, learn_c0=False,
+        self.attention_layer = _attention(self, c, ortho_scale=c.ortho_weight, learn_c0=False,
                                           name="attention")
-        self.mlp_norm = _layer_norm(self, "mlp_norm")
-        self.mlp_in = _dense(self.mlp_dim, self.d_model, self, "mlp_in")
-        self.mlp_out = _dense(self.d_model, self.mlp_dim, self, "mlp_out")
-        self.dropout = _dropout(self)
+        self.mlp_norm = _layer_norm(c, "mlp_norm")
+        self.mlp_in = _dense(c.mlp_dim, c.d_model, c, "mlp_in")
+        self.mlp_out = _dense(c.d_model, c.mlp_dim, c, "mlp_out")
+        self.dropout = _dropout(c)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]`, mask `[B, T]` -> (y `[B, T, E]`, the attention layer's aux)."""
-        y, aux = call_attention(self.attention_layer, self.attention_norm(x), mask=mask,
-                                deterministic=deterministic)
-        x = x + self.dropout(y, deterministic=deterministic)
-        h = self.dropout(xla_forms.gelu(self.mlp_in(self.mlp_norm(x))), deterministic=deterministic)
-        x = x + self.dropout(self.mlp_out(h), deterministic=deterministic)
-        return x, aux
+        drop = functools.partial(self.dropout, deterministic=deterministic)
+        aux = {}
+        x = residual(x, _attend(self.attention_layer, aux, mask, deterministic),
+                     norm=self.attention_norm, drop=drop)
+        mlp = lambda h: feed_forward(h, self.mlp_in, self.mlp_out, xla_forms.gelu, drop)  # noqa: E731
+        return residual(x, mlp, norm=self.mlp_norm, drop=drop), aux
 
 
-class LRAEncoder(_BlockFields, kw_only=True):
+class LRAEncoder(nn.Module):
     """Token + position embeddings, `num_layers` pre-LN blocks, final LN times the mask.
 
-    Attributes: see `LRAClassifier`.
+    Attributes:
+        config: the model's `BlockConfig` (its max_len: rows of the position table).
+        vocab_size: V (token 0 is padding).
+        num_layers: L.
     """
+    config: BlockConfig
     vocab_size: int
-    max_len: int
     num_layers: int
-    ortho_weight: float = 0.0
 
     def setup(self):
+        c = self.config
         emb_init = nn.initializers.normal(stddev=0.02)
-        self.token_embed = _embed(self, self.vocab_size, emb_init)
-        self.pos_embed = _embed(self, self.max_len, emb_init)
-        self.blocks = [_child(self, LRABlock, name=f"block_{i:02d}")
-                       for i in range(self.num_layers)]
-        self.final_norm = _layer_norm(self, "final_norm")
-        self.dropout = _dropout(self)
+        self.token_embed = _embed(c, self.vocab_size, emb_init)
+        self.pos_embed = _embed(c, c.max_len, emb_init)
+        self.blocks = [LRABlock(c, name=f"block_{i:02d}") for i in range(self.num_layers)]
+        self.final_norm = _layer_norm(c, "final_norm")
+        self.dropout = _dropout(c)
 
     def __call__(self, ids: Array, mask: Array, *, deterministic: bool = True):
         """ids `[B, T]` int, mask `[B, T]` 0/1 -> (x `[B, T, E]`, aux merged over the blocks)."""
@@ -221,20 +233,21 @@ class LRAEncoder(_BlockFields, kw_only=True):
         # x + table[None], with a backward XLA's CPU backend runs fast (zoo_core/ops/xla_forms.py).
         add = ((lambda x, table: x + table[None]) if xla_forms.is_plain("add_to_each")
                else xla_forms.add_to_each)
-        x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(self.dtype or self.param_dtype))
+        c = self.config
+        x = add(self.token_embed(ids), self.pos_embed.embedding[:t].astype(c.dtype or c.param_dtype))
         x = self.dropout(x, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", x)
         auxes = []
         for block in self.blocks:
-            x, aux = call_block(block, x, mask=mask, deterministic=deterministic, remat=self.remat)
+            x, aux = call_block(block, x, mask=mask, deterministic=deterministic, remat=c.remat)
             self.sow("intermediates", "hidden_states", x)
             auxes.append(aux)
         x = self.final_norm(x) * mask[:, :, None].astype(x.dtype)
         self.sow("intermediates", "token_out", x)
-        return x, merge_aux(auxes)
+        return x, stack_aux(auxes)
 
 
-class _LRABase(_BlockFields, kw_only=True):
+class _LRABase(_ModelFields, kw_only=True):
     """Fields shared by the LRA classifier and the retrieval model.
 
     Attributes:
@@ -269,7 +282,7 @@ class _LRABase(_BlockFields, kw_only=True):
     pooling: str = "mean"
 
     def _setup_encoder(self):
-        self.encoder = _child(self, LRAEncoder)
+        self.encoder = LRAEncoder(BlockConfig.from_module(self), self.vocab_size, self.num_layers)
         self.head_hidden = _dense(self.mlp_dim, self.head_inputs * self.d_model, self, "head_hidden")
         self.head_out = _dense(self.num_classes, self.mlp_dim, self, "head_out")
 
@@ -342,32 +355,37 @@ class LRARetrieval(_LRABase, kw_only=True):
 # ---------------------------------------------------------------------------------------------
 
 
-class UEABlock(_BlockFields, kw_only=True):
+class UEABlock(nn.Module):
     """Post-LN block: x = LN1(x + Drop(Attn(x))); x = LN2(x + Drop(W2 Drop(act(W1 x)))).
 
     The 1x1 Conv1d layers of the reference are position-wise Dense layers. x `[B, T, E]`.
+
+    Attributes:
+        config: the model's `BlockConfig`.
     """
-    learn_c0: bool = False
-    activation: str = "gelu"
+    config: BlockConfig
 
     def setup(self):
+        c = self.config
         # UEA: the layer's regulariser is unweighted; eta is applied by the model (agf.md §6).
-        self.attention_layer = _attention(self, ortho_scale=1.0, learn_c0=self.learn_c0,
+        self.attention_layer = _attention(self, c, ortho_scale=1.0, learn_c0=c.learn_c0,
                                           name="attention")
-        self.attention_norm = _layer_norm(self, "attention_norm")
-        self.ffn_in = _dense(self.mlp_dim, self.d_model, self, "ffn_in")
-        self.ffn_out = _dense(self.d_model, self.mlp_dim, self, "ffn_out")
-        self.ffn_norm = _layer_norm(self, "ffn_norm")
-        self.dropout = _dropout(self)
+        self.attention_norm = _layer_norm(c, "attention_norm")
+        self.ffn_in = _dense(c.mlp_dim, c.d_model, c, "ffn_in")
+        self.ffn_out = _dense(c.d_model, c.mlp_dim, c, "ffn_out")
+        self.ffn_norm = _layer_norm(c, "ffn_norm")
+        self.dropout = _dropout(c)
 
     def __call__(self, x, *, mask=None, deterministic: bool = True):
         """x `[B, T, E]` -> (y `[B, T, E]`, the attention layer's aux). The UEA model passes no mask:
         the reference UEA attention is never masked, padding is zero input (agf.md §2.2)."""
-        y, aux = call_attention(self.attention_layer, x, mask=mask, deterministic=deterministic)
-        x = self.attention_norm(x + self.dropout(y, deterministic=deterministic))
-        h = self.dropout(ACTIVATIONS[self.activation](self.ffn_in(x)), deterministic=deterministic)
-        h = self.dropout(self.ffn_out(h), deterministic=deterministic)
-        return self.ffn_norm(x + h), aux
+        drop = functools.partial(self.dropout, deterministic=deterministic)
+        aux = {}
+        x = residual(x, _attend(self.attention_layer, aux, mask, deterministic),
+                     norm=self.attention_norm, drop=drop, pre=False)
+        act = ACTIVATIONS[self.config.activation]
+        ffn = lambda h: feed_forward(h, self.ffn_in, self.ffn_out, act, drop)  # noqa: E731
+        return residual(x, ffn, norm=self.ffn_norm, drop=drop, pre=False), aux
 
 
 def _uniform(lo: float, hi: float):
@@ -377,7 +395,7 @@ def _uniform(lo: float, hi: float):
     return init
 
 
-class UEAClassifier(_BlockFields, kw_only=True):
+class UEAClassifier(_ModelFields, kw_only=True):
     """AGF_UEA `AGFClassiregressor` (classification).
 
     Batch: 'inputs' float `[B, T, C]` with T == max_len (zero beyond each length), optional 'mask'
@@ -425,8 +443,8 @@ class UEAClassifier(_BlockFields, kw_only=True):
         if self.pos_encoding == "learnable":
             self.pos_embed = self.param("pos_embed", _uniform(-0.02, 0.02),
                                         (self.max_len, self.d_model), self.param_dtype)
-        self.blocks = [_child(self, UEABlock, head_dim=head_dim, name=f"block_{i:02d}")
-                       for i in range(self.num_layers)]
+        config = BlockConfig.from_module(self, head_dim=head_dim)
+        self.blocks = [UEABlock(config, name=f"block_{i:02d}") for i in range(self.num_layers)]
         self.final_norm = _layer_norm(self, "final_norm")
         self.output = _dense(self.num_classes, self.max_len * self.d_model, self, "output")
         self.dropout = _dropout(self)
@@ -454,7 +472,7 @@ class UEAClassifier(_BlockFields, kw_only=True):
         h = self.dropout(ACTIVATIONS[self.activation](h), deterministic=det)
         h = h * mask[:, :, None].astype(h.dtype)
         logits = self.output(h.reshape(h.shape[0], -1)).astype(jnp.float32)
-        return {"logits": logits}, _aux(merge_aux(auxes), self.ortho_weight)
+        return {"logits": logits}, _aux(stack_aux(auxes), self.ortho_weight)
 
 
 # ---------------------------------------------------------------------------------------------

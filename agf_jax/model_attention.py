@@ -33,26 +33,26 @@ def attentions() -> tuple[str, ...]:
     return zoo_attention.names("self")
 
 
-def block_attention(owner, *, ortho_scale: float, learn_c0: bool, name: str) -> nn.Module:
-    """Builds the attention layer of a block from the owner's fields: 'agf' and 'softmax' with
-    PyTorch's inits, any other registry name by `registry_attention`."""
-    if owner.attention not in OWN_ATTENTIONS:
-        return registry_attention(owner.attention, num_heads=owner.num_heads,
-                                  head_dim=owner.head_dim, dtype=owner.dtype,
-                                  param_dtype=owner.param_dtype, max_len=owner.max_len,
-                                  options=dict(owner.attention_options)).clone(parent=owner,
-                                                                               name=name)
-    init = dict(dtype=owner.dtype, param_dtype=owner.param_dtype,
-                bias_init=torch_linear_bias_init(owner.d_model),
-                out_bias_init=torch_linear_bias_init(owner.num_heads * owner.head_dim), name=name)
-    if owner.attention == "agf":
+def block_attention(owner: nn.Module, config, *, ortho_scale: float, learn_c0: bool,
+                    name: str) -> nn.Module:
+    """Builds the attention layer of block `owner` from its `config` (`agf_jax.model.BlockConfig`):
+    'agf' and 'softmax' with PyTorch's inits, any other registry name by `registry_attention`."""
+    c = config
+    if c.attention not in OWN_ATTENTIONS:
+        return registry_attention(c.attention, num_heads=c.num_heads, head_dim=c.head_dim,
+                                  dtype=c.dtype, param_dtype=c.param_dtype, max_len=c.max_len,
+                                  options=dict(c.attention_options)).clone(parent=owner, name=name)
+    init = dict(dtype=c.dtype, param_dtype=c.param_dtype,
+                bias_init=torch_linear_bias_init(c.d_model),
+                out_bias_init=torch_linear_bias_init(c.num_heads * c.head_dim), name=name)
+    if c.attention == "agf":
         # The reference regulariser counts padded rows of U (agf.md §2.5): kept for parity.
-        return AGFAttention(num_heads=owner.num_heads, head_dim=owner.head_dim, basis=owner.basis,
-                            order=owner.order, alpha=owner.alpha, beta=owner.beta,
+        return AGFAttention(num_heads=c.num_heads, head_dim=c.head_dim, basis=c.basis,
+                            order=c.order, alpha=c.alpha, beta=c.beta,
                             learn_c0=learn_c0, ortho_scale=ortho_scale, ortho_count_padding=True,
-                            graph_filter=owner.graph_filter, **init)
-    return SoftmaxAttention(num_heads=owner.num_heads, head_dim=owner.head_dim,
-                            dropout_rate=owner.attention_dropout, **init)
+                            graph_filter=c.graph_filter, **init)
+    return SoftmaxAttention(num_heads=c.num_heads, head_dim=c.head_dim,
+                            dropout_rate=c.attention_dropout, **init)
 
 
 def registry_attention(name: str, *, num_heads: int, head_dim: int, dtype: Any, param_dtype: Any,

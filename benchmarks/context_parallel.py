@@ -133,7 +133,7 @@ def main(argv=None) -> list[dict]:
                 rows.append(measure(case, t, shards, args))
                 print(f"{case} T={t} P={shards}: {rows[-1]['memory']['total_bytes'] / 2**20:,.1f} MiB/device, "
                       f"moved {rows[-1]['moved_bytes'] / 2**20:,.2f} MiB", flush=True)
-                bench.write_json(args.out, rows, meta=dict(benchmark="context_parallel", heads=args.heads,
+                bench.write_records(args.out, rows, meta=dict(benchmark="context_parallel", heads=args.heads,
                                                            head_dim=args.head_dim, chunk=args.chunk,
                                                            loadavg=os.getloadavg()))
     print(table(rows))

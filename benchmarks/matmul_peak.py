@@ -48,7 +48,7 @@ def main(argv=None) -> list[bench.Result]:
 
     cases = [f"matmul_{d}" for d in args.dtypes]
     records = bench.run_scaling(cases, args.sizes, make_fn, repeats=args.repeats, log=None)
-    path = bench.write_json(pathlib.Path(args.out_dir) / "matmul_peak.json", records,
+    path = bench.write_records(pathlib.Path(args.out_dir) / "matmul_peak.json", records,
                             dict(benchmark="matmul_peak"))
     print(bench.format_table(records))
     for case in cases:

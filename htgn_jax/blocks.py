@@ -14,7 +14,8 @@ with `norm='post'`; DropPath rate p_l = p_0 + (drop_path - p_0) * l / (L - 1), p
   `block.step(state, y_t, memory, position=t) -> (y_t, state)` for one decoding token from its
   `DecoderState` and `DecoderMemory` (`init_cache`; O(1) attention work per token).
 
-Blocks and the encoder return `(y, aux)`, their layers' aux merged (`merge_aux`: equal keys summed).
+Blocks and the encoder return `(y, aux)`, their layers' aux merged (`zoo_core.ops.aux_merge.sum_aux`:
+equal keys summed).
 The graph layers report the KL term of htgn.md §5.7 as 'kl_sum' and 'kl_count'; the model forms the
 loss once from the sums over all layers.
 """
@@ -32,6 +33,8 @@ from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGr
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.layers import FavorAttention
 from zoo_core import attention as zoo_attention
+from zoo_core.ops.aux_merge import sum_aux
+from zoo_core.ops.block_config import config_from
 from zoo_core.ops.linear_attention import LinearState
 from zoo_core.ops.remat import call_block
 
@@ -42,7 +45,8 @@ LN_EPS = 1e-6                          # htgn.md §5.6
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """Hyper-parameters shared by every block of a model (flax wmt's `TransformerConfig` pattern).
+    """Hyper-parameters shared by every block of a model, built once by the model and passed down
+    (flax wmt's `TransformerConfig` pattern, `zoo_core.ops.block_config`).
 
     Attributes:
       d_model, num_heads, mlp_dim: width d, heads H (d_h = d / H), FFN width d_ff.
@@ -103,9 +107,8 @@ class BlockConfig:
 
     @classmethod
     def from_module(cls, m: Any, **overrides) -> "BlockConfig":
-        """The config from the same-named fields of a model (`overrides` win)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{**{n: getattr(m, n) for n in names if hasattr(m, n)}, **overrides})
+        """The config from the same-named fields of a model (`overrides` win; `config_from`)."""
+        return config_from(cls, m, **overrides)
 
     @property
     def head_dim(self) -> int:
@@ -139,15 +142,6 @@ class DecoderMemory(NamedTuple):
     """
     cross_attention: LinearState
     cross_graph: Optional[CrossGraphCache]
-
-
-def merge_aux(*auxes: dict) -> dict:
-    """One aux dict from several: the values of equal keys are summed."""
-    out: dict = {}
-    for aux in auxes:
-        for k, v in aux.items():
-            out[k] = out[k] + v if k in out else v
-    return out
 
 
 def drop_path_rate(p_max: float, layer: int, num_layers: int, p_start: float = 0.0) -> float:
@@ -280,7 +274,7 @@ class EncoderBlock(_Block):
                 return self.graph(h, mask=mask, deterministic=deterministic, features=features)
             x = self._residual(x, self.graph_norm, sub(graph), deterministic)
         x = self._residual(x, self.mlp_norm, lambda h: self._mlp(h, deterministic), deterministic)
-        return x, merge_aux(*auxes)
+        return x, sum_aux(*auxes)
 
 
 class DecoderBlock(_Block):
@@ -371,7 +365,7 @@ class DecoderBlock(_Block):
                 lambda h: self.cross_graph(h, memory, mask=mask, memory_mask=memory_mask,
                                            deterministic=deterministic, features=cross_feats(h))),
         })
-        return y, merge_aux(*auxes)
+        return y, sum_aux(*auxes)
 
     def step(self, state: DecoderState, y_t: Array, memory: DecoderMemory, *, position: Array,
              feature_step: Optional[Array] = None) -> tuple[Array, DecoderState]:
@@ -510,4 +504,4 @@ class Encoder(nn.Module):
             auxes.append(aux)
         if c.norm == "pre":
             x = self.final_norm(x)
-        return x, merge_aux(*auxes)
+        return x, sum_aux(*auxes)

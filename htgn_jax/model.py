@@ -68,10 +68,10 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax import hrpe, validation
-from htgn_jax.blocks import (BlockConfig, DecoderBlock, Encoder, drop_path_rate, merge_aux,
-                             with_globals)
+from htgn_jax.blocks import BlockConfig, DecoderBlock, Encoder, drop_path_rate, with_globals
 from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (read by the configs)
 from zoo_core.checks import constructor_kwargs, fail
+from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.remat import call_block
 
 Array = jax.Array
@@ -349,7 +349,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
             y, aux = call_block(block, y, memory, mask=mask, memory_mask=memory_mask,
                                 deterministic=deterministic, feature_step=feature_step, remat=self.remat)
             auxes.append(aux)
-        return self._logits(y), merge_aux(*auxes)
+        return self._logits(y), sum_aux(*auxes)
 
     def decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array, *,
                feature_step: Optional[Array] = None) -> Array:
@@ -401,7 +401,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         bos = jnp.full(targets.shape[:1] + (1,), self.bos_id, targets.dtype)
         decoder_inputs = jnp.concatenate([bos, targets[:, :-1]], axis=1)
         logits, dec_aux = self._decode(decoder_inputs, memory, memory_mask, det, feature_step)
-        return {"logits": logits}, _aux(self, merge_aux(enc_aux, dec_aux))
+        return {"logits": logits}, _aux(self, sum_aux(enc_aux, dec_aux))
 
 
 class Classifier(_HTGNModel, kw_only=True):

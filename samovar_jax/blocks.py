@@ -22,6 +22,7 @@ and recurrent states are float32 (see `samovar_jax.layers`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -34,6 +35,7 @@ from samovar_jax import ops
 from zoo_core import checks
 from zoo_core.ops import xla_forms
 from zoo_core.ops.dropout import Dropout
+from zoo_core.ops.residual import feed_forward, residual
 
 Array = jax.Array
 
@@ -127,8 +129,8 @@ class MLPBlock(nn.Module):
 
     def __call__(self, h: Array, *, deterministic: bool = True) -> Array:
         """[..., E] -> [..., E]; position-wise, so it also serves the recurrent paths."""
-        y = self.fc_out(xla_forms.gelu(self.fc_in(self.norm(h))))
-        return h + self.drop(y, deterministic=deterministic)
+        mlp = lambda x: feed_forward(x, self.fc_in, self.fc_out, xla_forms.gelu)  # noqa: E731
+        return residual(h, mlp, norm=self.norm, drop=functools.partial(self.drop, deterministic=deterministic))
 
 
 class ARXTokenizer(nn.Module):

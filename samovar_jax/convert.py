@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from zoo_core import checks
+from zoo_core.testing import Golden, check_golden_files, golden_excess, golden_parser
 
 _LINEAR = "linear"   # [out, in] weight / [out] bias -> kernel [in, out] / bias
 _COPY = "copy"
@@ -287,8 +287,6 @@ def check_golden(path, *, jit: bool = True) -> list[CheckResult]:
     """
     import jax
 
-    from zoo_core.testing import Golden, golden_excess
-
     g = Golden(path)
     unknown = set(g.outputs) - set(_OUTPUTS)
     if unknown:
@@ -316,27 +314,17 @@ def check_golden(path, *, jit: bool = True) -> list[CheckResult]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (`--check FILE.npz ...`); exits with the usage line on a bad one."""
-    parser = argparse.ArgumentParser(prog="python -m samovar_jax.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True, type=checks.existing_file,
-                        help="golden files (tests/testdata/samovar/*.npz) to convert and compare")
-    return parser.parse_args(argv)
+    return golden_parser("python -m samovar_jax.convert", __doc__.split("\n")[0],
+                         "golden files (tests/testdata/samovar/*.npz) to convert and compare").parse_args(argv)
+
+
+def _output_lines(path) -> list[tuple[str, float]]:
+    """(line, excess) per output of one golden (`zoo_core.testing.check_golden_files`)."""
+    return [(f"{r.name:15s} [{r.mode:5s}] max|diff| = {r.max_abs:.3e}", r.excess) for r in check_golden(path)]
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    failed = False
-    for path in args.check:
-        try:
-            results = check_golden(path)
-        except Exception as e:  # noqa: BLE001  report every file, then fail
-            print(f"{path}: ERROR {type(e).__name__}: {e}")
-            failed = True
-            continue
-        for r in results:
-            status = "ok" if r.ok else "FAIL"
-            print(f"{path}: {r.name:15s} [{r.mode:5s}] max|diff| = {r.max_abs:.3e}  {status}")
-            failed |= not r.ok
-    return 1 if failed else 0
+    return check_golden_files(parse_args(argv).check, _output_lines)
 
 
 if __name__ == "__main__":

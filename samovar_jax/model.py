@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from samovar_jax import baselines, blocks, layers, ops, validation
 from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
+from zoo_core.ops.block_config import config_from
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.remat import call_block
 
@@ -85,8 +86,13 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
 
 
 @dataclasses.dataclass(frozen=True)
-class Resolved:
-    """Sizes derived from the constructor fields (see `Model.resolved`)."""
+class BlockConfig:
+    """The fields a `Forecaster` passes down to its blocks, resolved once from its own fields (the
+    zoo's one way, `zoo_core.ops.block_config`; `Forecaster.resolved`): automatic width and heads,
+    the per-kind defaults, and the patch counts. The blocks are the zoo's contract layers
+    (`samovar_jax.layers`, `samovar_jax.blocks`), which take explicit fields (house rule 4): the
+    Forecaster reads each one from this config by keyword.
+    """
     num_targets: int
     width: int
     num_heads: int
@@ -102,6 +108,28 @@ class Resolved:
     use_qv_norm: bool
     use_key_proj: bool
     structural: str
+    chunk_size: Optional[int] = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @classmethod
+    def from_module(cls, m: "Forecaster") -> "BlockConfig":
+        """The config of Forecaster `m`: its same-named fields (`config_from`), the derived sizes and
+        the per-kind defaults; dtypes given by name ('bfloat16') become numpy dtypes."""
+        c_t = m.num_targets or m.num_channels
+        width = m.width or 32 * math.isqrt(c_t if m.kind == "lintrans" else m.num_channels)
+        heads = m.num_heads or max(width // 16, 1)
+        n = -(-m.input_len // m.patch_len)
+        horizon = m.horizon or m.patch_len
+        samovar = m.kind == "samovar"
+        return config_from(
+            cls, m, num_targets=c_t, width=width, num_heads=heads, head_dim=width // heads, num_patches=n,
+            pad_len=n * m.patch_len - m.input_len, max_patches=m.max_patches or n, horizon=horizon,
+            horizon_patches=-(-horizon // m.patch_len),
+            use_qv_norm=_pick(m.use_qv_norm, True) if samovar else False,
+            use_key_proj=_pick(m.use_key_proj, False) if samovar else False,
+            structural=_pick(m.structural, "lu" if m.kind != "lintrans" else "none"),
+            dtype=None if m.dtype is None else jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype))
 
 
 class Forecaster(nn.Module):
@@ -201,55 +229,43 @@ class Forecaster(nn.Module):
         validation.check_forecaster(self)
 
     @property
-    def resolved(self) -> Resolved:
-        """Sizes derived from the fields (automatic width and heads, patches, horizon)."""
-        c_t = self.num_targets or self.num_channels
-        width = self.width or 32 * math.isqrt(c_t if self.kind == "lintrans" else self.num_channels)
-        heads = self.num_heads or max(width // 16, 1)
-        n = -(-self.input_len // self.patch_len)
-        horizon = self.horizon or self.patch_len
-        var_kind = self.kind != "lintrans"
-        return Resolved(num_targets=c_t, width=width, num_heads=heads, head_dim=width // heads,
-                        num_layers=self.num_layers, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
-                        num_patches=n, pad_len=n * self.patch_len - self.input_len,
-                        max_patches=self.max_patches or n, horizon=horizon,
-                        horizon_patches=-(-horizon // self.patch_len),
-                        use_qv_norm=_pick(self.use_qv_norm, True) if self.kind == "samovar" else False,
-                        use_key_proj=_pick(self.use_key_proj, False) if self.kind == "samovar" else False,
-                        structural=_pick(self.structural, "lu" if var_kind else "none"))
+    def resolved(self) -> BlockConfig:
+        """The `BlockConfig` resolved from the fields (automatic width and heads, patches, horizon)."""
+        return BlockConfig.from_module(self)
 
-    def _check_positions(self, res: Resolved, patches: int) -> None:
+    def _check_positions(self, res: BlockConfig, patches: int) -> None:
         validation.check_positions(self, res, patches)
 
     # ------------------------------------------------------------------ parameters
 
     def setup(self):
         r = self.resolved
-        # Configs give dtypes as strings ('bfloat16'); the layers get numpy dtypes.
-        kw = dict(dtype=None if self.dtype is None else jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype))
+        kw = dict(dtype=r.dtype, param_dtype=r.param_dtype)
         d = r.width
         out_std = 0.02 / math.sqrt(2 * r.num_layers)                        # samovar.md §5 (c_proj)
-        self.tokenizer = blocks.ARXTokenizer(self.patch_len, self.num_channels, r.num_targets, d,
-                                             self.univariate, **kw, name="tokenizer")
-        self.embedding = blocks.ARXEmbedding(r.num_targets, 2 * r.max_patches, d,
+        self.tokenizer = blocks.ARXTokenizer(patch_len=self.patch_len, num_channels=self.num_channels,
+                                             num_targets=r.num_targets, width=d, univariate=self.univariate,
+                                             **kw, name="tokenizer")
+        self.embedding = blocks.ARXEmbedding(num_targets=r.num_targets, max_tokens=2 * r.max_patches, width=d,
                                              with_types=self.kind != "lintrans", **kw, name="embedding")
         self.pre_norm = blocks.RMSNorm(d, **kw, name="pre_norm")
         self.token_dropout = Dropout(r.dropout)
         if self.kind == "lintrans":
             self.blocks = [
-                layers.LinTransBlock(d, r.num_heads, r.mlp_ratio * d, r.dropout, out_std, self.chunk_size,
-                                        **kw, name=f"block_{i:02d}")
+                layers.LinTransBlock(width=d, num_heads=r.num_heads, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,
+                                     out_init_std=out_std, chunk_size=r.chunk_size, **kw, name=f"block_{i:02d}")
                 for i in range(r.num_layers)]
         else:
-            self.mlps = [blocks.MLPBlock(d, r.mlp_ratio * d, r.dropout, out_std, **kw, name=f"mlp_{i:02d}")
+            self.mlps = [blocks.MLPBlock(width=d, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,
+                                         out_init_std=out_std, **kw, name=f"mlp_{i:02d}")
                          for i in range(r.num_layers)]
             self.var_norm = blocks.RMSNorm(d, **kw, name="var_norm")
             self.var = layers.VARChain(
-                d, r.num_heads, r.num_layers,
+                width=d, num_heads=r.num_heads, num_layers=r.num_layers,
                 qv_source="projection" if self.kind == "samovar" else "fixed",
                 use_qv_norm=r.use_qv_norm, use_key_proj=r.use_key_proj, num_channels=r.num_targets,
                 max_tokens=self.fixed_max_tokens, dropout_rate=r.dropout,
-                chunk_size=self.chunk_size, **kw, name="var")
+                chunk_size=r.chunk_size, **kw, name="var")
             if r.structural != "none":
                 self.structural_matrix = blocks.StructuralMatrix(
                     r.num_heads, r.head_dim, inverse=r.structural == "lu_inverse", **kw, name="structural")

@@ -1,16 +1,20 @@
-"""Test helpers shared by every package: fixed tolerances, golden files, tree comparison.
+"""Test helpers shared by every package: fixed tolerances, golden files and their command line
+(`golden_parser`, `check_golden_files`: `python -m <package>.convert --check FILE.npz ...`), tree comparison.
 
 Tolerances are constants on purpose: a test that needs a looser one must say why in review,
 never loosen it locally (see the developers' guide).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import zipfile
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from zoo_core import checks
 
 # Fixed tolerances (style.md §4.7).
 F32_SIMPLE = dict(rtol=1e-5, atol=1e-5)   # single kernels / layers in float32
@@ -58,6 +62,44 @@ def golden_excess(actual, expected) -> float:
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch: got {a.shape}, golden has {e.shape}")
     return float(np.max(np.abs(a - e) - (GOLDEN_ATOL + GOLDEN_RTOL * np.abs(e)), initial=-np.inf))
+
+
+def golden_parser(prog: str, description: str, files_help: str) -> argparse.ArgumentParser:
+    """The command line of a package's golden check: `--check FILE.npz ...` (each an existing file; a
+    leading '~' is the home folder), the usage line on a bad argument."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--check", nargs="+", metavar="FILE.npz", required=True, type=checks.existing_file,
+                        help=files_help)
+    return parser
+
+
+def check_golden_files(paths: Sequence[str],
+                       check_file: Callable[[str], Iterable[tuple[str, float]]]) -> int:
+    """Checks every golden file and prints one line per compared output; the exit status.
+
+    Args:
+      paths: golden files (`Golden`).
+      check_file: one file -> (description, excess) per output, `excess` as `golden_excess` (<= 0
+        is within |port - golden| <= GOLDEN_ATOL + GOLDEN_RTOL |golden|). An exception fails that file
+        only: its line says `ERROR` and the other files are still checked.
+
+    Returns:
+      0 if every output of every file is within the criterion, else 1 (for `sys.exit`).
+    """
+    ok = True
+    for path in paths:
+        try:
+            rows = list(check_file(path))
+        except Exception as e:  # noqa: BLE001  report every file, then fail
+            print(f"{path}: ERROR {type(e).__name__}: {e}")
+            ok = False
+            continue
+        for text, excess in rows:
+            ok &= excess <= 0
+            print(f"{path}: {text} {'ok' if excess <= 0 else 'FAIL'}")
+    print(f"all within {GOLDEN_ATOL:.0e} + {GOLDEN_RTOL:.0e}|golden|".replace("e-0", "e-") if ok
+          else "golden check FAILED")
+    return 0 if ok else 1
 
 
 def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float) -> None:

@@ -30,14 +30,14 @@ def test_filter_coefficients_and_response():
     model = Model(kind="uea_classifier", variant="tiny", num_classes=3, feat_dim=2, max_len=T,
                   order=2, basis="monomial", learn_c0=True)
     params = _model_params(model, {"inputs": np.zeros((B, T, 2), np.float32)})
-    coeffs = analysis.filter_coefficients({"params": params})
+    coeffs = analysis.filter_coefficients_of({"params": params})
     assert list(coeffs) == ["block_00/attention", "block_01/attention"]
     # learn_c0 at init: every coefficient is tanh(0) = 0, so the filter is identically 0.
     s, g = analysis.filter_response(params, basis="monomial", num_points=11)
     assert s.shape == (11,) and all(np.all(gi == 0.0) for gi in g.values())
     params["block_01"]["attention"]["theta_0"] = np.float32(0.2)
     params["block_01"]["attention"]["theta"] = np.array([0.5, -1.0], np.float32)
-    c = analysis.filter_coefficients(params)["block_01/attention"]
+    c = analysis.filter_coefficients_of(params)["block_01/attention"]
     np.testing.assert_allclose(c, np.tanh([0.2, 0.5, -1.0]), **F32_SIMPLE)
     s, g = analysis.filter_response(params, basis="monomial", num_points=5)
     np.testing.assert_allclose(g["block_01/attention"], c[0] + c[1] * s + c[2] * s ** 2,

@@ -162,9 +162,8 @@ def test_blocks_and_encoders_merge_aux(kind):
     v = {"params": _perturb_thetas(model.init(jax.random.key(9), batch)["params"])}
     _, aux = model.apply(v, batch)
     if kind == "lra_classifier":
-        enc = model_lib.LRAEncoder(**{k: getattr(model, k) for k in (
-            "vocab_size", "max_len", "d_model", "mlp_dim", "num_heads", "head_dim", "num_layers",
-            "order", "alpha", "beta", "ortho_weight")})
+        enc = model_lib.LRAEncoder(model_lib.BlockConfig.from_module(model), model.vocab_size,
+                                   model.num_layers)
         _, enc_aux = enc.apply({"params": v["params"]["encoder"]}, IDS,
                                (IDS != 0).astype(jnp.float32))
         weight = 1.0

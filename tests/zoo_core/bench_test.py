@@ -123,12 +123,12 @@ def test_run_scaling_collects_each_records_garbage_with_the_callers_objects_froz
         gc.unfreeze()
 
 
-def test_write_json_and_plot(tmp_path):
+def test_write_records_and_plot(tmp_path):
     records = bench.run_scaling(["a"], [16, 32, 512], _make_gram, repeats=1, max_bytes=2**16,
                                 mem_factor=1.0, ref_n=64)
-    path = bench.write_json(tmp_path / "out" / "r.json", records, dict(benchmark="test"))
+    path = bench.write_records(tmp_path / "out" / "r.json", records, dict(benchmark="test"))
     data = json.loads(path.read_text())
-    assert data["meta"]["benchmark"] == "test"
+    assert data["meta"]["benchmark"] == "test" and not list(path.parent.glob("*.tmp"))
     assert data["meta"]["backend"] == "cpu" and data["meta"]["jax"] == jax.__version__
     assert data["meta"]["ref_gflops"] == max(r.ref_gflops for r in records if r.ref_gflops)
     assert [r["status"] for r in data["records"]] == ["ok", "ok", "skipped"]

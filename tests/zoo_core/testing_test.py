@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from zoo_core import testing
 
@@ -21,3 +22,23 @@ def test_exported_program_resolves_platform_dependent_for_the_target():
     assert testing.while_loops(testing.exported_program(per_platform, x, platform="cpu")) == 1
     spec = jax.ShapeDtypeStruct((16, 4), jnp.float32)
     assert "stablehlo.reduce" in testing.exported_program(jnp.sum, spec, platform="tpu")
+
+
+def test_the_golden_command_line_reports_every_file_then_fails(tmp_path, capsys):
+    def check_file(path):
+        if path == "broken":
+            raise ValueError("not a golden")
+        return [("output/y", -1.0), ("output/z", 0.5 if path == "bad" else -0.5)]
+
+    assert testing.check_golden_files(["good"], check_file) == 0
+    assert capsys.readouterr().out.splitlines() == ["good: output/y ok", "good: output/z ok",
+                                                    "all within 1e-5 + 1e-5|golden|"]
+    assert testing.check_golden_files(["broken", "bad", "good"], check_file) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "broken: ERROR ValueError: not a golden" and "bad: output/z FAIL" in out
+    assert "good: output/z ok" in out and out[-1] == "golden check FAILED"
+    (tmp_path / "g.npz").write_bytes(b"")
+    parser = testing.golden_parser("python -m pkg.convert", "Goldens.", "golden files")
+    assert parser.parse_args(["--check", str(tmp_path / "g.npz")]).check == [str(tmp_path / "g.npz")]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--check", str(tmp_path / "missing.npz")])

@@ -12,7 +12,7 @@ bench`; `bench.run_scaling`, `bench.train_step_setup`, ...):
   since the trainer reads it too and must not import the harness.
 * `zoo_core.bench.sweep`: `run_scaling`, the sweep over cases x sequence lengths producing `Result`
   records, and their table (`format_table`).
-* `zoo_core.bench.report`: `write_json`, `plot`, `machine_meta`, and the scaling scripts' command line
+* `zoo_core.bench.report`: `write_records`, `plot`, `machine_meta`, and the scaling scripts' command line
   (`scaling_parser`, `parse_scaling_args`, `run_and_report`).
 * `zoo_core.bench.train_step`: `train_step_setup`, the trainer's own compiled train step with its state
   and one fixed batch, built by the trainer's setup (`zoo_core.run.setup`), so that a benchmark times
@@ -22,7 +22,7 @@ A scaling script reduces to a `make_fn(case, n) -> (fn, args)` closure; see
 `benchmarks/softmax_attention.py`.
 """
 from zoo_core.bench.report import (SCALING_LENGTHS, _measured_bytes, machine_meta, parse_scaling_args, plot,
-                                   run_and_report, scaling_parser, write_json)
+                                   run_and_report, scaling_parser, write_records)
 from zoo_core.bench.sweep import (CALIBRATE_MIN_BYTES, CPU_MEMORY_FACTOR, OK, OOM, SKIPPED, Result, format_table,
                                   materialize, run_scaling)
 from zoo_core.bench.timing import (DEFAULT_MEMORY_FRACTION, ROOFLINE_HEADER, best_bounds, default_bandwidth_bytes,
@@ -34,7 +34,7 @@ from zoo_core.costs import compiled_memory, cost_of, memory_of
 
 __all__ = [
     "SCALING_LENGTHS", "machine_meta", "parse_scaling_args", "plot", "run_and_report", "scaling_parser",
-    "write_json", "CALIBRATE_MIN_BYTES", "CPU_MEMORY_FACTOR", "OK", "OOM", "SKIPPED", "Result", "format_table",
+    "write_records", "CALIBRATE_MIN_BYTES", "CPU_MEMORY_FACTOR", "OK", "OOM", "SKIPPED", "Result", "format_table",
     "materialize", "run_scaling", "DEFAULT_MEMORY_FRACTION", "ROOFLINE_HEADER", "best_bounds",
     "default_bandwidth_bytes", "default_max_bytes", "device_memory", "format_roofline", "machine_bounds",
     "process_memory", "reference_bandwidth", "reference_matmul", "reset_peak_rss", "roofline", "time_jitted",

@@ -1,4 +1,4 @@
-"""Benchmark reports: the machine's description (`machine_meta`), records written as JSON (`write_json`) and
+"""Benchmark reports: the machine's description (`machine_meta`), records written as JSON (`write_records`) and
 plotted (`plot`), and the command line and report shared by the scaling scripts in benchmarks/
 (`scaling_parser`, `parse_scaling_args`, `run_and_report`).
 """
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import platform
@@ -19,6 +18,8 @@ import numpy as np
 from zoo_core import checks
 from zoo_core.bench.sweep import OK, Result, as_dicts, format_table, run_scaling
 from zoo_core.bench.timing import default_bandwidth_bytes, default_max_bytes, psutil, reference_bandwidth, roofline
+from zoo_core.run.metrics import write_json
+
 
 def machine_meta() -> dict[str, Any]:
     """Versions, backend, device and CPU facts, load and the XLA settings that affect timings."""
@@ -58,9 +59,10 @@ def _jaxlib_version() -> str | None:
         return None
 
 
-def write_json(path: str | os.PathLike, records: Iterable[Result | dict],
-               meta: dict[str, Any] | None = None) -> pathlib.Path:
-    """Writes `{'meta': machine_meta() | meta, 'records': [...]}` to `path` (parents created).
+def write_records(path: str | os.PathLike, records: Iterable[Result | dict],
+                  meta: dict[str, Any] | None = None) -> pathlib.Path:
+    """Writes `{'meta': machine_meta() | meta, 'records': [...]}` to `path` (parents created) with the
+    trainer's atomic JSON writer (`zoo_core.run.metrics.write_json`).
 
     `meta['ref_gflops']` defaults to the best reference GFLOP/s among the records.
 
@@ -74,8 +76,7 @@ def write_json(path: str | os.PathLike, records: Iterable[Result | dict],
     full.update(meta or {})
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(dict(meta=full, records=rows), indent=1, default=_json_default)
-    path.write_text(text + "\n")
+    write_json(path, dict(meta=full, records=rows), default=_json_default)
     return path
 
 
@@ -221,7 +222,7 @@ def run_and_report(args: argparse.Namespace, make_fn: Callable, *, name: str, me
                             dict(peak_gflops=r.ref_gflops, peak_gbps=peak_gbps))
             r.bound_s, r.frac_roofline = line["bound_s"], line["frac_bound"]
     out = pathlib.Path(args.out_dir)
-    write_json(out / f"{name}.json", records, dict(meta, max_bytes=args.max_bytes, peak_gbps=peak_gbps))
+    write_records(out / f"{name}.json", records, dict(meta, max_bytes=args.max_bytes, peak_gbps=peak_gbps))
     plot(records, out / f"{name}.png", max_bytes=args.max_bytes, title=title)
     print(format_table(records))
     print(f"wrote {out}/{name}.{{json,png}}")

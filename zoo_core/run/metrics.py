@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -74,14 +74,19 @@ def _drop_records_after(path: str, step: int) -> None:
     _replace(path, "".join(kept))
 
 
-def write_json(path: str, obj: Any) -> None:
-    """Writes `obj` as indented JSON to `path` atomically (config.json is what a resume reads)."""
-    _replace(path, json.dumps(obj, indent=2, sort_keys=True))
+def write_json(path: str | os.PathLike, obj: Any, *,
+               default: Optional[Callable[[Any], Any]] = None) -> None:
+    """Writes `obj` as indented JSON to `path` atomically (config.json is what a resume reads).
+
+    `default`: `json.dumps`'s converter of values JSON has no type for (None: such a value raises).
+    """
+    _replace(path, json.dumps(obj, indent=2, sort_keys=True, default=default) + "\n")
 
 
-def _replace(path: str, text: str) -> None:
+def _replace(path: str | os.PathLike, text: str) -> None:
     """Writes `text` to `path` through a temporary file and a rename: a kill mid-write leaves the old
     file or the new one, never a torn one."""
+    path = os.fspath(path)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)
