@@ -33,7 +33,7 @@ import numpy as np
 
 from samovar_jax import context_parallel as var_context_parallel
 from samovar_jax import ops
-from samovar_jax.blocks import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
+from samovar_jax.modules import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
 from zoo_core import checks
 from zoo_core.ops import context_parallel, linear_attention, packing, xla_forms
 from zoo_core.ops.dropout import Dropout, keep_mask

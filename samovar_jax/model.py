@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from samovar_jax import baselines, blocks, layers, ops, validation
+from samovar_jax import baselines, layers, modules, ops, validation
 from samovar_jax.validation import FORECASTER_KINDS
 from zoo_core import checks
 from zoo_core.ops.block_config import config_from
@@ -90,7 +90,7 @@ class BlockConfig:
     """The fields a `Forecaster` passes down to its blocks, resolved once from its own fields (the
     zoo's one way, `zoo_core.ops.block_config`; `Forecaster.resolved`): automatic width and heads,
     the per-kind defaults, and the patch counts. The blocks are the zoo's contract layers
-    (`samovar_jax.layers`, `samovar_jax.blocks`), which take explicit fields (house rule 4): the
+    (`samovar_jax.layers`, `samovar_jax.modules`), which take explicit fields (house rule 4): the
     Forecaster reads each one from this config by keyword.
     """
     num_targets: int
@@ -243,12 +243,12 @@ class Forecaster(nn.Module):
         kw = dict(dtype=r.dtype, param_dtype=r.param_dtype)
         d = r.width
         out_std = 0.02 / math.sqrt(2 * r.num_layers)                        # samovar.md §5 (c_proj)
-        self.tokenizer = blocks.ARXTokenizer(patch_len=self.patch_len, num_channels=self.num_channels,
+        self.tokenizer = modules.ARXTokenizer(patch_len=self.patch_len, num_channels=self.num_channels,
                                              num_targets=r.num_targets, width=d, univariate=self.univariate,
                                              **kw, name="tokenizer")
-        self.embedding = blocks.ARXEmbedding(num_targets=r.num_targets, max_tokens=2 * r.max_patches, width=d,
+        self.embedding = modules.ARXEmbedding(num_targets=r.num_targets, max_tokens=2 * r.max_patches, width=d,
                                              with_types=self.kind != "lintrans", **kw, name="embedding")
-        self.pre_norm = blocks.RMSNorm(d, **kw, name="pre_norm")
+        self.pre_norm = modules.RMSNorm(d, **kw, name="pre_norm")
         self.token_dropout = Dropout(r.dropout)
         if self.kind == "lintrans":
             self.blocks = [
@@ -256,10 +256,10 @@ class Forecaster(nn.Module):
                                      out_init_std=out_std, chunk_size=r.chunk_size, **kw, name=f"block_{i:02d}")
                 for i in range(r.num_layers)]
         else:
-            self.mlps = [blocks.MLPBlock(width=d, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,
+            self.mlps = [modules.MLPBlock(width=d, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,
                                          out_init_std=out_std, **kw, name=f"mlp_{i:02d}")
                          for i in range(r.num_layers)]
-            self.var_norm = blocks.RMSNorm(d, **kw, name="var_norm")
+            self.var_norm = modules.RMSNorm(d, **kw, name="var_norm")
             self.var = layers.VARChain(
                 width=d, num_heads=r.num_heads, num_layers=r.num_layers,
                 qv_source="projection" if self.kind == "samovar" else "fixed",
@@ -267,10 +267,10 @@ class Forecaster(nn.Module):
                 max_tokens=self.fixed_max_tokens, dropout_rate=r.dropout,
                 chunk_size=r.chunk_size, **kw, name="var")
             if r.structural != "none":
-                self.structural_matrix = blocks.StructuralMatrix(
+                self.structural_matrix = modules.StructuralMatrix(
                     r.num_heads, r.head_dim, inverse=r.structural == "lu_inverse", **kw, name="structural")
-        self.final_norm = blocks.RMSNorm(d, **kw, name="final_norm")
-        self.head = blocks.dense(self.patch_len, name="head", **kw)
+        self.final_norm = modules.RMSNorm(d, **kw, name="final_norm")
+        self.head = modules.dense(self.patch_len, name="head", **kw)
 
     # ------------------------------------------------------------------ pieces
 

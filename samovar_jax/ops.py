@@ -1,6 +1,6 @@
 """Pure kernels of SAMoVAR (Lu & Yang, "Linear Transformers as VAR Models", ICML 2025, arXiv:2502.07244).
 
-Everything here is a plain `jnp` function with no parameters; the Flax layers (`layers.py`, `blocks.py`) own the
+Everything here is a plain `jnp` function with no parameters; the Flax layers (`layers.py`, `modules.py`) own the
 weights and call these. Section numbers refer to the project spec `samovar.md`, which follows the
 released code (LJC-FVNR/Structural-Aligned-Mixture-of-VAR @ 4e2581f).
 

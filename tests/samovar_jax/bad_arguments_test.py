@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from samovar_jax import blocks, context_parallel, ops
+from samovar_jax import modules, context_parallel, ops
 from samovar_jax.layers import LinearAttention, LinTransBlock, VARChain
 
 B, T, E, H, L = 2, 8, 8, 2, 2
@@ -116,10 +116,10 @@ ROWS = [
                                                                       segment_ids=IDS.astype(np.float32)),
      "`segment_ids` must be integers"),
     ("block width", lambda: LinTransBlock(E, 3, 16).init(KEY, X), "divisible by `num_heads`"),
-    ("rms norm width", lambda: blocks.RMSNorm(8).init(KEY, np.ones((2, 1), np.float32)), "[..., 8]"),
-    ("embedding positions", lambda: blocks.ARXEmbedding(num_targets=1, max_tokens=4, width=E).init(KEY, jnp.arange(6)),
+    ("rms norm width", lambda: modules.RMSNorm(8).init(KEY, np.ones((2, 1), np.float32)), "[..., 8]"),
+    ("embedding positions", lambda: modules.ARXEmbedding(num_targets=1, max_tokens=4, width=E).init(KEY, jnp.arange(6)),
      "token positions must be in [0, max_tokens=4)"),
-    ("tokenizer segments", lambda: blocks.ARXTokenizer(5, 3, 2, E).init(KEY, np.ones((B, 2, 4, 5), np.float32)),
+    ("tokenizer segments", lambda: modules.ARXTokenizer(5, 3, 2, E).init(KEY, np.ones((B, 2, 4, 5), np.float32)),
      "segments"),
 ]
 
