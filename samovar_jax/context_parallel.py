@@ -32,7 +32,6 @@ import functools
 from typing import Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from samovar_jax import ops
