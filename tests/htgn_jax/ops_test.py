@@ -373,7 +373,7 @@ def _softmax_forms(q, k, v):
         "noncausal_max_masked": attn(key_mask=mask, eps=0.0),
         "causal_chunked": attn(causal=True, chunk_size=3),
         # (the recurrent form is a lax.scan of la.causal_step, so this covers the step too)
-        "causal_recurrent": attn(causal=True, causal_impl="recurrent"),
+        "causal_scan": attn(causal=True, causal_impl="scan"),
     }
 
 
