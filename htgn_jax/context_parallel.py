@@ -40,13 +40,8 @@ def shard_key_max(values: Array, segment_ids: Optional[Array], *, axis_name: str
     local = ops.row_max(values, segment_ids)
     if segment_ids is None:
         return jax.lax.pmax(local, axis_name)
-    start = packing.starts(segment_ids)
-    gather = lambda x: jax.lax.all_gather(x, axis_name)                       # [P, ...]
-    first_max, last_max = gather(local[:, 0]), gather(local[:, -1])          # [P, B, H]
-    whole = gather(~jnp.any(start, axis=1))                                  # [P, B]: one run
-    first_ids, last_ids = gather(segment_ids[:, 0]), gather(segment_ids[:, -1])
-    # continues[j]: shard j's first document is shard j-1's last one.
-    continues = jnp.concatenate([jnp.zeros_like(whole[:1]), first_ids[1:] == last_ids[:-1]], axis=0)
+    start, whole, continues = _neighbours(segment_ids, axis_name)
+    first_max, last_max = (jax.lax.all_gather(x, axis_name) for x in (local[:, 0], local[:, -1]))  # [P, B, H]
     continued = jnp.concatenate([continues[1:], jnp.zeros_like(whole[:1])], axis=0)
     flip = lambda x: jnp.flip(x, axis=0)
     # The max of the document open at the end (left) or the start (right) of each shard.
@@ -57,6 +52,32 @@ def shard_key_max(values: Array, segment_ids: Optional[Array], *, axis_name: str
     from_right = jnp.where(continued[p][:, None], right[jnp.minimum(p + 1, size - 1)], -jnp.inf)
     out = jnp.where(packing.first_segment(start)[..., None], jnp.maximum(local, from_left[:, None]), local)
     return jnp.where(packing.last_segment(start)[..., None], jnp.maximum(out, from_right[:, None]), out)
+
+
+def shard_positions(segment_ids: Array, *, axis_name: str) -> Array:
+    """Inside `shard_map`: `packing.positions_from_segments` of the whole sequence at this shard's
+    tokens `[B, T_p]`: a document that began in earlier shards continues its positions, offset by
+    its tokens there (a gated sum of the shards' last-document lengths, `packing.gated_prefix`)."""
+    local = packing.positions_from_segments(segment_ids)
+    start, whole, continues = _neighbours(segment_ids, axis_name)
+    last_length = jax.lax.all_gather(local[:, -1] + 1, axis_name)                    # [P, B]
+    to_b = lambda x: jnp.moveaxis(x, 0, 1)
+    entering, _ = packing.gated_prefix(to_b(whole & continues), [to_b(last_length)],
+                                       [jnp.zeros_like(last_length[0])])
+    p = jax.lax.axis_index(axis_name)
+    offset = jnp.where(continues[p], jnp.take(entering[0], p, axis=1), 0)             # [B]
+    return jnp.where(packing.first_segment(start) & (segment_ids > 0), local + offset[:, None], local)
+
+
+def _neighbours(segment_ids: Array, axis_name: str):
+    """(starts `[B, T_p]`, whole `[P, B]`: the shard holds one run, continues `[P, B]`: shard j's
+    first document is shard j-1's last one), from one all-gather of each shard's end ids."""
+    start = packing.starts(segment_ids)
+    gather = lambda x: jax.lax.all_gather(x, axis_name)
+    whole = gather(~jnp.any(start, axis=1))
+    first_ids, last_ids = gather(segment_ids[:, 0]), gather(segment_ids[:, -1])
+    continues = jnp.concatenate([jnp.zeros_like(whole[:1]), first_ids[1:] == last_ids[:-1]], axis=0)
+    return start, whole, continues
 
 
 def _gated_max(keep: Array, values: Array) -> Array:
@@ -97,24 +118,44 @@ def favor(q: Array, k: Array, v: Array, projection: Optional[Array], *, axis_nam
     """`shard_favor` under `jax.shard_map` over `axis_name` of `mesh` (None: the mesh of
     `jax.set_mesh`), the arrays `[B, T, ...]` split along T, Omega replicated. T must divide by the
     axis size; `chunk_size` None = one chunk per shard. Returns `[B, T, H, Dv]`, sharded like q."""
+    size = _axis_size(q.shape[1], axis_name, mesh)
+    body = functools.partial(shard_favor, axis_name=axis_name, feature_map=feature_map, causal=causal,
+                             chunk_size=chunk_size or q.shape[1] // size, eps=eps)
+    return _sharded(lambda omega, **a: body(projection=omega, **a), projection, axis_name, mesh,
+                    q=q, k=k, v=v, mask=mask, segment_ids=segment_ids)
+
+
+def positions(segment_ids: Array, *, axis_name: str, mesh=None) -> Array:
+    """`packing.positions_from_segments` `[B, T]` with T split over `axis_name` (`shard_positions`):
+    no collective grows with T."""
+    _axis_size(segment_ids.shape[1], axis_name, mesh)
+    return _sharded(lambda _, **a: shard_positions(axis_name=axis_name, **a), None, axis_name, mesh,
+                    segment_ids=segment_ids)
+
+
+def _axis_size(t: int, axis_name: str, mesh) -> int:
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if axis_name not in mesh.axis_names:
         fail(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); call under "
              f"jax.set_mesh(mesh) with a sequence axis, or set sequence_axis=None")
-    size, t = mesh.shape[axis_name], q.shape[1]
+    size = mesh.shape[axis_name]
     if t % size:
         fail(f"the sequence length {t} must divide by the {axis_name!r} axis size {size}")
-    body = functools.partial(shard_favor, axis_name=axis_name, feature_map=feature_map, causal=causal,
-                             chunk_size=chunk_size or t // size, eps=eps)
+    return size
+
+
+def _sharded(body, replicated, axis_name: str, mesh, **arrays):
+    """`body(replicated, **arrays)` under `jax.shard_map`: each array `[B, T, ...]` split along T on
+    `axis_name` (None entries passed as None), `replicated` (a pytree, or None) the same on every shard."""
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     spec = P(None, axis_name)
-    arrays = dict(q=q, k=k, v=v, mask=mask, segment_ids=segment_ids)
     given = {name: x for name, x in arrays.items() if x is not None}
     if dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit:
         # an explicit mesh refuses inputs not yet split along T; an Auto one reshards them itself
         given = {n: jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)) for n, x in given.items()}
 
-    def run(omega, *xs):
-        return body(projection=omega, **{**dict.fromkeys(arrays), **dict(zip(given, xs))})
+    def run(shared, *xs):
+        return body(shared, **{**dict.fromkeys(arrays), **dict(zip(given, xs))})
 
     return jax.shard_map(run, mesh=mesh, in_specs=(P(),) + (spec,) * len(given), out_specs=spec)(
-        projection, *given.values())
+        replicated, *given.values())

@@ -226,8 +226,10 @@ class FavorAttention(nn.Module):
         if positions is None:
             if required:
                 fail("`positions` is required to continue from a state with use_rotary=True")
+            if segment_ids is not None and self.sequence_axis is not None:
+                return context_parallel.positions(jnp.asarray(segment_ids), axis_name=self.sequence_axis)
             if segment_ids is not None:   # RoPE restarts at each packed document
-                return packing.positions_from_segments(segment_ids)
+                return packing.positions_from_segments(jnp.asarray(segment_ids))
             return jnp.arange(x.shape[1])
         positions = jnp.asarray(positions)
         if positions.shape not in ((x.shape[1],), tuple(x.shape[:2])):

@@ -26,6 +26,17 @@ Forms (all take the *features*, so every form is tested against every other with
 Masking is NaN-safe: padded keys and values are removed with `jnp.where` (never by multiplying
 with 0), so a padded position holding NaN or 1e30 changes no valid output.
 
+Packed sequences (`segment_ids` `[B, T]`, 0 = padding; issue 42, docs/specs/context_parallel.md §2):
+a packed call gives each document the numbers it gets alone. The causal forms reset their state at
+each document start (`linear_attention`'s packed forms); the global form sums per document
+(`linear_attention.noncausal`'s packed form); a packed cross-attention (`kv_segment_ids` `[B, S]`,
+documents matched by id) merges keys and queries into one row ordered by (id, keys first) and runs
+the packed causal form on it (`_cross_segments`), O((S + T) (M + Dv)) memory. The original's 'max'
+key stabiliser is a max over the whole row (all positions and features of a (batch, head)); since
+it enters the output through `eps`, a row-wide max would let one document change another's numbers
+(by up to eps exp(max_row - max_doc) relative to its features), so packed it is the max over the
+key's own document (`segment_max`), i.e. the original's number for that document alone.
+
 Stabilisers (htgn.md §5.4):
 
 * queries: per-token max over the features (cancels between numerator and denominator);
@@ -73,7 +84,7 @@ import numpy as np
 
 from htgn_jax.random_features import (  # noqa: F401  (the projection's home; ops keeps its names)
     draw_projection, gaussian_iid_random_matrix, gaussian_orthogonal_random_matrix)
-from zoo_core.checks import check_choice, check_int, check_rank, fail
+from zoo_core.checks import check_choice, check_rank, fail
 from zoo_core.ops import linear_attention, masking, packing
 from zoo_core.ops.linear_attention import LinearState, acc_dtype
 
@@ -168,10 +179,11 @@ def _key_valid(k_shape, key_mask, kv_segment_ids):
 
 
 def _check_features(x, projection, key_stabiliser, mask, segment_ids, name="x"):
-    """The user-facing checks of a feature map's arguments (one line each)."""
+    """The user-facing checks of a feature map's arguments (one line each; projection None: not
+    checked here)."""
     check_rank(name, x, 4, "[B, T, H, D]")
-    if projection is not None and (np.ndim(projection) != 2 or np.shape(projection)[1] != np.shape(x)[-1]):
-        fail(f"`projection` must have shape [M, D={np.shape(x)[-1]}], got {tuple(np.shape(projection))}")
+    if projection is not None:
+        _check_projection("softmax", projection, np.shape(x)[-1])
     check_choice("key_stabiliser", key_stabiliser, KEY_STABILISERS)
     masking.check_mask(mask, np.shape(x)[:2])
     packing.check_segment_ids(segment_ids, np.shape(x)[:2])
@@ -302,17 +314,20 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
     """
     check_choice("feature_map", feature_map, KERNEL_MAPS)
     check_rank("q", q, 4, "[B, T, H, D]")
-    _check_features(k, projection, key_stabiliser, key_mask, kv_segment_ids, "k")
-    _check_projection(feature_map, projection)
+    _check_features(k, None, key_stabiliser, key_mask, kv_segment_ids, "k")
+    _check_projection(feature_map, projection, k.shape[-1])
     return _features(q, k, feature_map, projection, _key_valid(np.shape(k), key_mask, kv_segment_ids),
                      eps, key_stabiliser, kv_segment_ids, key_max)
 
 
-def _check_projection(feature_map: str, projection) -> None:
+def _check_projection(feature_map: str, projection, dim: int) -> None:
+    """Omega `[M, D]` is given exactly for the random feature maps."""
     if feature_map in RANDOM_FEATURE_MAPS and projection is None:
         fail(f"`projection` is required for feature_map={feature_map!r}")
     if feature_map not in RANDOM_FEATURE_MAPS and projection is not None:
         fail(f"`projection` must be None for the deterministic feature_map={feature_map!r}")
+    if projection is not None and (np.ndim(projection) != 2 or np.shape(projection)[1] != dim):
+        fail(f"`projection` must have shape [M, D={dim}], got {tuple(np.shape(projection))}")
 
 
 def _features(q, k, feature_map, projection, mask, eps, key_stabiliser, segment_ids=None, key_max=None):
@@ -533,8 +548,7 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
       `[B, T, H, Dv]` in float32 (float64 for float64 inputs).
     """
     check_choice("feature_map", feature_map, FEATURE_MAPS)
-    check_choice("causal_impl", causal_impl, CAUSAL_IMPLS)
-    check_int("chunk_size", chunk_size, 1)
+    check_choice("causal_impl", causal_impl, CAUSAL_IMPLS)   # chunk_size: `causal_chunked` checks it
     _check_attention(q, k, v, key_mask, causal, segment_ids, kv_segment_ids)
     if key_stabiliser is None:
         key_stabiliser = "constant" if causal else "max"
@@ -544,9 +558,7 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
             fail("`projection` must be None for feature_map='exact'")
         kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
         return _exact(q, k, v, _key_valid(k.shape, key_mask, kv_ids), causal, segment_ids, kv_ids)
-    _check_projection(feature_map, projection)
-    if projection is not None and (np.ndim(projection) != 2 or np.shape(projection)[1] != q.shape[-1]):
-        fail(f"`projection` must have shape [M, D={q.shape[-1]}], got {tuple(np.shape(projection))}")
+    _check_projection(feature_map, projection, q.shape[-1])
     kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
     valid = _key_valid(k.shape, key_mask, kv_ids)
     phi_q, phi_k, guard = _features(q, k, feature_map, projection, valid, eps, key_stabiliser, kv_ids)

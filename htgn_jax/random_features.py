@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zoo_core.checks import check_choice, check_int
+
 Array = Any
 
 
@@ -49,12 +51,18 @@ def gaussian_orthogonal_random_matrix(key: Array, num_features: int, dim: int, *
     Returns:
       Omega, `[M, D]`.
     """
-    if not isinstance(num_features, int) or num_features < 1:
-        raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-    if not isinstance(dim, int) or dim < 1:
-        raise ValueError(f"dim must be a positive int, got {dim!r}")
-    if scaling not in (0, 1):
-        raise ValueError(f"scaling must be 0 or 1, got {scaling!r}")
+    _check_shape_args(num_features, dim, scaling)
+    return _orthogonal(key, num_features, dim, scaling, fix_signs, dtype)
+
+
+def _check_shape_args(num_features, dim, scaling=0) -> None:
+    check_int("num_features", num_features, 1)
+    check_int("dim", dim, 1)
+    check_choice("scaling", scaling, (0, 1))
+
+
+def _orthogonal(key, num_features, dim, scaling, fix_signs, dtype):
+    """`gaussian_orthogonal_random_matrix` after its checks."""
     num_blocks = -(-num_features // dim)
 
     # The original splits sequentially (rng, sub = split(rng)) once per block; a Python loop
@@ -82,6 +90,7 @@ def gaussian_orthogonal_random_matrix(key: Array, num_features: int, dim: int, *
 def gaussian_iid_random_matrix(key: Array, num_features: int, dim: int, *,
                                dtype: Any = jnp.float32) -> Array:
     """Unstructured i.i.d. N(0, 1) projection `[M, D]` (the original's unstructured option)."""
+    _check_shape_args(num_features, dim)
     return jax.random.normal(key, (num_features, dim), dtype)
 
 
@@ -109,14 +118,13 @@ def draw_projection(key: Array, feature_step: Array | int | None, *, num_feature
     Returns:
       Omega, `[M, D]`.
     """
-    if not isinstance(redraw_every, int) or redraw_every < 0:
-        raise ValueError(f"redraw_every must be an int >= 0, got {redraw_every!r}")
+    check_int("redraw_every", redraw_every, 0)
+    _check_shape_args(num_features, dim, scaling)
     if feature_step is None or redraw_every == 0:
         index = jnp.zeros((), jnp.uint32)
     else:
         index = (jnp.asarray(feature_step) // redraw_every).astype(jnp.uint32)
     sub = jax.random.fold_in(key, index)
     if orthogonal:
-        return gaussian_orthogonal_random_matrix(sub, num_features, dim, scaling=scaling,
-                                                 fix_signs=fix_signs, dtype=dtype)
-    return gaussian_iid_random_matrix(sub, num_features, dim, dtype=dtype)
+        return _orthogonal(sub, num_features, dim, scaling, fix_signs, dtype)
+    return jax.random.normal(sub, (num_features, dim), dtype)
