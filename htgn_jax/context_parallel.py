@@ -97,11 +97,12 @@ def shard_favor(q: Array, k: Array, v: Array, projection: Optional[Array], *, ax
     `[B, T_p, H, Dv]`, mask and segment_ids `[B, T_p]` (a document may span shards), projection
     Omega `[M, D]` (replicated) or None for 'relu'/'elu'. Returns the normalised `[B, T_p, H, Dv]`,
     the numbers of `FavorAttention.__call__` on one device."""
-    valid = packing.valid(segment_ids, mask) if segment_ids is not None else mask
+    valid = None if mask is None else mask.astype(bool)
+    valid = packing.valid(segment_ids, valid) if segment_ids is not None else valid
     key_max = None if causal else functools.partial(shard_key_max, axis_name=axis_name)
-    phi_q, phi_k, guard = ops.favor_features(
-        q, k, feature_map=feature_map, projection=projection, key_mask=valid, eps=eps,
-        key_stabiliser="constant" if causal else "max", kv_segment_ids=segment_ids, key_max=key_max)
+    # the caller (the layer) checked the arguments: the features' unchecked form
+    phi_q, phi_k, guard = ops._features(q, k, feature_map, projection, valid, eps,
+                                        "constant" if causal else "max", segment_ids, key_max)
     v = masking.zero_padding(v, valid)
     if causal:
         num, den, _ = context_parallel.shard_causal(phi_q, phi_k, v, axis_name=axis_name, chunk_size=chunk_size,
@@ -117,7 +118,8 @@ def favor(q: Array, k: Array, v: Array, projection: Optional[Array], *, axis_nam
           segment_ids: Optional[Array] = None, mesh=None) -> Array:
     """`shard_favor` under `jax.shard_map` over `axis_name` of `mesh` (None: the mesh of
     `jax.set_mesh`), the arrays `[B, T, ...]` split along T, Omega replicated. T must divide by the
-    axis size; `chunk_size` None = one chunk per shard. Returns `[B, T, H, Dv]`, sharded like q."""
+    axis size; `chunk_size` None = one chunk per shard. The arguments are the layer's, checked there.
+    Returns `[B, T, H, Dv]`, sharded like q."""
     size = _axis_size(q.shape[1], axis_name, mesh)
     body = functools.partial(shard_favor, axis_name=axis_name, feature_map=feature_map, causal=causal,
                              chunk_size=chunk_size or q.shape[1] // size, eps=eps)

@@ -244,17 +244,19 @@ class FavorAttention(nn.Module):
             k = hrpe.apply_rotary(k, positions, base=self.rotary_base)
         return q, k, v
 
+    # The layer checked its fields (setup) and arguments (`_inputs`) once: it calls the kernels'
+    # unchecked forms.
     def _features(self, q, k, omega, key_mask, key_stabiliser, segment_ids=None):
-        return ops.favor_features(q, k, feature_map=self.feature_map, projection=omega,
-                                  key_mask=key_mask, eps=self.eps, key_stabiliser=key_stabiliser,
-                                  kv_segment_ids=segment_ids)
+        return ops._features(q, k, self.feature_map, omega, key_mask, self.eps, key_stabiliser,
+                             segment_ids)
 
     def _inputs(self, x: Array, mask: Array | None, name: str = "x",
                 segment_ids: Array | None = None) -> tuple[Array, Array | None]:
-        """x with its padding zeroed, and the valid mask `[B, T]` (mask and, packed, id > 0)."""
+        """x with its padding zeroed, and the bool valid mask `[B, T]` (mask and, packed, id > 0)."""
         check_tokens(name, x, "[B, T, E]")
         if mask is not None:
             check_shape(f"{name}_mask" if name != "x" else "mask", mask, x.shape[:2], "[B, T]")
+            mask = jnp.asarray(mask).astype(bool)
         if segment_ids is not None:
             ids_name = "kv_segment_ids" if name == "memory" else "segment_ids"
             packing.check_segment_ids(segment_ids, x.shape[:2], ids_name)
@@ -293,8 +295,7 @@ class FavorAttention(nn.Module):
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, x, positions)
         if self.feature_map == "exact":
-            y = ops.exact_softmax_attention(q, k, v, key_mask=mask, causal=self.causal,
-                                            segment_ids=segment_ids)
+            y = ops._exact(q, k, v, mask, self.causal, segment_ids, segment_ids)
             return self.out(y.astype(v.dtype), x.shape[-1]), {}
         if self.sequence_axis is not None:
             y = context_parallel.favor(q, k, v, omega, axis_name=self.sequence_axis,
@@ -306,8 +307,7 @@ class FavorAttention(nn.Module):
                                              "constant" if self.causal else "max", segment_ids)
         kw = dict(mask=mask, denominator=True, segment_ids=segment_ids)
         if not self.causal:
-            num, den = ops.favor_parallel(phi_q, phi_k, masking.zero_padding(v, mask),
-                                          segment_ids=segment_ids)
+            num, den = ops._noncausal(phi_q, phi_k, masking.zero_padding(v, mask), segment_ids)
         elif self.chunk_size is None:
             num, den = linear_attention.causal_parallel(phi_q, phi_k, v, **kw)
         else:
@@ -414,12 +414,11 @@ class FavorAttention(nn.Module):
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, memory, None)
         if self.feature_map == "exact":
-            y = ops.exact_softmax_attention(q, k, v, key_mask=memory_mask, segment_ids=segment_ids,
-                                            kv_segment_ids=kv_segment_ids)
+            y = ops._exact(q, k, v, memory_mask, False, segment_ids, kv_segment_ids)
             return self.out(y.astype(v.dtype), x.shape[-1]), {}
         phi_q, phi_k, guard = self._features(q, k, omega, memory_mask, "max", kv_segment_ids)
-        num, den = ops.favor_parallel(phi_q, phi_k, masking.zero_padding(v, memory_mask),
-                                      segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+        num, den = ops._noncausal(phi_q, phi_k, masking.zero_padding(v, memory_mask), segment_ids,
+                                  kv_segment_ids)
         return self._read_out(num, den, guard, v, x.shape[-1]), {}
 
     def cross_cache(self, memory: Array, *, memory_mask: Array | None = None,
@@ -435,9 +434,9 @@ class FavorAttention(nn.Module):
           `LinearState` (float32), computed once per source sequence.
         """
         validation.check_favor_method(self, "cross_cache", causal=False)
-        memory, _ = self._inputs(memory, memory_mask, "memory")
+        memory, memory_mask = self._inputs(memory, memory_mask, "memory")
         k, v = self.key(memory), self.value(memory)
-        # Only the key features are needed; favor_features wants queries too, so pass the keys.
+        # Only the key features are needed; _features wants queries too, so pass the keys.
         _, phi_k, _ = self._features(k, k, self._omega(feature_step, True), memory_mask, "max")
         return ops.cross_cache(phi_k, masking.zero_padding(v, memory_mask))
 
@@ -487,7 +486,7 @@ class FavorAttention(nn.Module):
                      feature_step: Array | int | None = None) -> Array:
         """phi(k) `[B, S, H, M]` of the cross-attention's memory keys (as `cross`, masked)."""
         self._check_kernel("key_features")
-        memory, _ = self._inputs(memory, memory_mask, "memory")
+        memory, memory_mask = self._inputs(memory, memory_mask, "memory")
         k = self.key(memory)
         return self._features(k, k, self._omega(feature_step, True), memory_mask, "max")[1]
 
