@@ -17,6 +17,13 @@ Mechanisms (docs/specs/context_parallel.md):
   shards' states and a local fold), with elu+1 features on raw inputs;
 * `linear_global`: the non-causal global form (a psum of the states);
 * `linear_packed`: `linear` over packed documents of 1,000 tokens (`segment_ids`);
+* `favor`, `favor_global`: HTGN's FAVOR+ (softmax features, M = D random features), causal (the same
+  fold on the features) and global (a psum, and one pmax for the key stabiliser);
+  `htgn_jax.context_parallel.favor`;
+* `var_chain`: SAMoVAR's VAR chain of 3 layers (one all-gather of `[B, H, D, D]` states per layer);
+  `samovar_jax.context_parallel.var_chain`;
+* `softmax`: causal softmax attention by an all-gather of K and V, the baseline (its memory and bytes
+  grow with T: run it at short lengths); `agf_jax.softmax.softmax_context_parallel`;
 * `auto`: the single-device `linear_attention.causal_chunked` with its inputs sharded along T and
   jit's automatic partitioning deciding the collectives, the baseline.
 
@@ -42,14 +49,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from agf_jax import softmax  # noqa: E402
+from htgn_jax import context_parallel as favor_cp, ops as favor_ops  # noqa: E402
+from samovar_jax import context_parallel as var_cp  # noqa: E402
 from zoo_core import bench, checks  # noqa: E402
-from zoo_core.ops import linear_attention  # noqa: E402
-
-from zoo_core.ops import context_parallel
+from zoo_core.ops import context_parallel, linear_attention  # noqa: E402
 from zoo_core.testing import collective_bytes  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-CASES = ("linear", "linear_global", "linear_packed", "auto")
+CASES = ("linear", "linear_global", "linear_packed", "favor", "favor_global", "var_chain", "softmax", "auto")
+VAR_LAYERS = 3
 DOCUMENT = 1000
 
 
@@ -75,6 +84,19 @@ def loss_fn(case: str, mesh, chunk: int):
     feature = lambda x: jax.nn.elu(x) + 1
 
     def loss(q, k, v, ids):
+        if case.startswith("favor"):
+            omega = favor_ops.gaussian_orthogonal_random_matrix(jax.random.PRNGKey(0), q.shape[-1], q.shape[-1])
+            out = favor_cp.favor(q, k, v, omega, axis_name="sequence", feature_map="softmax",
+                                 causal=case == "favor", chunk_size=chunk, eps=1e-4, mesh=mesh)
+            return jnp.sum(out)
+        if case == "softmax":
+            return jnp.sum(softmax.softmax_context_parallel(q, k, v, causal=True, mesh=mesh))
+        if case == "var_chain":
+            # x0 and the layers' queries from the three inputs; values: the chain's own (v = x0 per layer)
+            x0 = jax.nn.tanh(v)
+            qs = jnp.stack([feature(q) * (i + 1) / VAR_LAYERS for i in range(VAR_LAYERS)])
+            vs = jnp.stack([feature(k)] * VAR_LAYERS)
+            return jnp.sum(var_cp.var_chain(x0, qs, vs, chunk_size=chunk, mesh=mesh)[-1])
         q, k = feature(q), feature(k)
         if case == "auto":
             out = linear_attention.causal_chunked(q, k, v, chunk_size=chunk)[0]
@@ -116,7 +138,7 @@ def table(rows: list[dict]) -> str:
         ratio = f"{total / ratio:.3f}" if ratio else "-"
         timed = f"{r['time']['median_s']:.3f}" if "time" in r else "-"
         out.append(f"| {r['case']} | {r['length']:,} | {r['shards']} | {mib(total)} | {ratio} | "
-                   f"{mib(r['moved_bytes'])} | {timed} |")
+                   f"{r['moved_bytes'] / 2**20:,.3f} | {timed} |")
     return "\n".join(out)
 
 

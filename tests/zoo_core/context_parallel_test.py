@@ -152,10 +152,12 @@ def test_the_benchmark_records_memory_bytes_and_time(tmp_path):
     from benchmarks import context_parallel as bench_cp
 
     rows = bench_cp.main(["--lengths", "128", "--shards", "1,2", "--heads", "1", "--head_dim", "4", "--chunk", "16",
-                          "--time_up_to", "128", "--cases", "linear,auto", "--out", str(tmp_path / "cp.json")])
-    assert [(r["case"], r["shards"]) for r in rows] == [("linear", 1), ("linear", 2), ("auto", 1), ("auto", 2)]
-    sharded = rows[1]
-    assert sharded["moved_bytes"] > 0 and sharded["memory"]["total_bytes"] > 0 and sharded["time"]["median_s"] > 0
+                          "--time_up_to", "128", "--cases", "linear,favor,var_chain,softmax,auto",
+                          "--out", str(tmp_path / "cp.json")])
+    cases = ("linear", "favor", "var_chain", "softmax", "auto")
+    assert [(r["case"], r["shards"]) for r in rows] == [(c, p) for c in cases for p in (1, 2)]
+    for sharded in rows[1::2]:
+        assert sharded["moved_bytes"] > 0 and sharded["memory"]["total_bytes"] > 0 and sharded["time"]["median_s"] > 0
     assert (tmp_path / "cp.json").exists()
 
 
