@@ -359,6 +359,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         check_tokens("x", x, "[B, T, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
         packing.check_segment_ids(segment_ids, x.shape[:2])
+        if segment_ids is not None:
+            mask = mask & (jnp.asarray(segment_ids) > 0)
         q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,

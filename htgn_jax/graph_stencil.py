@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax.graph_kl import attention_kl
+from zoo_core.ops import masking
 
 Array = jax.Array
 
@@ -96,6 +97,11 @@ def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
       out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
       wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
     """
+    # A non-edge may hold another document's node (packing) or an old state slot: NaN there must
+    # reach neither the scores nor, through a zero weight, the sum.
+    shared = values is keys
+    keys = masking.zero_padding(keys, valid)
+    values = keys if shared else masking.zero_padding(values, valid)
     slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
     # Logits, softmax and KL in at least float32 (float64 stays float64).
     acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
