@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from htgn_jax.graph_kl import attention_kl, check_kl, distance_prior_logits, neighbour_kl
+from htgn_jax.graph_kl import attention_kl, distance_prior_logits, neighbour_kl
 from htgn_jax.graph_ops import neighbour_attention, unfold, window_distances
 from zoo_core.ops import masking, packing
 
@@ -116,8 +116,7 @@ def causal_window_kl(probs: Array, log_probs: Array, valid: Array, *, window: in
                      kl_tau: float | None = None, kl_mode: str = "prior",
                      skip_offsets: tuple[int, ...] = ()) -> tuple[Array, Array]:
     """(kl_sum, kl_count) of the causal window graph from its token rows' statistics, as
-    `window_graph_attention(..., causal=True)` forms them."""
-    check_kl(kl_tau, kl_mode, window + 1 + len(skip_offsets))
+    `window_graph_attention(..., causal=True)` forms them (options checked by the layer)."""
     if kl_mode == "neighbour":
         return neighbour_kl(probs, log_probs, valid)
     prior = distance_prior_logits(window_distances(window, True, skip_offsets=skip_offsets), 0,

@@ -2,7 +2,8 @@
 
 A window graph is local: token i reads tokens i + o for the stencil offsets o, at most `span` nodes
 away (the window plus the largest skip offset; on a grid, the largest raster offset). So each shard
-needs only a halo: the `span` boundary nodes of each neighbour, received by `jax.lax.ppermute` (the
+needs only a halo: the `span` boundary nodes of each neighbour (one more on the left, whose id
+tells whether the shard's first node starts a document), received by `jax.lax.ppermute` (the
 left neighbour's only, when causal), /work/shared/specs/context_parallel.md §3. The global nodes,
 which read their whole document, and a document's globals that live on another shard travel as a
 few per-shard summaries (`all_gather` of `[P, 2, B, g, H, ...]`); the kernel run on every shard is
@@ -12,7 +13,7 @@ devices depend on the span, g and P, never on the length; packed documents may s
 `window_graph_attention` here takes the arguments of `graph_ops.window_graph_attention` plus the
 mesh axis, and gives its numbers, values and gradients (an unpacked row is one document). Called
 with inputs sharded `P(batch_axis, axis_name)` under `jax.set_mesh(mesh)` (or with `mesh=`); each
-shard must hold at least `span` nodes.
+shard must hold more than `span` nodes.
 """
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ def check_layout(length: int, offsets: Sequence[int], axis_name: Any, mesh=None)
     shards = mesh.shape[axis_name]
     if length % shards:
         fail(f"the sequence length {length} must divide by the {axis_name!r} axis size {shards}")
-    reach = max(max(offsets), 1 - min(offsets))
-    if length // shards < reach:
-        fail(f"each of the {shards} shards holds {length // shards} nodes, fewer than the stencil's "
-             f"reach {reach} (window, skip offsets, grid rows): use fewer shards or a longer sequence")
+    reach = max(abs(o) for o in offsets)
+    if length // shards <= reach:
+        fail(f"each of the {shards} shards holds {length // shards} nodes, not more than the "
+             f"stencil's reach {reach} (window, skip offsets, grid rows): use fewer shards or a "
+             f"longer sequence")
     return shards
 
 

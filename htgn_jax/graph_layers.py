@@ -127,6 +127,9 @@ class _GraphAttentionBase(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
 
     def _setup_common(self, num_offsets: int, with_global_bias: bool) -> None:
+        # The options the kernels read (the causal forms check none themselves).
+        graph_ops.check_kl(self.kl_tau, self.kl_mode, num_offsets + self.num_global)
+        graph_ops.check_negative_slope(self._scoring(), self.negative_slope)
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
@@ -201,6 +204,12 @@ class _GraphAttentionBase(nn.Module):
     def _head_vector(self, name: str, z: Array) -> Array:
         return getattr(self, name)(z.shape[-1]).astype(z.dtype)
 
+    def _scoring(self) -> Any:
+        """The `attn` kind the kernels get: `KERNEL`, None (dot product) or an array marker."""
+        if self.alpha == "attention":
+            return graph_ops.KERNEL
+        return None if self.version == "dot" else ()
+
     def _attn_vector(self, value: Array) -> Array | None:
         """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot',
         the kernel-score marker for alpha='attention'."""
@@ -273,8 +282,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         stencil of radius w (`window_offsets`); not with causal.
       sequence_axis: the mesh axis one sequence is split over (context parallelism by a halo
         exchange, `graph_context_parallel`): `__call__` then runs under `jax.shard_map`, called under
-        `jax.set_mesh(mesh)` with L divisible by the axis size and each shard at least the
-        stencil's reach long, and gives one device's numbers (the causal `chunk_size` forms too).
+        `jax.set_mesh(mesh)` with L divisible by the axis size and each shard longer than the
+        stencil's reach, and gives one device's numbers (the causal `chunk_size` forms too).
         `scan` and `step` are one device's forms whatever it is. None: one device.
       version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
         product, UniMP style); the last two are ablations (htgn.md §5.13).
@@ -315,8 +324,9 @@ class WindowGraphAttention(_GraphAttentionBase):
         if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
             fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         self._has_global_bias = self.num_global > 0
-        num_slots = len(self._offsets)
-        self._setup_common(num_slots, self._has_global_bias)
+        self._offsets = graph_ops.window_offsets(self.window, self.causal, self.grid_width,
+                                                 self.skip_offsets)
+        self._setup_common(len(self._offsets), self._has_global_bias)
 
     def __call__(self, x: Array, *, mask: Array | None = None, segment_ids: Array | None = None,
                  deterministic: bool = True,
@@ -343,11 +353,6 @@ class WindowGraphAttention(_GraphAttentionBase):
             mask = mask & (jnp.asarray(segment_ids) > 0)
         y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
-
-    @property
-    def _offsets(self) -> tuple[int, ...]:
-        return graph_ops.window_offsets(self.window, self.causal, self.grid_width,
-                                        self.skip_offsets)
 
     @property
     def span(self) -> int:

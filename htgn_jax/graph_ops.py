@@ -136,13 +136,20 @@ def window_offsets(window: int, causal: bool = False, grid_width: int | None = N
     """
     check_int("window", window, 0)
     skips = check_skip_offsets(skip_offsets, window)
+    if grid_width is not None:
+        check_int("grid_width", grid_width, 1)
+        if causal:
+            fail("a 2-D stencil (grid_width) has no causal form")
+    return _stencil(window, causal, grid_width, skips)
+
+
+def _stencil(window: int, causal: bool, grid_width: int | None,
+             skips: Sequence[int]) -> tuple[int, ...]:
+    """`window_offsets` for arguments already checked."""
     if grid_width is None:
         if causal:
             return tuple(range(-window, 1)) + tuple(-s for s in skips)
         return tuple(range(-window, window + 1)) + tuple(o for s in skips for o in (-s, s))
-    check_int("grid_width", grid_width, 1)
-    if causal:
-        fail("a 2-D stencil (grid_width) has no causal form")
     return tuple(dr * grid_width + dc for dr, dc in grid_slots(window, skips))
 
 
@@ -151,9 +158,9 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int,
     """bool `[N, K]`: slot (dr, dc) of token i lands in column col(i) + dc within 0..W-1.
 
     Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
-    row(i) + dr is a row of the grid (`unfold` drops the others).
+    row(i) + dr is a row of the grid (`unfold` drops the others). Arguments as checked by
+    `window_offsets`.
     """
-    window_offsets(window, grid_width=grid_width, skip_offsets=skip_offsets)   # checks them
     col = np.arange(num_tokens) % grid_width
     dc = np.asarray([c for _, c in grid_slots(window, skip_offsets)])
     c = col[:, None] + dc[None, :]
@@ -162,8 +169,9 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int,
 
 def window_distances(window: int, causal: bool = False, grid_width: int | None = None,
                      skip_offsets: Sequence[int] = ()) -> np.ndarray:
-    """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
-    offsets = window_offsets(window, causal, grid_width, skip_offsets)   # also checks them
+    """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)
+    (arguments as checked by `window_offsets`)."""
+    offsets = _stencil(window, causal, grid_width, skip_offsets)
     if grid_width is None:
         return np.abs(np.asarray(offsets, np.float64))
     return np.asarray([max(abs(dr), abs(dc)) for dr, dc in grid_slots(window, skip_offsets)],
@@ -192,7 +200,7 @@ def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any
                      kl_mode: Any = "prior", causal: bool = False, grid_width: Any = None,
                      rho: Any = None, cross: bool = False, skip_offsets: Any = (),
                      negative_slope: Any = None, segment_ids: Any = None,
-                     kv_segment_ids: Any = None) -> tuple[int, ...]:
+                     kv_segment_ids: Any = None, positions: Any = None) -> tuple[int, ...]:
     """The arguments of `window_graph_attention` (or, with `cross`, `cross_graph_attention`),
     checked once at the kernel's public entry; returns the stencil offsets.
 
@@ -231,6 +239,9 @@ def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any
     check_negative_slope(attn, negative_slope)
     packing.check_segment_ids(segment_ids, query.shape[:2])
     if cross:
+        if positions is not None and jnp.shape(positions) not in ((query.shape[1],), query.shape[:2]):
+            fail(f"`positions` must have shape [T] or [B, T] = {query.shape[:2]}, got "
+                 f"{jnp.shape(positions)}")
         packing.check_segment_ids(kv_segment_ids, (b, length), "kv_segment_ids")
         if (segment_ids is None) != (kv_segment_ids is None):
             fail("`segment_ids` (queries) and `kv_segment_ids` (memory) are given together or not "
@@ -257,7 +268,7 @@ def packed_arguments(window: int, num_global: int, causal: bool, grid_width: int
                      global_bias: Array | None, heads: int, kl_tau: float | None) -> dict:
     """The static stencil arguments of `graph_packed.packed_window_attention` from the fields of
     `window_graph_attention` (checked by its caller)."""
-    offsets = window_offsets(window, causal, grid_width, skip_offsets)
+    offsets = _stencil(window, causal, grid_width, skip_offsets)
     dc = None if grid_width is None else np.asarray([c for _, c in grid_slots(window, skip_offsets)])
     prior = distance_prior_logits(window_distances(window, causal, grid_width, skip_offsets),
                                   num_global, kl_tau)
@@ -450,7 +461,7 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                                rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
                                kl_mode=kl_mode, rho=rho, cross=True, skip_offsets=skip_offsets,
                                negative_slope=negative_slope, segment_ids=segment_ids,
-                               kv_segment_ids=kv_segment_ids)
+                               kv_segment_ids=kv_segment_ids, positions=positions)
     b, t, heads = query.shape[:3]
     length = key.shape[1]
     mask = masking.as_bool(mask, (b, t), "mask", "[B, T]")
@@ -460,8 +471,6 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     value = key if shared else masking.zero_padding(value, memory_mask)
     if positions is None and segment_ids is None:
         positions = jnp.arange(t)
-    elif positions is not None and jnp.shape(positions) not in ((t,), (b, t)):
-        fail(f"`positions` must have shape [T] or [B, T], got {jnp.shape(positions)}")
     g = num_global
     n = length - g
     tok_mask = memory_mask[:, g:]
