@@ -1,5 +1,5 @@
 """Causal window graph attention (the decoder's WinGAT, htgn.md §3.4 "Causal version", §5.10) in its
-recurrent and chunked forms, as pure `jnp` functions: `causal_window_step` (one token, rolling
+scan, chunked and step forms, as pure `jnp` functions: `causal_window_step` (one token, rolling
 `WindowState` of the last w tokens), `causal_window_scan` (its `lax.scan`) and
 `causal_window_chunked` (chunks of C tokens continuing from a state), which runs
 `causal_window_chunked_scan` (a `lax.scan` over chunks) on the CPU and

@@ -427,7 +427,7 @@ class WindowGraphAttention(_GraphAttentionBase):
     def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
              segment_ids: Array | None = None, deterministic: bool = True,
              features: tuple[Array, Array] | None = None) -> tuple[Array, WindowState]:
-        """Causal recurrent form: projections for the whole sequence, then a token `lax.scan`.
+        """Causal scan form: projections for the whole sequence, then a token `lax.scan`.
 
         Args:
           x: `[B, T, d]`.
@@ -435,7 +435,7 @@ class WindowGraphAttention(_GraphAttentionBase):
           mask: optional `[B, T]`, True = real token.
           segment_ids: optional int `[B, T]` packed documents: the state empties at each document
             start (the first token continues `state`).
-          deterministic: must be True (or dropout_rate 0): the recurrent form has no dropout.
+          deterministic: must be True (or dropout_rate 0): the scan form has no dropout.
 
         Returns:
           (y `[B, T, F]`, equal to `__call__` from an empty state, zero at padded tokens; final
@@ -444,7 +444,7 @@ class WindowGraphAttention(_GraphAttentionBase):
         validation.check_window_graph_method(self, "scan")
         check_tokens("x", x, "[B, T, d]")
         if not deterministic and self.dropout_rate:
-            raise NotImplementedError("attention dropout is not implemented in the recurrent form")
+            raise NotImplementedError("attention dropout is not implemented in the scan form")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
         packing.check_segment_ids(segment_ids, x.shape[:2])
         if segment_ids is not None:

@@ -96,7 +96,7 @@ def check_rho(rho: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Pure kernels (the causal window's recurrent and chunked forms are in `graph_causal`).
+# Pure kernels (the causal window's scan, chunked and step forms are in `graph_causal`).
 # ----------------------------------------------------------------------------------------------
 
 
