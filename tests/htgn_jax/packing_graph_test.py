@@ -133,6 +133,13 @@ def test_cross_graph_packed_equals_each_document_alone(num_global, skips):
         np.testing.assert_array_equal(aux["centres"][:, qs], a["centres"])
         kl += [a["kl_sum"], a["kl_count"]]
     np.testing.assert_allclose([aux["kl_sum"], aux["kl_count"]], kl, rtol=1e-5)
+    # Gradients of a loss summed over the documents equal those of the documents alone.
+    loss = lambda out_aux: jnp.sum(jnp.sin(out_aux[0])) + out_aux[1]["kl_sum"]
+    grads = jax.jit(jax.grad(lambda q, k: loss(run(q, k, ids, kv)), argnums=(0, 1)))(q, k)
+    grad_alone = jax.jit(jax.grad(lambda q, k: loss(run(q, k)), argnums=(0, 1)))
+    for qs, ms in zip(q_spans, m_spans):
+        gq, gk = grad_alone(q[:, qs], k[:, ms])
+        assert_trees_close((grads[0][:, qs], grads[1][:, ms]), (gq, gk), **F32_SIMPLE)
     # NaN in the memory's padding and in the other memory documents changes nothing of document 1.
     k_dirty = np.where((kv != 2)[..., None, None], np.nan, k)
     q_dirty = np.where((ids != 2)[..., None, None], np.nan, q)
