@@ -326,7 +326,7 @@ def _neighbour_kl(st, valid, tok, docs: _Docs, left: int, g: int, axis_name, num
 def packing_valid(segment_ids: Array, mask: Optional[Array]) -> Array:
     """bool `[B, n]`: a real node (segment id > 0 and mask)."""
     real = jnp.asarray(segment_ids) > 0
-    return real if mask is None else real & masking.as_bool(mask, real.shape)
+    return real if mask is None else real & (jnp.asarray(mask) != 0)
 
 
 def cross_neighbours(segment_ids: Array, kv_segment_ids: Array, mask: Array, memory_mask: Array,

@@ -94,7 +94,8 @@ def test_two_shards_equal_one_device():
 
 def test_the_layer_takes_a_sequence_axis():
     """`WindowGraphAttention(sequence_axis='sequence')` under `jax.set_mesh`, x sharded along L: the
-    one-device layer's numbers with the same parameters, packed documents across the shards."""
+    one-device layer's numbers with the same parameters, packed documents across the shards; and the
+    drop-in `attention.make('window_graph', ..., sequence_axis=...)`."""
     mesh = _mesh(2)
     x = np.random.RandomState(3).randn(B, L, 8).astype(np.float32)
     ids = _packed()
@@ -106,6 +107,16 @@ def test_the_layer_takes_a_sequence_axis():
             xs = jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
             got = jax.jit(lambda p, x: split.apply(p, x, segment_ids=ids))(params, xs)
         assert_trees_close(got, plain.apply(params, x, segment_ids=ids), **F32_SIMPLE)
+    # The registry's drop-in passes the field through: attention.make(..., sequence_axis=NAME).
+    from zoo_core import attention
+
+    kw = dict(num_heads=H, qkv_features=8, window=2)
+    plain = attention.make("window_graph", **kw)
+    split = attention.make("window_graph", sequence_axis="sequence", **kw)
+    params = plain.init(jax.random.PRNGKey(1), x)
+    with jax.set_mesh(mesh):
+        got = jax.jit(split.apply)(params, jax.device_put(x, NamedSharding(mesh, P(None, "sequence"))))
+    assert_trees_close(got, plain.apply(params, x), **F32_SIMPLE)
 
 
 def test_bytes_between_devices_do_not_grow_with_the_length():
