@@ -27,11 +27,11 @@ from typing import Any, Callable, NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import graph_causal, graph_context_parallel, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
-from htgn_jax.layers import HeadsOutput, flat_init
+from htgn_jax.graph_heads import HeadProjection, HeadVector
+from htgn_jax.layers import HeadsOutput
 from zoo_core.ops import masking, packing
 from zoo_core.checks import check_rank, check_tokens, fail
 
@@ -53,48 +53,6 @@ class CrossGraphCache(NamedTuple):
     value: Array
     mask: Array
     key: Optional[Array] = None
-
-
-def _resolve_head_dim(width: int, num_heads: int, head_dim: int | None, arg: str) -> int:
-    if head_dim is not None:
-        return head_dim
-    if width % num_heads:
-        fail(f"width of `{arg}` ({width}) is not divisible by num_heads={num_heads}; "
-              f"set head_dim explicitly")
-    return width // num_heads
-
-
-class _HeadProjection(nn.Module):
-    """x `[..., d]` -> `[..., H, D]` without bias; D = head_dim, or d // H when head_dim is None.
-
-    Compact on purpose: the kernel shape may follow the input width, which setup() cannot see.
-    """
-    num_heads: int
-    head_dim: int | None
-    arg: str
-    dtype: Any
-    param_dtype: Any
-    kernel_init: Initializer
-
-    @nn.compact
-    def __call__(self, x: Array, head_dim: int | None = None) -> Array:
-        d = x.shape[-1]
-        hd = head_dim or _resolve_head_dim(d, self.num_heads, self.head_dim, self.arg)
-        kernel = self.param("kernel", flat_init(self.kernel_init, 1), (d, self.num_heads, hd),
-                            self.param_dtype)
-        x, kernel = promote_dtype(x, kernel, dtype=self.dtype)
-        return jnp.einsum("...d,dhk->...hk", x, kernel)
-
-
-class _HeadVector(nn.Module):
-    """A per-head vector `[H, D]` (GAT attention vector a_h); D is given at call time."""
-    num_heads: int
-    param_dtype: Any
-    init: Initializer
-
-    @nn.compact
-    def __call__(self, head_dim: int) -> Array:
-        return self.param("vector", self.init, (self.num_heads, head_dim), self.param_dtype)
 
 
 class _GraphAttentionBase(nn.Module):
@@ -134,17 +92,17 @@ class _GraphAttentionBase(nn.Module):
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
         if self.alpha == "attention":      # scores come from the attention layer's features
-            self.source = _HeadProjection(arg=self._source_arg, **proj)
+            self.source = HeadProjection(arg=self._source_arg, **proj)
         elif self.version in ("v2", "dot"):
-            self.target = _HeadProjection(arg="x", **proj)
-            self.source = _HeadProjection(arg=self._source_arg, **proj)
+            self.target = HeadProjection(arg="x", **proj)
+            self.source = HeadProjection(arg=self._source_arg, **proj)
             if self.version == "v2":
-                self.attn = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+                self.attn = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         else:
             # v1 (GAT): one projection W for both ends, two attention halves a = [a_t ; a_s].
-            self.source = _HeadProjection(arg=self._source_arg, **proj)
-            self.attn_target = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
-            self.attn_source = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+            self.source = HeadProjection(arg=self._source_arg, **proj)
+            self.attn_target = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+            self.attn_source = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         if self.use_relative_bias:
             self.rel_bias = self.param("rel_bias", self.bias_init, (h, num_offsets),
                                        self.param_dtype)
