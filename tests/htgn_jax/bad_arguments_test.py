@@ -1,4 +1,4 @@
-"""Every boundary error of HTGN's graph kernels and layers (issue 43 item 2): one table, `ROWS`, of
+"""Every boundary error of HTGN's kernels and layers (issue 43 item 2): one table, `ROWS`, of
 (id, call, fragment): `call` must raise a ValueError or TypeError whose message holds `fragment` and
 is one line. The kernels check their arguments once at their public entry, the layers their fields in
 setup and their inputs at each method; everything raises while tracing, before anything compiles."""
@@ -14,6 +14,7 @@ from htgn_jax import WindowState
 from htgn_jax import graph_context_parallel as GCP
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
+from tests.htgn_jax.bad_argument_rows_favor import FAVOR_ROWS
 
 B, N, H, D, W, NG = 2, 7, 2, 4, 2, 2      # batch, tokens, heads, head dim, window, globals
 WIDTH = H * D
@@ -181,7 +182,7 @@ ROWS = [
     ("cross-rho", lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), _X, _X), "`rho`"),
     ("cross-segment-ids-alone", lambda: _init(_CROSS, _X, _X, segment_ids=np.ones((B, N + NG), np.int32)),
      "are given together or not at all"),
-]
+] + FAVOR_ROWS   # FAVOR+, HRPE and the random features: tests/htgn_jax/bad_argument_rows_favor.py
 
 
 @pytest.mark.parametrize("call,fragment", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
