@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
-from agf_jax.factors import MASK_OFFSET, agf_factors, as_float, check_projections, orthogonality_loss
-from zoo_core.ops import masking, xla_forms
+from agf_jax.factors import (MASK_OFFSET, agf_factors, as_float, check_projections, document_softmax,
+                             left_factor, orthogonality_loss, packed_orthogonality)
+from zoo_core.ops import guard, linear_attention, masking, packing, xla_forms
 
 Array = jax.Array
 
@@ -22,8 +23,8 @@ Array = jax.Array
 def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                            basis: str = "jacobi", alpha: Optional[float] = None,
                            beta: Optional[float] = None, mask: Optional[Array] = None,
-                           count_padding: bool = True,
-                           spectrum: Optional[Array] = None) -> tuple[Array, Array]:
+                           count_padding: bool = True, spectrum: Optional[Array] = None,
+                           segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
     """`(agf_parallel(...), orthogonality_loss(...))` of the non-causal layer in one pass.
 
     The training form of the non-causal layer (agf.md §2.2-2.6): the same numbers as the two
@@ -44,11 +45,17 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
         count_padding: as in `orthogonality_loss`.
         spectrum: None, or `[H, D]` fixed singular values (`left_factor`; the Table 6 variants,
             which have no polynomial filter): computed by `agf_with_orthogonality_plain`.
+        segment_ids: None, or int `[B, T]` packed documents (0 = padding): `agf_packed`.
 
     Returns:
         (o `[B, T, H, M]`, regulariser `[B]`), float32 (float64 for float64 inputs).
     """
     check_projections(zu, zv, zs, val)
+    masking.check_mask(mask, jnp.shape(zu)[:2])
+    packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
+    if segment_ids is not None:
+        return agf_packed(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                          count_padding=count_padding, spectrum=spectrum, segment_ids=segment_ids)
     if spectrum is not None:
         # The hand-written backward differentiates the polynomial filter; the variants have none.
         return agf_with_orthogonality_plain(zu, zv, zs, val, coeffs, mask=mask,
@@ -83,6 +90,31 @@ def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Optional[Array], val:
     kv = jnp.einsum("bthd,bthm->bhdm", f.v, as_float(masking.zero_padding(val, mask)).astype(f.v.dtype))
     o = jnp.einsum("bthd,bhdm->bthm", f.u * f.g, kv)
     return o, orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
+
+
+def agf_packed(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
+               segment_ids: Array, basis: str = "jacobi", alpha: Optional[float] = None,
+               beta: Optional[float] = None, mask: Optional[Array] = None, count_padding: bool = True,
+               spectrum: Optional[Array] = None) -> tuple[Array, Array]:
+    """`agf_with_orthogonality` of packed documents: each document as if alone (autodiff).
+
+    V is the softmax over the token's own document (`document_softmax`), so the output
+    O_t = (U_t * g_t) sum_{j in doc(t)} V_j (x) Val_j is packed non-causal linear attention with
+    queries U * g, keys V and values Val (`zoo_core.ops.linear_attention.noncausal`, O(T) memory,
+    no per-document table); the regulariser is `packed_orthogonality`. A non-finite Z_V or Val
+    at a valid position makes its document's outputs NaN, and no other document's. Arguments
+    and result as in `agf_with_orthogonality` (trusted: checked there).
+    """
+    a = masking.zero_padding(left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta,
+                                         spectrum=spectrum), segment_ids > 0)
+    valid = packing.valid(segment_ids, mask)
+    zv_m = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET).astype(a.dtype)
+    val = as_float(masking.zero_padding(val, valid)).astype(a.dtype)
+    bad = guard.nonfinite(zv_m, val)
+    v, doc_bad = document_softmax(guard.clean(zv_m, bad, -MASK_OFFSET), segment_ids, bad)
+    o, _ = linear_attention.noncausal(a, v, guard.clean(val, bad), segment_ids=segment_ids)
+    o = guard.poison(o, doc_bad & masking.expand(segment_ids > 0, 3))
+    return o, packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
 
 
 def _agf_head_forward(zu, zv, zs, val, coeffs, valid, basis, count_padding):

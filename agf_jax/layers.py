@@ -40,7 +40,7 @@ from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
 from zoo_core import checks
-from zoo_core.ops import xla_forms
+from zoo_core.ops import packing, xla_forms
 from zoo_core.ops.dropout import Dropout, keep_mask
 
 Array = jax.Array
@@ -231,7 +231,7 @@ class AGFAttention(_Attention):
         o = self.dropout(o.astype(self._compute_dtype(x)), deterministic=deterministic)
         return self._out(o, x.shape[-1])
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
         """Parallel form (chunked if `chunk_size` is set).
 
@@ -239,6 +239,9 @@ class AGFAttention(_Attention):
             x: `[B, T, E]`.
             mask: `[B, T]` key-padding mask (bool, True = valid; 0/1 accepted), applied to V (and
                 Val) only as in the reference; padded rows of y are not zeroed.
+            segment_ids: int `[B, T]` packed documents (0 = padding; `zoo_core.ops.packing`): each
+                document is computed as if alone (V over its own tokens, the causal state cut at
+                its start), and the regulariser of a row is the mean of its documents'.
             deterministic: disables dropout (uses the 'dropout' rng when dropout_rate > 0).
 
         Returns:
@@ -248,24 +251,27 @@ class AGFAttention(_Attention):
             `[H, D]` (all float32).
         """
         validation.check_inputs(x, mask)
+        packing.check_segment_ids(segment_ids, jnp.shape(x)[:2])
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
+        packed = dict(segment_ids=segment_ids) if segment_ids is not None else {}
         if not self.causal:
             # The output and the regulariser in one pass (a hand-written backward pass, or
             # autodiff of the plain maths inside xla_forms.plain('agf_backward')).
-            fused = (ops.agf_with_orthogonality_plain if xla_forms.is_plain("agf_backward")
+            fused = (ops.agf_with_orthogonality_plain
+                     if xla_forms.is_plain("agf_backward") and not packed
                      else ops.agf_with_orthogonality)
             o, ortho = fused(zu, zv, zs, val, c, mask=mask, count_padding=self.ortho_count_padding,
-                             **self._basis_kwargs())
+                             **packed, **self._basis_kwargs())
         else:
             if self.chunk_size is not None:
                 o, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size, mask=mask,
-                                       **self._basis_kwargs())
+                                       **packed, **self._basis_kwargs())
             else:
                 o = ops.agf_parallel(zu, zv, zs, val, c, mask=mask, causal=True,
-                                     **self._basis_kwargs())
-            ortho = ops.orthogonality_loss(zu, zv, mask=mask,
-                                           count_padding=self.ortho_count_padding)
+                                     **packed, **self._basis_kwargs())
+            ortho = ops.orthogonality_loss(zu, zv, mask=mask, count_padding=self.ortho_count_padding,
+                                           **packed)
         ortho = self.ortho_scale * ortho
         aux = {"loss/orthogonality": jnp.mean(ortho), "orthogonality/per_sample": ortho,
                "filter/coefficients": c}
@@ -297,22 +303,25 @@ class AGFAttention(_Attention):
         return ops.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
 
     def scan(self, x: Array, state: Optional[AGFState] = None, *, mask: Optional[Array] = None,
-             deterministic: bool = True) -> tuple[Array, AGFState]:
-        """Recurrent form: projections for the whole sequence, then `jax.lax.scan` of pure maths.
+             segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, AGFState]:
+        """Token recurrence: projections for the whole sequence, then `jax.lax.scan` of pure maths.
 
         Args:
             x: `[B, T, E]`.
             state: `AGFState` of the preceding tokens, or None (empty).
             mask: `[B, T]` or None.
+            segment_ids: int `[B, T]` packed documents or None: the state is emptied at each
+                document start (the first token continues `state`).
             deterministic: as in `__call__`.
 
         Returns:
             (y `[B, T, E']`, final state).
         """
         validation.check_scan(self, x, mask)
+        packing.check_segment_ids(segment_ids, jnp.shape(x)[:2])
         zu, zv, zs, val = self._project(x)
-        o, state = ops.agf_recurrent(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
-                                     **self._basis_kwargs())
+        o, state = ops.agf_scan(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
+                                segment_ids=segment_ids, **self._basis_kwargs())
         return self._finish(o, x, deterministic), state
 
     def step(self, state: AGFState, x_t: Array) -> tuple[Array, AGFState]:

@@ -107,7 +107,7 @@ CASES = [
      r"mask"),
     (_ops, dict(call=("agf_chunked", (Z, Z, Z, Z, np.ones(2)), dict(chunk_size=0))),
      r"chunk_size"),
-    (_ops, dict(call=("agf_recurrent", (Z, Z, Z, Z, np.ones(2)),
+    (_ops, dict(call=("agf_scan", (Z, Z, Z, Z, np.ones(2)),
                       dict(state=ops.init_state(B, H, D + 1, D)))), r"state"),
 ]
 
