@@ -189,12 +189,18 @@ def _merge_from_empty(left, right):
 
 def _chunked(zu, zv, zs, val, coeffs, *, chunk_size, basis, alpha, beta, mask, state, spectrum,
              segment_ids):
-    """The padded chunk inputs of both chunked forms: (a, zv, val `[B, n, C, H, *]`, start
-    `[B, n, C]` or None, state, poisoned `[B, T, H]`); tail padding has Z_V = -inf (weight 0,
-    max unchanged), A = 0, Val = 0, and continues the last document."""
-    a, zv, val, poisoned = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha,
-                                          beta=beta, mask=mask, segment_ids=segment_ids,
-                                          spectrum=spectrum)
+    """The padded chunk inputs of both chunked forms (`_to_chunks`)."""
+    inputs = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                            segment_ids=segment_ids, spectrum=spectrum)
+    return _to_chunks(inputs, chunk_size, state, segment_ids)
+
+
+def _to_chunks(inputs: _Causal, chunk_size: int, state: Optional[AGFState],
+               segment_ids: Optional[Array]):
+    """(a, zv, val `[B, n, C, H, *]`, start `[B, n, C]` or None, state, poisoned `[B, T, H]`);
+    tail padding has Z_V = -inf (weight 0, max unchanged), A = 0, Val = 0, and continues the last
+    document."""
+    a, zv, val, poisoned = inputs
     state = _as_state(state, a, val)
     b, t = a.shape[:2]
     n = -(-t // chunk_size)
@@ -385,7 +391,11 @@ def agf_chunked_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, 
 
 
 def _chunked_parallel(zu, zv, zs, val, coeffs, **kw) -> tuple[Array, AGFState]:
-    a, zv, val, start, state, poisoned = _chunked(zu, zv, zs, val, coeffs, **kw)
+    return _all_chunks(*_chunked(zu, zv, zs, val, coeffs, **kw))
+
+
+def _all_chunks(a, zv, val, start, state, poisoned) -> tuple[Array, AGFState]:
+    """`agf_chunked_parallel` on the chunks of `_to_chunks`."""
     b, n = a.shape[:2]
     # Each chunk's own partial sums, relative to its maximum (finite: every chunk holds a token
     # that is not tail padding, in its last document too).

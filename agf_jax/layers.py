@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from agf_jax import context_parallel as agf_context_parallel
 from agf_jax import ops
 from agf_jax import softmax as softmax_ops
 from agf_jax import validation
@@ -166,6 +167,12 @@ class AGFAttention(_Attention):
         out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
+        sequence_axis: None (one device holds each sequence), or the mesh axis the sequence is
+            split over (context parallelism, `agf_jax.context_parallel`): `__call__` then runs
+            under `jax.shard_map`, called under `jax.set_mesh(mesh)` with x sharded along T, and
+            gives the single-device numbers (T must divide by the axis size; a causal layer
+            without `chunk_size` runs chunks of min(T / P, 64)). `scan` and `step` stay one
+            device's. Packed rows (`segment_ids`) take it in the causal form's output only.
 
     Traced inside `zoo_core.ops.xla_forms.plain(...)` (timing only; same parameters and values), the
     layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
@@ -186,9 +193,12 @@ class AGFAttention(_Attention):
     ortho_scale: float = 1.0
     ortho_count_padding: bool = False
     theta_init: Initializer = nn.initializers.zeros_init()
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         validation.check_agf_fields(self)
+        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
+            checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
         if self.graph_filter == "agf":
@@ -255,7 +265,9 @@ class AGFAttention(_Attention):
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
         packed = dict(segment_ids=segment_ids) if segment_ids is not None else {}
-        if not self.causal:
+        if self.sequence_axis is not None:
+            o, ortho = self._context_parallel(zu, zv, zs, val, c, mask, segment_ids)
+        elif not self.causal:
             # The output and the regulariser in one pass (a hand-written backward pass, or
             # autodiff of the plain maths inside xla_forms.plain('agf_backward')).
             fused = (ops.agf_with_orthogonality_plain
@@ -278,6 +290,19 @@ class AGFAttention(_Attention):
         if self.graph_filter == "svd":
             aux["filter/singular_values"] = self.spectrum()
         return self._finish(o, x, deterministic), aux
+
+    def _context_parallel(self, zu, zv, zs, val, c, mask, segment_ids):
+        """(o, regulariser) with T split over `sequence_axis` (`agf_jax.context_parallel`)."""
+        if segment_ids is not None:
+            checks.fail("`segment_ids` with `sequence_axis`: the per-document regulariser over shards is "
+                        "not built; call agf_jax.context_parallel.causal for the packed causal output")
+        kw = dict(axis_name=self.sequence_axis, mask=mask, **self._basis_kwargs())
+        if not self.causal:
+            return agf_context_parallel.noncausal(zu, zv, zs, val, c, count_padding=self.ortho_count_padding,
+                                                  **kw)
+        o = agf_context_parallel.causal(zu, zv, zs, val, c, chunk_size=self.chunk_size, **kw)
+        return o, agf_context_parallel.orthogonality(zu, zv, axis_name=self.sequence_axis, mask=mask,
+                                                     count_padding=self.ortho_count_padding)
 
     def factors(self, x: Array, *, mask: Optional[Array] = None) -> dict:
         """Singular-domain intermediates for analysis (float32).

@@ -143,9 +143,10 @@ def shard_noncausal(q: Array, k: Array, v: Array, *, axis_name: str, mask: Optio
     return num, den
 
 
-def _sharded(body, mesh, axis_name: str, batch_axis: Optional[str], arrays: dict, out_specs):
+def sharded(body, mesh, axis_name: str, batch_axis: Optional[str], arrays: dict, out_specs):
     """`body(**arrays)` under `jax.shard_map`, each array `[B, T, ...]` split along T on `axis_name`
-    and along B on `batch_axis` (None: not split); None entries are passed as None."""
+    and along B on `batch_axis` (None: not split); None entries are passed as None. Shared by the
+    mechanisms' context-parallel wrappers (this module's, `agf_jax.context_parallel`)."""
     given = {name: x for name, x in arrays.items() if x is not None}
     spec = P(batch_axis, axis_name)
 
@@ -166,11 +167,11 @@ def causal(q: Array, k: Array, v: Array, *, chunk_size: int, mesh=None, axis_nam
     """`linear_attention.causal_chunked` with the sequence split over `axis_name` of `mesh` (None: the
     mesh of `jax.set_mesh`). T must divide by the axis size. Returns (num `[B, T, H, M]`, den
     `[B, T, H]` or None), sharded like the inputs."""
-    _check_length(q.shape[1], mesh, axis_name)
+    check_length(q.shape[1], mesh, axis_name)
     body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size,
                              denominator=denominator)
     spec = P(batch_axis, axis_name)
-    return _sharded(lambda **a: body(**a)[:2], mesh, axis_name, batch_axis,
+    return sharded(lambda **a: body(**a)[:2], mesh, axis_name, batch_axis,
                     dict(q=q, k=k, v=v, mask=mask, segment_ids=segment_ids), (spec, spec if denominator else None))
 
 
@@ -180,15 +181,16 @@ def noncausal(q: Array, k: Array, v: Array, *, mesh=None, axis_name: str = "sequ
               segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
     """`linear_attention.noncausal` (self-attention lengths, T = S) with the sequence split over
     `axis_name`; arguments and results as in `causal`."""
-    _check_length(q.shape[1], mesh, axis_name)
+    check_length(q.shape[1], mesh, axis_name)
     body = functools.partial(shard_noncausal, axis_name=axis_name, denominator=denominator)
     spec = P(batch_axis, axis_name)
-    return _sharded(body, mesh, axis_name, batch_axis,
+    return sharded(body, mesh, axis_name, batch_axis,
                     dict(q=q, k=k, v=v, mask=mask, query_mask=query_mask, segment_ids=segment_ids),
                     (spec, spec if denominator else None))
 
 
-def _check_length(t: int, mesh, axis_name: str) -> None:
+def check_length(t: int, mesh, axis_name: str) -> None:
+    """The mesh (None: `jax.set_mesh`'s) has `axis_name`, and the length t divides by its size."""
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if axis_name not in mesh.axis_names:
         raise ValueError(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); build it "
