@@ -142,7 +142,9 @@ def causal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array,
            spectrum: Optional[Array] = None, **basis) -> Array:
     """`forms.agf_chunked`'s output with the sequence split over `axis_name` of `mesh` (None: the
     mesh of `jax.set_mesh`); T must divide by the axis size. Returns y `[B, T, H, M]`, sharded like
-    the inputs. `basis`: basis, alpha, beta."""
+    the inputs. `basis`: basis, alpha, beta; chunk_size None: min(T / P, `CHUNK`)."""
+    forms.check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids,
+                          chunk_size=chunk_size or CHUNK)
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
     body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size, **basis)
     run = lambda **x: body(coeffs=coeffs, spectrum=spectrum, **x)                   # noqa: E731
@@ -157,6 +159,7 @@ def noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Arr
               spectrum: Optional[Array] = None, **basis) -> tuple[Array, Array]:
     """`fused.agf_with_orthogonality` with the sequence split over `axis_name`: (o `[B, T, H, M]`
     sharded like the inputs, regulariser `[B]`); arguments as in `causal`."""
+    forms.check_arguments(zu, zv, zs, val, mask=mask)
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
     body = functools.partial(shard_noncausal, axis_name=axis_name, count_padding=count_padding, **basis)
     run = lambda **x: body(coeffs=coeffs, spectrum=spectrum, **x)                   # noqa: E731
@@ -170,6 +173,7 @@ def orthogonality(zu: Array, zv: Array, *, mesh=None, axis_name: str = "sequence
                   count_padding: bool = True) -> Array:
     """`factors.orthogonality_loss` `[B]` with the sequence split over `axis_name` (the causal
     layer's regulariser); arguments as in `causal`."""
+    forms.check_arguments(zu, zv, None, None, mask=mask)
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
     body = functools.partial(shard_orthogonality, axis_name=axis_name, count_padding=count_padding)
     return context_parallel.sharded(body, mesh, axis_name, batch_axis, dict(zu=zu, zv=zv, mask=mask),

@@ -148,7 +148,7 @@ def _merge_sums(left, right):
     return m, jnp.exp(m1 - m) * z1 + jnp.exp(m2 - m) * z2, b1 | b2
 
 
-def document_softmax(zv: Array, segment_ids: Array, bad: Optional[Array] = None) -> tuple[Array, Array]:
+def _document_softmax(zv: Array, segment_ids: Array, bad: Optional[Array] = None) -> tuple[Array, Array]:
     """V of packed documents: the softmax of each (head, feature) over the tokens of the token's
     own document (agf.md §2.2, per document; docs/specs/context_parallel.md §2).
 
@@ -232,7 +232,7 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
     """
     check_projections(zu, zv)
     if segment_ids is not None:
-        return packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
+        return _packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
     valid = None if mask is None or count_padding else masking.expand(mask, 3)     # [B, T, 1]
     eye = jnp.eye(zu.shape[-1], dtype=jnp.promote_types(zu.dtype, jnp.float32))
     total = 0.0
@@ -246,7 +246,7 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
     return total / (zu.shape[2] * zu.shape[3] ** 2)
 
 
-def packed_orthogonality(zu: Array, zv: Array, segment_ids: Array, *, mask: Optional[Array] = None,
+def _packed_orthogonality(zu: Array, zv: Array, segment_ids: Array, *, mask: Optional[Array] = None,
                          count_padding: bool = True) -> Array:
     """`orthogonality_loss` of packed documents, `[B]` (arguments there). A non-finite Z_U or Z_V
     in a document makes its regulariser NaN, as the document alone gives, and no other's."""
@@ -256,7 +256,7 @@ def packed_orthogonality(zu: Array, zv: Array, segment_ids: Array, *, mask: Opti
     u = masking.zero_padding(u, segment_ids > 0 if count_padding else valid)
     bad = guard.nonfinite(zv, u)
     zv, u = guard.clean(zv, bad, -MASK_OFFSET), guard.clean(u, bad)
-    v, doc_bad = document_softmax(zv, segment_ids, bad)
+    v, doc_bad = _document_softmax(zv, segment_ids, bad)
     total, docs = _document_penalty(u, v, segment_ids, jnp.any(doc_bad, axis=-1))
     h, d = zu.shape[2:]
     return total / (h * d * d) / jnp.maximum(docs, 1)

@@ -11,9 +11,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
-from agf_jax.factors import (MASK_OFFSET, agf_factors, as_float, check_projections, document_softmax,
-                             left_factor, orthogonality_loss, packed_orthogonality)
+from agf_jax.basis import _basis_and_derivative_iter, resolve_basis, spectrum_filter
+from agf_jax.factors import (MASK_OFFSET, _document_softmax, _packed_orthogonality, agf_factors, as_float,
+                             check_projections, left_factor, orthogonality_loss)
 from zoo_core.ops import guard, linear_attention, masking, packing, xla_forms
 
 Array = jax.Array
@@ -45,7 +45,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
         count_padding: as in `orthogonality_loss`.
         spectrum: None, or `[H, D]` fixed singular values (`left_factor`; the Table 6 variants,
             which have no polynomial filter): computed by `agf_with_orthogonality_plain`.
-        segment_ids: None, or int `[B, T]` packed documents (0 = padding): `agf_packed`.
+        segment_ids: None, or int `[B, T]` packed documents (0 = padding): `_agf_packed`.
 
     Returns:
         (o `[B, T, H, M]`, regulariser `[B]`), float32 (float64 for float64 inputs).
@@ -54,14 +54,16 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
     masking.check_mask(mask, jnp.shape(zu)[:2])
     packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
     if segment_ids is not None:
-        return agf_packed(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+        return _agf_packed(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
                           count_padding=count_padding, spectrum=spectrum, segment_ids=segment_ids)
     if spectrum is not None:
         # The hand-written backward differentiates the polynomial filter; the variants have none.
         return agf_with_orthogonality_plain(zu, zv, zs, val, coeffs, mask=mask,
                                             count_padding=count_padding, spectrum=spectrum)
+    if jnp.ndim(coeffs) != 1:
+        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {jnp.shape(coeffs)}")
     a, b = resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
-    valid = masking.as_bool(mask, jnp.shape(zu)[:2])
+    valid = jnp.ones(jnp.shape(zu)[:2], bool) if mask is None else jnp.asarray(mask) != 0
     dtype = jnp.result_type(*(as_float(x) for x in (zu, zv, zs, val)))
     coeffs = jnp.asarray(coeffs).astype(dtype)
     out, reg = [], 0.0
@@ -92,16 +94,16 @@ def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Optional[Array], val:
     return o, orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
 
 
-def agf_packed(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
+def _agf_packed(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                segment_ids: Array, basis: str = "jacobi", alpha: Optional[float] = None,
                beta: Optional[float] = None, mask: Optional[Array] = None, count_padding: bool = True,
                spectrum: Optional[Array] = None) -> tuple[Array, Array]:
     """`agf_with_orthogonality` of packed documents: each document as if alone (autodiff).
 
-    V is the softmax over the token's own document (`document_softmax`), so the output
+    V is the softmax over the token's own document (`_document_softmax`), so the output
     O_t = (U_t * g_t) sum_{j in doc(t)} V_j (x) Val_j is packed non-causal linear attention with
     queries U * g, keys V and values Val (`zoo_core.ops.linear_attention.noncausal`, O(T) memory,
-    no per-document table); the regulariser is `packed_orthogonality`. A non-finite Z_V or Val
+    no per-document table); the regulariser is `_packed_orthogonality`. A non-finite Z_V or Val
     at a valid position makes its document's outputs NaN, and no other document's. Arguments
     and result as in `agf_with_orthogonality` (trusted: checked there).
     """
@@ -111,10 +113,10 @@ def agf_packed(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Ar
     zv_m = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET).astype(a.dtype)
     val = as_float(masking.zero_padding(val, valid)).astype(a.dtype)
     bad = guard.nonfinite(zv_m, val)
-    v, doc_bad = document_softmax(guard.clean(zv_m, bad, -MASK_OFFSET), segment_ids, bad)
+    v, doc_bad = _document_softmax(guard.clean(zv_m, bad, -MASK_OFFSET), segment_ids, bad)
     o, _ = linear_attention.noncausal(a, v, guard.clean(val, bad), segment_ids=segment_ids)
     o = guard.poison(o, doc_bad & masking.expand(segment_ids > 0, 3))
-    return o, packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
+    return o, _packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
 
 
 def _agf_head_forward(zu, zv, zs, val, coeffs, valid, basis, count_padding):
@@ -123,8 +125,7 @@ def _agf_head_forward(zu, zv, zs, val, coeffs, valid, basis, count_padding):
     kind, a, b = basis
     u = jax.nn.softmax(zu, axis=-1)
     s = jax.nn.sigmoid(zs)
-    g = graph_filter(s, coeffs, basis=kind, alpha=a if kind == "jacobi" else None,
-                     beta=b if kind == "jacobi" else None)
+    g = spectrum_filter(s, coeffs, kind, a, b)
     keep = valid[:, :, None]
     v = jax.nn.softmax(jnp.where(keep, zv, -MASK_OFFSET), axis=1)
     val = jnp.where(keep, val, 0.0)
@@ -158,9 +159,7 @@ def _agf_head_backward(basis, count_padding, res, cotangents):
     # variadic reduce, so dG and P_k are read once rather than K+1 times.
     s = jax.lax.optimization_barrier(s)
     dg_ds, terms = None, []
-    for k, (p, dp) in enumerate(basis_and_derivative_iter(
-            s, coeffs.shape[0] - 1, kind, a if kind == "jacobi" else None,
-            b if kind == "jacobi" else None)):
+    for k, (p, dp) in enumerate(_basis_and_derivative_iter(s, coeffs.shape[0] - 1, kind, a, b)):
         dg_ds = coeffs[k] * dp if dg_ds is None else dg_ds + coeffs[k] * dp
         terms.append(dg * p)
     rows = jax.lax.reduce(tuple(terms), tuple(jnp.zeros((), t.dtype) for t in terms),

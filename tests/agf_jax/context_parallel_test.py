@@ -133,15 +133,6 @@ def test_the_layer_takes_a_sequence_axis(causal):
     assert_trees_close((y, aux), (want, want_aux), **F32_SIMPLE)
 
 
-def test_bad_axis_is_one_line():
-    x = jnp.zeros((B, T, 8))
-    with pytest.raises(ValueError, match="`sequence_axis` must be a mesh axis name or None"):
-        AGFAttention(num_heads=H, head_dim=D, sequence_axis=3).init(jax.random.key(0), x)
-    (zu, zv, zs, val), _ = _inputs(t=T + 1)
-    with pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
-        context_parallel.causal(zu, zv, zs, val, COEFFS, chunk_size=CHUNK, mesh=_mesh(2))
-
-
 def test_bytes_between_devices_do_not_grow_with_the_length():
     """Forward and backward over 2 devices at T and 4T: the collectives move the same bytes (the
     summaries' all-gather, the global sums' psum, and their transposes)."""

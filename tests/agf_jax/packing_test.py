@@ -189,13 +189,3 @@ def test_layer_packed_equals_each_document_alone(causal, chunk):
         y_scan, _ = jax.jit(functools.partial(layer.apply, segment_ids=IDS, method="scan"))(params, x)
         valid = IDS > 0
         assert_trees_close(y_scan[valid], y[valid], **F32_SIMPLE)
-
-
-def test_bad_segment_ids_are_one_line():
-    layer = AGFAttention(num_heads=H, head_dim=D)
-    x = jnp.zeros((B, T, 8))
-    params = layer.init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\]"):
-        layer.apply(params, x, segment_ids=IDS[:, :-1])
-    with pytest.raises(ValueError, match="`segment_ids` must be integers"):
-        ops.agf_chunked(*_inputs(), COEFFS, chunk_size=3, segment_ids=IDS.astype(np.float32))
