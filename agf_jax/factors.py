@@ -160,32 +160,40 @@ def _document_softmax(zv: Array, segment_ids: Array, bad: Optional[Array] = None
     Returns:
         (V `[B, T, H, D]`, bool `[B, T, H]`: the token's document holds a bad position).
     """
-    start = packing.starts(segment_ids)
-    t = zv.shape[1]
-    bad = jnp.zeros(zv.shape[:3], bool) if bad is None else bad
-    # Inclusive sums per document (one gated scan), read at each document's last token.
-    _, (m, z, doc_bad) = jax.lax.associative_scan(
-        gated(_merge_sums), (start, (zv, jnp.ones_like(zv), bad)), axis=1)
-    end = jnp.concatenate([start[:, 1:], jnp.ones_like(start[:, :1])], axis=1)
-    last = jax.lax.cummin(jnp.where(end, jnp.arange(t), t), axis=1, reverse=True)     # [B, T]
-    m, z, doc_bad = (jnp.take_along_axis(x, last.reshape(last.shape + (1,) * (x.ndim - 2)), axis=1)
-                     for x in (m, z, doc_bad))
+    m, z, doc_bad = _document_totals(zv, packing.starts(segment_ids), bad)
     v = jnp.exp(zv - m) / z
     return masking.zero_padding(v, segment_ids > 0), doc_bad
+
+
+def _document_totals(zv: Array, start: Array, bad: Optional[Array] = None):
+    """Per token, (max, sum exp(Z_V - max), any bad) of its document: zv `[B, T, H, D]`, start bool
+    `[B, T]` (the first token continues), bad `[B, T, H, ...]` or None -> leaves like the inputs.
+    One gated scan of inclusive sums, read at each document's last token."""
+    t = zv.shape[1]
+    bad = jnp.zeros(zv.shape[:3], bool) if bad is None else bad
+    _, totals = jax.lax.associative_scan(gated(_merge_sums), (start, (zv, jnp.ones_like(zv), bad)), axis=1)
+    end = jnp.concatenate([start[:, 1:], jnp.ones_like(start[:, :1])], axis=1)
+    last = jax.lax.cummin(jnp.where(end, jnp.arange(t), t), axis=1, reverse=True)     # [B, T]
+    return tuple(jnp.take_along_axis(x, last.reshape(last.shape + (1,) * (x.ndim - 2)), axis=1)
+                 for x in totals)
 
 
 # Chunk length of the packed regulariser's scan (its Gram matrices are [B, C, H, D, D]).
 GRAM_CHUNK = 32
 
 
-def _document_penalty(u: Array, v: Array, segment_ids: Array, poisoned: Array) -> Array:
+def _document_penalty(u: Array, v: Array, segment_ids: Array, poisoned: Array, initial=None,
+                      open_end: Optional[Array] = None) -> Array:
     """sum over each row's documents of sum |U^T U - I| + sum |V^T V - I| (the Grams of the
     document alone) and the number of documents, `[B]` each. A `lax.scan` over chunks of
     `GRAM_CHUNK` tokens carries the open document's Grams `[B, H, D, D]`; no per-document table.
-    A document `poisoned` (bool `[B, T]`, read at its last token) adds NaN."""
+    A document `poisoned` (bool `[B, T]`, read at its last token) adds NaN. Context parallelism:
+    `initial` (Gu, Gv) enters the first document, and where `open_end` `[B]` the last document
+    does not end here."""
     b, t, h, d = u.shape
     start = packing.starts(segment_ids)
-    end = jnp.concatenate([start[:, 1:], jnp.ones_like(start[:, :1])], axis=1) & (segment_ids > 0)
+    last = jnp.ones_like(start[:, :1]) if open_end is None else ~open_end[:, None]
+    end = jnp.concatenate([start[:, 1:], last], axis=1) & (segment_ids > 0)
     c = min(GRAM_CHUNK, t)
     n = -(-t // c)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2))
@@ -203,7 +211,7 @@ def _document_penalty(u: Array, v: Array, segment_ids: Array, poisoned: Array) -
         penalty = jnp.where(poisoned_c, jnp.nan, penalty)
         return tuple(final), jnp.sum(jnp.where(end_c, penalty, 0.0), axis=1)
 
-    empty = (jnp.zeros((b, h, d, d), u.dtype),) * 2
+    empty = (jnp.zeros((b, h, d, d), u.dtype),) * 2 if initial is None else tuple(initial)
     _, sums = jax.lax.scan(body, empty, tuple(map(chunks, (u, v, start, end, poisoned))))
     return jnp.sum(sums, axis=0), jnp.sum(end, axis=1)
 
@@ -247,16 +255,22 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
 
 
 def _packed_orthogonality(zu: Array, zv: Array, segment_ids: Array, *, mask: Optional[Array] = None,
-                         count_padding: bool = True) -> Array:
+                          count_padding: bool = True) -> Array:
     """`orthogonality_loss` of packed documents, `[B]` (arguments there). A non-finite Z_U or Z_V
     in a document makes its regulariser NaN, as the document alone gives, and no other's."""
+    zv, u, bad = _packed_factors(zu, zv, segment_ids, mask, count_padding)
+    v, doc_bad = _document_softmax(zv, segment_ids, bad)
+    total, docs = _document_penalty(u, v, segment_ids, jnp.any(doc_bad, axis=-1))
+    h, d = zu.shape[2:]
+    return total / (h * d * d) / jnp.maximum(docs, 1)
+
+
+def _packed_factors(zu, zv, segment_ids, mask, count_padding):
+    """The regulariser's masked Z_V and U `[B, T, H, D]` (U's rows of id 0 zeroed, and its masked
+    rows unless `count_padding`), non-finite rows replaced, and where they were (`[B, T, H]`)."""
     valid = packing.valid(segment_ids, mask)
     zv = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET)
     u = jax.nn.softmax(as_float(zu), axis=-1).astype(zv.dtype)
     u = masking.zero_padding(u, segment_ids > 0 if count_padding else valid)
     bad = guard.nonfinite(zv, u)
-    zv, u = guard.clean(zv, bad, -MASK_OFFSET), guard.clean(u, bad)
-    v, doc_bad = _document_softmax(zv, segment_ids, bad)
-    total, docs = _document_penalty(u, v, segment_ids, jnp.any(doc_bad, axis=-1))
-    h, d = zu.shape[2:]
-    return total / (h * d * d) / jnp.maximum(docs, 1)
+    return guard.clean(zv, bad, -MASK_OFFSET), guard.clean(u, bad), bad

@@ -172,7 +172,7 @@ class AGFAttention(_Attention):
             under `jax.shard_map`, called under `jax.set_mesh(mesh)` with x sharded along T, and
             gives the single-device numbers (T must divide by the axis size; a causal layer
             without `chunk_size` runs chunks of min(T / P, 64)). `scan` and `step` stay one
-            device's. Packed rows (`segment_ids`) take it in the causal form's output only.
+            device's. Packed documents (`segment_ids`) may span shards.
 
     Traced inside `zoo_core.ops.xla_forms.plain(...)` (timing only; same parameters and values), the
     layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
@@ -293,16 +293,13 @@ class AGFAttention(_Attention):
 
     def _context_parallel(self, zu, zv, zs, val, c, mask, segment_ids):
         """(o, regulariser) with T split over `sequence_axis` (`agf_jax.context_parallel`)."""
-        if segment_ids is not None:
-            checks.fail("`segment_ids` with `sequence_axis`: the per-document regulariser over shards is "
-                        "not built; call agf_jax.context_parallel.causal for the packed causal output")
-        kw = dict(axis_name=self.sequence_axis, mask=mask, **self._basis_kwargs())
+        kw = dict(axis_name=self.sequence_axis, mask=mask, segment_ids=segment_ids)
         if not self.causal:
             return agf_context_parallel.noncausal(zu, zv, zs, val, c, count_padding=self.ortho_count_padding,
-                                                  **kw)
-        o = agf_context_parallel.causal(zu, zv, zs, val, c, chunk_size=self.chunk_size, **kw)
-        return o, agf_context_parallel.orthogonality(zu, zv, axis_name=self.sequence_axis, mask=mask,
-                                                     count_padding=self.ortho_count_padding)
+                                                  **kw, **self._basis_kwargs())
+        o = agf_context_parallel.causal(zu, zv, zs, val, c, chunk_size=self.chunk_size, **kw,
+                                        **self._basis_kwargs())
+        return o, agf_context_parallel.orthogonality(zu, zv, count_padding=self.ortho_count_padding, **kw)
 
     def factors(self, x: Array, *, mask: Optional[Array] = None) -> dict:
         """Singular-domain intermediates for analysis (float32).

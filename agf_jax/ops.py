@@ -37,6 +37,12 @@ per-row maxima plus the state of the previous chunks: `agf_chunked_scan` carries
 `lax.scan` on the CPU, `agf_chunked_parallel` computes every chunk's state at once on GPUs and
 TPUs), `agf_scan` (`jax.lax.scan`) and `agf_step`.
 
+*Packed sequences* (`segment_ids` int `[B, T]`, 0 = padding; docs/agf_options.md): every form computes
+each document as if alone. Causal forms cut (N, z, m) at each document start by a gated merge; the
+global form normalises V per document and reads it as packed global linear attention; the
+regulariser is each document's alone, a row's value the mean over its documents. *Context
+parallelism* (`agf_jax.context_parallel`): the same merges over the shards of a `sequence` mesh axis.
+
 *Regulariser in causal mode (design choice, documented here once).* `orthogonality_loss` is the same
 function in both modes: U is token-local, and V is taken as the whole-sequence softmax, which is
 V^(T), the right factor of the last (full) prefix. We do not average a per-prefix penalty: V^(t) has

@@ -32,12 +32,6 @@ def _layer(method="__call__", *args, softmax_layer=False, **fields):
     layer.apply(v, *args, method=method, **call_kw)
 
 
-def _packed_split():
-    """Packed rows with `sequence_axis`: the parameters of the same layer without it."""
-    params = AGFAttention(num_heads=H, head_dim=D).init(KEY, X)
-    AGFAttention(num_heads=H, head_dim=D, sequence_axis="sequence").apply(params, X, segment_ids=IDS)
-
-
 def _model(batch=None, **kwargs):
     model = Model(**kwargs)
     if batch is not None:
@@ -80,7 +74,6 @@ ROWS = [
     ("init_state non-causal", lambda: _layer("init_state", B), "init_state exists only for causal=True"),
     ("step x_t rank", lambda: _layer("step", "STATE", X, causal=True), "`x_t` must have rank 2"),
     ("step state", lambda: _layer("step", ops.init_state(B, H, D + 1), X[:, 0], causal=True), "state shapes"),
-    ("packed with sequence_axis", _packed_split, "`segment_ids` with `sequence_axis`"),
     ("softmax step non-causal", lambda: _layer("step", None, X[:, 0], softmax_layer=True),
      "step exists only for causal"),
     ("softmax cache size", lambda: _layer("init_state", B, softmax_layer=True, causal=True), "needs `max_length`"),
@@ -179,6 +172,8 @@ ROWS = [
     ("cp chunk_size", lambda: context_parallel.causal(Z, Z, Z, Z, C, chunk_size=-1, mesh=_mesh()),
      "`chunk_size` must be an integer >= 1"),
     ("cp rank", lambda: context_parallel.orthogonality(Z[0], Z, mesh=_mesh()), "rank 4"),
+    ("cp segment_ids", lambda: context_parallel.noncausal(Z, Z, Z, Z, C, mesh=_mesh(), segment_ids=IDS[:, :2]),
+     "`segment_ids` must have shape"),
     # Softmax kernels (agf_jax.softmax's public functions).
     ("softmax weights rank", lambda: softmax.softmax_attention_weights(Z[0], Z), "rank 4"),
     ("softmax parallel mask", lambda: softmax.softmax_parallel(Z, Z, Z, mask=jnp.ones((B, 3))),

@@ -58,10 +58,9 @@ def _causal(mesh, mask, ids=None):
 
 
 def _noncausal(mesh, mask, ids=None):
-    assert ids is None
     if mesh is None:
-        return lambda *x: ops.agf_with_orthogonality(*x, COEFFS, mask=mask, **BASIS)
-    return lambda *x: context_parallel.noncausal(*x, COEFFS, mesh=mesh, mask=mask, **BASIS)
+        return lambda *x: ops.agf_with_orthogonality(*x, COEFFS, mask=mask, segment_ids=ids, **BASIS)
+    return lambda *x: context_parallel.noncausal(*x, COEFFS, mesh=mesh, mask=mask, segment_ids=ids, **BASIS)
 
 
 def _loss(fn, ids=None):
@@ -77,9 +76,9 @@ def _check(form, p, mask, ids, x):
     """Values in float32, gradients in float64 (the shards' sums round in another order)."""
     mesh = _mesh(p)
     got, want = jax.jit(form(mesh, mask, ids))(*x), jax.jit(form(None, mask, ids))(*x)
-    keep = (slice(None),) if ids is None else (ids > 0,)
     if ids is not None:     # outputs of padding (id 0) are not defined
-        got, want = got[keep], want[keep]
+        keep = ids > 0
+        got, want = ((o[0][keep], o[1]) if isinstance(o, tuple) else o[keep] for o in (got, want))
     assert_trees_close(got, want, **F32_SIMPLE)
     with jax.enable_x64(True):
         x64 = [np.asarray(a, np.float64) for a in x]
@@ -88,8 +87,8 @@ def _check(form, p, mask, ids, x):
         assert_trees_close(grads, expected, **F64)
 
 
-@pytest.mark.parametrize("form,packed", [(_causal, False), (_causal, True), (_noncausal, False)],
-                         ids=["causal", "causal-packed", "global"])
+@pytest.mark.parametrize("form,packed", [(_causal, False), (_causal, True), (_noncausal, False), (_noncausal, True)],
+                         ids=["causal", "causal-packed", "global", "global-packed"])
 def test_two_shards_equal_one_device(form, packed):
     x, mask = _inputs()
     _check(form, 2, mask, _packed() if packed else None, x)
@@ -116,21 +115,37 @@ def test_nan_in_padding_changes_nothing_and_a_nan_reaches_later_shards_of_its_do
     assert not np.isnan(got[0, :, 0]).any()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "global"])
-def test_the_layer_takes_a_sequence_axis(causal):
+def test_the_layer_takes_a_sequence_axis(causal, packed):
     """`AGFAttention(sequence_axis='sequence')` under `jax.set_mesh`, x sharded along T: the single-device
-    layer's numbers and regulariser with the same parameters."""
+    layer's numbers and regulariser with the same parameters, packed documents included."""
     mesh = _mesh(2)
     x = jax.random.normal(jax.random.key(6), (B, T, 8))
     kw = dict(num_heads=H, head_dim=D, causal=causal, chunk_size=4 if causal else None)
     plain, split = AGFAttention(**kw), AGFAttention(sequence_axis="sequence", **kw)
     params = jax.jit(plain.init)(jax.random.key(0), x)
-    mask = _inputs()[1]
+    call = dict(mask=_inputs()[1], segment_ids=_packed() if packed else None)
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
-        y, aux = jax.jit(functools.partial(split.apply, mask=mask))(params, xs)
-    want, want_aux = jax.jit(functools.partial(plain.apply, mask=mask))(params, x)
-    assert_trees_close((y, aux), (want, want_aux), **F32_SIMPLE)
+        y, aux = jax.jit(functools.partial(split.apply, **call))(params, xs)
+    want, want_aux = jax.jit(functools.partial(plain.apply, **call))(params, x)
+    keep = np.ones((B, T), bool) if not packed else _packed() > 0
+    assert_trees_close((y[keep], aux), (want[keep], want_aux), **F32_SIMPLE)
+
+
+def test_the_drop_in_takes_a_sequence_axis():
+    """`attention.make('agf', ..., sequence_axis=...)` passes the field to the layer."""
+    from zoo_core import attention
+
+    mesh = _mesh(2)
+    x = jax.random.normal(jax.random.key(7), (B, T, 16))
+    kw = dict(num_heads=2, qkv_features=16, causal=True)
+    plain, split = attention.make("agf", **kw), attention.make("agf", sequence_axis="sequence", **kw)
+    params = jax.jit(plain.init)(jax.random.key(0), x)
+    with jax.set_mesh(mesh):
+        y = jax.jit(split.apply)(params, jax.device_put(x, NamedSharding(mesh, P(None, "sequence"))))
+    assert_trees_close(y, jax.jit(plain.apply)(params, x), **F32_SIMPLE)
 
 
 def test_bytes_between_devices_do_not_grow_with_the_length():
@@ -164,7 +179,7 @@ def test_up_to_eight_shards_equal_one_device():
 def _check_all_shard_counts():
     x, mask = _inputs(2, t=48)
     for p in (1, 2, 4, 8):
-        for form, ids in ((_causal, None), (_causal, _packed(48)), (_noncausal, None)):
+        for form, ids in ((_causal, None), (_causal, _packed(48)), (_noncausal, None), (_noncausal, _packed(48))):
             _check(form, p, mask, ids, x)
         print(f"P={p}")
 
