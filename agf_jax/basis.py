@@ -61,6 +61,23 @@ def resolve_basis(basis: str, alpha: Optional[float] = None, beta: Optional[floa
     return a, b
 
 
+def check_filter(coeffs: Array, basis: str, alpha: Optional[float], beta: Optional[float]) -> None:
+    """The filter arguments of a public kernel, once: coeffs `[K+1]` and the basis (`resolve_basis`)."""
+    if jnp.ndim(coeffs) != 1:
+        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {jnp.shape(coeffs)}")
+    resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
+
+
+def basis_params(basis: str, alpha: Optional[float], beta: Optional[float]):
+    """`resolve_basis`'s (alpha, beta) without its checks, for the private forms (trusted: checked
+    at their public kernel's entry)."""
+    fixed = {"monomial": (None, None), "legendre": (0.0, 0.0), "chebyshev": (-0.5, -0.5)}
+    if basis in fixed:
+        return fixed[basis]
+    return (JACOBI_DEFAULT_ALPHA if alpha is None else float(alpha),
+            JACOBI_DEFAULT_BETA if beta is None else float(beta))
+
+
 def jacobi_abc(k: int, a: float, b: float) -> tuple[float, float, float]:
     """Coefficients of P_k = (A x + B) P_{k-1} - C P_{k-2} for Jacobi (a, b), k >= 2 (agf.md §2.4)."""
     s = 2 * k + a + b
@@ -177,11 +194,8 @@ def graph_filter(s: Array, coeffs: Array, *, basis: str = "jacobi", alpha: Optio
     Returns:
         `[...]`, the same shape as `s`.
     """
-    coeffs = jnp.asarray(coeffs)
-    if coeffs.ndim != 1:
-        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {coeffs.shape}")
-    a, b = resolve_basis(basis, alpha, beta, coeffs.shape[0] - 1)
-    return spectrum_filter(s, coeffs, basis, a, b)
+    check_filter(coeffs, basis, alpha, beta)
+    return spectrum_filter(s, coeffs, basis, *basis_params(basis, alpha, beta))
 
 
 def spectrum_filter(s: Array, coeffs: Array, basis: str, a, b) -> Array:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from agf_jax import factors, forms
-from agf_jax.factors import MASK_OFFSET, as_float, gated, left_factor
+from agf_jax.factors import MASK_OFFSET, _left_factor, as_float, gated
 from agf_jax.forms import AGFState
 from zoo_core.ops import context_parallel, guard, masking, packing
 
@@ -135,7 +135,7 @@ def shard_noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeff
     `shard_map`): arguments as in `shard_causal` -> (o `[B, T_p, H, M]`, regulariser `[B]`), the
     numbers of `fused.agf_with_orthogonality`."""
     psum = functools.partial(jax.lax.psum, axis_name=axis_name)
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    a = _left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     v = _global_v(zv, mask, psum, axis_name).astype(a.dtype)
     val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
     o = jnp.einsum("bthd,bhdm->bthm", a, psum(jnp.einsum("bthd,bthm->bhdm", v, val)))
@@ -153,8 +153,8 @@ def shard_packed_noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array
     attention over the shards (`zoo_core.ops.context_parallel.shard_noncausal`); the regulariser
     folds each shard's last-document Grams forward, and each shard sums the documents that end in
     it (`_packed_regulariser`)."""
-    a = masking.zero_padding(left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta,
-                                         spectrum=spectrum), segment_ids > 0)
+    a = masking.zero_padding(_left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta,
+                                          spectrum=spectrum), segment_ids > 0)
     valid = packing.valid(segment_ids, mask)
     zv = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET).astype(a.dtype)
     val = as_float(masking.zero_padding(val, valid)).astype(a.dtype)
@@ -237,8 +237,8 @@ def causal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array,
     """`forms.agf_chunked`'s output with the sequence split over `axis_name` of `mesh` (None: the
     mesh of `jax.set_mesh`); T must divide by the axis size. Returns y `[B, T, H, M]`, sharded like
     the inputs. `basis`: basis, alpha, beta; chunk_size None: min(T / P, `CHUNK`)."""
-    forms.check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids,
-                          chunk_size=chunk_size or CHUNK)
+    forms.check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, chunk_size=chunk_size or CHUNK,
+                          coeffs=coeffs, spectrum=spectrum, **basis)
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
     body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size, **basis)
     run = lambda **x: body(coeffs=coeffs, spectrum=spectrum, **x)                   # noqa: E731
@@ -254,7 +254,8 @@ def noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Arr
               **basis) -> tuple[Array, Array]:
     """`fused.agf_with_orthogonality` with the sequence split over `axis_name`: (o `[B, T, H, M]`
     sharded like the inputs, regulariser `[B]`); arguments as in `causal`."""
-    forms.check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids)
+    forms.check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, coeffs=coeffs, spectrum=spectrum,
+                          **basis)
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
     body = functools.partial(shard_noncausal if segment_ids is None else shard_packed_noncausal,
                              axis_name=axis_name, count_padding=count_padding, **basis)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.basis import graph_filter
+from agf_jax.basis import basis_params, check_filter, spectrum_filter
 from zoo_core.ops import guard, masking, packing, xla_forms
 
 Array = jax.Array
@@ -79,11 +79,18 @@ def left_factor(zu: Array, zs: Optional[Array], coeffs: Array, *, basis: str = "
     Returns:
         `[..., H, D]` float32.
     """
+    if spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
+    return _left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+
+
+def _left_factor(zu, zs, coeffs, *, basis, alpha, beta, spectrum):
+    """`left_factor` for the private forms (trusted: checked at their public kernel's entry)."""
     u = jax.nn.softmax(as_float(zu), axis=-1)
     if spectrum is not None:
         return u * as_float(spectrum).astype(u.dtype)
-    g = graph_filter(jax.nn.sigmoid(as_float(zs)), coeffs, basis=basis, alpha=alpha, beta=beta)
-    return u * g
+    s = jax.nn.sigmoid(as_float(zs))
+    return u * spectrum_filter(s, coeffs, basis, *basis_params(basis, alpha, beta))
 
 
 class AGFFactors(NamedTuple):
@@ -123,9 +130,9 @@ def agf_factors(zu: Array, zv: Array, zs: Optional[Array], coeffs: Array, *,
     if spectrum is not None:
         s = g = jnp.broadcast_to(as_float(spectrum).astype(u.dtype), u.shape)
         return AGFFactors(u, v, s, g)
+    check_filter(coeffs, basis, alpha, beta)
     s = jax.nn.sigmoid(as_float(zs))
-    g = graph_filter(s, coeffs, basis=basis, alpha=alpha, beta=beta)
-    return AGFFactors(u, v, s, g)
+    return AGFFactors(u, v, s, spectrum_filter(s, coeffs, basis, *basis_params(basis, alpha, beta)))
 
 
 def gated(merge):
@@ -239,7 +246,9 @@ def orthogonality_loss(zu: Array, zv: Array, *, mask: Optional[Array] = None,
         `[B]`, unweighted (the LRA layer multiplies it by `reg`, the UEA loss by `eta`).
     """
     check_projections(zu, zv)
+    packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
     if segment_ids is not None:
+        masking.check_mask(mask, jnp.shape(zu)[:2])
         return _packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
     valid = None if mask is None or count_padding else masking.expand(mask, 3)     # [B, T, 1]
     eye = jnp.eye(zu.shape[-1], dtype=jnp.promote_types(zu.dtype, jnp.float32))

@@ -23,8 +23,9 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.factors import MASK_OFFSET, as_float, check_projections, gated, left_factor
-from agf_jax.fused import agf_with_orthogonality
+from agf_jax.basis import check_filter
+from agf_jax.factors import MASK_OFFSET, _left_factor, as_float, check_projections, gated
+from agf_jax.fused import _with_orthogonality
 from zoo_core import checks
 from zoo_core.ops import guard, masking, packing
 
@@ -67,10 +68,14 @@ def _check_state(state: Optional[AGFState], shape, value_dim: int) -> None:
 
 
 def check_arguments(zu, zv, zs, val, *, mask=None, segment_ids=None, state=None,
-                    chunk_size=None) -> None:
+                    chunk_size=None, coeffs=None, basis="jacobi", alpha=None, beta=None,
+                    spectrum=None) -> None:
     """The boundary check of a public sequence kernel, once: projections `[B, T, H, D]` (val
-    `[B, T, H, M]`), mask and segment_ids `[B, T]`, an `AGFState` for (B, H, D, M), chunk_size >= 1."""
+    `[B, T, H, M]`), mask and segment_ids `[B, T]`, an `AGFState` for (B, H, D, M), chunk_size >= 1,
+    and (given coeffs, without spectrum) coeffs `[K+1]` and the basis."""
     check_projections(zu, zv, zs, val)
+    if coeffs is not None and spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
     masking.check_mask(mask, jnp.shape(zu)[:2])
     packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
     if val is not None:
@@ -91,7 +96,7 @@ class _Causal(NamedTuple):
 
 def _causal_inputs(zu, zv, zs, val, coeffs, *, basis, alpha, beta, mask, segment_ids,
                    spectrum) -> _Causal:
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    a = _left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     valid = mask if segment_ids is None else packing.valid(segment_ids, mask)
     if segment_ids is not None:      # tokens of no document read nothing (their output is 0)
         a = masking.zero_padding(a, segment_ids > 0)
@@ -146,10 +151,11 @@ def agf_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: 
     Returns:
         `[B, T, H, M]` float32 (float64 for float64 inputs).
     """
-    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids)
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, coeffs=coeffs, basis=basis,
+                    alpha=alpha, beta=beta, spectrum=spectrum)
     if not causal:
-        return agf_with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta,
-                                      mask=mask, spectrum=spectrum, segment_ids=segment_ids)[0]
+        return _with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                                   count_padding=True, spectrum=spectrum, segment_ids=segment_ids)[0]
     a, zv, val, poisoned = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha,
                                           beta=beta, mask=mask, segment_ids=segment_ids,
                                           spectrum=spectrum)
@@ -299,7 +305,8 @@ def agf_chunked(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: A
         (y `[B, T, H, M]`, final `AGFState`).
     """
     check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
-                    chunk_size=chunk_size)
+                    chunk_size=chunk_size, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta,
+                    spectrum=spectrum)
     kw = dict(chunk_size=chunk_size, basis=basis, alpha=alpha, beta=beta)
     return jax.lax.platform_dependent(
         zu, zv, zs, val, coeffs, mask, state, spectrum, segment_ids,
@@ -325,7 +332,8 @@ def agf_chunked_scan(zu: Array, zv: Array, zs: Optional[Array], val: Array, coef
     Arguments and result as in `agf_chunked`.
     """
     check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
-                    chunk_size=chunk_size)
+                    chunk_size=chunk_size, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta,
+                    spectrum=spectrum)
     return _chunked_scan(zu, zv, zs, val, coeffs, chunk_size=chunk_size, basis=basis, alpha=alpha,
                          beta=beta, mask=mask, state=state, spectrum=spectrum, segment_ids=segment_ids)
 
@@ -384,7 +392,8 @@ def agf_chunked_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, 
     Arguments and result as in `agf_chunked`.
     """
     check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
-                    chunk_size=chunk_size)
+                    chunk_size=chunk_size, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta,
+                    spectrum=spectrum)
     return _chunked_parallel(zu, zv, zs, val, coeffs, chunk_size=chunk_size, basis=basis,
                              alpha=alpha, beta=beta, mask=mask, state=state, spectrum=spectrum,
                              segment_ids=segment_ids)
@@ -438,7 +447,8 @@ def agf_scan(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Arra
 
     Arguments as in `agf_chunked` (without chunk_size); returns (y `[B, T, H, M]`, final state).
     """
-    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state)
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
+                    coeffs=coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     # The token-local factor is computed for the whole sequence first; only the parameter-free
     # online softmax is scanned.
     a, zv, val, poisoned = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha,
@@ -470,8 +480,9 @@ def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Optional[Array], v
     """
     check_projections(zu_t, zv_t, zs_t, val_t, rank=3)
     _check_state(state, jnp.shape(zu_t), jnp.shape(val_t)[-1])
-    a_t = left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta,
-                      spectrum=spectrum)
+    if spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
+    a_t = _left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     val_t = as_float(val_t).astype(a_t.dtype)
     state = AGFState(*(jnp.asarray(s).astype(a_t.dtype) for s in state))
     return _step_core(state, a_t, as_float(zv_t).astype(a_t.dtype), val_t)
@@ -487,8 +498,8 @@ def agf_attention_matrix(zu: Array, zv: Array, zs: Optional[Array], coeffs: Arra
     Causal: V^(t) is the softmax over the prefix j <= t (zero for j > t). Arguments as in
     `agf_parallel` (no values); returns `[B, H, T, T]` (query t, key j), `O = H @ Val` per head.
     """
-    check_arguments(zu, zv, zs, None, mask=mask)
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    check_arguments(zu, zv, zs, None, mask=mask, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    a = _left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     zv = masking.zero_padding(as_float(zv), mask, fill=-MASK_OFFSET)
     if not causal:
         v = jax.nn.softmax(zv, axis=1)

@@ -11,9 +11,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.basis import _basis_and_derivative_iter, resolve_basis, spectrum_filter
-from agf_jax.factors import (MASK_OFFSET, _document_softmax, _packed_orthogonality, agf_factors, as_float,
-                             check_projections, left_factor, orthogonality_loss)
+from agf_jax.basis import _basis_and_derivative_iter, basis_params, check_filter, spectrum_filter
+from agf_jax.factors import (MASK_OFFSET, _document_softmax, _left_factor, _packed_orthogonality, agf_factors,
+                             as_float, check_projections, orthogonality_loss)
 from zoo_core.ops import guard, linear_attention, masking, packing, xla_forms
 
 Array = jax.Array
@@ -53,6 +53,15 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
     check_projections(zu, zv, zs, val)
     masking.check_mask(mask, jnp.shape(zu)[:2])
     packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
+    if spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
+    return _with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                               count_padding=count_padding, spectrum=spectrum, segment_ids=segment_ids)
+
+
+def _with_orthogonality(zu, zv, zs, val, coeffs, *, basis, alpha, beta, mask, count_padding, spectrum,
+                        segment_ids):
+    """`agf_with_orthogonality` after its checks (trusted)."""
     if segment_ids is not None:
         return _agf_packed(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
                           count_padding=count_padding, spectrum=spectrum, segment_ids=segment_ids)
@@ -60,9 +69,7 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
         # The hand-written backward differentiates the polynomial filter; the variants have none.
         return agf_with_orthogonality_plain(zu, zv, zs, val, coeffs, mask=mask,
                                             count_padding=count_padding, spectrum=spectrum)
-    if jnp.ndim(coeffs) != 1:
-        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {jnp.shape(coeffs)}")
-    a, b = resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
+    a, b = basis_params(basis, alpha, beta)
     valid = jnp.ones(jnp.shape(zu)[:2], bool) if mask is None else jnp.asarray(mask) != 0
     dtype = jnp.result_type(*(as_float(x) for x in (zu, zv, zs, val)))
     coeffs = jnp.asarray(coeffs).astype(dtype)
@@ -107,8 +114,8 @@ def _agf_packed(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: A
     at a valid position makes its document's outputs NaN, and no other document's. Arguments
     and result as in `agf_with_orthogonality` (trusted: checked there).
     """
-    a = masking.zero_padding(left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta,
-                                         spectrum=spectrum), segment_ids > 0)
+    a = masking.zero_padding(_left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta,
+                                          spectrum=spectrum), segment_ids > 0)
     valid = packing.valid(segment_ids, mask)
     zv_m = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET).astype(a.dtype)
     val = as_float(masking.zero_padding(val, valid)).astype(a.dtype)
