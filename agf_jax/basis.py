@@ -61,6 +61,23 @@ def resolve_basis(basis: str, alpha: Optional[float] = None, beta: Optional[floa
     return a, b
 
 
+def check_filter(coeffs: Array, basis: str, alpha: Optional[float], beta: Optional[float]) -> None:
+    """The filter arguments of a public kernel, once: coeffs `[K+1]` and the basis (`resolve_basis`)."""
+    if jnp.ndim(coeffs) != 1:
+        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {jnp.shape(coeffs)}")
+    resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
+
+
+def basis_params(basis: str, alpha: Optional[float], beta: Optional[float]):
+    """`resolve_basis`'s (alpha, beta) without its checks, for the private forms (trusted: checked
+    at their public kernel's entry)."""
+    fixed = {"monomial": (None, None), "legendre": (0.0, 0.0), "chebyshev": (-0.5, -0.5)}
+    if basis in fixed:
+        return fixed[basis]
+    return (JACOBI_DEFAULT_ALPHA if alpha is None else float(alpha),
+            JACOBI_DEFAULT_BETA if beta is None else float(beta))
+
+
 def jacobi_abc(k: int, a: float, b: float) -> tuple[float, float, float]:
     """Coefficients of P_k = (A x + B) P_{k-1} - C P_{k-2} for Jacobi (a, b), k >= 2 (agf.md §2.4)."""
     s = 2 * k + a + b
@@ -70,10 +87,9 @@ def jacobi_abc(k: int, a: float, b: float) -> tuple[float, float, float]:
     return big_a, big_b, big_c
 
 
-def _recurrence(order: int, basis: str, alpha, beta):
+def _recurrence(order: int, basis: str, a, b):
     """Yields (A, B, C) of P_k = (A x + B) P_{k-1} - C P_{k-2} for k = 1..order (P_0 = 1, and
-    C = 0 at k = 1, where P_{-1} does not exist)."""
-    a, b = resolve_basis(basis, alpha, beta, order)
+    C = 0 at k = 1, where P_{-1} does not exist); (a, b) from `resolve_basis` (trusted)."""
     for k in range(1, order + 1):
         if basis == "monomial":
             yield 1.0, 0.0, 0.0
@@ -84,10 +100,16 @@ def _recurrence(order: int, basis: str, alpha, beta):
 
 
 def basis_iter(x: Array, order: int, basis: str, alpha, beta):
-    """Yields P_0(x), ..., P_order(x) through the three-term recurrence (two terms kept alive)."""
+    """An iterator of P_0(x), ..., P_order(x) through the three-term recurrence (two terms kept
+    alive); the basis is checked here, at the call."""
+    a, b = resolve_basis(basis, alpha, beta, order)
+    return _basis_iter(x, order, basis, a, b)
+
+
+def _basis_iter(x, order, basis, a, b):
     p_prev, p = None, jnp.ones_like(x)
     yield p
-    for big_a, big_b, big_c in _recurrence(order, basis, alpha, beta):
+    for big_a, big_b, big_c in _recurrence(order, basis, a, b):
         p_new = (big_a * x + big_b) * p
         if big_c:
             p_new = p_new - big_c * p_prev
@@ -96,12 +118,18 @@ def basis_iter(x: Array, order: int, basis: str, alpha, beta):
 
 
 def basis_and_derivative_iter(x: Array, order: int, basis: str, alpha, beta):
-    """Yields (P_k(x), P_k'(x)) for k = 0..order: the recurrence and its derivative,
-    P_k' = (A x + B) P_{k-1}' + A P_{k-1} - C P_{k-2}' (two terms of each kept alive)."""
+    """An iterator of (P_k(x), P_k'(x)) for k = 0..order: the recurrence and its derivative,
+    P_k' = (A x + B) P_{k-1}' + A P_{k-1} - C P_{k-2}' (two terms of each kept alive); the basis is
+    checked here, at the call."""
+    a, b = resolve_basis(basis, alpha, beta, order)
+    return _basis_and_derivative_iter(x, order, basis, a, b)
+
+
+def _basis_and_derivative_iter(x, order, basis, a, b):
     p_prev = dp_prev = None
     p, dp = jnp.ones_like(x), jnp.zeros_like(x)
     yield p, dp
-    for big_a, big_b, big_c in _recurrence(order, basis, alpha, beta):
+    for big_a, big_b, big_c in _recurrence(order, basis, a, b):
         factor = big_a * x + big_b
         p_new, dp_new = factor * p, big_a * p + factor * dp
         if big_c:
@@ -166,11 +194,15 @@ def graph_filter(s: Array, coeffs: Array, *, basis: str = "jacobi", alpha: Optio
     Returns:
         `[...]`, the same shape as `s`.
     """
-    coeffs = jnp.asarray(coeffs)
-    if coeffs.ndim != 1:
-        raise ValueError(f"coeffs must be rank 1 [K+1], got shape {coeffs.shape}")
-    coeffs = coeffs.astype(s.dtype)
+    check_filter(coeffs, basis, alpha, beta)
+    return spectrum_filter(s, coeffs, basis, *basis_params(basis, alpha, beta))
+
+
+def spectrum_filter(s: Array, coeffs: Array, basis: str, a, b) -> Array:
+    """`graph_filter` with (a, b) already from `resolve_basis` and coeffs `[K+1]` (trusted: the
+    form of the kernels that checked them at their entry)."""
+    coeffs = jnp.asarray(coeffs).astype(s.dtype)
     g = None
-    for k, p in enumerate(basis_iter(s, coeffs.shape[0] - 1, basis, alpha, beta)):
+    for k, p in enumerate(_basis_iter(s, coeffs.shape[0] - 1, basis, a, b)):
         g = coeffs[k] * p if g is None else g + coeffs[k] * p
     return g

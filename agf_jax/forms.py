@@ -1,7 +1,20 @@
-"""The forms of AGF attention: parallel (causal or not), chunked, recurrent, step, the explicit matrix.
+"""The forms of AGF attention: parallel (causal or not), chunked, scan, step, the explicit matrix.
 
 Every form computes the same numbers (module docstring of `agf_jax.ops`); the causal state is an
 online softmax per (head, feature) with a running maximum, `AGFState`.
+
+Packed sequences (`segment_ids` int `[B, T]`, 0 = padding; `zoo_core.ops.packing`,
+docs/specs/context_parallel.md §2): a token attends only within its document. The causal forms cut
+the state (num, den and the running maximum) at each document start: a block of tokens (a chunk)
+acts on the incoming state as `keep ? merge(S_in, b) : b`, with b the state of its last document
+and `merge` the max-aware log-sum-exp merge, and only the block's first document reads S_in. The
+first token of the array continues the incoming `state`. Tokens of id 0 are padding (as `mask`).
+
+Checks run once, in the public kernels (`agf_parallel`, `agf_chunked`, `agf_chunked_scan`,
+`agf_chunked_parallel`, `agf_scan`, `agf_step`, `agf_attention_matrix`); the private forms they
+call trust their arguments. A non-finite Z_V or Val at a valid position is replaced before any sum
+and every output it reaches (at and after it, within its document) is set back to NaN, as the
+recurrence gives (`zoo_core.ops.guard`).
 """
 from __future__ import annotations
 
@@ -10,14 +23,13 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.factors import MASK_OFFSET, as_float, check_projections, left_factor, masked_logits
-from agf_jax.fused import agf_with_orthogonality
+from agf_jax.basis import check_filter
+from agf_jax.factors import MASK_OFFSET, _left_factor, as_float, check_projections, gated
+from agf_jax.fused import _with_orthogonality
 from zoo_core import checks
-from zoo_core.ops import masking
+from zoo_core.ops import guard, masking, packing
 
 Array = jax.Array
-
-
 
 
 class AGFState(NamedTuple):
@@ -44,19 +56,78 @@ def init_state(batch_size: int, num_heads: int, head_dim: int, value_dim: Option
                     max=jnp.full((batch_size, num_heads, head_dim), -jnp.inf, dtype))
 
 
-def _check_state(state: AGFState, a: Array, val: Array, time_axis: bool = True):
-    b, h, d = (a.shape[0], a.shape[2], a.shape[3]) if time_axis else a.shape
-    want = (b, h, d, val.shape[-1])
-    if tuple(state.num.shape) != want or tuple(state.den.shape) != want[:3] or \
-        tuple(state.max.shape) != want[:3]:
-        raise ValueError(f"state shapes {state.num.shape}/{state.den.shape}/{state.max.shape} do "
-                         f"not match [B, H, D, M] = {want}")
+def _check_state(state: Optional[AGFState], shape, value_dim: int) -> None:
+    """`state` None or an `AGFState` for `shape` = (B, H, D) and M = value_dim."""
+    if state is None:
+        return
+    want = tuple(shape) + (value_dim,)
+    if tuple(jnp.shape(state.num)) != want or tuple(jnp.shape(state.den)) != want[:3] or \
+            tuple(jnp.shape(state.max)) != want[:3]:
+        raise ValueError(f"state shapes {jnp.shape(state.num)}/{jnp.shape(state.den)}/"
+                         f"{jnp.shape(state.max)} do not match [B, H, D, M] = {want}")
+
+
+def check_arguments(zu, zv, zs, val, *, mask=None, segment_ids=None, state=None,
+                    chunk_size=None, coeffs=None, basis="jacobi", alpha=None, beta=None,
+                    spectrum=None) -> None:
+    """The boundary check of a public sequence kernel, once: projections `[B, T, H, D]` (val
+    `[B, T, H, M]`), mask and segment_ids `[B, T]`, an `AGFState` for (B, H, D, M), chunk_size >= 1,
+    and (given coeffs, without spectrum) coeffs `[K+1]` and the basis."""
+    check_projections(zu, zv, zs, val)
+    if coeffs is not None and spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
+    masking.check_mask(mask, jnp.shape(zu)[:2])
+    packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
+    if val is not None:
+        b, _, h, d = jnp.shape(zu)
+        _check_state(state, (b, h, d), jnp.shape(val)[-1])
+    if chunk_size is not None:
+        checks.check_int("chunk_size", chunk_size, 1)
+
+
+class _Causal(NamedTuple):
+    """The inputs of a causal form: a = U * g, zv (padding -1e9, bad positions -1e9) `[B, T, H, D]`,
+    val `[B, T, H, M]` (padding and bad positions 0), float32, and poisoned `[B, T, H]`."""
+    a: Array
+    zv: Array
+    val: Array
+    poisoned: Array
+
+
+def _causal_inputs(zu, zv, zs, val, coeffs, *, basis, alpha, beta, mask, segment_ids,
+                   spectrum) -> _Causal:
+    a = _left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    valid = mask if segment_ids is None else packing.valid(segment_ids, mask)
+    if segment_ids is not None:      # tokens of no document read nothing (their output is 0)
+        a = masking.zero_padding(a, segment_ids > 0)
+    zv = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET).astype(a.dtype)
+    val = as_float(masking.zero_padding(val, valid)).astype(a.dtype)
+    # A future weight of exactly 0 times a NaN value is NaN: non-finite inputs are replaced here
+    # and the outputs they reach set back to NaN at the end (`_finish`).
+    bad = guard.nonfinite(zv, val)
+    return _Causal(a, guard.clean(zv, bad, -MASK_OFFSET), guard.clean(val, bad),
+                   guard.reach(bad, segment_ids))
+
+
+def _finish(y: Array, state: Optional[AGFState], poisoned: Array):
+    """y trimmed to T tokens; NaN where a bad input reaches it, and in such a final state."""
+    y = guard.poison(y[:, :poisoned.shape[1]], poisoned)
+    if state is None:
+        return y
+    last = guard.last(poisoned)                                                       # [B, H]
+    return y, AGFState(*(guard.poison(s, last) for s in state))
+
+
+def _as_state(state: Optional[AGFState], a: Array, val: Array) -> AGFState:
+    if state is None:
+        return init_state(a.shape[0], a.shape[-2], a.shape[-1], val.shape[-1], a.dtype)
+    return AGFState(*(jnp.asarray(s).astype(a.dtype) for s in state))
 
 
 def agf_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                  basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
                  mask: Optional[Array] = None, causal: bool = False,
-                 spectrum: Optional[Array] = None) -> Array:
+                 spectrum: Optional[Array] = None, segment_ids: Optional[Array] = None) -> Array:
     """AGF attention over a whole sequence, O(T D M) per head (agf.md §2.2-2.3).
 
     Non-causal: O = (U * g) (V^T Val), exactly the reference. Causal (extension, see module
@@ -74,24 +145,31 @@ def agf_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: 
         causal: prefix-normalised V.
         spectrum: None (AGF's filter), or `[H, D]` singular values used as g for every token (the
             Table 6 variants; zs and coeffs are then unused and zs may be None): see `left_factor`.
+        segment_ids: None, or int `[B, T]` packed documents (0 = padding): V is normalised over
+            the token's own document (its prefix there when causal).
 
     Returns:
         `[B, T, H, M]` float32 (float64 for float64 inputs).
     """
-    check_projections(zu, zv, zs, val)
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, coeffs=coeffs, basis=basis,
+                    alpha=alpha, beta=beta, spectrum=spectrum)
     if not causal:
-        return agf_with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta,
-                                      mask=mask, spectrum=spectrum)[0]
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
-    zv = masked_logits(zv, mask)
-    val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
+        return _with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                                   count_padding=True, spectrum=spectrum, segment_ids=segment_ids)[0]
+    a, zv, val, poisoned = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha,
+                                          beta=beta, mask=mask, segment_ids=segment_ids,
+                                          spectrum=spectrum)
     # Per-token elements (m, z, N) = (Z_V, 1, 1 (x) Val): combining prefixes is an associative
     # log-sum-exp merge, so every prefix state is available in parallel.
     m = zv
     z = jnp.ones_like(zv)
     num = jnp.broadcast_to(val[:, :, :, None, :], zv.shape + val.shape[-1:])
-    m, z, num = jax.lax.associative_scan(_merge, (m, z, num), axis=1)
-    return jnp.einsum("bthd,bthdm->bthm", a / z, num)
+    if segment_ids is None:
+        m, z, num = jax.lax.associative_scan(_merge, (m, z, num), axis=1)
+    else:
+        start = packing.starts(segment_ids)
+        _, (m, z, num) = jax.lax.associative_scan(gated(_merge), (start, (m, z, num)), axis=1)
+    return _finish(jnp.einsum("bthd,bthdm->bthm", a / z, num), None, poisoned)
 
 
 def _merge(left, right):
@@ -115,63 +193,96 @@ def _merge_from_empty(left, right):
     return m, w1 * z1 + w2 * z2, w1[..., None] * n1 + w2[..., None] * n2
 
 
-def _check_chunk_size(chunk_size) -> None:
-    assert isinstance(chunk_size, int) and chunk_size >= 1, f"chunk_size {chunk_size!r}"
+def _chunked(zu, zv, zs, val, coeffs, *, chunk_size, basis, alpha, beta, mask, state, spectrum,
+             segment_ids):
+    """The padded chunk inputs of both chunked forms (`_to_chunks`)."""
+    inputs = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                            segment_ids=segment_ids, spectrum=spectrum)
+    return _to_chunks(inputs, chunk_size, state, segment_ids)
 
 
-class _Chunks(NamedTuple):
-    """Inputs of a chunked form, padded to n * C tokens: a, zv `[B, nC, H, D]`, val `[B, nC, H, M]`,
-    state `AGFState` (float32), poisoned `[B, T, H]` (outputs at or after a non-finite valid input)."""
-    a: Array
-    zv: Array
-    val: Array
-    state: AGFState
-    poisoned: Array
+def _to_chunks(inputs: _Causal, chunk_size: int, state: Optional[AGFState],
+               segment_ids: Optional[Array]):
+    """(a, zv, val `[B, n, C, H, *]`, start `[B, n, C]` or None, state, poisoned `[B, T, H]`);
+    tail padding has Z_V = -inf (weight 0, max unchanged), A = 0, Val = 0, and continues the last
+    document."""
+    a, zv, val, poisoned = inputs
+    state = _as_state(state, a, val)
+    b, t = a.shape[:2]
+    n = -(-t // chunk_size)
+    pad = n * chunk_size - t
+    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+    a, val = jnp.pad(a, widths), jnp.pad(val, widths)
+    zv = jnp.pad(zv, widths, constant_values=-jnp.inf)
+    a, zv, val = (x.reshape((b, n, chunk_size) + x.shape[2:]) for x in (a, zv, val))
+    start = None
+    if segment_ids is not None:
+        start = jnp.pad(packing.starts(segment_ids), ((0, 0), (0, pad))).reshape(b, n, chunk_size)
+    return a, zv, val, start, state, poisoned
 
 
-def _chunk_inputs(zu, zv, zs, val, coeffs, *, chunk_size, basis, alpha, beta, mask,
-                  state, spectrum) -> _Chunks:
-    check_projections(zu, zv, zs, val)
-    _check_chunk_size(chunk_size)
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
-    zv = masked_logits(zv, mask)
-    val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
-    # The intra-chunk sum multiplies the future weights (exactly 0) with the future values, and
-    # 0 * NaN = NaN: a non-finite Z_V or Val at a valid position is replaced here and every output
-    # at or after it is set to NaN below, which is what the recurrence gives.
-    bad = ~(jnp.all(jnp.isfinite(zv), axis=-1) & jnp.all(jnp.isfinite(val), axis=-1))   # [B, T, H]
-    poisoned = jnp.cumsum(bad.astype(jnp.int32), axis=1) > 0
-    zv = jnp.where(bad[..., None], -MASK_OFFSET, zv)
-    val = jnp.where(bad[..., None], 0.0, val)
-    b, t, h, d = a.shape
-    if state is None:
-        state = init_state(b, h, d, val.shape[-1], a.dtype)
-    _check_state(state, a, val)
-    state = AGFState(*(s.astype(a.dtype) for s in state))
-    pad = -(-t // chunk_size) * chunk_size - t
-    if pad:
-        # Padded tokens: Z_V = -inf (weight exactly 0, max unchanged), A = 0, Val = 0.
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        a = jnp.pad(a, widths)
-        val = jnp.pad(val, widths)
-        zv = jnp.pad(zv, widths, constant_values=-jnp.inf)
-    return _Chunks(a, zv, val, state, poisoned)
+def _segment_cummax(zv: Array, start: Array) -> Array:
+    """max of Z_V `[..., C, H, D]` over the earlier tokens of the same document in the block
+    (start `[..., C]`): the running maximum, restarted at each document start."""
+    def combine(left, right):
+        (s1, x1), (s2, x2) = left, right
+        return s1 | s2, jnp.where(s2, x2, jnp.maximum(x1, x2))
+    axis = zv.ndim - 3
+    return jax.lax.associative_scan(combine, (start[..., None, None], zv), axis=axis)[1]
 
 
-def _poison(y: Array, state: AGFState, poisoned: Array) -> tuple[Array, AGFState]:
-    """Trims y to T tokens; NaN at and after a non-finite valid input, and in such a final state."""
-    y = y[:, :poisoned.shape[1]]
-    last = poisoned[:, -1]                                                            # [B, H]
-    state = AGFState(jnp.where(last[..., None, None], jnp.nan, state.num),
-                     jnp.where(last[..., None], jnp.nan, state.den),
-                     jnp.where(last[..., None], jnp.nan, state.max))
-    return jnp.where(poisoned[..., None], jnp.nan, y), state
+def _chunk_rows(a, zv, val, prev: AGFState, start: Optional[Array]) -> tuple[Array, Array]:
+    """Outputs `[..., C, H, M]` of chunks a, zv `[..., C, H, D]`, val `[..., C, H, M]` entered with
+    `prev` (leaves `[..., H, D(, M)]`), and each row's running maximum `[..., C, H, D]`. Row t uses
+    its own maximum M_t = max(m_prev, max_{j<=t} Z_V[j]), so every exponential is <= 1 and every
+    denominator >= 1; with `start` `[..., C]` only the same document counts, and only the chunk's
+    first document reads `prev`."""
+    c = zv.shape[-3]
+    allowed = jnp.tril(jnp.ones((c, c), bool))[:, :, None, None]                   # [t, j, 1, 1]
+    prev_max = prev.max[..., None, :, :]                                             # [..., 1, H, D]
+    if start is None:
+        row_max = jnp.maximum(prev_max, jax.lax.cummax(zv, axis=zv.ndim - 3))       # [..., C, H, D]
+        carry_scale = jnp.exp(prev_max - row_max)
+        carry_den = prev.den[..., None, :, :] * carry_scale
+    else:
+        run = jnp.cumsum(start.astype(jnp.int32), axis=-1)                           # [..., C]
+        head = (run == 0)[..., None, None]                  # the chunk's first document reads prev
+        allowed = allowed & (run[..., :, None] == run[..., None, :])[..., None, None]
+        seg_max = _segment_cummax(zv, start)
+        row_max = jnp.where(head, jnp.maximum(prev_max, seg_max), seg_max)
+        # where inside the exp too: a cut-off carry may exceed M_t (overflow, NaN gradients).
+        carry_scale = jnp.exp(jnp.where(head, prev_max - row_max, -jnp.inf))
+        carry_den = jnp.where(head, prev.den[..., None, :, :] * carry_scale, 0.0)
+    logits = zv[..., None, :, :, :] - row_max[..., :, None, :, :]                     # [..., t, j, H, D]
+    p = jnp.exp(jnp.where(allowed, logits, -jnp.inf))
+    den = carry_den + jnp.sum(p, axis=-3)                                              # >= 1
+    w = a / den
+    carry_y = jnp.einsum("...thd,...hdm->...thm", w * carry_scale, prev.num)
+    if start is not None:
+        carry_y = jnp.where(head, carry_y, 0.0)
+    return carry_y + jnp.einsum("...thd,...tjhd,...jhm->...thm", w, p, val), row_max
+
+
+def _last_document(zv: Array, val: Array, start: Optional[Array], axis: int, ref=None):
+    """Summary (m, z, N) of the last document of each block along `axis` (the chunk axis of zv
+    `[..., C, H, D]`), relative to `ref` `[..., H, D]` (>= its maximum; None: its own maximum m),
+    and whether no document starts in the block (`keep` `[...]`, None without `start`)."""
+    last, keep = None, None
+    if start is not None:
+        run = jnp.cumsum(start.astype(jnp.int32), axis=-1)
+        last = (run == run[..., -1:])[..., None, None]
+        keep = run[..., -1] == 0
+    m = ref if ref is not None else jnp.max(masking.zero_padding(zv, last, -jnp.inf), axis=axis)
+    logits = zv - jnp.expand_dims(m, axis)
+    e = jnp.exp(logits if last is None else jnp.where(last, logits, -jnp.inf))
+    return (m, jnp.sum(e, axis=axis), jnp.einsum("...chd,...chm->...hdm", e, val)), keep
 
 
 def agf_chunked(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *, chunk_size: int,
                 basis: str = "jacobi", alpha: Optional[float] = None, beta: Optional[float] = None,
                 mask: Optional[Array] = None, state: Optional[AGFState] = None,
-                spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
+                spectrum: Optional[Array] = None,
+                segment_ids: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF in chunks of C tokens, in the form that suits the platform it runs on.
 
     The CPU runs `agf_chunked_scan` (a `lax.scan` over the chunks, one chunk's temporaries at a
@@ -187,25 +298,29 @@ def agf_chunked(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: A
         mask: `[B, T]` or None.
         state: `AGFState` of the tokens before this sequence, or None for an empty prefix.
         spectrum: None or `[H, D]`, as in `agf_parallel`.
+        segment_ids: None or int `[B, T]` packed documents (0 = padding): the state is cut at each
+            document start; the first token continues `state`.
 
     Returns:
         (y `[B, T, H, M]`, final `AGFState`).
     """
-    check_projections(zu, zv, zs, val)
-    checks.check_int("chunk_size", chunk_size, 1)   # a user-chosen argument of a public kernel
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
+                    chunk_size=chunk_size, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta,
+                    spectrum=spectrum)
     kw = dict(chunk_size=chunk_size, basis=basis, alpha=alpha, beta=beta)
     return jax.lax.platform_dependent(
-        zu, zv, zs, val, coeffs, mask, state, spectrum,
-        cpu=lambda *x: agf_chunked_scan(*x[:5], mask=x[5], state=x[6], spectrum=x[7], **kw),
-        default=lambda *x: agf_chunked_parallel(*x[:5], mask=x[5], state=x[6], spectrum=x[7],
-                                                **kw))
+        zu, zv, zs, val, coeffs, mask, state, spectrum, segment_ids,
+        cpu=lambda *x: _chunked_scan(*x[:5], mask=x[5], state=x[6], spectrum=x[7],
+                                     segment_ids=x[8], **kw),
+        default=lambda *x: _chunked_parallel(*x[:5], mask=x[5], state=x[6], spectrum=x[7],
+                                             segment_ids=x[8], **kw))
 
 
 def agf_chunked_scan(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                      chunk_size: int, basis: str = "jacobi", alpha: Optional[float] = None,
                      beta: Optional[float] = None, mask: Optional[Array] = None,
-                     state: Optional[AGFState] = None,
-                     spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
+                     state: Optional[AGFState] = None, spectrum: Optional[Array] = None,
+                     segment_ids: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF as a `lax.scan` over chunks of C tokens: O(T C D + T D M) time, a carried O(D M)
     state per head, and one chunk's `[B, C, C, H, D]` weights alive at a time (the CPU form).
 
@@ -216,46 +331,43 @@ def agf_chunked_scan(zu: Array, zv: Array, zs: Optional[Array], val: Array, coef
 
     Arguments and result as in `agf_chunked`.
     """
-    a, zv, val, state, poisoned = _chunk_inputs(zu, zv, zs, val, coeffs, chunk_size=chunk_size,
-                                                basis=basis, alpha=alpha, beta=beta, mask=mask,
-                                                state=state, spectrum=spectrum)
-    b, c = a.shape[0], chunk_size
-    n_chunks = a.shape[1] // c
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
+                    chunk_size=chunk_size, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta,
+                    spectrum=spectrum)
+    return _chunked_scan(zu, zv, zs, val, coeffs, chunk_size=chunk_size, basis=basis, alpha=alpha,
+                         beta=beta, mask=mask, state=state, spectrum=spectrum, segment_ids=segment_ids)
 
-    def to_chunks(x):  # [B, n*C, ...] -> [n, B, C, ...]
-        return jnp.moveaxis(x.reshape((b, n_chunks, c) + x.shape[2:]), 1, 0)
 
-    tril = jnp.tril(jnp.ones((c, c), bool))[None, :, :, None, None]   # [1, t, j, 1, 1]
+def _chunked_scan(zu, zv, zs, val, coeffs, **kw) -> tuple[Array, AGFState]:
+    a, zv, val, start, state, poisoned = _chunked(zu, zv, zs, val, coeffs, **kw)
+    b, n, c = a.shape[:3]
+    to_scan = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)   # [B, n, ...] -> [n, B, ...]
 
     def body(carry: AGFState, xs):
-        a_c, zv_c, val_c = xs                                   # [B, C, H, D], ..., [B, C, H, M]
-        row_max = jnp.maximum(carry.max[:, None], jax.lax.cummax(zv_c, axis=1))      # [B, C, H, D]
-        logits = zv_c[:, None, :] - row_max[:, :, None]                     # [B, t, j, H, D]
-        p = jnp.exp(jnp.where(tril, logits, -jnp.inf))
-        carry_scale = jnp.exp(carry.max[:, None] - row_max)                          # [B, C, H, D]
-        den = carry.den[:, None] * carry_scale + jnp.sum(p, axis=2)                  # >= 1
-        w = a_c / den
-        y = (jnp.einsum("bthd,bhdm->bthm", w * carry_scale, carry.num)
-             + jnp.einsum("bthd,btjhd,bjhm->bthm", w, p, val_c))
+        a_c, zv_c, val_c, start_c = xs                          # [B, C, H, D], ..., [B, C, H, M]
+        y, row_max = _chunk_rows(a_c, zv_c, val_c, carry, start_c)
+        # The state after the chunk: its last document's sums, merged with the carry when no
+        # document starts in the chunk, relative to the last row's maximum (as the step form).
         new_max = row_max[:, -1]
-        e = jnp.exp(zv_c - new_max[:, None])
+        (_, z, num), keep = _last_document(zv_c, val_c, start_c, axis=1, ref=new_max)
         old_scale = jnp.exp(carry.max - new_max)
-        new = AGFState(num=(carry.num * old_scale[..., None]
-                            + jnp.einsum("bjhd,bjhm->bhdm", e, val_c)),
-                       den=carry.den * old_scale + jnp.sum(e, axis=1),
-                       max=new_max)
-        return new, y
+        if keep is None:
+            return AGFState(carry.num * old_scale[..., None] + num, carry.den * old_scale + z, new_max), y
+        k = keep[:, None, None]
+        old_scale = jnp.exp(jnp.where(k, carry.max - new_max, -jnp.inf))
+        return AGFState(jnp.where(k[..., None], carry.num * old_scale[..., None], 0.0) + num,
+                        jnp.where(k, carry.den * old_scale, 0.0) + z, new_max), y
 
-    state, ys = jax.lax.scan(body, state, (to_chunks(a), to_chunks(zv), to_chunks(val)))
-    y = jnp.moveaxis(ys, 0, 1).reshape((b, n_chunks * c) + ys.shape[3:])
-    return _poison(y, state, poisoned)
+    state, ys = jax.lax.scan(body, state, tuple(map(to_scan, (a, zv, val, start))))
+    y = jnp.moveaxis(ys, 0, 1).reshape((b, n * c) + ys.shape[3:])
+    return _finish(y, state, poisoned)
 
 
 def agf_chunked_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                          chunk_size: int, basis: str = "jacobi", alpha: Optional[float] = None,
                          beta: Optional[float] = None, mask: Optional[Array] = None,
-                         state: Optional[AGFState] = None,
-                         spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
+                         state: Optional[AGFState] = None, spectrum: Optional[Array] = None,
+                         segment_ids: Optional[Array] = None) -> tuple[Array, AGFState]:
     """Causal AGF with every chunk of C tokens at once: no loop over chunks or tokens (the GPU/TPU form).
 
     The same numbers as `agf_chunked_scan`, in the state-passing form of chunked linear attention
@@ -268,7 +380,8 @@ def agf_chunked_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, 
         M = max(m, m'), over the chunk axis (`lax.associative_scan`), after the carried `state`;
 
     then each row uses its own running maximum exactly as `agf_chunked_scan` does, so every
-    exponential is <= 1. All products are batched over batch, chunks and heads.
+    exponential is <= 1. All products are batched over batch, chunks and heads. Packed
+    (`segment_ids`): a chunk's summary is its last document's, and the merge is gated (`factors.gated`).
 
     Memory: every chunk's intermediates are alive at once. The intra-chunk weights are
     `[B, T/C, C, C, H, D]` float32, 4 B T C H D bytes (B = 1, T = 16K, C = 64, 8 heads of 64:
@@ -278,37 +391,40 @@ def agf_chunked_parallel(zu: Array, zv: Array, zs: Optional[Array], val: Array, 
 
     Arguments and result as in `agf_chunked`.
     """
-    a, zv, val, state, poisoned = _chunk_inputs(zu, zv, zs, val, coeffs, chunk_size=chunk_size,
-                                                basis=basis, alpha=alpha, beta=beta, mask=mask,
-                                                state=state, spectrum=spectrum)
-    b, tc, h, d = a.shape
-    c = chunk_size
-    n = tc // c
-    a, zv, val = (x.reshape((b, n, c) + x.shape[2:]) for x in (a, zv, val))   # [B, n, C, H, *]
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
+                    chunk_size=chunk_size, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta,
+                    spectrum=spectrum)
+    return _chunked_parallel(zu, zv, zs, val, coeffs, chunk_size=chunk_size, basis=basis,
+                             alpha=alpha, beta=beta, mask=mask, state=state, spectrum=spectrum,
+                             segment_ids=segment_ids)
+
+
+def _chunked_parallel(zu, zv, zs, val, coeffs, **kw) -> tuple[Array, AGFState]:
+    return _all_chunks(*_chunked(zu, zv, zs, val, coeffs, **kw))
+
+
+def _all_chunks(a, zv, val, start, state, poisoned) -> tuple[Array, AGFState]:
+    """`agf_chunked_parallel` on the chunks of `_to_chunks`."""
+    b, n = a.shape[:2]
     # Each chunk's own partial sums, relative to its maximum (finite: every chunk holds a token
-    # that is not tail padding).
-    cm = jnp.max(zv, axis=2)                                                   # [B, n, H, D]
-    e = jnp.exp(zv - cm[:, :, None])
-    chunk = (cm, jnp.sum(e, axis=2), jnp.einsum("bnchd,bnchm->bnhdm", e, val))
-    prefix = jax.lax.associative_scan(_merge, chunk, axis=1)                   # through chunk i
-    empty = (jnp.full_like(cm[:, :1], -jnp.inf), jnp.zeros_like(cm[:, :1]),
-             jnp.zeros_like(chunk[2][:, :1]))
-    before = tuple(jnp.concatenate([x0, x], axis=1) for x0, x in zip(empty, prefix))  # [B, n+1]
-    carried = tuple(x[:, None] for x in (state.max, state.den, state.num))
-    m_prev, den_prev, num_prev = _merge_from_empty(carried, before)           # before chunk i
+    # that is not tail padding, in its last document too).
+    chunk, keep = _last_document(zv, val, start, axis=2)
+    carried = (state.max, state.den, state.num)
+    if start is None:
+        prefix = jax.lax.associative_scan(_merge, chunk, axis=1)               # through chunk i
+        empty = (jnp.full_like(chunk[0][:, :1], -jnp.inf), jnp.zeros_like(chunk[1][:, :1]),
+                 jnp.zeros_like(chunk[2][:, :1]))
+        before = tuple(jnp.concatenate([x0, x], axis=1) for x0, x in zip(empty, prefix))  # [B, n+1]
+        states = _merge_from_empty(tuple(x[:, None] for x in carried), before)  # before chunk i
+    else:
+        cut = jnp.concatenate([jnp.ones_like(keep[:, :1]), ~keep], axis=1)       # [B, n+1]
+        elements = tuple(jnp.concatenate([x0[:, None], x], axis=1) for x0, x in zip(carried, chunk))
+        states = jax.lax.associative_scan(gated(_merge_from_empty), (cut, elements), axis=1)[1]
+    m_prev, den_prev, num_prev = states
     final = AGFState(num=num_prev[:, -1], den=den_prev[:, -1], max=m_prev[:, -1])
-    m_prev, den_prev, num_prev = m_prev[:, :n], den_prev[:, :n], num_prev[:, :n]
-    # Within a chunk, as in agf_chunked_scan: row t's maximum M_t, its weights exp(Z_V[j] - M_t).
-    row_max = jnp.maximum(m_prev[:, :, None], jax.lax.cummax(zv, axis=2))     # [B, n, C, H, D]
-    logits = zv[:, :, None] - row_max[:, :, :, None]                          # [B, n, t, j, H, D]
-    tril = jnp.tril(jnp.ones((c, c), bool))[:, :, None, None]
-    p = jnp.exp(jnp.where(tril, logits, -jnp.inf))
-    carry_scale = jnp.exp(m_prev[:, :, None] - row_max)                       # 0 for an empty one
-    den = den_prev[:, :, None] * carry_scale + jnp.sum(p, axis=3)             # >= 1
-    w = a / den
-    y = (jnp.einsum("bnthd,bnhdm->bnthm", w * carry_scale, num_prev)
-         + jnp.einsum("bnthd,bntjhd,bnjhm->bnthm", w, p, val))
-    return _poison(y.reshape((b, tc) + y.shape[3:]), final, poisoned)
+    prev = AGFState(num=num_prev[:, :n], den=den_prev[:, :n], max=m_prev[:, :n])
+    y, _ = _chunk_rows(a, zv, val, prev, start)
+    return _finish(y.reshape((b, -1) + y.shape[3:]), final, poisoned)
 
 
 def _step_core(state: AGFState, a_t: Array, zv_t: Array, val_t: Array) -> tuple[AGFState, Array]:
@@ -321,29 +437,37 @@ def _step_core(state: AGFState, a_t: Array, zv_t: Array, val_t: Array) -> tuple[
     return AGFState(num, den, new_max), y
 
 
-def agf_recurrent(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
-                  basis: str = "jacobi", alpha: Optional[float] = None,
-                  beta: Optional[float] = None, mask: Optional[Array] = None,
-                  state: Optional[AGFState] = None,
-                  spectrum: Optional[Array] = None) -> tuple[Array, AGFState]:
-    """Causal AGF as a `jax.lax.scan` of `agf_step` over time (O(D M) state per head).
+def agf_scan(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
+             basis: str = "jacobi", alpha: Optional[float] = None,
+             beta: Optional[float] = None, mask: Optional[Array] = None,
+             state: Optional[AGFState] = None, spectrum: Optional[Array] = None,
+             segment_ids: Optional[Array] = None) -> tuple[Array, AGFState]:
+    """Causal AGF as a `jax.lax.scan` of `agf_step` over time (O(D M) state per head); packed
+    (`segment_ids`), the state is emptied at each document start.
 
     Arguments as in `agf_chunked` (without chunk_size); returns (y `[B, T, H, M]`, final state).
     """
-    check_projections(zu, zv, zs, val)
+    check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, state=state,
+                    coeffs=coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     # The token-local factor is computed for the whole sequence first; only the parameter-free
     # online softmax is scanned.
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
-    zv = masked_logits(zv, mask)
-    val = as_float(masking.zero_padding(val, mask)).astype(a.dtype)
-    b, _, h, d = a.shape
-    if state is None:
-        state = init_state(b, h, d, val.shape[-1], a.dtype)
-    _check_state(state, a, val)
-    state = AGFState(*(s.astype(a.dtype) for s in state))
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (a, zv, val))
-    state, ys = jax.lax.scan(lambda c, x: _step_core(c, *x), state, xs)
-    return jnp.moveaxis(ys, 0, 1), state
+    a, zv, val, poisoned = _causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha,
+                                          beta=beta, mask=mask, segment_ids=segment_ids,
+                                          spectrum=spectrum)
+    state = _as_state(state, a, val)
+    empty = _as_state(None, a, val)
+    start = None if segment_ids is None else packing.starts(segment_ids)
+
+    def body(carry, x):
+        a_t, zv_t, val_t, start_t = x
+        if start_t is not None:
+            carry = AGFState(*(jnp.where(masking.expand(start_t, s.ndim), e, s)
+                               for s, e in zip(carry, empty)))
+        return _step_core(carry, a_t, zv_t, val_t)
+
+    xs = tuple(None if x is None else jnp.moveaxis(x, 1, 0) for x in (a, zv, val, start))
+    state, ys = jax.lax.scan(body, state, xs)
+    return _finish(jnp.moveaxis(ys, 0, 1), state, poisoned)
 
 
 def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Optional[Array], val_t: Array, coeffs: Array,
@@ -352,30 +476,31 @@ def agf_step(state: AGFState, zu_t: Array, zv_t: Array, zs_t: Optional[Array], v
              spectrum: Optional[Array] = None) -> tuple[AGFState, Array]:
     """One causal AGF token, O(D M) per head: state of the prefix, zu_t, zv_t, zs_t `[B, H, D]`,
     val_t `[B, H, M]` -> (new `AGFState`, y_t `[B, H, M]`); coeffs, basis and spectrum as in
-    `agf_parallel`.
+    `agf_parallel`. A decode carries one document: start a new one from `init_state`.
     """
     check_projections(zu_t, zv_t, zs_t, val_t, rank=3)
-    a_t = left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta,
-                      spectrum=spectrum)
+    _check_state(state, jnp.shape(zu_t), jnp.shape(val_t)[-1])
+    if spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
+    a_t = _left_factor(zu_t, zs_t, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
     val_t = as_float(val_t).astype(a_t.dtype)
-    _check_state(state, a_t, val_t, time_axis=False)
-    state = AGFState(*(s.astype(a_t.dtype) for s in state))
+    state = AGFState(*(jnp.asarray(s).astype(a_t.dtype) for s in state))
     return _step_core(state, a_t, as_float(zv_t).astype(a_t.dtype), val_t)
 
 
 def agf_attention_matrix(zu: Array, zv: Array, zs: Optional[Array], coeffs: Array, *, basis: str = "jacobi",
                          alpha: Optional[float] = None, beta: Optional[float] = None,
                          mask: Optional[Array] = None, causal: bool = False,
-                 spectrum: Optional[Array] = None) -> Array:
+                         spectrum: Optional[Array] = None) -> Array:
     """The implicit T x T attention matrix H_tj = sum_k U_tk g_tk V^(t)_jk; O(T^2 D), small T only.
 
     Used as the explicit reference in tests and by `agf_jax.analysis`. Non-causal: V^(t) = V.
     Causal: V^(t) is the softmax over the prefix j <= t (zero for j > t). Arguments as in
     `agf_parallel` (no values); returns `[B, H, T, T]` (query t, key j), `O = H @ Val` per head.
     """
-    check_projections(zu, zv, zs)
-    a = left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
-    zv = masked_logits(zv, mask)
+    check_arguments(zu, zv, zs, None, mask=mask, coeffs=coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    a = _left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta, spectrum=spectrum)
+    zv = masking.zero_padding(as_float(zv), mask, fill=-MASK_OFFSET)
     if not causal:
         v = jax.nn.softmax(zv, axis=1)
         return jnp.einsum("bthd,bjhd->bhtj", a, v)

@@ -11,9 +11,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from agf_jax.basis import basis_and_derivative_iter, graph_filter, resolve_basis
-from agf_jax.factors import MASK_OFFSET, agf_factors, as_float, check_projections, orthogonality_loss
-from zoo_core.ops import masking, xla_forms
+from agf_jax.basis import _basis_and_derivative_iter, basis_params, check_filter, spectrum_filter
+from agf_jax.factors import (MASK_OFFSET, _document_softmax, _left_factor, _packed_orthogonality, agf_factors,
+                             as_float, check_projections, orthogonality_loss)
+from zoo_core.ops import guard, linear_attention, masking, packing, xla_forms
 
 Array = jax.Array
 
@@ -22,8 +23,8 @@ Array = jax.Array
 def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
                            basis: str = "jacobi", alpha: Optional[float] = None,
                            beta: Optional[float] = None, mask: Optional[Array] = None,
-                           count_padding: bool = True,
-                           spectrum: Optional[Array] = None) -> tuple[Array, Array]:
+                           count_padding: bool = True, spectrum: Optional[Array] = None,
+                           segment_ids: Optional[Array] = None) -> tuple[Array, Array]:
     """`(agf_parallel(...), orthogonality_loss(...))` of the non-causal layer in one pass.
 
     The training form of the non-causal layer (agf.md §2.2-2.6): the same numbers as the two
@@ -44,17 +45,32 @@ def agf_with_orthogonality(zu: Array, zv: Array, zs: Optional[Array], val: Array
         count_padding: as in `orthogonality_loss`.
         spectrum: None, or `[H, D]` fixed singular values (`left_factor`; the Table 6 variants,
             which have no polynomial filter): computed by `agf_with_orthogonality_plain`.
+        segment_ids: None, or int `[B, T]` packed documents (0 = padding): `_agf_packed`.
 
     Returns:
         (o `[B, T, H, M]`, regulariser `[B]`), float32 (float64 for float64 inputs).
     """
     check_projections(zu, zv, zs, val)
+    masking.check_mask(mask, jnp.shape(zu)[:2])
+    packing.check_segment_ids(segment_ids, jnp.shape(zu)[:2])
+    if spectrum is None:
+        check_filter(coeffs, basis, alpha, beta)
+    return _with_orthogonality(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                               count_padding=count_padding, spectrum=spectrum, segment_ids=segment_ids)
+
+
+def _with_orthogonality(zu, zv, zs, val, coeffs, *, basis, alpha, beta, mask, count_padding, spectrum,
+                        segment_ids):
+    """`agf_with_orthogonality` after its checks (trusted)."""
+    if segment_ids is not None:
+        return _agf_packed(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta, mask=mask,
+                          count_padding=count_padding, spectrum=spectrum, segment_ids=segment_ids)
     if spectrum is not None:
         # The hand-written backward differentiates the polynomial filter; the variants have none.
         return agf_with_orthogonality_plain(zu, zv, zs, val, coeffs, mask=mask,
                                             count_padding=count_padding, spectrum=spectrum)
-    a, b = resolve_basis(basis, alpha, beta, jnp.shape(coeffs)[0] - 1)
-    valid = masking.as_bool(mask, jnp.shape(zu)[:2])
+    a, b = basis_params(basis, alpha, beta)
+    valid = jnp.ones(jnp.shape(zu)[:2], bool) if mask is None else jnp.asarray(mask) != 0
     dtype = jnp.result_type(*(as_float(x) for x in (zu, zv, zs, val)))
     coeffs = jnp.asarray(coeffs).astype(dtype)
     out, reg = [], 0.0
@@ -85,14 +101,38 @@ def agf_with_orthogonality_plain(zu: Array, zv: Array, zs: Optional[Array], val:
     return o, orthogonality_loss(zu, zv, mask=mask, count_padding=count_padding)
 
 
+def _agf_packed(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
+               segment_ids: Array, basis: str = "jacobi", alpha: Optional[float] = None,
+               beta: Optional[float] = None, mask: Optional[Array] = None, count_padding: bool = True,
+               spectrum: Optional[Array] = None) -> tuple[Array, Array]:
+    """`agf_with_orthogonality` of packed documents: each document as if alone (autodiff).
+
+    V is the softmax over the token's own document (`_document_softmax`), so the output
+    O_t = (U_t * g_t) sum_{j in doc(t)} V_j (x) Val_j is packed non-causal linear attention with
+    queries U * g, keys V and values Val (`zoo_core.ops.linear_attention.noncausal`, O(T) memory,
+    no per-document table); the regulariser is `_packed_orthogonality`. A non-finite Z_V or Val
+    at a valid position makes its document's outputs NaN, and no other document's. Arguments
+    and result as in `agf_with_orthogonality` (trusted: checked there).
+    """
+    a = masking.zero_padding(_left_factor(zu, zs, coeffs, basis=basis, alpha=alpha, beta=beta,
+                                          spectrum=spectrum), segment_ids > 0)
+    valid = packing.valid(segment_ids, mask)
+    zv_m = masking.zero_padding(as_float(zv), valid, fill=-MASK_OFFSET).astype(a.dtype)
+    val = as_float(masking.zero_padding(val, valid)).astype(a.dtype)
+    bad = guard.nonfinite(zv_m, val)
+    v, doc_bad = _document_softmax(guard.clean(zv_m, bad, -MASK_OFFSET), segment_ids, bad)
+    o, _ = linear_attention.noncausal(a, v, guard.clean(val, bad), segment_ids=segment_ids)
+    o = guard.poison(o, doc_bad & masking.expand(segment_ids > 0, 3))
+    return o, _packed_orthogonality(zu, zv, segment_ids, mask=mask, count_padding=count_padding)
+
+
 def _agf_head_forward(zu, zv, zs, val, coeffs, valid, basis, count_padding):
     """One head `[B, T, D]`: (o `[B, T, M]`, sum |U^T U - I| + sum |V^T V - I| `[B]`) and the
     residuals of `_agf_head_backward`."""
     kind, a, b = basis
     u = jax.nn.softmax(zu, axis=-1)
     s = jax.nn.sigmoid(zs)
-    g = graph_filter(s, coeffs, basis=kind, alpha=a if kind == "jacobi" else None,
-                     beta=b if kind == "jacobi" else None)
+    g = spectrum_filter(s, coeffs, kind, a, b)
     keep = valid[:, :, None]
     v = jax.nn.softmax(jnp.where(keep, zv, -MASK_OFFSET), axis=1)
     val = jnp.where(keep, val, 0.0)
@@ -126,9 +166,7 @@ def _agf_head_backward(basis, count_padding, res, cotangents):
     # variadic reduce, so dG and P_k are read once rather than K+1 times.
     s = jax.lax.optimization_barrier(s)
     dg_ds, terms = None, []
-    for k, (p, dp) in enumerate(basis_and_derivative_iter(
-            s, coeffs.shape[0] - 1, kind, a if kind == "jacobi" else None,
-            b if kind == "jacobi" else None)):
+    for k, (p, dp) in enumerate(_basis_and_derivative_iter(s, coeffs.shape[0] - 1, kind, a, b)):
         dg_ds = coeffs[k] * dp if dg_ds is None else dg_ds + coeffs[k] * dp
         terms.append(dg * p)
     rows = jax.lax.reduce(tuple(terms), tuple(jnp.zeros((), t.dtype) for t in terms),

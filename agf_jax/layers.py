@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from agf_jax import context_parallel as agf_context_parallel
 from agf_jax import ops
 from agf_jax import softmax as softmax_ops
 from agf_jax import validation
@@ -166,6 +167,12 @@ class AGFAttention(_Attention):
         out_bias_init: bias initialiser of `out` (None: `bias_init`); PyTorch's bound depends on
             the fan-in, E for the four input projections and H*D for `out`.
         theta_init: initialiser of theta and theta_0 (reference: zeros).
+        sequence_axis: None (one device holds each sequence), or the mesh axis the sequence is
+            split over (context parallelism, `agf_jax.context_parallel`): `__call__` then runs
+            under `jax.shard_map`, called under `jax.set_mesh(mesh)` with x sharded along T, and
+            gives the single-device numbers (T must divide by the axis size; a causal layer
+            without `chunk_size` runs chunks of min(T / P, 64)). `scan` and `step` stay one
+            device's. Packed documents (`segment_ids`) may span shards.
 
     Traced inside `zoo_core.ops.xla_forms.plain(...)` (timing only; same parameters and values), the
     layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
@@ -186,9 +193,12 @@ class AGFAttention(_Attention):
     ortho_scale: float = 1.0
     ortho_count_padding: bool = False
     theta_init: Initializer = nn.initializers.zeros_init()
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         validation.check_agf_fields(self)
+        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
+            checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         self.query, self.key = self._projection("query"), self._projection("key")
         self.value = self._projection("value")
         if self.graph_filter == "agf":
@@ -231,7 +241,7 @@ class AGFAttention(_Attention):
         o = self.dropout(o.astype(self._compute_dtype(x)), deterministic=deterministic)
         return self._out(o, x.shape[-1])
 
-    def __call__(self, x: Array, *, mask: Optional[Array] = None,
+    def __call__(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
                  deterministic: bool = True) -> tuple[Array, dict]:
         """Parallel form (chunked if `chunk_size` is set).
 
@@ -239,6 +249,9 @@ class AGFAttention(_Attention):
             x: `[B, T, E]`.
             mask: `[B, T]` key-padding mask (bool, True = valid; 0/1 accepted), applied to V (and
                 Val) only as in the reference; padded rows of y are not zeroed.
+            segment_ids: int `[B, T]` packed documents (0 = padding; `zoo_core.ops.packing`): each
+                document is computed as if alone (V over its own tokens, the causal state cut at
+                its start), and the regulariser of a row is the mean of its documents'.
             deterministic: disables dropout (uses the 'dropout' rng when dropout_rate > 0).
 
         Returns:
@@ -248,30 +261,45 @@ class AGFAttention(_Attention):
             `[H, D]` (all float32).
         """
         validation.check_inputs(x, mask)
+        packing.check_segment_ids(segment_ids, jnp.shape(x)[:2])
         zu, zv, zs, val = self._project(x)
         c = self.coefficients()
-        if not self.causal:
+        packed = dict(segment_ids=segment_ids) if segment_ids is not None else {}
+        if self.sequence_axis is not None:
+            o, ortho = self._context_parallel(zu, zv, zs, val, c, mask, segment_ids)
+        elif not self.causal:
             # The output and the regulariser in one pass (a hand-written backward pass, or
             # autodiff of the plain maths inside xla_forms.plain('agf_backward')).
-            fused = (ops.agf_with_orthogonality_plain if xla_forms.is_plain("agf_backward")
+            fused = (ops.agf_with_orthogonality_plain
+                     if xla_forms.is_plain("agf_backward") and not packed
                      else ops.agf_with_orthogonality)
             o, ortho = fused(zu, zv, zs, val, c, mask=mask, count_padding=self.ortho_count_padding,
-                             **self._basis_kwargs())
+                             **packed, **self._basis_kwargs())
         else:
             if self.chunk_size is not None:
                 o, _ = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size, mask=mask,
-                                       **self._basis_kwargs())
+                                       **packed, **self._basis_kwargs())
             else:
                 o = ops.agf_parallel(zu, zv, zs, val, c, mask=mask, causal=True,
-                                     **self._basis_kwargs())
-            ortho = ops.orthogonality_loss(zu, zv, mask=mask,
-                                           count_padding=self.ortho_count_padding)
+                                     **packed, **self._basis_kwargs())
+            ortho = ops.orthogonality_loss(zu, zv, mask=mask, count_padding=self.ortho_count_padding,
+                                           **packed)
         ortho = self.ortho_scale * ortho
         aux = {"loss/orthogonality": jnp.mean(ortho), "orthogonality/per_sample": ortho,
                "filter/coefficients": c}
         if self.graph_filter == "svd":
             aux["filter/singular_values"] = self.spectrum()
         return self._finish(o, x, deterministic), aux
+
+    def _context_parallel(self, zu, zv, zs, val, c, mask, segment_ids):
+        """(o, regulariser) with T split over `sequence_axis` (`agf_jax.context_parallel`)."""
+        kw = dict(axis_name=self.sequence_axis, mask=mask, segment_ids=segment_ids)
+        if not self.causal:
+            return agf_context_parallel.noncausal(zu, zv, zs, val, c, count_padding=self.ortho_count_padding,
+                                                  **kw, **self._basis_kwargs())
+        o = agf_context_parallel.causal(zu, zv, zs, val, c, chunk_size=self.chunk_size, **kw,
+                                        **self._basis_kwargs())
+        return o, agf_context_parallel.orthogonality(zu, zv, count_padding=self.ortho_count_padding, **kw)
 
     def factors(self, x: Array, *, mask: Optional[Array] = None) -> dict:
         """Singular-domain intermediates for analysis (float32).
@@ -297,22 +325,25 @@ class AGFAttention(_Attention):
         return ops.init_state(batch_size, self.num_heads, self.head_dim, self.head_dim)
 
     def scan(self, x: Array, state: Optional[AGFState] = None, *, mask: Optional[Array] = None,
-             deterministic: bool = True) -> tuple[Array, AGFState]:
-        """Recurrent form: projections for the whole sequence, then `jax.lax.scan` of pure maths.
+             segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, AGFState]:
+        """Token recurrence: projections for the whole sequence, then `jax.lax.scan` of pure maths.
 
         Args:
             x: `[B, T, E]`.
             state: `AGFState` of the preceding tokens, or None (empty).
             mask: `[B, T]` or None.
+            segment_ids: int `[B, T]` packed documents or None: the state is emptied at each
+                document start (the first token continues `state`).
             deterministic: as in `__call__`.
 
         Returns:
             (y `[B, T, E']`, final state).
         """
         validation.check_scan(self, x, mask)
+        packing.check_segment_ids(segment_ids, jnp.shape(x)[:2])
         zu, zv, zs, val = self._project(x)
-        o, state = ops.agf_recurrent(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
-                                     **self._basis_kwargs())
+        o, state = ops.agf_scan(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
+                                segment_ids=segment_ids, **self._basis_kwargs())
         return self._finish(o, x, deterministic), state
 
     def step(self, state: AGFState, x_t: Array) -> tuple[Array, AGFState]:

@@ -35,14 +35,20 @@ the non-causal one. Four forms compute the same numbers: `agf_parallel(causal=Tr
 (associative scan over the online-softmax monoid), `agf_chunked` (exact intra-chunk sums with
 per-row maxima plus the state of the previous chunks: `agf_chunked_scan` carries it through a
 `lax.scan` on the CPU, `agf_chunked_parallel` computes every chunk's state at once on GPUs and
-TPUs), `agf_recurrent` (`jax.lax.scan`) and `agf_step`.
+TPUs), `agf_scan` (`jax.lax.scan`) and `agf_step`.
+
+*Packed sequences* (`segment_ids` int `[B, T]`, 0 = padding; docs/agf_options.md): every form computes
+each document as if alone. Causal forms cut (N, z, m) at each document start by a gated merge; the
+global form normalises V per document and reads it as packed global linear attention; the
+regulariser is each document's alone, a row's value the mean over its documents. *Context
+parallelism* (`agf_jax.context_parallel`): the same merges over the shards of a `sequence` mesh axis.
 
 *Regulariser in causal mode (design choice, documented here once).* `orthogonality_loss` is the same
 function in both modes: U is token-local, and V is taken as the whole-sequence softmax, which is
 V^(T), the right factor of the last (full) prefix. We do not average a per-prefix penalty: V^(t) has
 only t rows, so for t < D the columns cannot be orthonormal and |V^(t)T V^(t) - I| has a floor that
 would dominate early positions and make the penalty's scale depend on T. The regulariser only enters
-the loss, so it leaks no future information into any output. The recurrent forms (`agf_recurrent`,
+the loss, so it leaks no future information into any output. The recurrent forms (`agf_scan`,
 `agf_step`) are inference forms and do not compute it.
 
 Masking is NaN-safe (the zoo's layer contract): padded V logits and values are replaced with
@@ -71,13 +77,13 @@ from agf_jax.basis import (BASES, JACOBI_DEFAULT_ALPHA, JACOBI_DEFAULT_BETA, bas
 from agf_jax.factors import (MASK_OFFSET, AGFFactors, agf_factors, as_float, check_projections,
                              left_factor, masked_logits, orthogonality_loss)
 from agf_jax.forms import (AGFState, agf_attention_matrix, agf_chunked, agf_chunked_parallel,
-                           agf_chunked_scan, agf_parallel, agf_recurrent, agf_step, init_state)
+                           agf_chunked_scan, agf_parallel, agf_scan, agf_step, init_state)
 from agf_jax.fused import agf_with_orthogonality, agf_with_orthogonality_plain
 
 __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET", "AGFFactors",
            "AGFState", "agf_attention_matrix", "agf_chunked",
            "agf_chunked_parallel", "agf_chunked_scan", "agf_factors", "agf_parallel",
-           "agf_recurrent", "agf_step", "agf_with_orthogonality",
+           "agf_scan", "agf_step", "agf_with_orthogonality",
            "agf_with_orthogonality_plain", "as_float", "basis_and_derivative_iter",
            "basis_iter", "check_projections", "filter_coefficients", "graph_filter",
            "init_state", "jacobi_abc", "left_factor", "masked_logits",

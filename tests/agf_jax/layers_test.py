@@ -438,10 +438,3 @@ def test_graph_filter_variants_gradients(variant):
     assert float(jnp.max(jnp.abs(grads["query"]["kernel"]))) > 0.0
     if variant == "svd":
         assert float(jnp.min(jnp.abs(grads["singular_values"]))) > 0.0
-
-
-def test_graph_filter_bad_values():
-    with pytest.raises(ValueError, match=r"`graph_filter` must be one of \(.agf., .uvt., .svd.\), got .svdd."):
-        _layer("agf", graph_filter="svdd").init(jax.random.key(0), X)
-    with pytest.raises(ValueError, match=r"`learn_c0` applies only to graph_filter='agf'"):
-        _layer("uvt", learn_c0=True).init(jax.random.key(0), X)

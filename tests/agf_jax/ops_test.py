@@ -42,7 +42,7 @@ chunked = jax.jit(functools.partial(ops.agf_chunked, **BASIS), static_argnames=(
 chunked_forms = {name: jax.jit(functools.partial(fn, **BASIS), static_argnames=("chunk_size",))
                  for name, fn in (("scan", ops.agf_chunked_scan),
                                   ("parallel", ops.agf_chunked_parallel))}
-recurrent = jax.jit(functools.partial(ops.agf_recurrent, **BASIS))
+recurrent = jax.jit(functools.partial(ops.agf_scan, **BASIS))
 _step = jax.jit(functools.partial(ops.agf_step, **BASIS))
 _masked_logits = jax.jit(ops.masked_logits)
 _init_state = jax.jit(ops.init_state, static_argnums=(0, 1, 2, 3))
@@ -388,7 +388,7 @@ def test_check_grads_float64(x64):
                                         chunk_size=3, mask=mask, **BASIS)[0]
 
     def causal_rec(zu, zv, zs, val, theta):
-        return ops.agf_recurrent(zu, zv, zs, val, ops.filter_coefficients(theta), **BASIS)[0]
+        return ops.agf_scan(zu, zv, zs, val, ops.filter_coefficients(theta), **BASIS)[0]
 
     def all_forms(*args):   # one function: one set of compiles for the four forms
         return tuple(fn(*args) for fn in (noncausal, causal_par, causal_chunk,

@@ -143,9 +143,10 @@ def shard_noncausal(q: Array, k: Array, v: Array, *, axis_name: str, mask: Optio
     return num, den
 
 
-def _sharded(body, mesh, axis_name: str, batch_axis: Optional[str], arrays: dict, out_specs):
+def sharded(body, mesh, axis_name: str, batch_axis: Optional[str], arrays: dict, out_specs):
     """`body(**arrays)` under `jax.shard_map`, each array `[B, T, ...]` split along T on `axis_name`
-    and along B on `batch_axis` (None: not split); None entries are passed as None."""
+    and along B on `batch_axis` (None: not split); None entries are passed as None. Shared by the
+    mechanisms' context-parallel wrappers (this module's, `agf_jax.context_parallel`)."""
     given = {name: x for name, x in arrays.items() if x is not None}
     spec = P(batch_axis, axis_name)
 
@@ -166,12 +167,12 @@ def causal(q: Array, k: Array, v: Array, *, chunk_size: int, mesh=None, axis_nam
     """`linear_attention.causal_chunked` with the sequence split over `axis_name` of `mesh` (None: the
     mesh of `jax.set_mesh`). T must divide by the axis size. Returns (num `[B, T, H, M]`, den
     `[B, T, H]` or None), sharded like the inputs."""
-    _check_length(q.shape[1], mesh, axis_name)
+    check_length(q.shape[1], mesh, axis_name)
     body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size,
                              denominator=denominator)
     spec = P(batch_axis, axis_name)
-    return _sharded(lambda **a: body(**a)[:2], mesh, axis_name, batch_axis,
-                    dict(q=q, k=k, v=v, mask=mask, segment_ids=segment_ids), (spec, spec if denominator else None))
+    return sharded(lambda **a: body(**a)[:2], mesh, axis_name, batch_axis,
+                   dict(q=q, k=k, v=v, mask=mask, segment_ids=segment_ids), (spec, spec if denominator else None))
 
 
 def noncausal(q: Array, k: Array, v: Array, *, mesh=None, axis_name: str = "sequence",
@@ -180,12 +181,12 @@ def noncausal(q: Array, k: Array, v: Array, *, mesh=None, axis_name: str = "sequ
               segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
     """`linear_attention.noncausal` (self-attention lengths, T = S) with the sequence split over
     `axis_name`; arguments and results as in `causal`."""
-    _check_length(q.shape[1], mesh, axis_name)
+    check_length(q.shape[1], mesh, axis_name)
     body = functools.partial(shard_noncausal, axis_name=axis_name, denominator=denominator)
     spec = P(batch_axis, axis_name)
-    return _sharded(body, mesh, axis_name, batch_axis,
-                    dict(q=q, k=k, v=v, mask=mask, query_mask=query_mask, segment_ids=segment_ids),
-                    (spec, spec if denominator else None))
+    return sharded(body, mesh, axis_name, batch_axis,
+                   dict(q=q, k=k, v=v, mask=mask, query_mask=query_mask, segment_ids=segment_ids),
+                   (spec, spec if denominator else None))
 
 
 def sequence_map(body, arrays: dict, *, mesh=None, axis_name: str = "sequence",
@@ -194,11 +195,12 @@ def sequence_map(body, arrays: dict, *, mesh=None, axis_name: str = "sequence",
     `jax.set_mesh`), for a mechanism's own context-parallel body (e.g. `agf_jax.softmax.shard_softmax`):
     each array `[B, T, ...]` split along T (and along B on `batch_axis`), None entries passed as
     None, one result `[B, T, ...]` split the same way. T must divide by the axis size (one line)."""
-    _check_length(next(x for x in arrays.values() if x is not None).shape[1], mesh, axis_name)
-    return _sharded(body, mesh, axis_name, batch_axis, arrays, P(batch_axis, axis_name))
+    check_length(next(x for x in arrays.values() if x is not None).shape[1], mesh, axis_name)
+    return sharded(body, mesh, axis_name, batch_axis, arrays, P(batch_axis, axis_name))
 
 
-def _check_length(t: int, mesh, axis_name: str) -> None:
+def check_length(t: int, mesh, axis_name: str) -> None:
+    """The mesh (None: `jax.set_mesh`'s) has `axis_name`, and the length t divides by its size."""
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if axis_name not in mesh.axis_names:
         raise ValueError(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); build it "
