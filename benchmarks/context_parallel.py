@@ -22,6 +22,10 @@ Mechanisms (docs/specs/context_parallel.md):
   `htgn_jax.context_parallel.favor`;
 * `var_chain`: SAMoVAR's VAR chain of 3 layers (one all-gather of `[B, H, D, D]` states per layer);
   `samovar_jax.context_parallel.var_chain`;
+* `agf`, `agf_global`: AGF (order 4, Jacobi), causal (one all-gather of the shards' max-aware (m, z, N)
+  summaries) and global with its orthogonality regulariser (pmax and psums); `agf_jax.context_parallel`;
+* `window_graph`: HTGN's window graph (radius 8, 4 global nodes) by a halo exchange (`ppermute`) of the
+  boundary nodes; `htgn_jax.graph_context_parallel.window_graph_attention`;
 * `softmax`: causal softmax attention by an all-gather of K and V, the baseline (its memory and bytes
   grow with T: run it at short lengths); `agf_jax.softmax.softmax_context_parallel`;
 * `auto`: the single-device `linear_attention.causal_chunked` with its inputs sharded along T and
@@ -49,15 +53,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from agf_jax import softmax  # noqa: E402
-from htgn_jax import context_parallel as favor_cp, ops as favor_ops  # noqa: E402
+from agf_jax import context_parallel as agf_cp, softmax  # noqa: E402
+from htgn_jax import context_parallel as favor_cp, graph_context_parallel as graph_cp, ops as favor_ops  # noqa: E402
 from samovar_jax import context_parallel as var_cp  # noqa: E402
 from zoo_core import bench, checks  # noqa: E402
 from zoo_core.ops import context_parallel, linear_attention  # noqa: E402
 from zoo_core.testing import collective_bytes  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-CASES = ("linear", "linear_global", "linear_packed", "favor", "favor_global", "var_chain", "softmax", "auto")
+CASES = ("linear", "linear_global", "linear_packed", "agf", "agf_global", "favor", "favor_global", "var_chain",
+         "window_graph", "softmax", "auto")
 VAR_LAYERS = 3
 DOCUMENT = 1000
 
@@ -88,6 +93,16 @@ def loss_fn(case: str, mesh, chunk: int):
             omega = favor_ops.gaussian_orthogonal_random_matrix(jax.random.PRNGKey(0), q.shape[-1], q.shape[-1])
             out = favor_cp.favor(q, k, v, omega, axis_name="sequence", feature_map="softmax",
                                  causal=case == "favor", chunk_size=chunk, eps=1e-4, mesh=mesh)
+            return jnp.sum(out)
+        if case.startswith("agf"):
+            coeffs = jnp.asarray([1.0, 0.5, 0.25, 0.125, 0.0625])
+            if case == "agf":
+                return jnp.sum(agf_cp.causal(q, k, v, v, coeffs, chunk_size=chunk, mesh=mesh))
+            out, reg = agf_cp.noncausal(q, k, v, v, coeffs, mesh=mesh)
+            return jnp.sum(out) + jnp.sum(reg)
+        if case == "window_graph":
+            out, _ = graph_cp.window_graph_attention(q, k, v, None, axis_name="sequence", window=8, num_global=4,
+                                                     mesh=mesh)
             return jnp.sum(out)
         if case == "softmax":
             return jnp.sum(softmax.softmax_context_parallel(q, k, v, causal=True, mesh=mesh))

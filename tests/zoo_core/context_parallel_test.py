@@ -152,9 +152,9 @@ def test_the_benchmark_records_memory_bytes_and_time(tmp_path):
     from benchmarks import context_parallel as bench_cp
 
     rows = bench_cp.main(["--lengths", "128", "--shards", "1,2", "--heads", "1", "--head_dim", "4", "--chunk", "16",
-                          "--time_up_to", "128", "--cases", "linear,favor,var_chain,softmax,auto",
+                          "--time_up_to", "128", "--cases", "linear,agf,favor,var_chain,window_graph,softmax,auto",
                           "--out", str(tmp_path / "cp.json")])
-    cases = ("linear", "favor", "var_chain", "softmax", "auto")
+    cases = ("linear", "agf", "favor", "var_chain", "window_graph", "softmax", "auto")
     assert [(r["case"], r["shards"]) for r in rows] == [(c, p) for c in cases for p in (1, 2)]
     for sharded in rows[1::2]:
         assert sharded["moved_bytes"] > 0 and sharded["memory"]["total_bytes"] > 0 and sharded["time"]["median_s"] > 0
