@@ -75,6 +75,8 @@ from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.ops.remat import call_block
 
 Array = jax.Array
+# The keys of a packed batch (zoo_core/data/packing.py: flax's wmt names).
+PACKED_KEYS = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
 
 # Sizes (htgn.md §5.12). Keys not used by a kind are dropped for it (e.g. cross_window, chunk_size
 # for the classifier). `num_layers` is the depth of each stack (L_e = L_d for seq2seq).
@@ -395,6 +397,10 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         """Teacher-forced forward pass (see the class docstring); `feature_step` is the
         training-step index (required iff redraw_every > 0: the update's index while training)."""
         validation.check_feature_step(self, feature_step)
+        packed = sorted(k for k in PACKED_KEYS if k in batch)
+        if packed:
+            fail(f"HTGN Seq2Seq does not take packed batches ({', '.join(packed)}) yet: its FAVOR+ and graph "
+                 f"layers take no segment_ids; train with data.packing=False")
         inputs, mask, targets = validation.seq2seq_batch(self, batch)
         det = not train
         memory, memory_mask, enc_aux = self._encode(inputs, mask, det, feature_step)
