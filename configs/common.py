@@ -114,7 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Context parallelism: the mesh becomes data x sequence with this many devices on 'sequence'; sequence
     # inputs are split along their length, parameters replicated. Models whose layers have a
     # `sequence_axis` field get it set to 'sequence' (zoo_core.run.sharding.sequence_model_fields).
-    c.parallel.sequence = 1
+    c.parallel.sequence = 1           # (safe on resume: the same numbers within float32 rounding)
 
     c.data = ml_collections.ConfigDict()
     c.data.name = ""                  # a key of zoo_core.data.DATASETS
