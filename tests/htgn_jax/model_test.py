@@ -530,3 +530,4 @@ def test_the_encoder_checks_the_grid_layout():
     encoder = Encoder(dataclasses.replace(CONFIG, window=1, grid_width=2), num_layers=1)
     with pytest.raises(ValueError, match="grid_width=2 lays the tokens out in rows, but there are 5"):
         encoder.init(jax.random.PRNGKey(0), x, mask)
+

@@ -180,4 +180,4 @@ def test_htgn_refuses_a_packed_batch_in_one_line():
     packed = packing.pack_rows(data, lens, packing.assign_rows(lens, (12, 10)), (12, 10), ("inputs", "targets"))
     with pytest.raises(ValueError) as e:
         m.init(jax.random.PRNGKey(0), packed)
-    assert "does not take packed batches" in str(e.value) and "\n" not in str(e.value)
+    assert "cannot take packed batches here" in str(e.value) and "\n" not in str(e.value)
