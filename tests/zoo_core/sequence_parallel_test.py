@@ -96,7 +96,8 @@ def test_twenty_steps_with_the_sequence_split_over_two_devices_equal_one(tmp_pat
 
 def test_a_sequence_split_that_does_not_divide_is_one_line():
     from zoo_core.run import sharding
-    with pytest.raises(ValueError, match=r"^parallel.sequence=3 must divide the 2 devices$"):
+    with pytest.raises(ValueError, match=r"^parallel.sequence=3 must divide the 2 devices( \(CPU devices: "
+                                         r"--config.parallel.cpu_devices=3 or a multiple\))?$"):
         sharding.check_sequence(3, 2)
     with pytest.raises(ValueError, match=r"parallel.sequence must be an int >= 1"):
         sharding.check_sequence(0, 2)
@@ -108,3 +109,43 @@ def test_a_sequence_split_that_does_not_divide_is_one_line():
 
 if __name__ == "__main__":
     _check(sys.argv[1])
+
+
+def test_the_mesh_splits_sequence_features_along_their_length():
+    """In the suite's process (two host devices): P = 2 gives a [1, 2] mesh, the sequence features split
+    along T and the others along the batch only; P = 1 keeps the 1-D 'data' mesh of every run before."""
+    from zoo_core.run import sharding
+    if jax.device_count() != 2:
+        pytest.skip("the suite runs on two host devices")
+    assert sharding.make_mesh(1).axis_names == ("data",)
+    mesh = sharding.make_mesh(2)
+    assert dict(mesh.shape) == {"data": 1, "sequence": 2}
+    host = {"inputs": np.arange(16, dtype=np.int32).reshape(2, 8), "inputs_segmentation": np.ones((2, 8), np.int32),
+            "label": np.zeros((2,), np.int32)}
+    batch = sharding.global_batch(host, mesh)
+    assert batch["inputs"].sharding.spec == P("data", "sequence")
+    assert batch["inputs_segmentation"].sharding.spec == P("data", "sequence")
+    assert batch["label"].sharding.spec == P("data")
+    assert [s.data.shape for s in batch["inputs"].addressable_shards] == [(2, 4), (2, 4)]
+    np.testing.assert_array_equal(np.asarray(batch["inputs"]), host["inputs"])
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(sequence=2, mode="pmap"), "parallel.sequence > 1 needs parallel.mode='jit'"),
+    (dict(sequence=2, batch_size=3, accum=2), "batch_size 3 must be divisible by data-parallel devices "
+                                              "(devices / parallel.sequence) (1) x optim.grad_accum_steps (2)"),
+])
+def test_bad_sequence_settings_are_one_line(overrides, fragment):
+    from configs.core import synthetic
+    from zoo_core.run.setup_checks import validate_config
+    if jax.device_count() != 2:
+        pytest.skip("the suite runs on two host devices")
+    c = synthetic.get_config("smoke")
+    c.unlock()
+    c.parallel.sequence = overrides["sequence"]
+    c.parallel.mode = overrides.get("mode", "jit")
+    c.batch_size = overrides.get("batch_size", 4)
+    c.optim.grad_accum_steps = overrides.get("accum", 1)
+    with pytest.raises(ValueError) as e:
+        validate_config(c)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)

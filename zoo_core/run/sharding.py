@@ -98,7 +98,12 @@ def check_sequence(sequence: Any, devices: int) -> None:
     if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
         raise ValueError(f"parallel.sequence must be an int >= 1 (1: no context parallelism), got {sequence!r}")
     if devices % sequence:
-        raise ValueError(f"parallel.sequence={sequence} must divide the {devices} devices")
+        hint = (f" (CPU devices: --config.parallel.cpu_devices={sequence} or a multiple)"
+                if jax.default_backend() == "cpu" else "")
+        raise ValueError(f"parallel.sequence={sequence} must divide the {devices} devices{hint}")
+    if jax.process_count() > 1 and jax.local_device_count() % sequence:
+        raise ValueError(f"parallel.sequence={sequence} must divide each process's {jax.local_device_count()} "
+                         f"devices (each process reads whole rows)")
 
 
 def make_mesh(sequence: int = 1) -> Mesh:
