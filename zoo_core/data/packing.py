@@ -188,15 +188,3 @@ class Packer:
             return parts[0]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
-
-def token_count(batch: dict[str, np.ndarray], keys: Sequence[str], pad_id: int = 0) -> tuple[int, int]:
-    """(tokens, slots) of `keys` in a batch, packed (by `k_segmentation`) or not (by `pad_id`)."""
-    tokens = slots = 0
-    for k in keys:
-        if k not in batch:
-            continue
-        seg = batch.get(k + SEGMENTATION)
-        real = (np.asarray(seg) > 0) if seg is not None else (np.asarray(batch[k]) != pad_id)
-        tokens += int(real.sum())
-        slots += real.size
-    return tokens, slots

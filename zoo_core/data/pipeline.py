@@ -19,7 +19,7 @@ import itertools
 import os
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from absl import logging
 import grain
@@ -148,6 +148,19 @@ def packed_train_batches(packer: packing_lib.Packer, *, global_batch_size: int, 
             yield packer.rows(first + rows.start, first + rows.stop)
 
     return _ReadAhead(batches, prefetch)
+
+
+def token_count(batch: dict[str, np.ndarray], keys: Sequence[str], pad_id: int = 0) -> tuple[int, int]:
+    """(tokens, slots) of `keys` in a batch, packed (by `k_segmentation`) or not (by `pad_id`)."""
+    tokens = slots = 0
+    for k in keys:
+        if k not in batch:
+            continue
+        seg = batch.get(k + packing_lib.SEGMENTATION)
+        real = (np.asarray(seg) > 0) if seg is not None else (np.asarray(batch[k]) != pad_id)
+        tokens += int(real.sum())
+        slots += real.size
+    return tokens, slots
 
 
 def _streamed_batches(source, *, global_batch_size, seed, rows, start_step, prefetch):

@@ -13,7 +13,7 @@ import jax
 from zoo_core.run import checkpoint as ckpt_lib
 from zoo_core.run import metrics as metrics_lib, sharding
 from zoo_core import tasks
-from zoo_core.data import packing
+from zoo_core.data import pipeline
 from zoo_core.run.errors import ConfigError, NonFiniteError
 from zoo_core.run.evaluation import evaluate_params
 from zoo_core.run.resume import check_resume
@@ -150,7 +150,7 @@ def train_loop(loop: Loop, state, train_iter) -> None:
         for step in range(loop.start + 1, loop.config.total_steps + 1):
             host = next(train_iter)
             if loop.token_keys:
-                tokens, slots = packing.token_count(host, loop.token_keys, int(loop.config.task.get("pad_id", 0)))
+                tokens, slots = pipeline.token_count(host, loop.token_keys, int(loop.config.task.get("pad_id", 0)))
                 loop.tokens, loop.slots = loop.tokens + tokens, loop.slots + slots
             batch = steps.to_device(host)  # host work overlaps the step in flight
             if in_flight is not None:
