@@ -427,16 +427,20 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         missing = [k for k in PACKED_KEYS if k not in batch]
         if missing:
             fail(f"a packed batch needs {list(PACKED_KEYS)}; it lacks {missing}")
-        lacking = _packing_missing()
+        lacking = _packing_missing(self)
         if lacking:
             fail(f"HTGN Seq2Seq cannot take packed batches here: {', '.join(lacking)} take no segment_ids "
                  f"(train with data.packing=False)")
-        inputs, mask, targets = validation.seq2seq_batch(self, batch)
+        # A packed row may be wider than max_source_len / max_target_len (data.packing_factor > 1): the
+        # positions restart per document, and each document is at most the data's stored width.
+        inputs = validation.int_array("inputs", batch["inputs"], 2, "[B, S]")
+        targets = validation.int_array("targets", batch["targets"], 2, "[B, T]")
         src_seg, src_pos, tgt_seg, tgt_pos = (validation.int_array(k, batch[k], 2, "[B, L]") for k in PACKED_KEYS)
-        if src_seg.shape != inputs.shape or tgt_seg.shape != targets.shape:
-            fail(f"the segmentation must have the shapes of 'inputs' {tuple(inputs.shape)} and 'targets' "
-                 f"{tuple(targets.shape)}, got {tuple(src_seg.shape)} and {tuple(tgt_seg.shape)}")
-        mask = mask & (src_seg > 0)
+        if (src_seg.shape != inputs.shape or src_pos.shape != inputs.shape or tgt_seg.shape != targets.shape
+                or tgt_pos.shape != targets.shape or inputs.shape[0] != targets.shape[0]):
+            fail(f"a packed batch's segmentation and positions must have the shapes of 'inputs' "
+                 f"{tuple(inputs.shape)} and 'targets' {tuple(targets.shape)} (one batch size)")
+        mask = (inputs != self.pad_id) & (src_seg > 0)
         tokens = self._source_tokens(inputs, mask, det, segment_ids=src_seg, positions=src_pos)
         memory, enc_aux = self.encoder(tokens, mask, deterministic=det, feature_step=feature_step,
                                        segment_ids=src_seg, positions=src_pos)
@@ -454,15 +458,24 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         return {"logits": self._logits(y)}, _aux(self, merge_aux(enc_aux, *auxes))
 
 
-def _packing_missing() -> list[str]:
-    """The layers of this installation whose call takes no `segment_ids` (packing needs them all)."""
+def _packing_missing(m: Seq2Seq) -> list[str]:
+    """The parts `m` uses whose call takes no `segment_ids` in this installation (packing needs them all)."""
     import inspect
     from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
     from htgn_jax.layers import FavorAttention
-    calls = {"FavorAttention": FavorAttention.__call__, "FavorAttention.cross": FavorAttention.cross,
-             "WindowGraphAttention": WindowGraphAttention.__call__,
-             "CrossGraphAttention": CrossGraphAttention.__call__, "hrpe.masked_path_graph_pe": hrpe.masked_path_graph_pe}
-    return [name for name, fn in calls.items() if "segment_ids" not in inspect.signature(fn).parameters]
+    from zoo_core import attention as zoo_attention
+    calls = {"FavorAttention": FavorAttention.__call__, "FavorAttention.cross": FavorAttention.cross}
+    if m.use_graph_conv:
+        calls.update({"WindowGraphAttention": WindowGraphAttention.__call__,
+                      "CrossGraphAttention": CrossGraphAttention.__call__})
+    if m.use_hrpe:
+        calls["hrpe.masked_path_graph_pe"] = hrpe.masked_path_graph_pe
+        if m.skip_offsets:
+            calls["hrpe.masked_skip_path_graph_pe"] = hrpe.masked_skip_path_graph_pe
+    lacking = [name for name, fn in calls.items() if "segment_ids" not in inspect.signature(fn).parameters]
+    if m.attention not in ("favor", "softmax") and not zoo_attention.capabilities(m.attention)["segment_ids"]:
+        lacking.append(f"the encoder attention {m.attention!r}")
+    return lacking
 
 
 class Classifier(_HTGNModel, kw_only=True):
