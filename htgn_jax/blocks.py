@@ -179,7 +179,8 @@ def packed_layout(segment_ids: Array, positions: Array, num_global: int) -> tupl
     """
     b, n = segment_ids.shape
     g = num_global
-    start = packing.starts(segment_ids) & (segment_ids > 0)
+    # a document's first token (the row's first token too: `packing.starts` leaves it to an incoming state)
+    start = (packing.starts(segment_ids) | (jnp.arange(n) == 0)[None]) & (segment_ids > 0)
     index = jnp.arange(n)[None] + g * jnp.cumsum(start, axis=1)
     rows = jnp.arange(b)[:, None]
     ids = jnp.zeros((b, n + g * n), segment_ids.dtype).at[rows, index].set(segment_ids)

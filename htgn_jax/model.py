@@ -429,8 +429,8 @@ class Seq2Seq(_HTGNModel, kw_only=True):
             fail(f"a packed batch needs {list(PACKED_KEYS)}; it lacks {missing}")
         lacking = _packing_missing(self)
         if lacking:
-            fail(f"HTGN Seq2Seq cannot take packed batches here: {', '.join(lacking)} take no segment_ids "
-                 f"(train with data.packing=False)")
+            fail(f"HTGN Seq2Seq cannot take packed batches here: these parts take no segment_ids: "
+                 f"{', '.join(lacking)} (train with data.packing=False)")
         # A packed row may be wider than max_source_len / max_target_len (data.packing_factor > 1): the
         # positions restart per document, and each document is at most the data's stored width.
         inputs = validation.int_array("inputs", batch["inputs"], 2, "[B, S]")
