@@ -85,15 +85,16 @@ def neighbour_kl(probs: Array, log_probs: Array, valid: Array,
     Args:
       probs, log_probs: alpha and log alpha, `[B, M, H, K]` (0 where invalid).
       valid: `[B, M, K]` boolean.
-      pair_ok: static bool `[M - 1]`, False for pairs (i-1, i) that are not neighbours (a grid's
-        row ends), or None for all.
+      pair_ok: bool `[M - 1]` (static) or `[B, M - 1]`, False for pairs (i-1, i) that are not
+        neighbours (a grid's row ends, two packed documents), or None for all.
 
     Returns:
       (kl_sum, kl_count): float32 scalars over (pair, head) terms.
     """
     common = (valid[:, 1:] & valid[:, :-1])[:, :, None]                  # [B, M-1, 1, K]
     if pair_ok is not None:
-        common = common & jnp.asarray(pair_ok)[None, :, None, None]
+        pair_ok = jnp.asarray(pair_ok)
+        common = common & (pair_ok[None] if pair_ok.ndim == 1 else pair_ok)[:, :, None, None]
 
     def restricted(p, lp):
         mass = jnp.sum(jnp.where(common, p, 0.0), axis=-1, keepdims=True)

@@ -3,13 +3,17 @@
 The maths is in `htgn_jax.graph_ops` (spec `htgn.md` §3.4, §5.3, §5.5, §5.7); the layers own the
 parameters only. Contract (README "Layer contract"):
 
-* `WindowGraphAttention.__call__(x, *, mask=None, deterministic=True) -> (y, aux)`; when causal
-  also `init_state(batch_size) -> WindowState`, `scan(x, state=None, *, mask=None,
-  deterministic=True) -> (y, state)` and `step(state, x_t) -> (y_t, state)` (no position: the
-  window needs no index).
-* `CrossGraphAttention.__call__(x, memory, *, mask=None, memory_mask=None, deterministic=True)
-  -> (y, aux)`; decoding: `prepare_memory(memory, *, memory_mask=None) -> CrossGraphCache` once,
-  then `step(cache, x_t, *, position) -> (y_t, cache)`.
+* `WindowGraphAttention.__call__(x, *, mask=None, segment_ids=None, deterministic=True) -> (y,
+  aux)`; when causal also `init_state(batch_size) -> WindowState`, `scan(x, state=None, *,
+  mask=None, segment_ids=None, deterministic=True) -> (y, state)` and `step(state, x_t) -> (y_t,
+  state)` (no position: the window needs no index). With `sequence_axis` set, `__call__` runs
+  split over that mesh axis (`graph_context_parallel`).
+* `CrossGraphAttention.__call__(x, memory, *, mask=None, memory_mask=None, segment_ids=None,
+  kv_segment_ids=None, deterministic=True) -> (y, aux)`; decoding: `prepare_memory(memory, *,
+  memory_mask=None) -> CrossGraphCache` once, then `step(cache, x_t, *, position) -> (y_t, cache)`.
+
+`segment_ids` int `[B, L]` packs documents into a row (0 = padding), each laid out `[its globals ;
+its tokens]`; nothing crosses a document (docs/htgn_packing.md).
 
 aux = {'kl_sum', 'kl_count'}: the unweighted KL smoothness term of htgn.md §5.7 as a sum and a count
 of (row, head) terms, so that a model can form the mean over all its layers (sums add up across
@@ -23,12 +27,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen.dtypes import promote_dtype
 
-from htgn_jax import graph_causal, graph_ops, validation
+from htgn_jax import graph_causal, graph_context_parallel, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
-from htgn_jax.layers import HeadsOutput, flat_init
-from zoo_core.ops import masking
+from htgn_jax.graph_heads import HeadProjection, HeadVector
+from htgn_jax.layers import HeadsOutput
+from zoo_core.ops import masking, packing
 from zoo_core.checks import check_rank, check_tokens, fail
 
 Array = jax.Array
@@ -49,48 +53,6 @@ class CrossGraphCache(NamedTuple):
     value: Array
     mask: Array
     key: Optional[Array] = None
-
-
-def _resolve_head_dim(width: int, num_heads: int, head_dim: int | None, arg: str) -> int:
-    if head_dim is not None:
-        return head_dim
-    if width % num_heads:
-        fail(f"width of `{arg}` ({width}) is not divisible by num_heads={num_heads}; "
-              f"set head_dim explicitly")
-    return width // num_heads
-
-
-class _HeadProjection(nn.Module):
-    """x `[..., d]` -> `[..., H, D]` without bias; D = head_dim, or d // H when head_dim is None.
-
-    Compact on purpose: the kernel shape may follow the input width, which setup() cannot see.
-    """
-    num_heads: int
-    head_dim: int | None
-    arg: str
-    dtype: Any
-    param_dtype: Any
-    kernel_init: Initializer
-
-    @nn.compact
-    def __call__(self, x: Array, head_dim: int | None = None) -> Array:
-        d = x.shape[-1]
-        hd = head_dim or _resolve_head_dim(d, self.num_heads, self.head_dim, self.arg)
-        kernel = self.param("kernel", flat_init(self.kernel_init, 1), (d, self.num_heads, hd),
-                            self.param_dtype)
-        x, kernel = promote_dtype(x, kernel, dtype=self.dtype)
-        return jnp.einsum("...d,dhk->...hk", x, kernel)
-
-
-class _HeadVector(nn.Module):
-    """A per-head vector `[H, D]` (GAT attention vector a_h); D is given at call time."""
-    num_heads: int
-    param_dtype: Any
-    init: Initializer
-
-    @nn.compact
-    def __call__(self, head_dim: int) -> Array:
-        return self.param("vector", self.init, (self.num_heads, head_dim), self.param_dtype)
 
 
 class _GraphAttentionBase(nn.Module):
@@ -123,21 +85,24 @@ class _GraphAttentionBase(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
 
     def _setup_common(self, num_offsets: int, with_global_bias: bool) -> None:
+        # The options the kernels read (the causal forms check none themselves).
+        graph_ops.check_kl(self.kl_tau, self.kl_mode, num_offsets + self.num_global)
+        graph_ops.check_negative_slope(self._scoring(), self.negative_slope)
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
         if self.alpha == "attention":      # scores come from the attention layer's features
-            self.source = _HeadProjection(arg=self._source_arg, **proj)
+            self.source = HeadProjection(arg=self._source_arg, **proj)
         elif self.version in ("v2", "dot"):
-            self.target = _HeadProjection(arg="x", **proj)
-            self.source = _HeadProjection(arg=self._source_arg, **proj)
+            self.target = HeadProjection(arg="x", **proj)
+            self.source = HeadProjection(arg=self._source_arg, **proj)
             if self.version == "v2":
-                self.attn = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+                self.attn = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         else:
             # v1 (GAT): one projection W for both ends, two attention halves a = [a_t ; a_s].
-            self.source = _HeadProjection(arg=self._source_arg, **proj)
-            self.attn_target = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
-            self.attn_source = _HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+            self.source = HeadProjection(arg=self._source_arg, **proj)
+            self.attn_target = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
+            self.attn_source = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         if self.use_relative_bias:
             self.rel_bias = self.param("rel_bias", self.bias_init, (h, num_offsets),
                                        self.param_dtype)
@@ -196,6 +161,12 @@ class _GraphAttentionBase(nn.Module):
 
     def _head_vector(self, name: str, z: Array) -> Array:
         return getattr(self, name)(z.shape[-1]).astype(z.dtype)
+
+    def _scoring(self) -> Any:
+        """The `attn` kind the kernels get: `KERNEL`, None (dot product) or an array marker."""
+        if self.alpha == "attention":
+            return graph_ops.KERNEL
+        return None if self.version == "dot" else ()
 
     def _attn_vector(self, value: Array) -> Array | None:
         """a_h for GATv2, ones `[H, 1]` for GAT's one-channel form, None (dot product) for 'dot',
@@ -267,6 +238,11 @@ class WindowGraphAttention(_GraphAttentionBase):
         must be None when not causal.
       grid_width: None, or W for image patches in raster order: the window is then the 2-D
         stencil of radius w (`window_offsets`); not with causal.
+      sequence_axis: the mesh axis one sequence is split over (context parallelism by a halo
+        exchange, `graph_context_parallel`): `__call__` then runs under `jax.shard_map`, called under
+        `jax.set_mesh(mesh)` with L divisible by the axis size and each shard longer than the
+        stencil's reach, and gives one device's numbers (the causal `chunk_size` forms too).
+        `scan` and `step` are one device's forms whatever it is. None: one device.
       version: 'v2' (GATv2, default), 'v1' (GAT, static attention) or 'dot' (scaled dot
         product, UniMP style); the last two are ablations (htgn.md §5.13).
       use_relative_bias: learned per-head per-offset logit bias (HRPE (c), htgn.md §5.2).
@@ -297,22 +273,28 @@ class WindowGraphAttention(_GraphAttentionBase):
     causal: bool = False
     chunk_size: int | None = None
     grid_width: int | None = None
+    sequence_axis: Optional[str] = None
 
     _source_arg = "x"
 
     def setup(self):
         validation.check_window_graph_fields(self)
+        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
+            fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         self._has_global_bias = self.num_global > 0
-        num_slots = len(self._offsets)
-        self._setup_common(num_slots, self._has_global_bias)
+        self._offsets = graph_ops.window_offsets(self.window, self.causal, self.grid_width,
+                                                 self.skip_offsets)
+        self._setup_common(len(self._offsets), self._has_global_bias)
 
-    def __call__(self, x: Array, *, mask: Array | None = None, deterministic: bool = True,
+    def __call__(self, x: Array, *, mask: Array | None = None, segment_ids: Array | None = None,
+                 deterministic: bool = True,
                  features: tuple[Array, Array] | None = None) -> tuple[Array, dict[str, Array]]:
         """Graph attention over the whole sequence.
 
         Args:
-          x: `[B, L, d]`, L = num_global + N.
+          x: `[B, L, d]`, L = num_global + N (packed: each document `[its g globals ; tokens]`).
           mask: `[B, L]` (True = real node), or None.
+          segment_ids: int `[B, L]` packed documents (0 = padding), or None.
           deterministic: no attention dropout when True.
           features: (phi(q), phi(k)), each `[B, L, H, M]`, with alpha='attention' only.
 
@@ -321,32 +303,33 @@ class WindowGraphAttention(_GraphAttentionBase):
           prior over heads and valid nodes, or between consecutive rows, per kl_mode; htgn.md §5.7;
           unweighted) as a sum over its `kl_count` terms.
         """
-        if self.causal and self.chunk_size is not None:
-            mask, out, st = self._chunked(x, mask, deterministic, features)
+        if self.causal and self.chunk_size is not None and self.sequence_axis is None:
+            mask, out, st = self._chunked(x, mask, deterministic, features, segment_ids)
         else:
-            mask, out, st = self._attend(x, mask, deterministic, features)
+            mask, out, st = self._attend(x, mask, deterministic, features, segment_ids)
+        if segment_ids is not None:
+            mask = mask & (jnp.asarray(segment_ids) > 0)
         y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
-
-    @property
-    def _offsets(self) -> tuple[int, ...]:
-        return graph_ops.window_offsets(self.window, self.causal, self.grid_width,
-                                        self.skip_offsets)
 
     @property
     def span(self) -> int:
         """Tokens held by the causal state: max(window, max skip offset)."""
         return max((self.window,) + tuple(self.skip_offsets))
 
-    def _chunked(self, x: Array, mask: Array | None, deterministic: bool, features=None):
+    def _chunked(self, x: Array, mask: Array | None, deterministic: bool, features=None,
+                 segment_ids=None):
         check_tokens("x", x, "[B, T, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
+        packing.check_segment_ids(segment_ids, x.shape[:2])
+        if segment_ids is not None:
+            mask = mask & (jnp.asarray(segment_ids) > 0)
         q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         out, st, _ = graph_causal.causal_window_chunked(
             q, k, v, self._attn_vector(v), self.init_state(x.shape[0]), chunk_size=self.chunk_size,
             mask=mask, rel_bias=self._biases()[0], negative_slope=self.negative_slope,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            offsets=self._offsets)
+            offsets=self._offsets, segment_ids=segment_ids)
         kl_sum, kl_count = graph_causal.causal_window_kl(
             st["probs"], st["log_probs"], st["valid"], window=self.window, kl_tau=self.kl_tau,
             kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
@@ -369,17 +352,25 @@ class WindowGraphAttention(_GraphAttentionBase):
             out["global_probs"] = st["global_probs"]
         return out
 
-    def _attend(self, x: Array, mask: Array | None, deterministic: bool, features=None):
+    def _attend(self, x: Array, mask: Array | None, deterministic: bool, features=None,
+                segment_ids=None):
         check_tokens("x", x, "[B, L, d]")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, L]")
-        q, k, v = self._self_features(masking.zero_padding(x, mask), features)
+        packing.check_segment_ids(segment_ids, x.shape[:2])
+        real = mask if segment_ids is None else mask & (jnp.asarray(segment_ids) > 0)
+        q, k, v = self._self_features(masking.zero_padding(x, real), features)
         rel_bias, global_bias = self._biases()
-        out, st = graph_ops.window_graph_attention(
-            q, k, v, self._attn_vector(v), window=self.window, num_global=self.num_global,
-            causal=self.causal, grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
-            global_bias=global_bias, negative_slope=self.negative_slope,
-            dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
+        kw = dict(window=self.window, num_global=self.num_global, causal=self.causal,
+                  grid_width=self.grid_width, mask=mask, rel_bias=rel_bias,
+                  global_bias=global_bias, negative_slope=self.negative_slope,
+                  dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
+                  kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets,
+                  segment_ids=segment_ids)
+        if self.sequence_axis is None:
+            out, st = graph_ops.window_graph_attention(q, k, v, self._attn_vector(v), **kw)
+        else:
+            out, st = graph_context_parallel.window_graph_attention(
+                q, k, v, self._attn_vector(v), axis_name=self.sequence_axis, **kw)
         return mask, out, st
 
     def init_state(self, batch_size: int) -> WindowState:
@@ -392,15 +383,17 @@ class WindowGraphAttention(_GraphAttentionBase):
                                               key_dim=c if keyed else None)
 
     def scan(self, x: Array, state: WindowState | None = None, *, mask: Array | None = None,
-             deterministic: bool = True,
+             segment_ids: Array | None = None, deterministic: bool = True,
              features: tuple[Array, Array] | None = None) -> tuple[Array, WindowState]:
-        """Causal recurrent form: projections for the whole sequence, then a token `lax.scan`.
+        """Causal scan form: projections for the whole sequence, then a token `lax.scan`.
 
         Args:
           x: `[B, T, d]`.
           state: `WindowState` of earlier tokens, or None (empty).
           mask: optional `[B, T]`, True = real token.
-          deterministic: must be True (or dropout_rate 0): the recurrent form has no dropout.
+          segment_ids: optional int `[B, T]` packed documents: the state empties at each document
+            start (the first token continues `state`).
+          deterministic: must be True (or dropout_rate 0): the scan form has no dropout.
 
         Returns:
           (y `[B, T, F]`, equal to `__call__` from an empty state, zero at padded tokens; final
@@ -409,8 +402,11 @@ class WindowGraphAttention(_GraphAttentionBase):
         validation.check_window_graph_method(self, "scan")
         check_tokens("x", x, "[B, T, d]")
         if not deterministic and self.dropout_rate:
-            raise NotImplementedError("attention dropout is not implemented in the recurrent form")
+            raise NotImplementedError("attention dropout is not implemented in the scan form")
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
+        packing.check_segment_ids(segment_ids, x.shape[:2])
+        if segment_ids is not None:
+            mask = mask & (jnp.asarray(segment_ids) > 0)
         q, k, v = self._self_features(masking.zero_padding(x, mask), features)
         if state is None:
             state = self.init_state(x.shape[0])
@@ -419,7 +415,8 @@ class WindowGraphAttention(_GraphAttentionBase):
         out, state = graph_causal.causal_window_scan(q, k, v, self._attn_vector(v), state,
                                                      mask=mask, rel_bias=self._biases()[0],
                                                      negative_slope=self.negative_slope,
-                                                     offsets=self._offsets)
+                                                     offsets=self._offsets,
+                                                     segment_ids=segment_ids)
         y = self._output(out, x.shape[-1])
         return jnp.where(mask[..., None], y, 0).astype(y.dtype), state
 
@@ -483,15 +480,19 @@ class CrossGraphAttention(_GraphAttentionBase):
                            self._has_global_bias)
 
     def __call__(self, x: Array, memory: Array, *, mask: Array | None = None,
-                 memory_mask: Array | None = None, deterministic: bool = True,
+                 memory_mask: Array | None = None, segment_ids: Array | None = None,
+                 kv_segment_ids: Array | None = None, deterministic: bool = True,
                  features: tuple[Array, Array] | None = None) -> tuple[Array, dict[str, Array]]:
         """Cross-Graph attention for a whole (teacher-forced) target sequence.
 
         Args:
-          x: decoder states `[B, T, d]`; row t has decoder index t.
-          memory: encoder output `[B, g + N, d_m]`.
+          x: decoder states `[B, T, d]`; row t has decoder index t (packed: its index within its
+            document).
+          memory: encoder output `[B, g + N, d_m]` (packed: each document `[globals ; tokens]`).
           mask: `[B, T]` decoder mask or None.
           memory_mask: `[B, g + N]` encoder mask or None.
+          segment_ids, kv_segment_ids: int `[B, T]` and `[B, g + N]` packed documents (0 =
+            padding), both or neither; a query reads the memory document with its id.
           deterministic: no attention dropout when True.
 
         Returns:
@@ -499,7 +500,8 @@ class CrossGraphAttention(_GraphAttentionBase):
         """
         qf, kf = (None, None) if features is None else features
         cache = self._memory_cache(x, memory, memory_mask, kf)
-        return self._attend(cache, x, None, mask, deterministic, query_features=qf)
+        return self._attend(cache, x, None, mask, deterministic, query_features=qf,
+                            segments=(segment_ids, kv_segment_ids))
 
     def attention_weights(self, x: Array, memory: Array, *, mask: Array | None = None,
                           memory_mask: Array | None = None) -> dict[str, Array]:
@@ -564,8 +566,11 @@ class CrossGraphAttention(_GraphAttentionBase):
         return y[:, 0], cache
 
     def _attend(self, cache, x, positions, mask, deterministic, stats_only: bool = False,
-                query_features=None):
+                query_features=None, segments=(None, None)):
         mask = masking.as_bool(mask, x.shape[:2], "mask", "[B, T]")
+        if segments[0] is not None:
+            packing.check_segment_ids(segments[0], x.shape[:2])
+            mask = mask & (jnp.asarray(segments[0]) > 0)
         x = masking.zero_padding(x, mask)
         v = cache.value
         q = self._query_features(x, v.shape[-1], query_features)
@@ -576,7 +581,8 @@ class CrossGraphAttention(_GraphAttentionBase):
             memory_mask=cache.mask, positions=positions, rel_bias=rel_bias,
             global_bias=global_bias, negative_slope=self.negative_slope,
             dropout_rate=self.dropout_rate, dropout_rng=self._dropout_rng(deterministic),
-            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets)
+            kl_tau=self.kl_tau, kl_mode=self.kl_mode, skip_offsets=self.skip_offsets,
+            segment_ids=segments[0], kv_segment_ids=segments[1])
         if stats_only:
             return st
         y = self._output(out, x.shape[-1])

@@ -61,15 +61,18 @@ changes no other output and no KL term. The dense `[L, L]` test oracles live in
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from htgn_jax import graph_packed
 from htgn_jax.graph_kl import (KL_MODES, attention_kl, check_kl, distance_prior_logits,  # noqa: F401
                                neighbour_kl)
-from zoo_core.ops import masking
+from htgn_jax.graph_stencil import (KERNEL, NEGATIVE_SLOPE, _masked_softmax,  # noqa: F401
+                                    bias_row, gather_rows, neighbour_attention, unfold)
+from zoo_core.ops import masking, packing
 from zoo_core.checks import check_int, check_rank, check_shape, fail
 
 Array = jax.Array
@@ -79,13 +82,6 @@ VERSIONS = ("v1", "v2", "dot")
 ACTIVATIONS = ("none", "relu")
 # How alpha is formed (the card: "derived from self-attention or learned anew").
 ALPHAS = ("learned", "attention")
-# `attn` value of the kernelised scores: query/keys are the attention layer's features phi(q),
-# phi(k), and alpha_ij = phi(q_i).phi(k_j) e^{b_ij} / sum over N(i) (graph_alpha='attention').
-KERNEL = "kernel"
-KERNEL_FLOOR = 1e-30   # a non-positive estimate (trig features) gets weight ~0, never NaN
-# Default of the GAT-only LeakyReLU slope; the option defaults to None so that dot-product scoring,
-# which has none, can refuse any value given explicitly.
-NEGATIVE_SLOPE = 0.2                              # LeakyReLU slope of GAT and GATv2
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (plain Python on static shapes, so they raise before anything is traced).
@@ -100,7 +96,7 @@ def check_rho(rho: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Pure kernels (the causal window's recurrent and chunked forms are in `graph_causal`).
+# Pure kernels (the causal window's scan, chunked and step forms are in `graph_causal`).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -140,13 +136,20 @@ def window_offsets(window: int, causal: bool = False, grid_width: int | None = N
     """
     check_int("window", window, 0)
     skips = check_skip_offsets(skip_offsets, window)
+    if grid_width is not None:
+        check_int("grid_width", grid_width, 1)
+        if causal:
+            fail("a 2-D stencil (grid_width) has no causal form")
+    return _stencil(window, causal, grid_width, skips)
+
+
+def _stencil(window: int, causal: bool, grid_width: int | None,
+             skips: Sequence[int]) -> tuple[int, ...]:
+    """`window_offsets` for arguments already checked."""
     if grid_width is None:
         if causal:
             return tuple(range(-window, 1)) + tuple(-s for s in skips)
         return tuple(range(-window, window + 1)) + tuple(o for s in skips for o in (-s, s))
-    check_int("grid_width", grid_width, 1)
-    if causal:
-        fail("a 2-D stencil (grid_width) has no causal form")
     return tuple(dr * grid_width + dc for dr, dc in grid_slots(window, skips))
 
 
@@ -155,9 +158,9 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int,
     """bool `[N, K]`: slot (dr, dc) of token i lands in column col(i) + dc within 0..W-1.
 
     Row bounds need no mask: with the column in range, i + dr W + dc lies in 0..N-1 exactly when
-    row(i) + dr is a row of the grid (`unfold` drops the others).
+    row(i) + dr is a row of the grid (`unfold` drops the others). Arguments as checked by
+    `window_offsets`.
     """
-    window_offsets(window, grid_width=grid_width, skip_offsets=skip_offsets)   # checks them
     col = np.arange(num_tokens) % grid_width
     dc = np.asarray([c for _, c in grid_slots(window, skip_offsets)])
     c = col[:, None] + dc[None, :]
@@ -166,115 +169,13 @@ def grid_column_ok(num_tokens: int, window: int, grid_width: int,
 
 def window_distances(window: int, causal: bool = False, grid_width: int | None = None,
                      skip_offsets: Sequence[int] = ()) -> np.ndarray:
-    """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)."""
-    offsets = window_offsets(window, causal, grid_width, skip_offsets)   # also checks them
+    """Hop distance of each stencil slot for the distance KL prior: |o|, or max(|dr|, |dc|)
+    (arguments as checked by `window_offsets`)."""
+    offsets = _stencil(window, causal, grid_width, skip_offsets)
     if grid_width is None:
         return np.abs(np.asarray(offsets, np.float64))
     return np.asarray([max(abs(dr), abs(dc)) for dr, dc in grid_slots(window, skip_offsets)],
                       np.float64)
-
-
-def unfold(x: Array, offsets: Sequence[int], fill: Any = 0) -> Array:
-    """Neighbour stack by static shifted slices: out[:, i, k] = x[:, i + offsets[k]] (else fill).
-
-    Args:
-      x: `[B, N, ...]`.
-      offsets: static integer offsets, K of them.
-      fill: value for neighbours outside 0..N-1.
-
-    Returns:
-      `[B, N, K, ...]`. Memory O(B N K ...), never O(N^2).
-    """
-    lo, hi = max(0, -min(offsets)), max(0, max(offsets))
-    n = x.shape[1]
-    xp = jnp.pad(x, [(0, 0), (lo, hi)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-    return jnp.stack([xp[:, lo + o: lo + o + n] for o in offsets], axis=2)
-
-
-def _masked_softmax(logits: Array, valid: Array) -> tuple[Array, Array]:
-    """Softmax over the last axis restricted to `valid`; rows with no valid entry give zeros.
-
-    Args:
-      logits: `[..., K]` float32.
-      valid: boolean, broadcastable to `logits`.
-
-    Returns:
-      (probs, log_probs), both `[..., K]`, exactly 0 at invalid entries. The row max is taken
-      over valid entries only and exp() only ever sees finite arguments, so fully masked rows
-      stay finite in value and gradient (no -inf, no 0 * inf).
-    """
-    valid = jnp.broadcast_to(valid, logits.shape)
-    row_max = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    z = jnp.where(valid, logits - row_max, 0.0)
-    e = jnp.where(valid, jnp.exp(z), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    denom = jnp.where(denom > 0, denom, 1.0)
-    return e / denom, jnp.where(valid, z - jnp.log(denom), 0.0)
-
-
-def neighbour_attention(query: Array, keys: Array, values: Array, valid: Array,
-                        attn: Array | None, *,
-                        bias: Array | None = None, negative_slope: float | None = None,
-                        dropout_rate: float = 0.0, dropout_rng: Array | None = None,
-                        prior_logits: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """GATv2 (or dot-product) attention of each receiver over an explicit neighbour list.
-
-    The shared kernel of every form here:
-      e_mk = sum_c attn[h, c] LeakyReLU(query[m] + keys[m, k])[h, c] + bias[h, k]    (GATv2, GAT)
-      e_mk = <query[m], keys[m, k]>_h / sqrt(C) + bias[h, k]                          (attn None)
-      e_mk = log max(<query[m], keys[m, k]>_h, 1e-30) + bias[h, k]               (attn 'kernel')
-    The last is graph_alpha='attention': query and keys are the attention layer's kernel
-    features phi(q), phi(k), so alpha is its kernelised attention renormalised over N(i).
-    alpha = masked softmax over k; out_m = sum_k alpha_mk values[m, k].
-
-    Args:
-      query: target-side score features `[B, M, H, C]` (W_t h_i).
-      keys: source-side score features of the neighbours `[B, M, K, H, C]` (W_s h_j).
-      values: messages `[B, M, K, H, D]` (W_s h_j).
-      valid: `[B, M, K]` boolean; an edge exists and both ends are real nodes.
-      attn: `[H, C]` attention vectors a_h, None for scaled dot-product scoring, or `KERNEL`.
-      bias: additive logit bias broadcastable to `[B, M, H, K]`, or None.
-      negative_slope: LeakyReLU slope of GAT/GATv2; None means 0.2. Dot-product scoring has none,
-        so it must stay None then.
-      dropout_rate: dropout on alpha (htgn.md §5.6), used only when `dropout_rng` is given.
-      dropout_rng: PRNG key, or None for no dropout.
-      prior_logits: `[K]` KL prior logits (see `attention_kl`), or None for the uniform prior.
-
-    Returns:
-      out `[B, M, H, D]` and a dict with `probs` and `log_probs` `[B, M, H, K]` (float32 or
-      wider, before dropout), `kl_sum`, `kl_count` (scalars, see `attention_kl`).
-    """
-    if attn is None and negative_slope is not None:
-        fail(f"`negative_slope` shapes the GAT scores; dot-product scoring (attn=None) has no "
-              f"LeakyReLU, got negative_slope={negative_slope!r}")
-    if isinstance(attn, str) and negative_slope is not None:
-        fail(f"`negative_slope` shapes the GAT scores; kernel scoring (alpha='attention') has no "
-              f"LeakyReLU, got negative_slope={negative_slope!r}")
-    slope = NEGATIVE_SLOPE if negative_slope is None else negative_slope
-    # Logits, softmax and KL in at least float32 (float64 stays float64).
-    acc = jnp.promote_types(jnp.result_type(query, keys), jnp.float32)
-    if isinstance(attn, str):
-        assert attn == KERNEL, attn
-        scores = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
-        logits = jnp.log(jnp.maximum(scores, KERNEL_FLOOR))
-    elif attn is None:
-        logits = jnp.einsum("bmhc,bmkhc->bmhk", query, keys, preferred_element_type=acc)
-        logits = logits * (query.shape[-1] ** -0.5)
-    else:
-        pre = jax.nn.leaky_relu(query[:, :, None] + keys, slope)             # [B, M, K, H, C]
-        logits = jnp.einsum("bmkhc,hc->bmhk", pre, attn.astype(pre.dtype),
-                            preferred_element_type=acc)
-    if bias is not None:
-        logits = logits + bias.astype(acc)
-    probs, log_probs = _masked_softmax(logits, valid[:, :, None, :])
-    kl_sum, kl_count = attention_kl(probs, log_probs, valid, prior_logits)
-    weights = probs
-    if dropout_rng is not None and dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-        weights = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum("bmhk,bmkhd->bmhd", weights.astype(values.dtype), values)
-    return out, {"probs": probs, "log_probs": log_probs, "kl_sum": kl_sum, "kl_count": kl_count}
 
 
 def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
@@ -294,24 +195,12 @@ def gat_v1_features(source: Array, attn_target: Array, attn_source: Array
     return q, k, jnp.ones((attn_target.shape[0], 1), source.dtype)
 
 
-def _bias_row(rel_bias: Array | None, global_bias: Array | None, heads: int, num_window: int,
-              num_global: int) -> Array | None:
-    """[H, K+g] logit bias: rel_bias for the window columns, global_bias for the global ones."""
-    if rel_bias is None and global_bias is None:
-        return None
-    dtype = (rel_bias if rel_bias is not None else global_bias).dtype
-    rb = rel_bias if rel_bias is not None else jnp.zeros((heads, num_window), dtype)
-    if not num_global:
-        return rb
-    gb = global_bias if global_bias is not None else jnp.zeros((heads,), dtype)
-    return jnp.concatenate([rb, jnp.broadcast_to(gb[:, None], (heads, num_global))], axis=1)
-
-
 def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any, num_global: Any,
                      rel_bias: Any = None, global_bias: Any = None, kl_tau: Any = None,
                      kl_mode: Any = "prior", causal: bool = False, grid_width: Any = None,
-                     rho: Any = None, cross: bool = False,
-                     skip_offsets: Any = ()) -> tuple[int, ...]:
+                     rho: Any = None, cross: bool = False, skip_offsets: Any = (),
+                     negative_slope: Any = None, segment_ids: Any = None,
+                     kv_segment_ids: Any = None, positions: Any = None) -> tuple[int, ...]:
     """The arguments of `window_graph_attention` (or, with `cross`, `cross_graph_attention`),
     checked once at the kernel's public entry; returns the stencil offsets.
 
@@ -347,7 +236,45 @@ def check_graph_call(query: Any, key: Any, value: Any, attn: Any, *, window: Any
     if length <= num_global:
         fail(f"`{'memory' if cross else 'query'}` has {length} nodes but needs more than "
              f"num_global={num_global}")
+    check_negative_slope(attn, negative_slope)
+    packing.check_segment_ids(segment_ids, query.shape[:2])
+    if cross:
+        if positions is not None and jnp.shape(positions) not in ((query.shape[1],), query.shape[:2]):
+            fail(f"`positions` must have shape [T] or [B, T] = {query.shape[:2]}, got "
+                 f"{jnp.shape(positions)}")
+        packing.check_segment_ids(kv_segment_ids, (b, length), "kv_segment_ids")
+        if (segment_ids is None) != (kv_segment_ids is None):
+            fail("`segment_ids` (queries) and `kv_segment_ids` (memory) are given together or not "
+                 "at all: a packed query needs its document in the memory")
     return offsets
+
+
+def check_negative_slope(attn: Any, negative_slope: Any) -> None:
+    """`negative_slope` shapes GAT scores only: None with dot-product (attn None) or kernel scores."""
+    if negative_slope is None:
+        return
+    if attn is None or isinstance(attn, str):
+        kind = "dot-product scoring (attn=None)" if attn is None else \
+            "kernel scoring (alpha='attention')"
+        fail(f"`negative_slope` shapes the GAT scores; {kind} has no LeakyReLU, "
+             f"got negative_slope={negative_slope!r}")
+    if isinstance(negative_slope, bool) or not isinstance(negative_slope, (int, float)) \
+            or not np.isfinite(negative_slope):
+        fail(f"`negative_slope` must be a finite number or None, got {negative_slope!r}")
+
+
+def packed_arguments(window: int, num_global: int, causal: bool, grid_width: int | None,
+                     skip_offsets: Sequence[int], rel_bias: Array | None,
+                     global_bias: Array | None, heads: int, kl_tau: float | None) -> dict:
+    """The static stencil arguments of `graph_packed.packed_window_attention` from the fields of
+    `window_graph_attention` (checked by its caller)."""
+    offsets = _stencil(window, causal, grid_width, skip_offsets)
+    dc = None if grid_width is None else np.asarray([c for _, c in grid_slots(window, skip_offsets)])
+    prior = distance_prior_logits(window_distances(window, causal, grid_width, skip_offsets),
+                                  num_global, kl_tau)
+    return dict(offsets=offsets, num_global=num_global, grid_dc=dc, grid_width=grid_width,
+                bias=bias_row(rel_bias, global_bias, heads, len(offsets), num_global),
+                prior_logits=prior)
 
 
 def window_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
@@ -357,7 +284,8 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
                            negative_slope: float | None = None, dropout_rate: float = 0.0,
                            dropout_rng: Array | None = None, kl_tau: float | None = None,
                            kl_mode: str = "prior", grid_width: int | None = None,
-                           skip_offsets: Sequence[int] = ()) -> tuple[Array, dict[str, Array]]:
+                           skip_offsets: Sequence[int] = (),
+                           segment_ids: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """Windowed GATv2 (or GAT, dot product) with global nodes (htgn.md §3.4), O(B L (K+g) H C).
 
     Node axis layout: `[globals (num_global) ; tokens (N)]`, L = g + N. Token i attends to tokens
@@ -387,19 +315,31 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
         stencil is the 2-D (2w+1)^2 neighbourhood (w = 1: the 8-neighbourhood and self).
       skip_offsets: multi-scale skip edges beyond the window (`window_offsets`); cost
         O(B L (K + g) H C) with K = 2w+1+2|skips| (w+1+|skips| causal).
+      segment_ids: int `[B, L]` packed documents (0 = padding), or None. Each document is laid out
+        `[its g globals ; its tokens]` and every edge stays inside one document, so each document
+        gives what it gives alone (`graph_packed`, docs/htgn_packing.md).
 
     Returns:
       out `[B, L, H, D]` (zero at padded nodes), and a dict with `probs` `[B, N, H, K+g]` (token
-      rows; columns = window offsets then globals), `global_probs` `[B, g, H, L]` (g > 0 only),
+      rows; columns = window offsets then globals; packed: `[B, L, H, K+g]`, zero at global and
+      padded rows), `global_probs` `[B, g, H, L]` (g > 0, not packed),
       and `kl_sum`, `kl_count` (htgn.md §5.7): over all rows for kl_mode='prior', over pairs of
       consecutive token rows for 'neighbour'.
     """
     offsets = check_graph_call(query, key, value, attn, window=window, num_global=num_global,
                                rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
                                kl_mode=kl_mode, causal=causal, grid_width=grid_width,
-                               skip_offsets=skip_offsets)
+                               skip_offsets=skip_offsets, negative_slope=negative_slope,
+                               segment_ids=segment_ids)
     b, length = query.shape[:2]
     mask = masking.as_bool(mask, (b, length), "mask", "[B, L]")
+    if segment_ids is not None:
+        return graph_packed.packed_window_attention(
+            query, key, value, attn, **packed_arguments(
+                window, num_global, causal, grid_width, skip_offsets, rel_bias, global_bias,
+                query.shape[2], kl_tau),
+            segment_ids=jnp.asarray(segment_ids), mask=mask, negative_slope=negative_slope,
+            dropout_rate=dropout_rate, dropout_rng=dropout_rng, kl_mode=kl_mode)
     shared = value is key          # GATv2: one array is both score key and message
     query, key = masking.zero_padding(query, mask), masking.zero_padding(key, mask)
     value = key if shared else masking.zero_padding(value, mask)
@@ -423,7 +363,7 @@ def window_graph_attention(query: Array, key: Array, value: Array, attn: Array |
         vals = keys if shared else jnp.concatenate(
             [vals, jnp.broadcast_to(value[:, None, :g], (b, n) + value[:, :g].shape[1:])], axis=2)
         valid = jnp.concatenate([valid, mask[:, None, :g] & m_tok[:, :, None]], axis=2)
-    bias = _bias_row(rel_bias, global_bias, heads, len(offsets), g)
+    bias = bias_row(rel_bias, global_bias, heads, len(offsets), g)
     out_tok, st = neighbour_attention(q_tok, keys, vals, valid, attn, bias=bias,
                                       negative_slope=negative_slope, dropout_rate=dropout_rate,
                                       dropout_rng=rng_tok,
@@ -471,11 +411,6 @@ def cross_graph_centres(positions: Array, rho: float, memory_lengths: Array) -> 
     return jnp.clip(c, 0, jnp.maximum(lengths - 1, 0)[:, None])
 
 
-def _gather_rows(x: Array, idx: Array) -> Array:
-    """x `[B, N, ...]`, idx `[B, T, K]` in 0..N-1 -> `[B, T, K, ...]`, memory O(B T K ...)."""
-    return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
-
-
 def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | None, *,
                           window: int,
                           num_global: int = 0, rho: float = 1.0, mask: Array | None = None,
@@ -483,8 +418,9 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
                           rel_bias: Array | None = None, global_bias: Array | None = None,
                           negative_slope: float | None = None, dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None, kl_tau: float | None = None,
-                          kl_mode: str = "prior",
-                          skip_offsets: Sequence[int] = ()) -> tuple[Array, dict[str, Array]]:
+                          kl_mode: str = "prior", skip_offsets: Sequence[int] = (),
+                          segment_ids: Array | None = None,
+                          kv_segment_ids: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """Cross-Graph attention, decoder node i -> encoder window around c_i plus encoder globals.
 
     Cost O(B T (2w+1+g) H C): neighbours are gathered with `c_i + o` index arrays (clamped, and
@@ -510,14 +446,22 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
         aligned by offset from the centre).
       skip_offsets: skip edges c_i -/+ s beyond the window (`window_offsets`); rel_bias is then
         `[H, 2w+1+2|skips|]`.
+      segment_ids, kv_segment_ids: int `[B, T]` and `[B, L]` packed documents (0 = padding), both
+        or neither: a query of document d at position i within d (`positions` if given, else
+        counted from d's start) attends to the window around c_i in the memory document with
+        the same id, offset by that document's start, and to that document's globals
+        (`graph_packed.cross_neighbours`).
 
     Returns:
       out `[B, T, H, D]` (zero at padded decoder rows) and a dict with `probs`
-      `[B, T, H, 2w+1+g]`, `centres` `[B, T]`, `kl_sum`, `kl_count`.
+      `[B, T, H, 2w+1+g]`, `centres` `[B, T]` (within the document when packed), `kl_sum`,
+      `kl_count`.
     """
     offsets = check_graph_call(query, key, value, attn, window=window, num_global=num_global,
                                rel_bias=rel_bias, global_bias=global_bias, kl_tau=kl_tau,
-                               kl_mode=kl_mode, rho=rho, cross=True, skip_offsets=skip_offsets)
+                               kl_mode=kl_mode, rho=rho, cross=True, skip_offsets=skip_offsets,
+                               negative_slope=negative_slope, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, positions=positions)
     b, t, heads = query.shape[:3]
     length = key.shape[1]
     mask = masking.as_bool(mask, (b, t), "mask", "[B, T]")
@@ -525,27 +469,32 @@ def cross_graph_attention(query: Array, key: Array, value: Array, attn: Array | 
     shared = value is key
     query, key = masking.zero_padding(query, mask), masking.zero_padding(key, memory_mask)
     value = key if shared else masking.zero_padding(value, memory_mask)
-    if positions is None:
+    if positions is None and segment_ids is None:
         positions = jnp.arange(t)
-    elif jnp.shape(positions) not in ((t,), (b, t)):
-        fail(f"`positions` must have shape [T] or [B, T], got {jnp.shape(positions)}")
     g = num_global
     n = length - g
     tok_mask = memory_mask[:, g:]
-    centres = cross_graph_centres(positions, rho, jnp.sum(tok_mask, axis=1))
-    idx = centres[:, :, None] + jnp.asarray(offsets)[None, None]          # [B, T, K]
-    in_range = (idx >= 0) & (idx < n)
-    idx = jnp.clip(idx, 0, n - 1)
-    keys = _gather_rows(key[:, g:], idx)                                  # [B, T, K, H, C]
-    vals = keys if shared else _gather_rows(value[:, g:], idx)            # [B, T, K, H, D]
-    valid = in_range & _gather_rows(tok_mask, idx) & mask[:, :, None]
-    if g:
+    if segment_ids is not None:
+        idx, valid, centres = graph_packed.cross_neighbours(
+            jnp.asarray(segment_ids), jnp.asarray(kv_segment_ids), mask, memory_mask, positions,
+            rho, offsets, g)
+        keys = gather_rows(key, idx)                                     # [B, T, K+g, H, C]
+        vals = keys if shared else gather_rows(value, idx)
+    else:
+        centres = cross_graph_centres(positions, rho, jnp.sum(tok_mask, axis=1))
+        idx = centres[:, :, None] + jnp.asarray(offsets)[None, None]      # [B, T, K]
+        in_range = (idx >= 0) & (idx < n)
+        idx = jnp.clip(idx, 0, n - 1)
+        keys = gather_rows(key[:, g:], idx)                              # [B, T, K, H, C]
+        vals = keys if shared else gather_rows(value[:, g:], idx)        # [B, T, K, H, D]
+        valid = in_range & gather_rows(tok_mask, idx) & mask[:, :, None]
+    if g and segment_ids is None:
         keys = jnp.concatenate(
             [keys, jnp.broadcast_to(key[:, None, :g], (b, t) + key[:, :g].shape[1:])], axis=2)
         vals = keys if shared else jnp.concatenate(
             [vals, jnp.broadcast_to(value[:, None, :g], (b, t) + value[:, :g].shape[1:])], axis=2)
         valid = jnp.concatenate([valid, memory_mask[:, None, :g] & mask[:, :, None]], axis=2)
-    bias = _bias_row(rel_bias, global_bias, heads, len(offsets), g)
+    bias = bias_row(rel_bias, global_bias, heads, len(offsets), g)
     out, st = neighbour_attention(query, keys, vals, valid, attn, bias=bias,
                                   negative_slope=negative_slope, dropout_rate=dropout_rate,
                                   dropout_rng=dropout_rng,

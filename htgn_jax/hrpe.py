@@ -31,10 +31,12 @@ import functools
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo_core.checks import check_choice, check_int
+from zoo_core.checks import check_choice, check_int, check_rank, fail
+from zoo_core.ops import packing
 
 Array = Any
 
@@ -49,8 +51,7 @@ BASES = ("laplacian", "adjacency")
 def rotary_frequencies(head_dim: int, *, base: float = 10000.0) -> np.ndarray:
     """theta_i = base^(-2i/D) for i = 0..D/2-1, `[D/2]` (float64 NumPy, a trace-time constant)."""
     if not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"head_dim must be an even int >= 2 for rotary encodings, "
-                         f"got {head_dim!r}")
+        fail(f"`head_dim` must be an even int >= 2 for rotary encodings, got {head_dim!r}")
     return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
@@ -59,19 +60,19 @@ def apply_rotary(x: Array, positions: Array, *, base: float = 10000.0) -> Array:
 
     Args:
       x: queries or keys `[B, T, H, D]`, D even.
-      positions: integer or float positions, `[T]` or `[B, T]`.
+      positions: integer or float positions, `[T]` or `[B, T]` (packed documents restart theirs:
+        `zoo_core.ops.packing.positions_from_segments`).
       base: frequency base (10000 as in RoFormer / the spec).
 
     Returns:
       The rotated array, `[B, T, H, D]`, in x's dtype (angles are computed in float32, float64
       for float64 inputs).
     """
-    if x.ndim != 4:
-        raise ValueError(f"x must have rank 4 [B, T, H, D], got shape {tuple(x.shape)}")
+    check_rank("x", x, 4, "[B, T, H, D]")
     positions = jnp.asarray(positions)
     if positions.shape not in ((x.shape[1],), tuple(x.shape[:2])):
-        raise ValueError(f"positions must have shape [T] = ({x.shape[1]},) or [B, T] = "
-                         f"{tuple(x.shape[:2])}, got {tuple(positions.shape)}")
+        fail(f"`positions` must have shape [T] = ({x.shape[1]},) or [B, T] = {tuple(x.shape[:2])}, "
+             f"got {tuple(positions.shape)}")
     dt = jnp.promote_types(x.dtype, jnp.float32)
     theta = jnp.asarray(rotary_frequencies(x.shape[-1], base=base), dt)
     angles = positions.astype(dt)[..., None] * theta  # [(B,) T, D/2]
@@ -141,33 +142,55 @@ def path_graph_pe(length: int, num_pe: int, *, basis: str = "laplacian",
 
 
 def masked_path_graph_pe(mask: Array, num_pe: int, *, basis: str = "laplacian",
-                         dtype: Any = jnp.float32) -> Array:
+                         dtype: Any = jnp.float32, segment_ids: Array | None = None) -> Array:
     """Length-aware path encodings for a padded batch (htgn.md §5.2: encoder uses the true length).
 
     Example b gets the encodings of a path over its L_b = sum(mask[b]) real tokens, taken in
     order (node index = number of real tokens before it, so left, right or interleaved padding
     all work); padded positions get zeros. Appending pads therefore leaves the real tokens' PE
-    unchanged.
+    unchanged. Packed (`segment_ids`), each document is its own path: its tokens get the
+    encodings of the document computed alone.
 
     Args:
       mask: `[B, T]`, True/1 for real tokens.
       num_pe: K.
       basis: 'laplacian' or 'adjacency'.
       dtype: result dtype.
+      segment_ids: optional int `[B, T]` packed documents (0 = padding; `zoo_core.ops.packing`).
 
     Returns:
       `[B, T, K]`.
     """
     check_choice("basis", basis, BASES)
     check_int("num_pe", num_pe, 1)
-    mask = jnp.asarray(mask)
-    if mask.ndim != 2:
-        raise ValueError(f"mask must have rank 2 [B, T], got shape {tuple(mask.shape)}")
-    valid = mask.astype(bool)
-    index = jnp.cumsum(valid, axis=1).astype(jnp.float32) - 1.0  # node index among real tokens
-    lengths = jnp.sum(valid, axis=1).astype(jnp.float32)
-    pe = _path_modes(index[..., None], jnp.maximum(lengths, 1.0)[:, None, None], num_pe, basis)
+    valid = _check_path_mask(mask, segment_ids)
+    index, lengths = _path_nodes(valid, segment_ids)
+    pe = _path_modes(index.astype(jnp.float32)[..., None],
+                     jnp.maximum(lengths, 1).astype(jnp.float32)[..., None], num_pe, basis)
     return jnp.where(valid[..., None], pe, 0.0).astype(dtype)
+
+
+def _check_path_mask(mask: Array, segment_ids: Array | None) -> Array:
+    """The masked encodings' checks; returns the bool valid tokens `[B, T]` (mask, and id > 0)."""
+    check_rank("mask", mask, 2, "[B, T]")
+    packing.check_segment_ids(segment_ids, np.shape(mask))
+    valid = jnp.asarray(mask).astype(bool)
+    return valid if segment_ids is None else packing.valid(jnp.asarray(segment_ids), valid)
+
+
+def _path_nodes(valid: Array, segment_ids: Array | None) -> tuple[Array, Array]:
+    """int `[B, T]` node index of each token among the real tokens of its path (its row, or its
+    document with `segment_ids`) and `[B, 1]` or `[B, T]` that path's number of real tokens."""
+    count = jnp.cumsum(valid, axis=1)
+    if segment_ids is None:
+        return count - 1, count[:, -1:]
+    t = jnp.arange(valid.shape[1])[None]
+    start = packing.starts(jnp.asarray(segment_ids))
+    begin = jax.lax.cummax(jnp.where(start, t, 0), axis=1)
+    is_end = jnp.concatenate([start[:, 1:], jnp.ones_like(start[:, :1])], axis=1)
+    end = jax.lax.cummin(jnp.where(is_end, t, valid.shape[1] - 1), axis=1, reverse=True)
+    before = jnp.take_along_axis(count - valid, begin, axis=1)      # real tokens before the document
+    return count - before - 1, jnp.take_along_axis(count, end, axis=1) - before
 
 
 def grid_graph_modes(height: int, width: int, num_pe: int) -> tuple[np.ndarray, np.ndarray]:
@@ -183,8 +206,7 @@ def grid_graph_modes(height: int, width: int, num_pe: int) -> tuple[np.ndarray, 
     check_int("width", width, 1)
     check_int("num_pe", num_pe, 1)
     if num_pe > height * width - 1:
-        raise ValueError(f"num_pe must be <= height * width - 1 = {height * width - 1}, "
-                         f"got {num_pe}")
+        fail(f"`num_pe` must be <= height * width - 1 = {height * width - 1}, got {num_pe}")
     a, b = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
     a, b = a.ravel(), b.ravel()
     lam = (2.0 - 2.0 * np.cos(np.pi * a / height)) + (2.0 - 2.0 * np.cos(np.pi * b / width))
@@ -236,12 +258,11 @@ def adjacency_graph_pe(adjacency: Array, num_pe: int, *, basis: str = "laplacian
     check_int("num_pe", num_pe, 1)
     adjacency = jnp.asarray(adjacency)
     if adjacency.ndim != 2 or adjacency.shape[0] != adjacency.shape[1]:
-        raise ValueError(f"adjacency must be a square [N, N] matrix, got {tuple(adjacency.shape)}")
+        fail(f"`adjacency` must be a square [N, N] matrix, got {tuple(adjacency.shape)}")
     n = adjacency.shape[0]
     limit = n - 1 if basis == "laplacian" else n
     if num_pe > limit:
-        raise ValueError(f"num_pe must be <= {limit} for a {n}-node graph with basis={basis!r}, "
-                         f"got {num_pe}")
+        fail(f"`num_pe` must be <= {limit} for a {n}-node graph with basis={basis!r}, got {num_pe}")
     a = adjacency.astype(jnp.promote_types(adjacency.dtype, jnp.float32))
     if basis == "laplacian":
         _, vecs = jnp.linalg.eigh(jnp.diag(jnp.sum(a, axis=1)) - a)
@@ -317,17 +338,17 @@ def skip_path_graph_pe(length: int, num_pe: int, skip_offsets: tuple[int, ...], 
 
 
 def masked_skip_path_graph_pe(mask: Array, num_pe: int, skip_offsets: tuple[int, ...], *,
-                              basis: str = "laplacian", dtype: Any = jnp.float32) -> Array:
-    """`masked_path_graph_pe` on the path plus skip edges: example b gets the encodings of the
-    skip graph over its L_b real tokens (a table over every length up to T, computed once in NumPy),
-    padded positions zeros. `[B, T, K]`."""
+                              basis: str = "laplacian", dtype: Any = jnp.float32,
+                              segment_ids: Array | None = None) -> Array:
+    """`masked_path_graph_pe` on the path plus skip edges: example b (each document with
+    `segment_ids` `[B, T]`) gets the encodings of the skip graph over its L_b real tokens (a table
+    over every length up to T, computed once in NumPy), padded positions zeros. `[B, T, K]`."""
     check_choice("basis", basis, BASES)
     check_int("num_pe", num_pe, 1)
-    valid = jnp.asarray(mask).astype(bool)
+    valid = _check_path_mask(mask, segment_ids)
     table = jnp.asarray(_skip_path_table(valid.shape[1], num_pe, tuple(skip_offsets), basis), dtype)
-    index = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-    lengths = jnp.sum(valid, axis=1)
-    pe = table[lengths[:, None], index]
+    index, lengths = _path_nodes(valid, segment_ids)
+    pe = table[jnp.broadcast_to(lengths, index.shape), jnp.maximum(index, 0)]
     return jnp.where(valid[..., None], pe, 0.0).astype(dtype)
 
 

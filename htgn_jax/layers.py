@@ -49,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.dtypes import promote_dtype
 
-from htgn_jax import hrpe, ops, validation
-from zoo_core.ops import linear_attention, masking
+from htgn_jax import context_parallel, hrpe, ops, validation
+from zoo_core.ops import linear_attention, masking, packing
 from zoo_core.checks import check_rank, check_shape, check_tokens, fail
 from zoo_core.ops.linear_attention import LinearState
 
@@ -127,6 +127,11 @@ class FavorAttention(nn.Module):
       param_dtype: parameter dtype.
       kernel_init: initialiser of the projection kernels.
       bias_init: initialiser of the projection biases.
+      sequence_axis: the mesh axis one sequence is split over (context parallelism,
+        `htgn_jax.context_parallel`): `__call__` then runs under `jax.shard_map`, called under
+        `jax.set_mesh(mesh)` with T divisible by the axis size, and gives one device's numbers
+        (`chunk_size` None: each shard one chunk). `scan`, `step`, `cross` and the features are one
+        device's forms whatever it is. None: one device (the program is unchanged).
     """
 
     num_heads: int
@@ -147,9 +152,14 @@ class FavorAttention(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Initializer = nn.initializers.xavier_uniform()
     bias_init: Initializer = nn.initializers.zeros_init()
+    sequence_axis: Optional[str] = None
 
     def setup(self):
         validation.check_favor_fields(self)
+        if self.sequence_axis is not None and (not isinstance(self.sequence_axis, str)
+                                               or self.feature_map == "exact"):
+            fail(f"`sequence_axis` must be a mesh axis name or None, and None with feature_map='exact' "
+                 f"(the quadratic oracle), got {self.sequence_axis!r} with {self.feature_map!r}")
         dense = functools.partial(nn.DenseGeneral, features=(self.num_heads, self.head_dim),
                                   axis=-1, use_bias=self.use_bias, dtype=self.dtype,
                                   param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -207,7 +217,8 @@ class FavorAttention(nn.Module):
             self.projection.value = omega
         return omega
 
-    def _positions(self, positions: Array | None, x: Array, *, required: bool = False):
+    def _positions(self, positions: Array | None, x: Array, *, required: bool = False,
+                   segment_ids: Array | None = None):
         if not self.use_rotary:
             if positions is not None:
                 fail("`positions` must be None with use_rotary=False")
@@ -215,6 +226,10 @@ class FavorAttention(nn.Module):
         if positions is None:
             if required:
                 fail("`positions` is required to continue from a state with use_rotary=True")
+            if segment_ids is not None and self.sequence_axis is not None:
+                return context_parallel.positions(jnp.asarray(segment_ids), axis_name=self.sequence_axis)
+            if segment_ids is not None:   # RoPE restarts at each packed document
+                return packing.positions_from_segments(jnp.asarray(segment_ids))
             return jnp.arange(x.shape[1])
         positions = jnp.asarray(positions)
         if positions.shape not in ((x.shape[1],), tuple(x.shape[:2])):
@@ -229,15 +244,24 @@ class FavorAttention(nn.Module):
             k = hrpe.apply_rotary(k, positions, base=self.rotary_base)
         return q, k, v
 
-    def _features(self, q, k, omega, key_mask, key_stabiliser):
-        return ops.favor_features(q, k, feature_map=self.feature_map, projection=omega,
-                                  key_mask=key_mask, eps=self.eps, key_stabiliser=key_stabiliser)
+    # The layer checked its fields (setup) and arguments (`_inputs`) once: it calls the kernels'
+    # unchecked forms.
+    def _features(self, q, k, omega, key_mask, key_stabiliser, segment_ids=None):
+        return ops._features(q, k, self.feature_map, omega, key_mask, self.eps, key_stabiliser,
+                             segment_ids)
 
-    def _inputs(self, x: Array, mask: Array | None, name: str = "x") -> Array:
+    def _inputs(self, x: Array, mask: Array | None, name: str = "x",
+                segment_ids: Array | None = None) -> tuple[Array, Array | None]:
+        """x with its padding zeroed, and the bool valid mask `[B, T]` (mask and, packed, id > 0)."""
         check_tokens(name, x, "[B, T, E]")
         if mask is not None:
             check_shape(f"{name}_mask" if name != "x" else "mask", mask, x.shape[:2], "[B, T]")
-        return masking.zero_padding(x, mask)
+            mask = jnp.asarray(mask).astype(bool)
+        if segment_ids is not None:
+            ids_name = "kv_segment_ids" if name == "memory" else "segment_ids"
+            packing.check_segment_ids(segment_ids, x.shape[:2], ids_name)
+            mask = packing.valid(jnp.asarray(segment_ids), mask)
+        return masking.zero_padding(x, mask), mask
 
     def _read_out(self, num, den, guard, v, width: int) -> Array:
         y = ops.normalize(num, den, guard, floor=self.feature_map == "trig")
@@ -247,7 +271,8 @@ class FavorAttention(nn.Module):
 
     def __call__(self, x: Array, *, mask: Array | None = None, deterministic: bool = True,
                  feature_step: Array | int | None = None,
-                 positions: Array | None = None) -> tuple[Array, dict]:
+                 positions: Array | None = None,
+                 segment_ids: Array | None = None) -> tuple[Array, dict]:
         """Parallel form: non-causal, or causal in the form `chunk_size` chooses.
 
         Args:
@@ -256,29 +281,38 @@ class FavorAttention(nn.Module):
           deterministic: False while training (then `feature_step` is required if
             redraw_every > 0).
           feature_step: training-step index selecting the random-feature draw.
-          positions: rotary positions `[T]` or `[B, T]` (default arange(T)); must be None when
-            use_rotary=False.
+          positions: rotary positions `[T]` or `[B, T]` (default arange(T), or restarting at each
+            document with `segment_ids`); must be None when use_rotary=False.
+          segment_ids: optional int `[B, T]` packed documents (`zoo_core.ops.packing`; 0 = padding):
+            a token attends only within its document (the causal state resets at each start; the
+            global sums and the 'max' key stabiliser are per document).
 
         Returns:
           (y `[B, T, out_features]`, aux = {} (FAVOR+ has no auxiliary loss)).
         """
-        x = self._inputs(x, mask)
-        positions = self._positions(positions, x)
+        x, mask = self._inputs(x, mask, segment_ids=segment_ids)
+        positions = self._positions(positions, x, segment_ids=segment_ids)
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, x, positions)
         if self.feature_map == "exact":
-            y = ops.exact_softmax_attention(q, k, v, key_mask=mask, causal=self.causal)
+            y = ops._exact(q, k, v, mask, self.causal, segment_ids, segment_ids)
+            return self.out(y.astype(v.dtype), x.shape[-1]), {}
+        if self.sequence_axis is not None:
+            y = context_parallel.favor(q, k, v, omega, axis_name=self.sequence_axis,
+                                       feature_map=self.feature_map, causal=self.causal,
+                                       chunk_size=self.chunk_size, eps=self.eps, mask=mask,
+                                       segment_ids=segment_ids)
             return self.out(y.astype(v.dtype), x.shape[-1]), {}
         phi_q, phi_k, guard = self._features(q, k, omega, mask,
-                                             "constant" if self.causal else "max")
+                                             "constant" if self.causal else "max", segment_ids)
+        kw = dict(mask=mask, denominator=True, segment_ids=segment_ids)
         if not self.causal:
-            num, den = ops.favor_parallel(phi_q, phi_k, masking.zero_padding(v, mask))
+            num, den = ops._noncausal(phi_q, phi_k, masking.zero_padding(v, mask), segment_ids)
         elif self.chunk_size is None:
-            num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=mask,
-                                                        denominator=True)
+            num, den = linear_attention.causal_parallel(phi_q, phi_k, v, **kw)
         else:
-            num, den, _ = linear_attention.causal_chunked(
-                phi_q, phi_k, v, chunk_size=self.chunk_size, mask=mask, denominator=True)
+            num, den, _ = linear_attention.causal_chunked(phi_q, phi_k, v, chunk_size=self.chunk_size,
+                                                          **kw)
         return self._read_out(num, den, guard, v, x.shape[-1]), {}
 
     def init_state(self, batch_size: int) -> LinearState:
@@ -289,7 +323,8 @@ class FavorAttention(nn.Module):
 
     def scan(self, x: Array, state: LinearState | None = None, *, mask: Array | None = None,
              deterministic: bool = True, feature_step: Array | int | None = None,
-             positions: Array | None = None) -> tuple[Array, LinearState]:
+             positions: Array | None = None,
+             segment_ids: Array | None = None) -> tuple[Array, LinearState]:
         """Causal recurrent form: projections for the whole sequence, then a token `lax.scan`.
 
         Args:
@@ -298,19 +333,22 @@ class FavorAttention(nn.Module):
           mask: optional key-padding mask `[B, T]`.
           deterministic: as in `__call__`.
           feature_step: training-step index selecting the random-feature draw.
-          positions: rotary positions `[T]` or `[B, T]` (default arange(T) from a fresh state).
+          positions: rotary positions `[T]` or `[B, T]` (default arange(T) from a fresh state, or
+            restarting at each document with `segment_ids`).
+          segment_ids: optional int `[B, T]` packed documents: the state resets at each document
+            start (`state` is read by the first document only; the final state is the last one's).
 
         Returns:
           (y `[B, T, out_features]`, final state).
         """
         validation.check_favor_method(self, "scan", causal=True)
-        x = self._inputs(x, mask)
-        positions = self._positions(positions, x, required=state is not None)
+        x, mask = self._inputs(x, mask, segment_ids=segment_ids)
+        positions = self._positions(positions, x, required=state is not None, segment_ids=segment_ids)
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, x, positions)
         phi_q, phi_k, guard = self._features(q, k, omega, mask, "constant")
         num, den, state = linear_attention.causal_scan(phi_q, phi_k, v, state=state, mask=mask,
-                                                       denominator=True)
+                                                       denominator=True, segment_ids=segment_ids)
         return self._read_out(num, den, guard, v, x.shape[-1]), state
 
     def step(self, state: LinearState, x_t: Array, *, position: Array | int | None = None,
@@ -332,7 +370,7 @@ class FavorAttention(nn.Module):
         validation.check_favor_method(self, "step", causal=True)
         if self.use_rotary and position is None:
             fail("`position` is required with use_rotary=True")
-        x = self._inputs(x_t[:, None], None if mask is None else jnp.reshape(mask, (-1, 1)))
+        x, _ = self._inputs(x_t[:, None], None if mask is None else jnp.reshape(mask, (-1, 1)))
         positions = None   # the index matters to RoPE only
         if self.use_rotary:   # `[T]` = (1,) or `[B, T]` = (B, 1)
             positions = self._positions(jnp.reshape(position, (-1, 1) if jnp.ndim(position) else 1), x)
@@ -348,8 +386,9 @@ class FavorAttention(nn.Module):
     # --- cross-attention (decoder queries, encoder memory) ---------------------------------
 
     def cross(self, x: Array, memory: Array, *, memory_mask: Array | None = None,
-              deterministic: bool = True,
-              feature_step: Array | int | None = None) -> tuple[Array, dict]:
+              deterministic: bool = True, feature_step: Array | int | None = None,
+              segment_ids: Array | None = None,
+              kv_segment_ids: Array | None = None) -> tuple[Array, dict]:
         """Non-causal FAVOR+ cross-attention: queries from x, keys and values from memory.
 
         Args:
@@ -359,20 +398,27 @@ class FavorAttention(nn.Module):
           deterministic: False while training (then `feature_step` is required if
             redraw_every > 0).
           feature_step: training-step index selecting the random-feature draw.
+          segment_ids, kv_segment_ids: packed documents of x `[B, T]` and of memory `[B, S]` (both or
+            neither; 0 = padding): a query reads only the memory of the document with its id.
 
         Returns:
           (y `[B, T, out_features]`, aux = {}) as `__call__` (the layer contract).
         """
         validation.check_favor_method(self, "cross", causal=False, state=False)
         check_tokens("x", x, "[B, T, E]")
-        memory = self._inputs(memory, memory_mask, "memory")
+        if (segment_ids is None) != (kv_segment_ids is None):
+            fail("packed cross-attention needs both `segment_ids` [B, T] and `kv_segment_ids` [B, S]")
+        if segment_ids is not None:
+            packing.check_segment_ids(segment_ids, x.shape[:2])
+        memory, memory_mask = self._inputs(memory, memory_mask, "memory", kv_segment_ids)
         omega = self._omega(feature_step, deterministic)
         q, k, v = self._qkv(x, memory, None)
         if self.feature_map == "exact":
-            y = ops.exact_softmax_attention(q, k, v, key_mask=memory_mask)
+            y = ops._exact(q, k, v, memory_mask, False, segment_ids, kv_segment_ids)
             return self.out(y.astype(v.dtype), x.shape[-1]), {}
-        phi_q, phi_k, guard = self._features(q, k, omega, memory_mask, "max")
-        num, den = ops.favor_parallel(phi_q, phi_k, masking.zero_padding(v, memory_mask))
+        phi_q, phi_k, guard = self._features(q, k, omega, memory_mask, "max", kv_segment_ids)
+        num, den = ops._noncausal(phi_q, phi_k, masking.zero_padding(v, memory_mask), segment_ids,
+                                  kv_segment_ids)
         return self._read_out(num, den, guard, v, x.shape[-1]), {}
 
     def cross_cache(self, memory: Array, *, memory_mask: Array | None = None,
@@ -388,9 +434,9 @@ class FavorAttention(nn.Module):
           `LinearState` (float32), computed once per source sequence.
         """
         validation.check_favor_method(self, "cross_cache", causal=False)
-        memory = self._inputs(memory, memory_mask, "memory")
+        memory, memory_mask = self._inputs(memory, memory_mask, "memory")
         k, v = self.key(memory), self.value(memory)
-        # Only the key features are needed; favor_features wants queries too, so pass the keys.
+        # Only the key features are needed; _features wants queries too, so pass the keys.
         _, phi_k, _ = self._features(k, k, self._omega(feature_step, True), memory_mask, "max")
         return ops.cross_cache(phi_k, masking.zero_padding(v, memory_mask))
 
@@ -417,16 +463,17 @@ class FavorAttention(nn.Module):
     # --- kernel features for the graph layers' alpha='attention' (docs/htgn_options.md) -----
 
     def kernel_features(self, x: Array, *, mask: Array | None = None,
-                        positions: Array | None = None,
-                        feature_step: Array | int | None = None) -> tuple[Array, Array]:
+                        positions: Array | None = None, feature_step: Array | int | None = None,
+                        segment_ids: Array | None = None) -> tuple[Array, Array]:
         """(phi(q) `[B, T, H, M]`, phi(k) `[B, T, H, M]`) of the self-attention on x `[B, T, E]`,
-        exactly as `__call__` / `step` form them (same projections, RoPE, Omega, key stabiliser), so
-        phi(q_i).phi(k_j) is this layer's kernelised score of the edge i -> j."""
+        exactly as `__call__` / `step` form them (same projections, RoPE, Omega, key stabiliser, per
+        document with `segment_ids` `[B, T]`), so phi(q_i).phi(k_j) is this layer's kernelised score
+        of the edge i -> j."""
         self._check_kernel("kernel_features")
-        x = self._inputs(x, mask)
-        q, k, _ = self._qkv(x, x, self._positions(positions, x))
+        x, mask = self._inputs(x, mask, segment_ids=segment_ids)
+        q, k, _ = self._qkv(x, x, self._positions(positions, x, segment_ids=segment_ids))
         phi_q, phi_k, _ = self._features(q, k, self._omega(feature_step, True), mask,
-                                         "constant" if self.causal else "max")
+                                         "constant" if self.causal else "max", segment_ids)
         return phi_q, phi_k
 
     def query_features(self, x: Array, *, feature_step: Array | int | None = None) -> Array:
@@ -439,7 +486,7 @@ class FavorAttention(nn.Module):
                      feature_step: Array | int | None = None) -> Array:
         """phi(k) `[B, S, H, M]` of the cross-attention's memory keys (as `cross`, masked)."""
         self._check_kernel("key_features")
-        memory = self._inputs(memory, memory_mask, "memory")
+        memory, memory_mask = self._inputs(memory, memory_mask, "memory")
         k = self.key(memory)
         return self._features(k, k, self._omega(feature_step, True), memory_mask, "max")[1]
 

@@ -26,6 +26,17 @@ Forms (all take the *features*, so every form is tested against every other with
 Masking is NaN-safe: padded keys and values are removed with `jnp.where` (never by multiplying
 with 0), so a padded position holding NaN or 1e30 changes no valid output.
 
+Packed sequences (`segment_ids` `[B, T]`, 0 = padding; issue 42, docs/specs/context_parallel.md §2):
+a packed call gives each document the numbers it gets alone. The causal forms reset their state at
+each document start (`linear_attention`'s packed forms); the global form sums per document
+(`linear_attention.noncausal`'s packed form); a packed cross-attention (`kv_segment_ids` `[B, S]`,
+documents matched by id) merges keys and queries into one row ordered by (id, keys first) and runs
+the packed causal form on it (`_cross_segments`), O((S + T) (M + Dv)) memory. The original's 'max'
+key stabiliser is a max over the whole row (all positions and features of a (batch, head)); since
+it enters the output through `eps`, a row-wide max would let one document change another's numbers
+(by up to eps exp(max_row - max_doc) relative to its features), so packed it is the max over the
+key's own document (`segment_max`), i.e. the original's number for that document alone.
+
 Stabilisers (htgn.md §5.4):
 
 * queries: per-token max over the features (cancels between numerator and denominator);
@@ -69,126 +80,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from zoo_core.ops import linear_attention, masking
+from htgn_jax.random_features import (  # noqa: F401  (the projection's home; ops keeps its names)
+    draw_projection, gaussian_iid_random_matrix, gaussian_orthogonal_random_matrix)
+from zoo_core.checks import check_choice, check_rank, fail
+from zoo_core.ops import linear_attention, masking, packing
 from zoo_core.ops.linear_attention import LinearState, acc_dtype
 
 Array = Any
 
 FEATURE_MAPS = ("softmax", "trig", "relu", "elu", "exact")
+KERNEL_MAPS = ("softmax", "trig", "relu", "elu")    # the maps with features (not the 'exact' oracle)
 RANDOM_FEATURE_MAPS = ("softmax", "trig")   # maps with a random projection Omega (num_features, redraw)
 KEY_STABILISERS = ("max", "constant")
-CAUSAL_IMPLS = ("chunked", "recurrent", "quadratic")
+CAUSAL_IMPLS = ("chunked", "scan", "quadratic")
 RELU_EPS = 1e-3  # kernel_epsilon of the original's generalized (ReLU) attention
-
-
-# --------------------------------------------------------------------------------------------
-# Random projection matrices (paper §2.4; original GaussianOrthogonalRandomMatrix)
-# --------------------------------------------------------------------------------------------
-
-
-def gaussian_orthogonal_random_matrix(key: Array, num_features: int, dim: int, *,
-                                      scaling: int = 0, fix_signs: bool = True,
-                                      dtype: Any = jnp.float32) -> Array:
-    """Orthogonal random features matrix (ORF, paper §2.4), built as the original constructor.
-
-    floor(M/D) full D x D blocks plus one partial block; each block is the transposed Q factor of
-    the QR decomposition of an i.i.d. Gaussian D x D matrix (rows orthonormal within a block, the
-    partial block keeps its first rows). Rows are then rescaled: `scaling=0` by the norms of the
-    rows of an independent Gaussian [M, D] draw (chi_D, so every row is marginally N(0, I_D));
-    `scaling=1` by sqrt(D). The key-splitting order is the original's, so with `fix_signs=False`
-    the same key gives the original's matrix.
-
-    `fix_signs=True` (default, our correction) multiplies the columns of each Q by sign(diag R)
-    (Mezzadri 2007), which makes Q Haar-distributed. Without it the Householder QR's sign
-    convention gives every block row i a negative i-th coordinate on average (mean direction
-    about -0.4 e_i at D=4), so the rows are not marginally isotropic, the positive-feature kernel
-    estimate is biased, and the FAVOR+ error stops decreasing with M (measured: mean abs error
-    vs exact softmax stuck at ~1.5e-2 from M=256 to 16384 at D=4, while the corrected or i.i.d.
-    matrices converge). The goldens' matrix was made with the original (`fix_signs=False`).
-
-    Args:
-      key: a PRNG key.
-      num_features: M, the number of rows (random features).
-      dim: D, the head width.
-      scaling: 0 (chi-distributed row norms) or 1 (all row norms sqrt(D)).
-      fix_signs: make each block Haar-distributed (see above); False = the original.
-      dtype: dtype of the Gaussian draws and of the result.
-
-    Returns:
-      Omega, `[M, D]`.
-    """
-    if not isinstance(num_features, int) or num_features < 1:
-        raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-    if not isinstance(dim, int) or dim < 1:
-        raise ValueError(f"dim must be a positive int, got {dim!r}")
-    if scaling not in (0, 1):
-        raise ValueError(f"scaling must be 0 or 1, got {scaling!r}")
-    num_blocks = -(-num_features // dim)
-
-    # The original splits sequentially (rng, sub = split(rng)) once per block; a Python loop
-    # reproduces that key chain with no while loop (an accelerator runs a loop's control from the
-    # host, and a redraw is on the training path), then one batched call draws and factorises.
-    rng, subkeys = key, []
-    for _ in range(num_blocks):
-        rng, sub = jax.random.split(rng)
-        subkeys.append(sub)
-    subkeys = jnp.stack(subkeys)
-    gauss = jax.vmap(lambda k: jax.random.normal(k, (dim, dim), dtype))(subkeys)
-    q, r = jnp.linalg.qr(gauss)
-    if fix_signs:
-        signs = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1.0, 1.0).astype(q.dtype)
-        q = q * signs[:, None, :]  # column j of Q times sign(R_jj)
-    # Rows of each block are the columns of Q; the partial last block keeps its first rows.
-    matrix = jnp.swapaxes(q, -1, -2).reshape(num_blocks * dim, dim)[:num_features]
-    if scaling == 0:
-        multiplier = jnp.linalg.norm(jax.random.normal(key, (num_features, dim), dtype), axis=1)
-    else:
-        multiplier = jnp.full((num_features,), math.sqrt(dim), dtype)
-    return multiplier[:, None] * matrix
-
-
-def gaussian_iid_random_matrix(key: Array, num_features: int, dim: int, *,
-                               dtype: Any = jnp.float32) -> Array:
-    """Unstructured i.i.d. N(0, 1) projection `[M, D]` (the original's unstructured option)."""
-    return jax.random.normal(key, (num_features, dim), dtype)
-
-
-def draw_projection(key: Array, feature_step: Array | int | None, *, num_features: int, dim: int,
-                    redraw_every: int = 0, orthogonal: bool = True, scaling: int = 0,
-                    fix_signs: bool = True, dtype: Any = jnp.float32) -> Array:
-    """The projection in force at training step `feature_step`: a pure, deterministic schedule.
-
-    Omega(s) = G(fold_in(key, s // redraw_every)), G the (orthogonal) Gaussian constructor.
-    Within a window of `redraw_every` steps the matrix is constant; `redraw_every=0` (or
-    `feature_step=None`) always gives draw 0. `feature_step` may be traced (it is only folded
-    into the key).
-
-    Args:
-      key: base PRNG key of the layer (or of the model, to share Omega across layers).
-      feature_step: training-step counter, int or int scalar array, or None.
-      num_features: M.
-      dim: D.
-      redraw_every: redraw period in steps; 0 = never.
-      orthogonal: ORF (True) or i.i.d. Gaussian rows (False).
-      scaling: row-norm mode of the orthogonal constructor (0 or 1).
-      fix_signs: Haar sign correction of the orthogonal constructor (see there).
-      dtype: result dtype.
-
-    Returns:
-      Omega, `[M, D]`.
-    """
-    if not isinstance(redraw_every, int) or redraw_every < 0:
-        raise ValueError(f"redraw_every must be an int >= 0, got {redraw_every!r}")
-    if feature_step is None or redraw_every == 0:
-        index = jnp.zeros((), jnp.uint32)
-    else:
-        index = (jnp.asarray(feature_step) // redraw_every).astype(jnp.uint32)
-    sub = jax.random.fold_in(key, index)
-    if orthogonal:
-        return gaussian_orthogonal_random_matrix(sub, num_features, dim, scaling=scaling,
-                                                 fix_signs=fix_signs, dtype=dtype)
-    return gaussian_iid_random_matrix(sub, num_features, dim, dtype=dtype)
 
 
 CONSTANT_STABILISER_CAP = 40.0
@@ -208,9 +115,83 @@ def constant_key_stabiliser(projection: Array) -> Array:
 # --------------------------------------------------------------------------------------------
 
 
+def _stabilise_keys(values: Array, mask: Array | None, segment_ids: Array | None, key_max) -> Array:
+    """The 'max' key stabiliser `[B, S, H, 1]`: stop_gradient of the max of `values` `[B, S, H]` over
+    the valid keys of the key's row, or of its document with `segment_ids` (so that one packed
+    document never changes another's numbers), reduced by `key_max` (default `row_max`)."""
+    # stop_gradient first: the reduction (a collective under context parallelism) needs no derivative.
+    values = jax.lax.stop_gradient(values)
+    values = values if mask is None else jnp.where(mask[:, :, None], values, -jnp.inf)
+    stab = (key_max or row_max)(values, segment_ids)
+    # A fully padded row or document has stab = -inf; any finite value works since its phi is zeroed.
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))[..., None]
+
+
+def row_max(values: Array, segment_ids: Array | None = None) -> Array:
+    """Max of `values` `[B, S, ...]` over S (`[B, 1, ...]`), or per token over its document
+    (`segment_max`) with `segment_ids` `[B, S]`: the local reduction of the 'max' key stabiliser."""
+    if segment_ids is None:
+        return jnp.max(values, axis=1, keepdims=True)
+    return segment_max(values, segment_ids)
+
+
+def segment_max(values: Array, segment_ids: Array) -> Array:
+    """Per token, the max of `values` `[B, S, ...]` over its document (a contiguous run of one id of
+    `segment_ids` `[B, S]`): a segmented max scan forward and one backward, O(S) memory."""
+    def forward(vals, ids):
+        start = jnp.broadcast_to(masking.expand(packing.starts(ids), vals.ndim), vals.shape)
+
+        def combine(a, b):
+            return a[0] | b[0], jnp.where(b[0], b[1], jnp.maximum(a[1], b[1]))
+
+        return jax.lax.associative_scan(combine, (start, vals), axis=1)[1]
+
+    flip = lambda x: jnp.flip(x, axis=1)
+    return jnp.maximum(forward(values, segment_ids), flip(forward(flip(values), flip(segment_ids))))
+
+
+def _softmax_features(x, projection, is_query, mask, eps, key_stabiliser, segment_ids=None, key_max=None):
+    """`softmax_kernel_features` after its checks (mask bool or None)."""
+    dt = acc_dtype(x, projection)
+    x = masking.zero_padding(x.astype(dt), mask)
+    projection = projection.astype(dt)
+    num_features, dim = projection.shape
+    x = dim ** -0.25 * x
+    ratio = num_features ** -0.5
+    proj = jnp.einsum("bthd,md->bthm", x, projection)
+    half_sq = 0.5 * jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+    if is_query:
+        return ratio * (jnp.exp(proj - half_sq - jnp.max(proj, axis=-1, keepdims=True)) + eps)
+    if key_stabiliser == "constant":
+        stab = jax.lax.stop_gradient(constant_key_stabiliser(projection))
+        phi = ratio * (jnp.exp(proj - half_sq - stab) + eps * jnp.exp(-stab))
+    else:
+        stab = _stabilise_keys(jnp.max(proj, axis=-1), mask, segment_ids, key_max)
+        phi = ratio * (jnp.exp(proj - half_sq - stab) + eps)
+    return masking.zero_padding(phi, mask)
+
+
+def _key_valid(k_shape, key_mask, kv_segment_ids):
+    """bool `[B, S]` valid keys (mask True and document id > 0), or None when every key is."""
+    if kv_segment_ids is not None:
+        return packing.valid(kv_segment_ids, key_mask)
+    return None if key_mask is None else masking.as_bool(key_mask, k_shape[:2])
+
+
+def _check_features(x, projection, key_stabiliser, mask, segment_ids, name="x"):
+    """The user-facing checks of a feature map's arguments (one line each; projection None: not
+    checked here)."""
+    check_rank(name, x, 4, "[B, T, H, D]")
+    if projection is not None:
+        _check_projection("softmax", projection, np.shape(x)[-1])
+    check_choice("key_stabiliser", key_stabiliser, KEY_STABILISERS)
+    masking.check_mask(mask, np.shape(x)[:2])
+    packing.check_segment_ids(segment_ids, np.shape(x)[:2])
+
+
 def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
                             mask: Array | None = None, eps: float = 1e-6,
-                            key_stabiliser: str = "max") -> Array:
+                            key_stabiliser: str = "max", segment_ids: Array | None = None) -> Array:
     """Positive random features of the softmax kernel exp(q^T k / sqrt(D)) (Lemma 1; htgn.md §2.2).
 
     phi(x)_i = (exp(w_i^T x' - ||x'||^2/2 - stab) + eps') / sqrt(M), with x' = x D^(-1/4), so that
@@ -225,42 +206,17 @@ def softmax_kernel_features(x: Array, projection: Array, *, is_query: bool,
         zero features and are left out of the 'max' stabiliser.
       eps: the additive numerical stabiliser (the original factory's 1e-6).
       key_stabiliser: 'max' or 'constant' (keys only).
+      segment_ids: optional int `[B, T]` packed documents of the keys (0 = padding): the 'max'
+        stabiliser is taken per document, so a packed document gets its features computed alone.
 
     Returns:
       phi(x), `[B, T, H, M]`, in float32 (float64 for float64 inputs).
     """
-    if x.ndim != 4:
-        raise ValueError(f"x must have rank 4 [B, T, H, D], got shape {tuple(x.shape)}")
-    if projection.ndim != 2 or projection.shape[1] != x.shape[-1]:
-        raise ValueError(f"projection must have shape [M, D={x.shape[-1]}], "
-                         f"got {tuple(projection.shape)}")
-    if key_stabiliser not in KEY_STABILISERS:
-        raise ValueError(f"key_stabiliser must be one of {KEY_STABILISERS}, got {key_stabiliser!r}")
-    if is_query and mask is not None:
-        raise ValueError("mask applies to keys only; pass is_query=False or mask=None")
-    masking.check_mask(mask, x.shape[:2])
-    mask = None if mask is None else jnp.asarray(mask).astype(bool)
-    dt = acc_dtype(x, projection)
-    x = masking.zero_padding(x.astype(dt), mask)
-    projection = projection.astype(dt)
-    num_features, dim = projection.shape
-    normaliser = dim ** -0.25
-    ratio = num_features ** -0.5
-    x = normaliser * x
-    proj = jnp.einsum("bthd,md->bthm", x, projection)
-    half_sq = 0.5 * jnp.sum(jnp.square(x), axis=-1, keepdims=True)
-    if is_query:
-        return ratio * (jnp.exp(proj - half_sq - jnp.max(proj, axis=-1, keepdims=True)) + eps)
-    if key_stabiliser == "constant":
-        stab = jax.lax.stop_gradient(constant_key_stabiliser(projection))
-        phi = ratio * (jnp.exp(proj - half_sq - stab) + eps * jnp.exp(-stab))
-    else:
-        valid = proj if mask is None else jnp.where(mask[:, :, None, None], proj, -jnp.inf)
-        stab = jnp.max(valid, axis=(1, 3), keepdims=True)
-        # A fully padded example has stab = -inf; any finite value works since its phi is zeroed.
-        stab = jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))
-        phi = ratio * (jnp.exp(proj - half_sq - stab) + eps)
-    return masking.zero_padding(phi, mask)
+    _check_features(x, projection, key_stabiliser, mask, segment_ids)
+    if is_query and (mask is not None or segment_ids is not None):
+        fail("`mask` and `segment_ids` apply to keys only; pass is_query=False or leave them None")
+    return _softmax_features(x, projection, is_query, _key_valid(np.shape(x), mask, segment_ids), eps,
+                             key_stabiliser, segment_ids)
 
 
 def relu_features(x: Array, eps: float = RELU_EPS) -> Array:
@@ -285,7 +241,8 @@ TRIG_KEY_CAP = 10.0
 
 
 def trig_kernel_features(x: Array, projection: Array, *, is_query: bool,
-                         mask: Array | None = None, key_stabiliser: str = "max") -> Array:
+                         mask: Array | None = None, key_stabiliser: str = "max",
+                         segment_ids: Array | None = None) -> Array:
     """Random Fourier (sin/cos) features of the softmax kernel (Performer §2.2, "trig" features).
 
     phi(x) = exp(||x'||^2/2 - s) / sqrt(M) [sin(w_i^T x'), cos(w_i^T x')]_{i=1..M}, x' = x D^(-1/4),
@@ -295,7 +252,8 @@ def trig_kernel_features(x: Array, projection: Array, *, is_query: bool,
 
     * queries: s = ||q'||^2/2 per token (it cancels between numerator and denominator);
     * keys, 'max': s = stop_gradient of the max of ||k'||^2/2 over the valid keys, one scalar per
-      (batch, head) (a global constant, cancels; the original's trig stabiliser);
+      (batch, head), or per document with `segment_ids` (a constant that cancels; the original's
+      trig stabiliser);
     * keys, 'constant' (causal: no data-dependent constant may be used): s = 0, with the exponent
       capped at `TRIG_KEY_CAP` = 10; the cap changes a key only if ||k||^2 > 20 sqrt(D) (at
       initialisation ||k||^2 is about D, so it binds for no key there), and it bounds the key
@@ -303,15 +261,18 @@ def trig_kernel_features(x: Array, projection: Array, *, is_query: bool,
 
     Args:
       x: `[B, T, H, D]`; projection: Omega `[M, D]`; mask: optional `[B, T]` (keys only).
-      is_query, key_stabiliser: as in `softmax_kernel_features`.
+      is_query, key_stabiliser, segment_ids: as in `softmax_kernel_features`.
 
     Returns:
       phi(x), `[B, T, H, 2M]` (sines then cosines), float32 (float64 for float64 inputs).
     """
-    if key_stabiliser not in KEY_STABILISERS:
-        raise ValueError(f"key_stabiliser must be one of {KEY_STABILISERS}, got {key_stabiliser!r}")
-    masking.check_mask(mask, x.shape[:2])
-    mask = None if mask is None else jnp.asarray(mask).astype(bool)
+    _check_features(x, projection, key_stabiliser, mask, segment_ids)
+    return _trig_features(x, projection, is_query, _key_valid(np.shape(x), mask, segment_ids),
+                          key_stabiliser, segment_ids)
+
+
+def _trig_features(x, projection, is_query, mask, key_stabiliser, segment_ids=None, key_max=None):
+    """`trig_kernel_features` after its checks (mask bool or None)."""
     dt = acc_dtype(x, projection)
     x = masking.zero_padding(x.astype(dt), mask) * projection.shape[1] ** -0.25
     proj = jnp.einsum("bthd,md->bthm", x, projection.astype(dt))
@@ -321,17 +282,15 @@ def trig_kernel_features(x: Array, projection: Array, *, is_query: bool,
     elif key_stabiliser == "constant":
         scale = jnp.exp(jnp.minimum(half_sq, TRIG_KEY_CAP))
     else:
-        valid = half_sq if mask is None else jnp.where(mask[:, :, None, None], half_sq, -jnp.inf)
-        stab = jnp.max(valid, axis=(1, 3), keepdims=True)
-        stab = jax.lax.stop_gradient(jnp.where(jnp.isfinite(stab), stab, 0.0))
-        scale = jnp.exp(half_sq - stab)
+        scale = jnp.exp(half_sq - _stabilise_keys(half_sq[..., 0], mask, segment_ids, key_max))
     phi = scale * projection.shape[0] ** -0.5 * jnp.concatenate([jnp.sin(proj), jnp.cos(proj)], -1)
     return masking.zero_padding(phi, mask)
 
 
 def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
                    projection: Array | None = None, key_mask: Array | None = None,
-                   eps: float = 1e-6, key_stabiliser: str = "max") -> tuple[Array, Array, Array]:
+                   eps: float = 1e-6, key_stabiliser: str = "max",
+                   kv_segment_ids: Array | None = None, key_max=None) -> tuple[Array, Array, Array]:
     """Query and key features plus the denominator guard, for any random/deterministic map.
 
     Args:
@@ -343,40 +302,50 @@ def favor_features(q: Array, k: Array, *, feature_map: str = "softmax",
       key_mask: optional `[B, S]` key-padding mask; masked keys get zero features.
       eps: additive stabiliser of the softmax features and threshold of the denominator guard.
       key_stabiliser: 'max' or 'constant' (softmax only; see the module docstring).
+      kv_segment_ids: optional int `[B, S]` packed documents of the keys (0 = padding: zero features);
+        the 'max' stabiliser is then per document.
+      key_max: how the 'max' stabiliser reduces the per-key values `[B, S, H]` (-inf at padding)
+        given `kv_segment_ids` (or None); default `row_max`. `htgn_jax.context_parallel` passes a
+        reduction over the shards of a sequence.
 
     Returns:
       (phi_q `[B, T, H, M]`, phi_k `[B, S, H, M]`, guard), where `guard` is the scalar threshold
       to pass to `normalize` (eps, scaled by exp(-c) for the constant key stabiliser).
     """
-    if feature_map not in ("softmax", "trig", "relu", "elu"):
-        raise ValueError(f"feature_map must be 'softmax', 'trig', 'relu' or 'elu' here, "
-                         f"got {feature_map!r}")
-    if q.ndim != 4 or k.ndim != 4:
-        raise ValueError(f"q and k must have rank 4 [B, T, H, D], got {q.shape} and {k.shape}")
-    masking.check_mask(key_mask, k.shape[:2], "key_mask", "[B, S]")
+    check_choice("feature_map", feature_map, KERNEL_MAPS)
+    check_rank("q", q, 4, "[B, T, H, D]")
+    _check_features(k, None, key_stabiliser, key_mask, kv_segment_ids, "k")
+    _check_projection(feature_map, projection, k.shape[-1])
+    return _features(q, k, feature_map, projection, _key_valid(np.shape(k), key_mask, kv_segment_ids),
+                     eps, key_stabiliser, kv_segment_ids, key_max)
+
+
+def _check_projection(feature_map: str, projection, dim: int) -> None:
+    """Omega `[M, D]` is given exactly for the random feature maps."""
+    if feature_map in RANDOM_FEATURE_MAPS and projection is None:
+        fail(f"`projection` is required for feature_map={feature_map!r}")
+    if feature_map not in RANDOM_FEATURE_MAPS and projection is not None:
+        fail(f"`projection` must be None for the deterministic feature_map={feature_map!r}")
+    if projection is not None and (np.ndim(projection) != 2 or np.shape(projection)[1] != dim):
+        fail(f"`projection` must have shape [M, D={dim}], got {tuple(np.shape(projection))}")
+
+
+def _features(q, k, feature_map, projection, mask, eps, key_stabiliser, segment_ids=None, key_max=None):
+    """`favor_features` after its checks (mask: bool valid keys or None)."""
     if feature_map == "softmax":
-        if projection is None:
-            raise ValueError("projection is required for feature_map='softmax'")
-        phi_q = softmax_kernel_features(q, projection, is_query=True, eps=eps)
-        phi_k = softmax_kernel_features(k, projection, is_query=False, mask=key_mask, eps=eps,
-                                        key_stabiliser=key_stabiliser)
+        phi_q = _softmax_features(q, projection, True, None, eps, key_stabiliser)
+        phi_k = _softmax_features(k, projection, False, mask, eps, key_stabiliser, segment_ids, key_max)
         guard = jnp.asarray(eps, phi_k.dtype)
         if key_stabiliser == "constant":
             guard = guard * jnp.exp(-jax.lax.stop_gradient(
                 constant_key_stabiliser(projection.astype(phi_k.dtype))))
         return phi_q, phi_k, guard
     if feature_map == "trig":
-        if projection is None:
-            raise ValueError("projection is required for feature_map='trig'")
-        phi_q = trig_kernel_features(q, projection, is_query=True)
-        phi_k = trig_kernel_features(k, projection, is_query=False, mask=key_mask,
-                                     key_stabiliser=key_stabiliser)
+        phi_q = _trig_features(q, projection, True, None, key_stabiliser)
+        phi_k = _trig_features(k, projection, False, mask, key_stabiliser, segment_ids, key_max)
         return phi_q, phi_k, jnp.asarray(eps, phi_k.dtype)
-    if projection is not None:
-        raise ValueError(f"projection must be None for the deterministic "
-                         f"feature_map={feature_map!r}")
     fn = relu_features if feature_map == "relu" else elu_features
-    phi_q, phi_k = fn(q), masking.zero_padding(fn(masking.zero_padding(k, key_mask)), key_mask)
+    phi_q, phi_k = fn(q), masking.zero_padding(fn(masking.zero_padding(k, mask)), mask)
     return phi_q, phi_k, jnp.asarray(eps, phi_k.dtype)
 
 
@@ -409,23 +378,68 @@ def normalize(num: Array, den: Array, guard: Array | float, *, floor: bool = Fal
     return num * jnp.reciprocal(den)[..., None]
 
 
-def favor_parallel(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, Array]:
+def favor_parallel(phi_q: Array, phi_k: Array, v: Array, *, segment_ids: Array | None = None,
+                   kv_segment_ids: Array | None = None) -> tuple[Array, Array]:
     """Non-causal linear attention: Z = phi(K)^T V, W = phi(Q) Z, t = phi(K)^T 1, R = phi(Q) t.
+
+    Packed (`segment_ids`), each query reads the sums over its own document's keys only: a
+    self-attention (`kv_segment_ids` None, S = T) by `linear_attention.noncausal`'s packed form; a
+    cross-attention (`kv_segment_ids` `[B, S]`, documents matched by id) by `_cross_segments`.
 
     Args:
       phi_q: `[B, T, H, M]`.
       phi_k: `[B, S, H, M]` (zero at padded keys).
       v: `[B, S, H, Dv]` (zero at padded keys: `favor_attention` removes them with `where`).
+      segment_ids: optional int `[B, T]` documents of the queries (0 = padding, output 0).
+      kv_segment_ids: optional int `[B, S]` documents of the keys (cross-attention).
 
     Returns:
       (numerator W `[B, T, H, Dv]`, denominator R `[B, T, H]`), before `normalize`.
     """
+    if kv_segment_ids is not None and segment_ids is None:
+        fail("`kv_segment_ids` needs `segment_ids` (the documents of the queries)")
+    if segment_ids is not None and kv_segment_ids is None and phi_k.shape[1] != phi_q.shape[1]:
+        fail(f"packed cross-attention (S = {phi_k.shape[1]} keys, T = {phi_q.shape[1]} queries) needs "
+             f"`kv_segment_ids` [B, S]")
+    packing.check_segment_ids(segment_ids, phi_q.shape[:2])
+    packing.check_segment_ids(kv_segment_ids, phi_k.shape[:2], "kv_segment_ids")
+    return _noncausal(phi_q, phi_k, v, segment_ids, kv_segment_ids)
+
+
+def _noncausal(phi_q, phi_k, v, segment_ids=None, kv_segment_ids=None):
+    """`favor_parallel` after its checks."""
+    if kv_segment_ids is not None:
+        return _cross_segments(phi_q, phi_k, v, segment_ids, kv_segment_ids)
+    if segment_ids is not None:
+        return linear_attention.noncausal(phi_q, phi_k, v, denominator=True, segment_ids=segment_ids)
     v = v.astype(acc_dtype(v, phi_k))
     z_mat = jnp.einsum("bshm,bshd->bhmd", phi_k, v)
     num = jnp.einsum("bthm,bhmd->bthd", phi_q, z_mat)
     t = jnp.sum(phi_k, axis=1)
     den = jnp.einsum("bthm,bhm->bth", phi_q, t)
     return num, den
+
+
+def _cross_segments(phi_q, phi_k, v, q_ids, kv_ids):
+    """Packed cross-attention sums, O((S + T) (M + Dv)) memory: keys and queries merged into one row
+    ordered by (document id, keys before queries), then the packed causal form on it, so that each
+    query reads the sum over its document's keys exactly (query rows add no key, key rows read
+    nothing); the outputs are taken back in the queries' order."""
+    b, s, t = phi_q.shape[0], phi_k.shape[1], phi_q.shape[1]
+    acc = acc_dtype(phi_q, phi_k, v)
+    zeros = lambda x, n: jnp.zeros((b, n) + x.shape[2:], acc)
+    q = jnp.concatenate([zeros(phi_q, s), phi_q.astype(acc)], axis=1)
+    k = jnp.concatenate([phi_k.astype(acc), zeros(phi_k, t)], axis=1)
+    vm = jnp.concatenate([v.astype(acc), zeros(v, t)], axis=1)
+    ids = jnp.concatenate([kv_ids, q_ids], axis=1).astype(jnp.int32)
+    kind = jnp.concatenate([jnp.zeros((b, s), jnp.int32), jnp.ones((b, t), jnp.int32)], axis=1)
+    order = jnp.argsort(2 * ids + kind, axis=1, stable=True)                     # [B, S + T]
+    take = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+    num, den, _ = linear_attention.causal_chunked_batched(
+        take(q, order), take(k, order), take(vm, order), chunk_size=linear_attention.SEGMENT_CHUNK,
+        denominator=True, segment_ids=take(ids, order))
+    back = jnp.argsort(order, axis=1)[:, s:]                                     # the queries' rows
+    return take(num, back), take(den, back)
 
 
 def cross_cache(phi_k: Array, v: Array) -> LinearState:
@@ -441,7 +455,8 @@ def cross_cache(phi_k: Array, v: Array) -> LinearState:
 
 
 def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None,
-                            causal: bool = False) -> Array:
+                            causal: bool = False, segment_ids: Array | None = None,
+                            kv_segment_ids: Array | None = None) -> Array:
     """Exact softmax(q k^T / sqrt(D)) v, O(T S) memory: the oracle mode (`feature_map='exact'`).
 
     NaN-safe: padded keys/values are removed with `where`; a non-finite value at a valid key s is
@@ -452,13 +467,20 @@ def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | N
       q: `[B, T, H, D]`; k: `[B, S, H, D]`; v: `[B, S, H, Dv]`.
       key_mask: optional `[B, S]` key-padding mask.
       causal: mask keys s > t (requires S == T).
+      segment_ids, kv_segment_ids: optional packed documents of the queries `[B, T]` and keys `[B, S]`
+        (`favor_attention`): a query attends to the keys of its own document only.
 
     Returns:
       `[B, T, H, Dv]` in the accumulation dtype; rows with no valid key are 0 (as in FAVOR+).
     """
-    keys = masking.as_bool(key_mask, k.shape[:2], "key_mask", "[B, S]")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
+    _check_attention(q, k, v, key_mask, causal, segment_ids, kv_segment_ids)
+    kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+    return _exact(q, k, v, _key_valid(k.shape, key_mask, kv_segment_ids), causal, segment_ids, kv_segment_ids)
+
+
+def _exact(q, k, v, keys, causal, segment_ids, kv_segment_ids):
+    """`exact_softmax_attention` after its checks (keys: bool valid keys or None)."""
+    keys = jnp.ones(k.shape[:2], bool) if keys is None else keys
     dt = acc_dtype(q, k, v)
     q, k, v = q.astype(dt), masking.zero_padding(k.astype(dt), keys), masking.zero_padding(v.astype(dt), keys)
     bad = keys[:, :, None] & ~jnp.all(jnp.isfinite(v), axis=-1)               # [B, S, H]
@@ -467,6 +489,8 @@ def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | N
     valid = jnp.broadcast_to(keys[:, None, None, :], logits.shape)
     if causal:
         valid = valid & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    if segment_ids is not None:
+        valid = valid & (packing.same_segment(segment_ids, kv_segment_ids) & (segment_ids > 0)[..., None])[:, None]
     # finfo.min / 2 instead of -inf keeps fully masked rows finite; they are zeroed below.
     logits = jnp.where(valid, logits, jnp.finfo(dt).min / 2)
     weights = jnp.where(jnp.any(valid, axis=-1, keepdims=True), jax.nn.softmax(logits, axis=-1), 0.0)
@@ -475,11 +499,32 @@ def exact_softmax_attention(q: Array, k: Array, v: Array, *, key_mask: Array | N
     return jnp.where(poisoned[..., None], jnp.nan, out)
 
 
+def _check_attention(q, k, v, key_mask, causal, segment_ids, kv_segment_ids) -> None:
+    """The checks shared by `exact_softmax_attention` and `favor_attention` (one line each)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_rank(name, x, 4, "[B, T, H, D]")
+    if k.shape[:3] != v.shape[:3] or k.shape[0::2] != q.shape[0::2]:
+        fail(f"q [B, T, H, D], k [B, S, H, D] and v [B, S, H, Dv] disagree: {q.shape}, {k.shape}, {v.shape}")
+    if causal and q.shape[1] != k.shape[1]:
+        fail(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
+    masking.check_mask(key_mask, k.shape[:2], "key_mask", "[B, S]")
+    if causal and kv_segment_ids is not None:
+        fail("causal attention is a self-attention: pass `segment_ids` only, not `kv_segment_ids`")
+    if kv_segment_ids is not None and segment_ids is None:
+        fail("`kv_segment_ids` needs `segment_ids` (the documents of the queries)")
+    if segment_ids is not None and kv_segment_ids is None and k.shape[1] != q.shape[1]:
+        fail(f"packed cross-attention (S = {k.shape[1]} keys, T = {q.shape[1]} queries) needs "
+             f"`kv_segment_ids` [B, S]")
+    packing.check_segment_ids(segment_ids, q.shape[:2])
+    packing.check_segment_ids(kv_segment_ids, k.shape[:2], "kv_segment_ids")
+
+
 def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax",
                     projection: Array | None = None, causal: bool = False,
                     key_mask: Array | None = None, eps: float = 1e-6,
                     key_stabiliser: str | None = None, causal_impl: str = "chunked",
-                    chunk_size: int = 64) -> Array:
+                    chunk_size: int = 64, segment_ids: Array | None = None,
+                    kv_segment_ids: Array | None = None) -> Array:
     """End-to-end FAVOR+ attention: features, the chosen form, then `normalize`.
 
     Args:
@@ -490,37 +535,42 @@ def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax
       key_mask: optional `[B, S]` key-padding mask.
       eps: numerical stabiliser (features and denominator guard).
       key_stabiliser: 'max' | 'constant'; None picks 'constant' when causal, else 'max'.
-      causal_impl: 'chunked' | 'recurrent' | 'quadratic' (`linear_attention.causal_chunked` /
+      causal_impl: 'chunked' | 'scan' | 'quadratic' (`linear_attention.causal_chunked` /
         `causal_scan` / `causal_parallel`).
       chunk_size: chunk length of the chunked form.
+      segment_ids: optional int `[B, T]` packed documents (`zoo_core.ops.packing`; 0 = padding): a
+        query attends only within its document, the causal forms reset their state at each start,
+        the global sums and the 'max' key stabiliser are per document.
+      kv_segment_ids: optional int `[B, S]` documents of the keys of a non-causal cross-attention
+        (matched to `segment_ids` by id); None with `segment_ids` = a self-attention (S = T).
 
     Returns:
       `[B, T, H, Dv]` in float32 (float64 for float64 inputs).
     """
-    if feature_map not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
-    if causal_impl not in CAUSAL_IMPLS:
-        raise ValueError(f"causal_impl must be one of {CAUSAL_IMPLS}, got {causal_impl!r}")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal attention needs equal lengths, got {q.shape[1]} and {k.shape[1]}")
-    if feature_map == "exact":
-        if projection is not None:
-            raise ValueError("projection must be None for feature_map='exact'")
-        return exact_softmax_attention(q, k, v, key_mask=key_mask, causal=causal)
+    check_choice("feature_map", feature_map, FEATURE_MAPS)
+    check_choice("causal_impl", causal_impl, CAUSAL_IMPLS)   # chunk_size: `causal_chunked` checks it
+    _check_attention(q, k, v, key_mask, causal, segment_ids, kv_segment_ids)
     if key_stabiliser is None:
         key_stabiliser = "constant" if causal else "max"
-    phi_q, phi_k, guard = favor_features(q, k, feature_map=feature_map, projection=projection,
-                                         key_mask=key_mask, eps=eps, key_stabiliser=key_stabiliser)
-    v = masking.zero_padding(v, key_mask)
+    check_choice("key_stabiliser", key_stabiliser, KEY_STABILISERS)
+    if feature_map == "exact":
+        if projection is not None:
+            fail("`projection` must be None for feature_map='exact'")
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        return _exact(q, k, v, _key_valid(k.shape, key_mask, kv_ids), causal, segment_ids, kv_ids)
+    _check_projection(feature_map, projection, q.shape[-1])
+    kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+    valid = _key_valid(k.shape, key_mask, kv_ids)
+    phi_q, phi_k, guard = _features(q, k, feature_map, projection, valid, eps, key_stabiliser, kv_ids)
+    v = masking.zero_padding(v, valid)
     if not causal:
-        num, den = favor_parallel(phi_q, phi_k, v)
-    elif causal_impl == "chunked":
-        num, den, _ = linear_attention.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size,
-                                                      mask=key_mask, denominator=True)
-    elif causal_impl == "recurrent":
-        num, den, _ = linear_attention.causal_scan(phi_q, phi_k, v, mask=key_mask,
-                                                   denominator=True)
+        num, den = _noncausal(phi_q, phi_k, v, segment_ids, kv_segment_ids)
     else:
-        num, den = linear_attention.causal_parallel(phi_q, phi_k, v, mask=key_mask,
-                                                    denominator=True)
+        kw = dict(mask=valid, denominator=True, segment_ids=segment_ids)
+        if causal_impl == "chunked":
+            num, den, _ = linear_attention.causal_chunked(phi_q, phi_k, v, chunk_size=chunk_size, **kw)
+        elif causal_impl == "scan":
+            num, den, _ = linear_attention.causal_scan(phi_q, phi_k, v, **kw)
+        else:
+            num, den = linear_attention.causal_parallel(phi_q, phi_k, v, **kw)
     return normalize(num, den, guard, floor=feature_map == "trig")

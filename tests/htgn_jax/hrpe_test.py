@@ -143,19 +143,3 @@ def test_adjacency_pe_of_arbitrary_graph():
     # Canonical sign: the first clearly non-zero entry of each vector is positive.
     for col in pe.T:
         assert col[np.argmax(np.abs(col) > 1e-3 * np.abs(col).max())] > 0
-
-
-def test_bad_arguments_raise():
-    x = jnp.zeros((B, T, H, D))
-    with pytest.raises(ValueError, match="positions"):
-        hrpe.apply_rotary(x, jnp.arange(T + 1))
-    with pytest.raises(ValueError, match="head_dim"):
-        hrpe.apply_rotary(jnp.zeros((B, T, H, 5)), jnp.arange(T))
-    with pytest.raises(ValueError, match="basis"):
-        hrpe.path_graph_pe(T, 3, basis="spectral")
-    with pytest.raises(ValueError, match="mask"):
-        hrpe.masked_path_graph_pe(jnp.ones((T,), bool), 3)
-    with pytest.raises(ValueError, match="num_pe"):
-        hrpe.grid_graph_pe(2, 2, 4)
-    with pytest.raises(ValueError, match="num_pe"):
-        hrpe.adjacency_graph_pe(hrpe.path_adjacency(4), 4)

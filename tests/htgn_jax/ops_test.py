@@ -329,28 +329,6 @@ def test_redraw_is_deterministic():
     np.testing.assert_array_equal(draw(7, every=0), first)
 
 
-def test_bad_arguments_raise():
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="feature_map"):
-        ops.favor_attention(q, k, v, feature_map="cosine")
-    with pytest.raises(ValueError, match="key_mask"):
-        ops.favor_attention(q, k, v, projection=_omega(), key_mask=np.ones((B, T + 1), bool))
-    with pytest.raises(ValueError, match="projection"):
-        ops.favor_attention(q, k, v)
-    with pytest.raises(ValueError, match="projection"):
-        ops.favor_attention(q, k, v, feature_map="relu", projection=_omega())
-    with pytest.raises(ValueError, match="key_stabiliser"):
-        ops.favor_attention(q, k, v, projection=_omega(), key_stabiliser="mean")
-    with pytest.raises(ValueError, match="chunk_size"):
-        ops.favor_attention(q, k, v, projection=_omega(), causal=True, chunk_size=0)
-    with pytest.raises(ValueError, match="causal_impl"):
-        ops.favor_attention(q, k, v, projection=_omega(), causal=True, causal_impl="fft")
-    with pytest.raises(ValueError, match="redraw_every"):
-        ops.draw_projection(jax.random.PRNGKey(0), 3, num_features=M, dim=D, redraw_every=-1)
-    with pytest.raises(ValueError, match="rank 4"):
-        ops.softmax_kernel_features(q[0], _omega(), is_query=True)
-
-
 # ------------------------------------------------------------------------------------------
 # Numerical gradients (float64, order 1)
 # ------------------------------------------------------------------------------------------
@@ -373,7 +351,7 @@ def _softmax_forms(q, k, v):
         "noncausal_max_masked": attn(key_mask=mask, eps=0.0),
         "causal_chunked": attn(causal=True, chunk_size=3),
         # (the recurrent form is a lax.scan of la.causal_step, so this covers the step too)
-        "causal_recurrent": attn(causal=True, causal_impl="recurrent"),
+        "causal_scan": attn(causal=True, causal_impl="scan"),
     }
 
 

@@ -94,3 +94,13 @@ def gated_prefix(keep: Array, add: Any, initial: Any) -> tuple[Any, Any]:
     entering = [s[:, :-1] for s in states]
     final = [s[:, -1] for s in states]
     return tree.unflatten(entering), tree.unflatten(final)
+
+
+def positions_from_segments(segment_ids: Array) -> Array:
+    """int32 `[B, T]`: each token's index inside its document (0 at every document start, so positions
+    restart per document for RoPE, HRPE and the sinusoidal tables), 0 at padding (id 0). The first
+    token of the array starts at 0: positions of a document that began in an earlier shard or call
+    are the caller's (add that document's offset)."""
+    t = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None]
+    begin = jax.lax.cummax(jnp.where(starts(segment_ids), t, 0), axis=1)
+    return jnp.where(segment_ids > 0, t - begin, 0)

@@ -1,0 +1,193 @@
+"""Every boundary error of HTGN's graph kernels and layers (issue 43 item 2): one table, `ROWS`, of
+(id, call, fragment): `call` must raise a ValueError or TypeError whose message holds `fragment` and
+is one line. The kernels check their arguments once at their public entry, the layers their fields in
+setup and their inputs at each method; everything raises while tracing, before anything compiles."""
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htgn_jax import WindowState
+from htgn_jax import graph_context_parallel as GCP
+from htgn_jax import graph_ops as G
+from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
+
+B, N, H, D, W, NG = 2, 7, 2, 4, 2, 2      # batch, tokens, heads, head dim, window, globals
+WIDTH = H * D
+
+_X = np.ones((B, N + NG, WIDTH), np.float32)
+_WIN = WindowGraphAttention(num_heads=H, window=W, num_global=NG)
+_CAUSAL = WindowGraphAttention(num_heads=H, window=W, causal=True)
+_CROSS = CrossGraphAttention(num_heads=H, window=1, num_global=NG)
+_Q = np.ones((B, 5, H, 4), np.float32)
+_F = np.ones((B, N, H, D), np.float32)
+_A = np.ones((H, D), np.float32)
+_IDS = np.ones((B, N), np.int32)
+
+
+def _init(layer, *args, **kwargs):
+    return jax.jit(layer.init)(jax.random.PRNGKey(0), *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _win_vars():
+    return _init(_WIN, _X)
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_vars():
+    return _init(_CAUSAL, _X)
+
+
+def _mesh():
+    return jax.make_mesh((2,), ("sequence",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _sharded(length=N + 1, **kw):
+    f = np.ones((B, length, H, D), np.float32)
+    return GCP.window_graph_attention(f, f, f, _A, axis_name=kw.pop("axis_name", "sequence"),
+                                      mesh=_mesh(), **{"window": W, **kw})
+
+
+ROWS = [
+    # --- WindowGraphAttention: fields (setup) and inputs -------------------------------------------
+    ("window-x-rank", lambda: _WIN.apply(_win_vars(), _X[0]), "`x` must have rank 3"),
+    ("window-mask-shape", lambda: _WIN.apply(_win_vars(), _X, mask=np.ones((B, N), np.float32)),
+     "`mask` must have shape"),
+    ("window-mask-shape-traced",
+     lambda: jax.jit(lambda x_: _WIN.apply(_win_vars(), x_, mask=jnp.ones((1, 1)))).lower(_X),
+     "`mask` must have shape"),
+    ("window-heads-divide", lambda: _init(WindowGraphAttention(num_heads=3, window=W), _X),
+     "not divisible by num_heads"),
+    ("window-negative", lambda: _init(WindowGraphAttention(num_heads=H, window=-1), _X), "`window`"),
+    ("window-version", lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="v3"), _X),
+     "`version`"),
+    ("window-kl-tau", lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=-1.0), _X),
+     "`kl_tau`"),
+    ("window-kl-one-slot",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=0, kl_mode="neighbour"), _X),
+     "`kl_tau` and kl_mode='neighbour' need at least two neighbour slots"),
+    ("window-kl-tau-neighbour",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, kl_tau=1.0, kl_mode="neighbour"), _X),
+     "`kl_tau` sets the prior of kl_mode='prior'"),
+    ("window-causal-kl-tau",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True, chunk_size=2,
+                                        kl_tau=0.0), _X), "`kl_tau`"),
+    ("window-dot-slope",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot", negative_slope=0.1), _X),
+     "has no LeakyReLU"),
+    ("window-dot-attn-init",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, version="dot",
+                                        attn_init=nn.initializers.ones), _X),
+     "version='dot' has none"),
+    ("window-grid-causal",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True, grid_width=3), _X),
+     "a 2-D stencil (grid_width) has no causal form"),
+    ("window-grid-width", lambda: _init(WindowGraphAttention(num_heads=H, window=W, grid_width=0), _X),
+     "`grid_width` must be an integer >= 1"),
+    ("window-causal-globals",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, num_global=1, causal=True), _X),
+     "`num_global` must be 0"),
+    ("window-step-not-causal", lambda: _WIN.apply(_win_vars(), None, _X[:, 0], method=_WIN.step),
+     "`step` needs causal=True"),
+    ("window-chunk-not-causal",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, chunk_size=2), _X),
+     "`chunk_size` applies only to causal=True"),
+    ("window-chunk-size",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, causal=True, chunk_size=0), _X),
+     "`chunk_size` must be an integer >= 1"),
+    ("window-state-batch",
+     lambda: _CAUSAL.apply(_causal_vars(), _CAUSAL.apply(_causal_vars(), B + 1, method="init_state"),
+                           _X[:, 0], method="step"),
+     "`state.value` must have shape (2, 2, 2, 4)"),
+    ("window-state-valid",
+     lambda: _CAUSAL.apply(_causal_vars(), _X, WindowState(np.zeros((B, W, H, D), np.float32), None,
+                                                           np.zeros((B, W + 1), bool)), method="scan"),
+     "`state.valid` must have shape (2, 2)"),
+    ("window-dropout", lambda: _init(WindowGraphAttention(num_heads=H, window=W, dropout_rate=1.0), _X),
+     "`dropout_rate`"),
+    ("window-segment-ids-shape",
+     lambda: _WIN.apply(_win_vars(), _X, segment_ids=np.ones((B, N), np.int32)),
+     "`segment_ids` must have shape"),
+    ("window-segment-ids-dtype",
+     lambda: _WIN.apply(_win_vars(), _X, segment_ids=np.ones((B, N + NG), np.float32)),
+     "`segment_ids` must be integers"),
+    ("window-scan-segment-ids",
+     lambda: _CAUSAL.apply(_causal_vars(), _X, segment_ids=_IDS, method="scan"),
+     "`segment_ids` must have shape"),
+    ("window-sequence-axis-type",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, sequence_axis=1), _X),
+     "`sequence_axis` must be a mesh axis name or None"),
+    ("window-sequence-axis-no-mesh",
+     lambda: _init(WindowGraphAttention(num_heads=H, window=W, sequence_axis="sequence"), _X),
+     "the mesh has no axis 'sequence'"),
+    # --- the kernels --------------------------------------------------------------------------------
+    ("kernel-kl-one-slot", lambda: G.window_graph_attention(_F, _F, _F, _A, window=0, kl_tau=1.0),
+     "`kl_tau` and kl_mode='neighbour' need at least two neighbour slots"),
+    ("kernel-kl-tau-zero", lambda: G.window_graph_attention(_F, _F, _F, _A, window=W, kl_tau=0),
+     "`kl_tau`"),
+    ("kernel-kl-mode", lambda: G.window_graph_attention(_F, _F, _F, _A, window=W, kl_mode="rows"),
+     "`kl_mode` must be one of"),
+    ("kernel-dot-slope",
+     lambda: G.window_graph_attention(_F, _F, _F, None, window=W, negative_slope=0.1),
+     "dot-product scoring (attn=None) has no LeakyReLU"),
+    ("kernel-kernel-slope",
+     lambda: G.window_graph_attention(_F, _F, _F, G.KERNEL, window=W, negative_slope=0.1),
+     "kernel scoring (alpha='attention') has no LeakyReLU"),
+    ("kernel-slope-finite",
+     lambda: G.window_graph_attention(_F, _F, _F, _A, window=W, negative_slope=float("nan")),
+     "`negative_slope` must be a finite number"),
+    # Windows are offsets within one sequence: keys and values have the queries' length.
+    ("kernel-key-length",
+     lambda: G.window_graph_attention(_Q, _Q[:, :4], _Q[:, :4], np.ones((H, 4), np.float32), window=1),
+     "`key` must have shape [B, L, H, C] = (2, 5, 2, 4)"),
+    ("kernel-attn-shape",
+     lambda: G.window_graph_attention(_X[..., None], _X[..., None], _X[..., None],
+                                      np.ones((3, 1), np.float32), window=1),
+     "`attn` must have shape"),
+    ("kernel-skip-offsets",
+     lambda: G.window_graph_attention(_F, _F, _F, _A, window=W, skip_offsets=(1,)),
+     "`skip_offsets` must be distinct ints > window=2"),
+    ("kernel-globals-length", lambda: G.window_graph_attention(_F, _F, _F, _A, window=W, num_global=N),
+     "needs more than num_global=7"),
+    ("kernel-segment-ids-shape",
+     lambda: G.window_graph_attention(_F, _F, _F, _A, window=W, segment_ids=_IDS[:, :3]),
+     "`segment_ids` must have shape"),
+    ("cross-kernel-rho", lambda: G.cross_graph_attention(_F, _F, _F, _A, window=1, rho=float("inf")),
+     "`rho` must be a finite Python scalar >= 0"),
+    ("cross-kernel-positions",
+     lambda: G.cross_graph_attention(_F, _F, _F, _A, window=1, positions=np.arange(3)),
+     "`positions` must have shape [T] or [B, T]"),
+    ("cross-kernel-kv-segment-ids-alone",
+     lambda: G.cross_graph_attention(_F, _F, _F, _A, window=1, kv_segment_ids=_IDS),
+     "are given together or not at all"),
+    ("cross-kernel-kv-segment-ids-shape",
+     lambda: G.cross_graph_attention(_F, _F, _F, _A, window=1, segment_ids=_IDS,
+                                     kv_segment_ids=_IDS[:, :4]),
+     "`kv_segment_ids` must have shape"),
+    # --- the sequence axis (graph_context_parallel) -------------------------------------------------
+    ("sharded-no-axis", lambda: _sharded(axis_name="seq"), "the mesh has no axis 'seq'"),
+    ("sharded-length", lambda: _sharded(length=N), "the sequence length 7 must divide by"),
+    ("sharded-reach", lambda: _sharded(length=4, skip_offsets=(3,)),
+     "not more than the stencil's reach 3"),
+    # --- CrossGraphAttention ------------------------------------------------------------------------
+    ("cross-memory-rank", lambda: _init(_CROSS, _X, _X[0]), "`memory` must have rank 3"),
+    ("cross-memory-mask", lambda: _init(_CROSS, _X, _X, memory_mask=np.ones((B, 3), np.float32)),
+     "`memory_mask` must have shape"),
+    ("cross-rho", lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), _X, _X), "`rho`"),
+    ("cross-segment-ids-alone", lambda: _init(_CROSS, _X, _X, segment_ids=np.ones((B, N + NG), np.int32)),
+     "are given together or not at all"),
+]
+
+
+@pytest.mark.parametrize("call,fragment", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_argument_raises_one_line(call, fragment):
+    with pytest.raises((ValueError, TypeError)) as error:
+        call()
+    message = str(error.value)
+    assert fragment in message, message
+    assert "\n" not in message.strip(), message
