@@ -170,16 +170,37 @@ def test_packing_trains_a_seq2seq_config_and_reports_its_padding(tmp_path, caplo
     assert train and all(0 <= m["train/padding"] < 1 and m["train/tokens_per_second"] > 0 for m in train)
 
 
-def test_htgn_refuses_a_packed_batch_in_one_line():
+def test_htgn_refuses_a_packed_batch_where_an_encoder_attention_cannot_pack():
+    """Linformer's sequence-wide projection cannot hold per document (issue 42): one line naming it."""
     from htgn_jax import model as htgn_model
     m = htgn_model.Model(kind="seq2seq", variant="test", source_vocab_size=VOCAB, target_vocab_size=VOCAB,
-                         max_source_len=12, max_target_len=10)
+                         max_source_len=12, max_target_len=10, attention="linformer")
     data = _examples(n=4)
     lens = np.stack([packing.lengths(data["inputs"]), packing.lengths(data["targets"])], 1)
     packed = packing.pack_rows(data, lens, packing.assign_rows(lens, (12, 10)), (12, 10), ("inputs", "targets"))
     with pytest.raises(ValueError) as e:
         m.init(jax.random.PRNGKey(0), packed)
-    assert "cannot take packed batches here" in str(e.value) and "\n" not in str(e.value)
+    assert "take no segment_ids: the encoder attention 'linformer'" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_htgn_trains_number_words_packed_and_reports_its_padding(tmp_path, caplog):
+    """The brief's command, in process: `python -m htgn_jax.train --config configs/htgn/number_words.py:smoke
+    --config.data.packing=True` (rows of two examples' widths)."""
+    from configs.htgn import number_words
+    from htgn_jax import model as htgn_model
+    c = number_words.get_config("smoke")
+    c.unlock()
+    c.data.data_dir = str(tmp_path / "data")
+    c.data.packing = True
+    c.data.packing_factor = 2
+    c.checkpoint.best_metric = ""
+    with caplog.at_level(logging.INFO):
+        result = trainer.train_and_evaluate(c, str(tmp_path / "run"), htgn_model.Model)
+    assert np.isfinite(result["eval/loss"])
+    assert any(r.getMessage().startswith("packing: ") for r in caplog.records)
+    logged = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert any("train/padding" in m for m in logged)
 
 
 def test_a_packed_run_resumes_bit_identically(tmp_path):
