@@ -111,6 +111,10 @@ def base_config() -> ml_collections.ConfigDict:
     # data parallelism over the cores, worth it where the step is mostly elementwise work
     # (zoo_core.run.sharding.cpu_device_count says why). No effect on accelerators.
     c.parallel.cpu_devices = 1        # (safe on resume)
+    # Context parallelism: the mesh becomes data x sequence with this many devices on 'sequence'; sequence
+    # inputs are split along their length, parameters replicated. Models whose layers have a
+    # `sequence_axis` field get it set to 'sequence' (zoo_core.run.sharding.sequence_model_fields).
+    c.parallel.sequence = 1           # (safe on resume: the same numbers within float32 rounding)
 
     c.data = ml_collections.ConfigDict()
     c.data.name = ""                  # a key of zoo_core.data.DATASETS
@@ -118,6 +122,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.eval_split = "test"        # (safe on resume)
     c.data.options = ml_collections.ConfigDict()  # the dataset's own options (validated by the dataset)
+    # Pack several training examples into each row, as flax's wmt pipeline does (zoo_core/data/packing.py):
+    # seq2seq only; batches gain '<feature>_segmentation' and '<feature>_position'; eval stays unpacked.
+    c.data.packing = False
+    c.data.packing_factor = 1         # packed rows are this many times each sequence feature's stored width
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "classification"    # classification | forecast | seq2seq

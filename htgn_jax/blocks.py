@@ -36,6 +36,7 @@ from zoo_core import attention as zoo_attention
 from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.block_config import config_from
 from zoo_core.ops.linear_attention import LinearState
+from zoo_core.ops import packing
 from zoo_core.ops.remat import call_block
 
 Array = jax.Array
@@ -157,6 +158,37 @@ def with_globals(mask: Array, num_global: int) -> Array:
     return jnp.concatenate([jnp.ones((mask.shape[0], num_global), bool), mask.astype(bool)], 1)
 
 
+def packed_layout(segment_ids: Array, positions: Array, num_global: int) -> tuple[Array, Array, Array, Array]:
+    """Where a packed encoder row's nodes go when each document gets its own g global nodes.
+
+    docs/htgn_packing.md: a packed row lays each document out as an unpacked row, `[its g globals ; its
+    tokens]`. The N tokens of a packed row `[B, N]` (documents in runs of one segment id, 0 = padding)
+    move to `[B, N + g N]` (room for g globals per document: a row holds at most N documents); the slots
+    left over are padding (id 0).
+
+    Returns:
+      (index `[B, N]` of each token in the laid-out row, start `[B, N]` bool: token begins a document
+      (its globals sit at index - g .. index - 1), segment ids `[B, N + g N]` of the laid-out row
+      (globals: their document's id), positions `[B, N + g N]` (globals 0, tokens their `positions`)).
+    """
+    b, n = segment_ids.shape
+    g = num_global
+    # a document's first token (the row's first token too: `packing.starts` leaves it to an incoming state)
+    start = (packing.starts(segment_ids) | (jnp.arange(n) == 0)[None]) & (segment_ids > 0)
+    index = jnp.arange(n)[None] + g * jnp.cumsum(start, axis=1)
+    rows = jnp.arange(b)[:, None]
+    ids = jnp.zeros((b, n + g * n), segment_ids.dtype).at[rows, index].set(segment_ids)
+    pos = jnp.zeros((b, n + g * n), jnp.int32).at[rows, index].set(positions.astype(jnp.int32))
+    for k in range(g):
+        ids = ids.at[rows, jnp.where(start, index - g + k, n + g * n)].set(segment_ids, mode="drop")
+    return index, start, ids, pos
+
+
+def _packed(**kwargs) -> dict:
+    """The packed-sequence keyword arguments that are given (none: the unpacked call, unchanged)."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 class _Block(nn.Module):
     """Residual wiring shared by the blocks (fields are declared by the subclasses)."""
 
@@ -243,13 +275,15 @@ class EncoderBlock(_Block):
                                               **self._graph_kwargs())
 
     def __call__(self, x: Array, *, mask: Array, positions: Optional[Array] = None,
-                 deterministic: bool = True,
-                 feature_step: Optional[Array] = None) -> tuple[Array, dict]:
+                 deterministic: bool = True, feature_step: Optional[Array] = None,
+                 segment_ids: Optional[Array] = None) -> tuple[Array, dict]:
         """Returns (x `[B, L, d]`, aux: the graph layer's {'kl_sum', 'kl_count'} or {}).
 
-        `positions`: RoPE positions `[L]` (None without HRPE); `feature_step`: the training-step
-        index selecting the FAVOR+ random-feature draw.
+        `positions`: RoPE positions `[L]` or `[B, L]` (None without HRPE); `feature_step`: the
+        training-step index selecting the FAVOR+ random-feature draw; `segment_ids`: int `[B, L]`
+        packed documents (`packed_layout`; None: one per row), passed to every layer.
         """
+        seg = _packed(segment_ids=segment_ids)
         auxes = []
 
         def sub(layer_call):
@@ -262,16 +296,16 @@ class EncoderBlock(_Block):
         if self.config.attention in ("favor", "softmax"):
             attend = lambda h: self.self_attention(h, mask=mask, positions=positions,
                                                    deterministic=deterministic,
-                                                   feature_step=feature_step)
+                                                   feature_step=feature_step, **seg)
         else:
-            attend = lambda h: self.self_attention(h, mask=mask, deterministic=deterministic)
+            attend = lambda h: self.self_attention(h, mask=mask, deterministic=deterministic, **seg)
         x = self._residual(x, self.self_attention_norm, sub(attend), deterministic)
         if self.config.use_graph_conv:
             def graph(h):
                 features = None if self.config.graph_alpha == "learned" else \
                     self.self_attention.kernel_features(h, mask=mask, positions=positions,
-                                                        feature_step=feature_step)
-                return self.graph(h, mask=mask, deterministic=deterministic, features=features)
+                                                        feature_step=feature_step, **seg)
+                return self.graph(h, mask=mask, deterministic=deterministic, features=features, **seg)
             x = self._residual(x, self.graph_norm, sub(graph), deterministic)
         x = self._residual(x, self.mlp_norm, lambda h: self._mlp(h, deterministic), deterministic)
         return x, sum_aux(*auxes)
@@ -321,7 +355,9 @@ class DecoderBlock(_Block):
 
     def __call__(self, y: Array, memory: Array, *, mask: Optional[Array] = None,
                  memory_mask: Optional[Array] = None, deterministic: bool = True,
-                 feature_step: Optional[Array] = None) -> tuple[Array, dict]:
+                 feature_step: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                 kv_segment_ids: Optional[Array] = None,
+                 positions: Optional[Array] = None) -> tuple[Array, dict]:
         """The block over a teacher-forced sequence.
 
         Args:
@@ -332,14 +368,20 @@ class DecoderBlock(_Block):
           memory_mask: `[B, g + N]`.
           deterministic: no dropout.
           feature_step: training-step index selecting the FAVOR+ random-feature draw.
+          segment_ids, kv_segment_ids, positions: a packed row (None: one sequence per row): int
+            `[B, T]` the decoder's documents, `[B, g + N]`-like the memory's (`packed_layout`), `[B, T]`
+            positions restarting per document (RoPE).
 
         Returns:
           (y `[B, T, d]`, aux {'kl_sum', 'kl_count'} or {}).
         """
         fs = dict(feature_step=feature_step)
+        seg = _packed(segment_ids=segment_ids)
+        cross_seg = _packed(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+        self_seg = _packed(segment_ids=segment_ids, positions=positions)
         auxes = []
         by_attention = self.config.graph_alpha == "attention"
-        self_feats = lambda h: (self.self_attention.kernel_features(h, **fs) if by_attention
+        self_feats = lambda h: (self.self_attention.kernel_features(h, **fs, **self_seg) if by_attention
                                 else None)
         cross_feats = lambda h: ((self.cross_attention.query_features(h, **fs),
                                   self.cross_attention.key_features(memory, memory_mask=memory_mask,
@@ -355,15 +397,16 @@ class DecoderBlock(_Block):
 
         y = self._wiring(y, deterministic, {
             "self_attention": keep_aux(
-                lambda h: self.self_attention(h, deterministic=deterministic, **fs)),
+                lambda h: self.self_attention(h, deterministic=deterministic, **fs, **self_seg)),
             "graph": keep_aux(lambda h: self.graph(h, mask=mask, deterministic=deterministic,
-                                                   features=self_feats(h))),
+                                                   features=self_feats(h), **seg)),
             "cross_attention": keep_aux(
                 lambda h: self.cross_attention.cross(h, memory, memory_mask=memory_mask,
-                                                     deterministic=deterministic, **fs)),
+                                                     deterministic=deterministic, **fs, **cross_seg)),
             "cross_graph": keep_aux(
                 lambda h: self.cross_graph(h, memory, mask=mask, memory_mask=memory_mask,
-                                           deterministic=deterministic, features=cross_feats(h))),
+                                           deterministic=deterministic, features=cross_feats(h),
+                                           **cross_seg)),
         })
         return y, sum_aux(*auxes)
 
@@ -481,26 +524,40 @@ class Encoder(nn.Module):
                                            param_dtype=c.param_dtype, name="final_norm")
 
     def __call__(self, tokens: Array, mask: Array, *, deterministic: bool = True,
-                 feature_step: Optional[Array] = None) -> tuple[Array, dict]:
-        """Returns (memory `[B, g + N, d]`, aux merged over the blocks)."""
+                 feature_step: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                 positions: Optional[Array] = None) -> tuple[Array, dict]:
+        """Returns (memory `[B, g + N, d]`, aux merged over the blocks).
+
+        Packed (`segment_ids`, `positions` int `[B, N]`): memory `[B, N + g N, d]` laid out by
+        `packed_layout` (each document `[its globals ; its tokens]`), its ids those of `packed_layout`.
+        """
         c = self.config
         b, n, _ = tokens.shape
         if c.grid_width and n % c.grid_width:
             raise ValueError(f"grid_width={c.grid_width} lays the tokens out in rows, but there "
                              f"are {n} tokens, not a multiple of it")
         g = c.num_global
-        x, positions = tokens, None
-        if g:
-            glb = jnp.broadcast_to(self.global_tokens.astype(tokens.dtype)[None], (b, g, c.d_model))
-            x = jnp.concatenate([glb, tokens], axis=1)
-        if c.use_hrpe:
-            # RoPE: globals at position 0, tokens at their index (htgn.md §5.1 step 1).
-            positions = jnp.concatenate([jnp.zeros((g,), jnp.int32), jnp.arange(n, dtype=jnp.int32)])
-        mask = with_globals(mask, g)
+        glb = self.global_tokens.astype(tokens.dtype) if g else None
+        seg = {}
+        if segment_ids is not None:
+            index, start, ids, pos = packed_layout(segment_ids, positions, g)
+            rows = jnp.arange(b)[:, None]
+            x = jnp.zeros((b, ids.shape[1], c.d_model), tokens.dtype).at[rows, index].set(tokens)
+            for k in range(g):
+                x = x.at[rows, jnp.where(start, index - g + k, ids.shape[1])].set(glb[k], mode="drop")
+            mask, positions, seg = ids > 0, (pos if c.use_hrpe else None), {"segment_ids": ids}
+        else:
+            x, positions = tokens, None
+            if g:
+                x = jnp.concatenate([jnp.broadcast_to(glb[None], (b, g, c.d_model)), tokens], axis=1)
+            if c.use_hrpe:
+                # RoPE: globals at position 0, tokens at their index (htgn.md §5.1 step 1).
+                positions = jnp.concatenate([jnp.zeros((g,), jnp.int32), jnp.arange(n, dtype=jnp.int32)])
+            mask = with_globals(mask, g)
         auxes = []
         for block in self.blocks:
             x, aux = call_block(block, x, mask=mask, positions=positions, deterministic=deterministic,
-                                feature_step=feature_step, remat=c.remat)
+                                feature_step=feature_step, remat=c.remat, **seg)
             auxes.append(aux)
         if c.norm == "pre":
             x = self.final_norm(x)

@@ -68,13 +68,15 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax import hrpe, validation
-from htgn_jax.blocks import BlockConfig, DecoderBlock, Encoder, drop_path_rate, with_globals
+from htgn_jax.blocks import BlockConfig, DecoderBlock, Encoder, drop_path_rate, packed_layout, with_globals
 from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (read by the configs)
 from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.remat import call_block
 
 Array = jax.Array
+# The keys of a packed batch (zoo_core/data/packing.py: flax's wmt names).
+PACKED_KEYS = ("inputs_segmentation", "inputs_position", "targets_segmentation", "targets_position")
 
 # Sizes (htgn.md §5.12). Keys not used by a kind are dropped for it (e.g. cross_window, chunk_size
 # for the classifier). `num_layers` is the depth of each stack (L_e = L_d for seq2seq).
@@ -287,16 +289,22 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     def _embed(self, table: nn.Embed, ids: Array) -> Array:
         return table(ids) * math.sqrt(self.d_model)
 
-    def _source_tokens(self, inputs: Array, mask: Array, deterministic: bool) -> Array:
+    def _source_tokens(self, inputs: Array, mask: Array, deterministic: bool,
+                       segment_ids: Optional[Array] = None, positions: Optional[Array] = None) -> Array:
+        """ids `[B, S]` -> `[B, S, d]`; packed (`segment_ids`, `positions` `[B, S]`), each document's own
+        path PE (or position embeddings)."""
         x = self._embed(self.source_embed, inputs)
+        seg = {} if segment_ids is None else {"segment_ids": segment_ids}
         if self.use_hrpe:
             if self.skip_offsets:   # HRPE (b) on the graph the graph layers use
                 pe = hrpe.masked_skip_path_graph_pe(mask, self.num_pe, tuple(self.skip_offsets),
-                                                    basis=self.pe_basis, dtype=x.dtype)
+                                                    basis=self.pe_basis, dtype=x.dtype, **seg)
             else:
                 pe = hrpe.masked_path_graph_pe(mask, self.num_pe, basis=self.pe_basis,
-                                               dtype=x.dtype)
+                                               dtype=x.dtype, **seg)
             x = self.encoder_input(jnp.concatenate([x, pe], axis=-1))
+        elif positions is not None:
+            x = x + jnp.take(self.source_pos_embed, positions, axis=0).astype(x.dtype)
         else:
             x = x + self.source_pos_embed[:inputs.shape[1]].astype(x.dtype)[None]
         return self.dropout(x, deterministic=deterministic)
@@ -309,14 +317,15 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         return hrpe.path_graph_pe(self.max_target_len, self.num_pe, basis=self.pe_basis)
 
     def _target_tokens(self, ids: Array, positions: Array, deterministic: bool) -> Array:
-        """ids `[B, T]` at decoder indices `positions` `[T]` -> `[B, T, d]`."""
+        """ids `[B, T]` at decoder indices `positions` `[T]` (or `[B, T]`, packed) -> `[B, T, d]`."""
         y = self._embed(self.target_embed, ids)
         if self.use_hrpe:
             pe = jnp.take(self._decoder_pe(), positions, axis=0).astype(y.dtype)
-            pe = jnp.broadcast_to(pe[None], ids.shape + pe.shape[-1:])
+            pe = jnp.broadcast_to(pe if positions.ndim == 2 else pe[None], ids.shape + pe.shape[-1:])
             y = self.decoder_input(jnp.concatenate([y, pe], axis=-1))
         else:
-            y = y + jnp.take(self.target_pos_embed, positions, axis=0).astype(y.dtype)[None]
+            pos = jnp.take(self.target_pos_embed, positions, axis=0).astype(y.dtype)
+            y = y + (pos if positions.ndim == 2 else pos[None])
         return self.dropout(y, deterministic=deterministic)
 
     def _logits(self, y: Array) -> Array:
@@ -395,6 +404,8 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         """Teacher-forced forward pass (see the class docstring); `feature_step` is the
         training-step index (required iff redraw_every > 0: the update's index while training)."""
         validation.check_feature_step(self, feature_step)
+        if any(k in batch for k in PACKED_KEYS):
+            return self._packed_call(batch, not train, feature_step)
         inputs, mask, targets = validation.seq2seq_batch(self, batch)
         det = not train
         memory, memory_mask, enc_aux = self._encode(inputs, mask, det, feature_step)
@@ -402,6 +413,69 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         decoder_inputs = jnp.concatenate([bos, targets[:, :-1]], axis=1)
         logits, dec_aux = self._decode(decoder_inputs, memory, memory_mask, det, feature_step)
         return {"logits": logits}, _aux(self, sum_aux(enc_aux, dec_aux))
+
+
+    def _packed_call(self, batch: dict, det: bool, feature_step: Optional[Array]):
+        """`__call__` on a packed batch (zoo_core/data/packing.py, flax's wmt keys): 'inputs' `[B, S]` and
+        'targets' `[B, T]` rows of several examples, with 'inputs_segmentation' / 'targets_segmentation'
+        (1, 2, ... per example, the same number for an example's source and target; 0 = padding) and
+        'inputs_position' / 'targets_position' (restarting per example). Every layer takes the segment
+        ids; the encoder lays each document out as `[its globals ; its tokens]` (`packed_layout`), RoPE
+        and the decoder's path PE read the positions, the source path PE each document's own length, and
+        the decoder is fed [BOS] + the document's previous targets. Each example's logits are those it
+        gets alone (tests/htgn_jax/model_test.py)."""
+        missing = [k for k in PACKED_KEYS if k not in batch]
+        if missing:
+            fail(f"a packed batch needs {list(PACKED_KEYS)}; it lacks {missing}")
+        lacking = _packing_missing(self)
+        if lacking:
+            fail(f"HTGN Seq2Seq cannot take packed batches here: these parts take no segment_ids: "
+                 f"{', '.join(lacking)} (train with data.packing=False)")
+        # A packed row may be wider than max_source_len / max_target_len (data.packing_factor > 1): the
+        # positions restart per document, and each document is at most the data's stored width.
+        inputs = validation.int_array("inputs", batch["inputs"], 2, "[B, S]")
+        targets = validation.int_array("targets", batch["targets"], 2, "[B, T]")
+        src_seg, src_pos, tgt_seg, tgt_pos = (validation.int_array(k, batch[k], 2, "[B, L]") for k in PACKED_KEYS)
+        if (src_seg.shape != inputs.shape or src_pos.shape != inputs.shape or tgt_seg.shape != targets.shape
+                or tgt_pos.shape != targets.shape or inputs.shape[0] != targets.shape[0]):
+            fail(f"a packed batch's segmentation and positions must have the shapes of 'inputs' "
+                 f"{tuple(inputs.shape)} and 'targets' {tuple(targets.shape)} (one batch size)")
+        mask = (inputs != self.pad_id) & (src_seg > 0)
+        tokens = self._source_tokens(inputs, mask, det, segment_ids=src_seg, positions=src_pos)
+        memory, enc_aux = self.encoder(tokens, mask, deterministic=det, feature_step=feature_step,
+                                       segment_ids=src_seg, positions=src_pos)
+        memory_ids = packed_layout(src_seg, src_pos, self.num_global)[2]
+        prev = jnp.concatenate([jnp.full_like(targets[:, :1], self.pad_id), targets[:, :-1]], axis=1)
+        decoder_inputs = jnp.where(tgt_seg > 0, jnp.where(tgt_pos == 0, self.bos_id, prev), self.pad_id)
+        y = self._target_tokens(decoder_inputs, tgt_pos, det)
+        auxes = []
+        for block in self.decoder_blocks:
+            y, aux = call_block(block, y, memory, mask=tgt_seg > 0, memory_mask=memory_ids > 0,
+                                deterministic=det, feature_step=feature_step, remat=self.remat,
+                                segment_ids=tgt_seg, kv_segment_ids=memory_ids,
+                                positions=tgt_pos if self.use_hrpe else None)
+            auxes.append(aux)
+        return {"logits": self._logits(y)}, _aux(self, sum_aux(enc_aux, *auxes))
+
+
+def _packing_missing(m: Seq2Seq) -> list[str]:
+    """The parts `m` uses whose call takes no `segment_ids` in this installation (packing needs them all)."""
+    import inspect
+    from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
+    from htgn_jax.layers import FavorAttention
+    from zoo_core import attention as zoo_attention
+    calls = {"FavorAttention": FavorAttention.__call__, "FavorAttention.cross": FavorAttention.cross}
+    if m.use_graph_conv:
+        calls.update({"WindowGraphAttention": WindowGraphAttention.__call__,
+                      "CrossGraphAttention": CrossGraphAttention.__call__})
+    if m.use_hrpe:
+        calls["hrpe.masked_path_graph_pe"] = hrpe.masked_path_graph_pe
+        if m.skip_offsets:
+            calls["hrpe.masked_skip_path_graph_pe"] = hrpe.masked_skip_path_graph_pe
+    lacking = [name for name, fn in calls.items() if "segment_ids" not in inspect.signature(fn).parameters]
+    if m.attention not in ("favor", "softmax") and not zoo_attention.capabilities(m.attention)["segment_ids"]:
+        lacking.append(f"the encoder attention {m.attention!r}")
+    return lacking
 
 
 class Classifier(_HTGNModel, kw_only=True):

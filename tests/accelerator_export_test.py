@@ -61,3 +61,41 @@ def test_attention_training_forms_export_without_loops(name, kw):
     for platform in PLATFORMS:
         program = testing.exported_program(jax.grad(loss), params, x, mask, platform=platform)
         assert testing.while_loops(program) == 0, (name, kw, platform)
+
+
+@pytest.mark.parametrize("kind", ["samovar", "cp_layer"])
+def test_a_context_parallel_train_step_exports_without_loops(kind, tmp_path):
+    """parallel.sequence=2 on the suite's two host devices: the trainer's step over the data x sequence mesh,
+    for samovar's model (partitioned by XLA) and for a model whose layer runs its context-parallel form
+    (LinearAttention with sequence_axis='sequence': one all_gather of the shards' states), exports for cuda
+    and tpu with the batch sharded along T, and holds no while loop over chunks."""
+    from jax import export
+    from configs.samovar import synthetic_var
+    from samovar_jax import model as samovar_model
+    from tests.zoo_core.sequence_parallel_test import CPForecaster
+    from zoo_core.run import setup as run_setup, sharding
+
+    if jax.device_count() % 2:
+        pytest.skip("needs an even number of devices")
+    config = synthetic_var.get_config("smoke")
+    config.unlock()
+    config.data.data_dir = str(tmp_path)
+    config.parallel.sequence = 2
+    build = samovar_model.Model
+    if kind == "cp_layer":
+        config.model = {}
+        build = lambda **kw: CPForecaster(**kw)   # noqa: E731
+    s = run_setup.build_setup(config, build, has_evaluators=True)
+    mesh = sharding.config_mesh(config)
+    with sharding.mesh_context(mesh):
+        replicated = sharding.replicated(mesh)
+        steps = run_setup.compile_steps(s, mesh, replicated, donate=False)
+        state = s.init_state(replicated)
+        batch = steps.to_device(sharding.numeric(next(s.train_batches(0))))
+        assert batch["inputs"].sharding.spec == jax.sharding.PartitionSpec("data", "sequence")
+        specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (state, batch))
+        for platform in PLATFORMS:
+            program = export.export(steps.train, platforms=[platform])(*specs).mlir_module()
+            assert testing.while_loops(program) == 0, (kind, platform)
+            if kind == "cp_layer":
+                assert "all_gather" in program, platform   # the layer's fold of the shards' summaries

@@ -530,3 +530,44 @@ def test_the_encoder_checks_the_grid_layout():
     encoder = Encoder(dataclasses.replace(CONFIG, window=1, grid_width=2), num_layers=1)
     with pytest.raises(ValueError, match="grid_width=2 lays the tokens out in rows, but there are 5"):
         encoder.init(jax.random.PRNGKey(0), x, mask)
+
+
+# ------------------------------------------------------------------------------------------
+# Packed batches (data.packing; issue 42)
+# ------------------------------------------------------------------------------------------
+
+def _packed_examples():
+    """Four examples of different lengths, unpacked ([4, 16] / [4, 16]) and packed into rows of the model's
+    widths (flax's wmt keys, zoo_core/data/packing.py): several per row."""
+    from zoo_core.data import packing
+    rng = np.random.default_rng(3)
+    src_len, tgt_len = (5, 3, 7, 4), (4, 5, 3, 6)
+    inputs, targets = np.zeros((4, 16), np.int32), np.zeros((4, 16), np.int32)
+    for i, (ls, lt) in enumerate(zip(src_len, tgt_len)):
+        inputs[i, :ls - 1], inputs[i, ls - 1] = rng.integers(3, SRC_V, ls - 1), 2
+        targets[i, :lt - 1], targets[i, lt - 1] = rng.integers(3, TGT_V, lt - 1), 2
+    unpacked = {"inputs": inputs, "targets": targets}
+    lens = np.stack([packing.lengths(inputs), packing.lengths(targets)], 1)
+    starts = packing.assign_rows(lens, (16, 16))
+    packed = packing.pack_rows(unpacked, lens, starts, (16, 16), ("inputs", "targets"))
+    return unpacked, packed, lens
+
+
+@pytest.mark.parametrize("kw", [{}, dict(attention="softmax"), dict(use_hrpe=False, skip_offsets=(3,))],
+                         ids=["htgn", "softmax", "no_hrpe_skip"])
+def test_a_packed_batch_gives_each_example_its_unpacked_logits(kw):
+    unpacked, packed, lens = _packed_examples()
+    assert packed["inputs"].shape[0] < 4   # several examples share a row
+    model, params = _init(**kw)
+    got = np.asarray(_logits(model)(params, packed))
+    want = np.asarray(_logits(model)(params, unpacked))
+    example = 0
+    for row in range(packed["targets"].shape[0]):
+        for seg in range(1, packed["targets_segmentation"][row].max() + 1):
+            where = packed["targets_segmentation"][row] == seg
+            np.testing.assert_allclose(got[row][where], want[example, :lens[example, 1]], **F32_MODEL,
+                                       err_msg=f"example {example}")
+            example += 1
+    assert example == 4
+    # NaN-free: a packed row's padding holds no NaN in the real logits
+    assert np.isfinite(got[packed["targets_segmentation"] > 0]).all()

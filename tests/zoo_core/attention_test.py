@@ -376,13 +376,69 @@ class _ToyMeanAttention(nn.Module):
         return nn.DenseGeneral(self.out_features or x.shape[-1], axis=(-2, -1), name="out")(o), {}
 
 
+# ---------------------------------------------------------------------------------------------
+# Packed sequences and context parallelism through the drop-in (issue 42).
+# ---------------------------------------------------------------------------------------------
+
+def test_the_registry_reads_packing_and_context_parallelism_from_the_layers():
+    assert "linear" in attention.names("segment_ids", "context_parallel")
+    assert set(attention.PACKED_ARGS) < set(attention.CAPABILITIES)
+    for name in attention.names():
+        caps = attention.capabilities(name)
+        if not caps["cross"]:
+            assert not caps["kv_segment_ids"], name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_drop_in_passes_segment_ids_a_packed_row_equals_its_documents_alone(causal):
+    x, _, _ = _data()
+    lengths = (3, x.shape[1] - 5)
+    ids = np.zeros(x.shape[:2], np.int32)
+    ids[:, :lengths[0]] = 1
+    ids[:, lengths[0]:lengths[0] + lengths[1]] = 2          # the last two tokens are padding
+    x = jnp.where(ids[..., None] > 0, x, jnp.nan)            # NaN in the padding changes nothing
+    attn = attention.make("linear", num_heads=HEADS, qkv_features=E, causal=causal)
+    params = attn.init(jax.random.PRNGKey(0), x, segment_ids=ids)
+    packed = attn.apply(params, x, segment_ids=ids)
+    first = attn.apply(params, x[:, :lengths[0]])
+    second = attn.apply(params, x[:, lengths[0]:sum(lengths)])
+    np.testing.assert_allclose(np.asarray(packed[:, :lengths[0]]), np.asarray(first), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(packed[:, lengths[0]:sum(lengths)]), np.asarray(second), rtol=1e-5,
+                               atol=1e-6)
+    assert np.isfinite(np.asarray(packed[:, :sum(lengths)])).all()
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda x: attention.make("agf", num_heads=HEADS, qkv_features=E).init(
+        jax.random.PRNGKey(0), x, segment_ids=np.ones(x.shape[:2], np.int32)),
+     r"^attention 'agf' takes no segment_ids in its self-attention \(packed sequences\); these do: \["),
+    (lambda x: attention.make("agf", num_heads=HEADS, qkv_features=E, sequence_axis="sequence"),
+     r"^attention 'agf' has no context-parallel form \(sequence_axis\); these have one: \[.*'linear'"),
+    (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E, sequence_axis=3),
+     r"`sequence_axis` must be a mesh axis name or None, got 3"),
+    (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E, causal=True).init(
+        jax.random.PRNGKey(0), x, kv_segment_ids=np.ones(x.shape[:2], np.int32)),
+     r"kv_segment_ids are the memory's documents in cross-attention"),
+    (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E).init(
+        jax.random.PRNGKey(0), x, x[:, :S], kv_segment_ids=np.ones((x.shape[0], S), np.int32)),
+     r"^attention 'linear' takes no kv_segment_ids in its cross-attention"),
+])
+def test_packed_arguments_a_mechanism_cannot_take_are_refused_in_one_line(call, message):
+    x, _, _ = _data()
+    with pytest.raises(ValueError, match=message) as e:
+        call(x)
+    assert "\n" not in str(e.value)
+
+
 def test_a_new_mechanism_is_one_registry_row(monkeypatch):
     from zoo_core.attention import registry
 
     row = registry._Entry(registry._Form(None, _ToyMeanAttention), (False,), None, "toy: mean of the values")
     monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "toy": row})
     assert "toy" in attention.names("self") and "toy" not in attention.names("causal")
-    assert attention.capabilities("toy") == {"self": True, "causal": False, "decode": False, "cross": False}
+    assert attention.capabilities("toy") == {"self": True, "causal": False, "decode": False, "cross": False,
+                                             "segment_ids": False, "kv_segment_ids": False, "positions": False,
+                                             "context_parallel": False}
     assert attention.options("toy") == ("scale",)
     x, mask, _ = _data()
     attn = attention.make("toy", num_heads=HEADS, qkv_features=E, scale=2.0)

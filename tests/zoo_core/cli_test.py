@@ -131,6 +131,10 @@ CASES = [
     ("--config.seed=-1", "seed must be an int in [0, 2**32)"),
     ("--config.parallel.mode=spmd", "unknown parallel.mode 'spmd'"),
     ("--config.parallel.cpu_devices=-1", "parallel.cpu_devices must be an int >= 0"),
+    ("--config.parallel.sequence=3", "parallel.sequence=3 must divide the "),
+    ("--config.data.packing=True", "data.packing=True packs sequence-to-sequence examples; task 'classification' "
+     "has one label per example and cannot pack"),
+    ("--config.data.packing_factor=0", "data.packing_factor must be an int >= 1, got 0"),
     ("--config.data.name=nope", "unknown dataset 'nope'"),
     ("--config.data.train_split=", "data.train_split must be a split name"),
     ("--config.data.train_split=train[:0%]", "data.train_split 'train[:0%]' selects no examples (train has 512)"),

@@ -29,7 +29,13 @@ training loop written outside the zoo collects them with `mutable=['losses']` an
 names the one a model must set to its longest sequence, if any (Linformer's `max_length`).
 
 `capabilities(name)` says what a mechanism has ('self': non-causal self-attention, 'causal',
-'decode', 'cross'); `names('cross')` lists those with a cross form, and so on.
+'decode', 'cross', and for packed sequences and context parallelism 'segment_ids', 'kv_segment_ids',
+'positions', 'context_parallel'); `names('cross')` lists those with a cross form, and so on.
+
+Packed sequences (issue 42; docs/specs/context_parallel.md): `attn(x, segment_ids=ids)` with ids int
+`[B, T]` (0 = padding; a token attends only within its document), `positions` int `[B, T]` (restarting
+per document) where the mechanism has positions, and in cross-attention `kv_segment_ids` `[B, S]` for
+the memory. A mechanism whose form cannot take one refuses it in one line naming it.
 
 `layer(name, ...)` takes the same arguments and returns the mechanism's own self-attention layer,
 which follows the zoo's layer contract (README "Layer contract": `(y, aux)`, and `init_state` /
@@ -48,15 +54,16 @@ import jax.numpy as jnp
 
 from zoo_core.attention import registry
 from zoo_core.attention.dropin import DropInAttention
-from zoo_core.attention.registry import CAPABILITIES, capabilities, layer, length_option, names, options
+from zoo_core.attention.registry import (CAPABILITIES, PACKED_ARGS, capabilities, layer, length_option, names,
+                                         options)
 
-__all__ = ["CAPABILITIES", "DropInAttention", "capabilities", "layer", "length_option", "make", "names",
+__all__ = ["CAPABILITIES", "PACKED_ARGS", "DropInAttention", "capabilities", "layer", "length_option", "make", "names",
            "options"]
 
 
 def make(name: str, *, num_heads: int, qkv_features: int, out_features: Optional[int] = None,
          causal: bool = False, decode: bool = False, dtype: Any = jnp.float32,
-         param_dtype: Any = jnp.float32, **options) -> nn.Module:
+         param_dtype: Any = jnp.float32, sequence_axis: Optional[str] = None, **options) -> nn.Module:
     """A drop-in attention module for mechanism `name`, in the call style of
     `nn.MultiHeadDotProductAttention` (self- or cross-attention, chosen by the call).
 
@@ -70,14 +77,22 @@ def make(name: str, *, num_heads: int, qkv_features: int, out_features: Optional
         decoder's cross-attention that takes one token per call and keeps its state in 'cache'.
       dtype: compute dtype (sums and states stay float32).
       param_dtype: parameter dtype.
+      sequence_axis: the mesh axis T is split over (context parallelism; None: a single-device
+        program, unchanged). The module is then called under `jax.set_mesh(mesh)` with inputs sharded
+        along T on that axis and gives the unsharded call's numbers. A mechanism without a
+        context-parallel form (`capabilities(name)['context_parallel']`) refuses it in one line.
       **options: the mechanism's own fields (e.g. AGF's `order`, `basis`; FAVOR+'s `num_features`;
         `dropout_rate` where the mechanism has dropout; the Cross-Graph layer's `window`, `rho`); an
         unknown one raises, naming the choices, and one of the other form raises at the call.
 
     Returns:
       A Linen module `module(inputs_q, inputs_k=None, *, inputs_kv=None, mask=None,
-      deterministic=True) -> y`.
+      deterministic=True, segment_ids=None, kv_segment_ids=None, positions=None) -> y`.
     """
+    if sequence_axis is not None:
+        if not isinstance(sequence_axis, str):
+            raise ValueError(f"`sequence_axis` must be a mesh axis name or None, got {sequence_axis!r}")
+        options = dict(options, sequence_axis=sequence_axis)
     registry.check(name, num_heads=num_heads, qkv_features=qkv_features, out_features=out_features,
                    causal=causal, decode=decode, options=options)
     return DropInAttention(mechanism=name, num_heads=num_heads, head_dim=qkv_features // num_heads,

@@ -48,7 +48,9 @@ class DropInAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q: Array, inputs_k: Optional[Array] = None,
                  inputs_v: Optional[Array] = None, *, inputs_kv: Optional[Array] = None,
-                 mask: Optional[Array] = None, deterministic: bool = True) -> Array:
+                 mask: Optional[Array] = None, deterministic: bool = True,
+                 segment_ids: Optional[Array] = None, kv_segment_ids: Optional[Array] = None,
+                 positions: Optional[Array] = None) -> Array:
         """Self-attention `attn(inputs_q)` or cross-attention `attn(inputs_q, inputs_k)` (or
         `inputs_kv=`; `inputs_v`, if given, must be inputs_k: keys and values come from one memory).
 
@@ -60,6 +62,10 @@ class DropInAttention(nn.Module):
           mask: bool `[B, T]` (self) or `[B, S]` (cross) key-padding mask, True = valid; None in a
             decoding step of self-attention.
           deterministic: dropout off (on needs the 'dropout' rng); decoding steps have no dropout.
+          segment_ids: int `[B, T]` documents of a packed row (0 = padding), for the queries.
+          kv_segment_ids: int `[B, S]` documents of the memory (cross-attention).
+          positions: int `[B, T]` positions restarting per document (mechanisms with positions).
+          Each goes to the mechanism's layer; a form that cannot take it refuses in one line.
 
         Returns:
           y `[B, T, E']`.
@@ -79,9 +85,14 @@ class DropInAttention(nn.Module):
                 raise ValueError(f"mask must be a [B, {'T' if inputs_k is None else 'S'}] = "
                                  f"{tuple(keys.shape[:2])} key-padding mask, got shape {tuple(mask.shape)}")
             mask = mask.astype(bool)
+        packed = {"segment_ids": segment_ids, "positions": positions}
         if inputs_k is None:
-            return self._self_attention(inputs_q, mask, deterministic)
-        return self._cross_attention(inputs_q, inputs_k, mask, deterministic)
+            if kv_segment_ids is not None:
+                raise ValueError("kv_segment_ids are the memory's documents in cross-attention; self-attention "
+                                 "takes segment_ids")
+            return self._self_attention(inputs_q, mask, deterministic, packed)
+        return self._cross_attention(inputs_q, inputs_k, mask, deterministic,
+                                     dict(packed, kv_segment_ids=kv_segment_ids))
 
     # --- shared pieces ---------------------------------------------------------------------
 
@@ -117,23 +128,26 @@ class DropInAttention(nn.Module):
 
     # --- self-attention --------------------------------------------------------------------
 
-    def _self_attention(self, x: Array, mask: Optional[Array], deterministic: bool) -> Array:
+    def _self_attention(self, x: Array, mask: Optional[Array], deterministic: bool, packed: dict) -> Array:
         entry = registry.lookup(self.mechanism)
         if entry.self_form is None:
             raise ValueError(f"attention {self.mechanism!r} is cross-attention only: call it as "
                              f"attn(inputs_q, inputs_k); self-attention: {registry.names('self')}")
         width = x.shape[-1]
-        if self.decode:
-            return self._decode_step(entry, x, mask, deterministic)
         if not self.causal and entry.global_call is not None:
-            call, inner = entry.global_call, self._inner(entry.self_form, width, None)
+            call, causal = entry.global_call, None
         else:
-            call, inner = calls.self_call, self._inner(entry.self_form, width, self.causal)
-        y, aux = call(inner, x, None, mask, deterministic=deterministic)
+            call, causal = calls.self_call, self.causal
+        registry.check_packed(self.mechanism, entry.self_form, call, packed, "self-attention")
+        packed = {k: v for k, v in packed.items() if v is not None}
+        if self.decode:
+            return self._decode_step(entry, x, mask, deterministic, packed)
+        inner = self._inner(entry.self_form, width, causal)
+        y, aux = call(inner, x, None, mask, deterministic=deterministic, **packed)
         self._sow(aux)
         return y
 
-    def _decode_step(self, entry, x: Array, mask: Optional[Array], deterministic: bool) -> Array:
+    def _decode_step(self, entry, x: Array, mask: Optional[Array], deterministic: bool, packed: dict) -> Array:
         """Flax's decode convention: the first call (init, `[B, L, E]`) creates the cache and
         returns the causal call; later calls take `[B, 1, E]` and advance the layer's State."""
         if not self.causal:
@@ -148,14 +162,15 @@ class DropInAttention(nn.Module):
                                    else x.shape[1])
         inner = self._inner(entry.self_form, x.shape[-1], True, **extra)
         if not cached:
-            y, aux = inner(x, mask=mask, deterministic=deterministic)
+            y, aux = inner(x, mask=mask, deterministic=deterministic, **packed)
             self._sow(aux)
             self.variable("cache", "state", lambda: inner.init_state(x.shape[0]))
             self._index()
             return y
         self._token(x, deterministic)
-        if mask is not None:
-            raise ValueError("decode=True: a self-attention step takes no mask (every token given is valid)")
+        if mask is not None or packed:
+            raise ValueError("decode=True: a self-attention step takes no mask, segment_ids or positions (every "
+                             "token given is valid, the next of one document)")
         state, index = self.variable("cache", "state"), self._index()
         position = {"position": index.value} if getattr(inner, "use_rotary", False) else {}
         y_t, state.value = inner.step(state.value, x[:, 0], **position)
@@ -165,7 +180,7 @@ class DropInAttention(nn.Module):
     # --- cross-attention -------------------------------------------------------------------
 
     def _cross_attention(self, x: Array, memory: Array, mask: Optional[Array],
-                         deterministic: bool) -> Array:
+                         deterministic: bool, packed: dict) -> Array:
         entry = registry.lookup(self.mechanism)
         if entry.cross_form is None:
             raise ValueError(f"attention {self.mechanism!r} has no cross-attention form; these have one: "
@@ -177,14 +192,19 @@ class DropInAttention(nn.Module):
         if memory.shape[0] != x.shape[0]:
             raise ValueError(f"inputs_q {tuple(x.shape)} and inputs_k {tuple(memory.shape)} differ in "
                              f"batch size")
+        registry.check_packed(self.mechanism, entry.cross_form, entry.cross_call, packed, "cross-attention")
+        packed = {k: v for k, v in packed.items() if v is not None}
         inner = self._inner(entry.cross_form, x.shape[-1], False)
         step = self.decode and self.has_variable("cache", "cache_index")
         if step:
             self._token(x, deterministic)
+            if packed:
+                raise ValueError("decode=True: a cross-attention step takes no segment_ids, kv_segment_ids or "
+                                 "positions (one query of one document)")
         index = self._index() if self.decode else None
         # A step passes the query's position, which only the cache knows (a window may follow it).
         y, aux = entry.cross_call(inner, x, memory, mask, deterministic=deterministic,
-                                  position=index.value if step else None)
+                                  position=index.value if step else None, **packed)
         self._sow(aux)
         if step:
             index.value = index.value + 1

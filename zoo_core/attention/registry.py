@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
@@ -111,23 +112,65 @@ _REGISTRY: dict[str, _Entry] = {
 # Arguments of `make` itself; everything else goes to the layer and must be one of its fields.
 _RESERVED = ("num_heads", "head_dim", "out_features", "causal", "dtype", "param_dtype", "name",
              "parent")
-CAPABILITIES = ("self", "causal", "decode", "cross")
+# The call arguments of packed sequences (issue 42; docs/specs/context_parallel.md).
+PACKED_ARGS = ("segment_ids", "kv_segment_ids", "positions")
+CAPABILITIES = ("self", "causal", "decode", "cross") + PACKED_ARGS + ("context_parallel",)
 
 
 def capabilities(name: str) -> dict[str, bool]:
     """What mechanism `name` has: {'self': non-causal self-attention, 'causal': causal
     self-attention, 'decode': `decode=True` (one token per call through the 'cache' collection, in
-    a causal self-attention or a cross-attention), 'cross': cross-attention}."""
+    a causal self-attention or a cross-attention), 'cross': cross-attention,
+    'segment_ids': packed sequences in every self-attention form (cross-only: the queries' segment_ids),
+    'kv_segment_ids': the memory's segment ids in its cross-attention, 'positions': per-token positions
+    (restarting per document) in every self-attention form, 'context_parallel': a `sequence_axis` field
+    on every layer (`make(..., sequence_axis=...)`)}.
+
+    The last four are read from the layers themselves (the keyword arguments of the method each call
+    convention calls, `calls.METHOD`, and the layers' fields), so they follow the layers as they grow;
+    they import the mechanism's module.
+    """
     entry = lookup(name)
     causal = True in entry.modes
-    return {"self": False in entry.self_modes(), "causal": causal,
-            "decode": (causal and entry.recurrent) or entry.cross_form is not None,
-            "cross": entry.cross_form is not None}
+    out = {"self": False in entry.self_modes(), "causal": causal,
+           "decode": (causal and entry.recurrent) or entry.cross_form is not None,
+           "cross": entry.cross_form is not None}
+    paths = self_paths(entry)
+    cross = [(entry.cross_form, entry.cross_call)] if entry.cross_form is not None else []
+    out["segment_ids"] = all(accepts(f, c, "segment_ids") for f, c in (paths or cross))
+    out["kv_segment_ids"] = bool(cross) and all(accepts(f, c, "kv_segment_ids") for f, c in cross)
+    out["positions"] = bool(paths) and all(accepts(f, c, "positions") for f, c in paths)
+    out["context_parallel"] = all("sequence_axis" in fields(layer_class(f))
+                                  for f in (entry.self_form, entry.cross_form) if f is not None)
+    return out
+
+
+def self_paths(entry: _Entry) -> list[tuple[_Form, calls.Call]]:
+    """(layer form, call convention) of each self-attention mode `make` offers."""
+    if entry.self_form is None:
+        return []
+    return [(entry.self_form, entry.global_call if not causal and entry.global_call else calls.self_call)
+            for causal in entry.self_modes()]
+
+
+def accepts(form: _Form, call: calls.Call, arg: str) -> bool:
+    """Whether the layer method that `call` calls takes keyword `arg`."""
+    method = getattr(layer_class(form), calls.METHOD[call])
+    return arg in inspect.signature(method).parameters
+
+
+def check_packed(name: str, form: _Form, call: calls.Call, packed: dict, what: str) -> None:
+    """Raises one line naming the mechanism when its `what` call cannot take a given packed argument."""
+    for arg, value in packed.items():
+        if value is not None and not accepts(form, call, arg):
+            have = names(arg) if arg in CAPABILITIES else ()
+            raise ValueError(f"attention {name!r} takes no {arg} in its {what} (packed sequences); these "
+                             f"do: {list(have)}")
 
 
 def names(*required: str) -> tuple[str, ...]:
     """The registered mechanisms, sorted; with `required` (of CAPABILITIES) those that have them all,
-    e.g. `names('cross')`, `names('causal', 'decode')`."""
+    e.g. `names('cross')`, `names('causal', 'decode')`, `names('segment_ids')`."""
     bad = sorted(set(required) - set(CAPABILITIES))
     if bad:
         raise ValueError(f"unknown capability {bad}; choose from {CAPABILITIES}")
@@ -204,6 +247,9 @@ def check(name: str, *, num_heads: int, qkv_features: int, out_features: Optiona
                                      or out_features < 1):
         raise ValueError(f"`out_features` must be None or an integer >= 1, got {out_features!r}")
     allowed = _options_of_entry(entry)
+    if options.get("sequence_axis") is not None and not capabilities(name)["context_parallel"]:
+        raise ValueError(f"attention {name!r} has no context-parallel form (sequence_axis); these have one: "
+                         f"{list(names('context_parallel'))}")
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"attention {name!r} has no option(s) {unknown}; its options are {sorted(allowed)}")

@@ -19,13 +19,14 @@ import itertools
 import os
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from absl import logging
 import grain
 import numpy as np
 
 from zoo_core.data import arrays as arrays_lib
+from zoo_core.data import packing as packing_lib
 from zoo_core.data import shuffle
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "linear_attention_zoo")
@@ -108,6 +109,58 @@ def train_batches(source, *, global_batch_size: int, seed: int, process_index: i
             yield held.take(order.positions(step * global_batch_size, (step + 1) * global_batch_size)[rows])
 
     return _ReadAhead(batches, prefetch)
+
+
+def make_packer(source, *, keys, seed: int, pad_id: int = 0, factor: int = 1) -> packing_lib.Packer:
+    """The `packing.Packer` of a training split: its sequence features `keys` packed into rows `factor` times
+    their stored width, in the order of seed `seed`. The split is decoded into memory when it is within
+    the bound (`arrays.load`), else read record by record (its lengths once, then each step's examples)."""
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"data.packing_factor must be an int >= 1, got {factor!r}")
+    first = source.__getitems__([0])[0]
+    for k in keys:
+        if k not in first or np.ndim(first[k]) != 1:
+            raise ValueError(f"data.packing packs 1-D sequence features; the examples' {k!r} is "
+                             f"{'missing' if k not in first else np.shape(first[k])}")
+    widths = [factor * int(np.shape(first[k])[0]) for k in keys]
+    held = arrays_lib.load(source)
+    if held is not None:
+        take = lambda idx: held.take(idx)
+    else:
+        take = lambda idx: stack_records(source.__getitems__([int(i) for i in idx]))
+    return packing_lib.Packer(take, len(source), keys, widths, seed=seed, pad_id=pad_id)
+
+
+def packed_train_batches(packer: packing_lib.Packer, *, global_batch_size: int, process_index: int = 0,
+                         process_count: int = 1, start_step: int = 0,
+                         prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
+    """Endless iterator of this process's rows of every global batch of packed rows (`make_packer`), from
+    `start_step` on: step s is rows [s G, (s + 1) G) of the packed stream, a pure function of (seed, step),
+    so a resumed run continues with the rows it would have had. Batches: {k, k_segmentation, k_position}
+    `[G / process_count, W_k]` for each packed feature k."""
+    rows = _local_rows(global_batch_size, process_index, process_count)
+
+    def batches(stop: threading.Event):
+        for step in itertools.count(start_step):
+            if stop.is_set():
+                return
+            first = step * global_batch_size
+            yield packer.rows(first + rows.start, first + rows.stop)
+
+    return _ReadAhead(batches, prefetch)
+
+
+def token_count(batch: dict[str, np.ndarray], keys: Sequence[str], pad_id: int = 0) -> tuple[int, int]:
+    """(tokens, slots) of `keys` in a batch, packed (by `k_segmentation`) or not (by `pad_id`)."""
+    tokens = slots = 0
+    for k in keys:
+        if k not in batch:
+            continue
+        seg = batch.get(k + packing_lib.SEGMENTATION)
+        real = (np.asarray(seg) > 0) if seg is not None else (np.asarray(batch[k]) != pad_id)
+        tokens += int(real.sum())
+        slots += real.size
+    return tokens, slots
 
 
 def _streamed_batches(source, *, global_batch_size, seed, rows, start_step, prefetch):

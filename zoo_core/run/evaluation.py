@@ -90,7 +90,12 @@ def evaluate_checkpoint(config, workdir: str, build_model: Callable[..., Any], *
     ckpt_lib.require_checkpoints(workdir, folder)
     check_eval_config(json.loads(config.to_json_best_effort()), workdir)
     s = check_setup(config, build_model, has_evaluators=bool(evaluators)).prepare()
-    mesh = sharding.make_mesh()
+    mesh = sharding.make_mesh(config.parallel.get("sequence", 1))
+    with sharding.mesh_context(mesh):
+        return _evaluate_on(s, mesh, workdir, which, folder, config, evaluators)
+
+
+def _evaluate_on(s, mesh, workdir, which, folder, config, evaluators):
     replicated = sharding.replicated(mesh)
     steps = compile_steps(s, mesh, replicated)   # only its eval step runs (jit compiles on first call)
     # Restored straight into the global replicated sharding: each process reads its own shards.

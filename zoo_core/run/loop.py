@@ -12,6 +12,7 @@ import jax
 
 from zoo_core.run import checkpoint as ckpt_lib
 from zoo_core.run import metrics as metrics_lib, sharding
+from zoo_core import tasks
 from zoo_core.data import pipeline
 from zoo_core.run.errors import ConfigError, NonFiniteError
 from zoo_core.run.evaluation import evaluate_params
@@ -49,6 +50,10 @@ class Loop:
         self.last_eval: dict[str, float] = {}
         self.t0, self.steps_since = time.time(), 0
         self.flops: float | None = None   # of one train step, once the first one has run
+        # The sequence features whose tokens and padding are counted (a task that can pack), and the counts
+        # since the last log: train/tokens_per_second and train/padding.
+        self.token_keys = tasks.PACKED_FEATURES.get(s.config.task.name, ())
+        self.tokens = self.slots = 0
         self.step = start                 # the last step taken
 
     def patience_spent(self, step: int) -> bool:
@@ -89,7 +94,12 @@ class Loop:
         summary["train/steps_per_second"] = self.steps_since / max(time.time() - self.t0, 1e-9)
         if self.flops is not None:   # achieved, all devices (the step's FLOPs as XLA counts them)
             summary["train/gflops_per_second"] = self.flops * summary["train/steps_per_second"] / 1e9
+        if self.slots:   # this process's rows, times the processes: the global batch's tokens
+            elapsed = self.steps_since / summary["train/steps_per_second"]
+            summary["train/tokens_per_second"] = self.tokens * jax.process_count() / max(elapsed, 1e-9)
+            summary["train/padding"] = 1.0 - self.tokens / self.slots
         self.history, self.t0, self.steps_since = [], time.time(), 0
+        self.tokens = self.slots = 0
         self.writer.write(step, summary)
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{summary['train/total_loss']:.4g}")
@@ -138,7 +148,11 @@ def train_loop(loop: Loop, state, train_iter) -> None:
     in_flight = None  # the metrics of the step still computing
     with Terminate() as term:
         for step in range(loop.start + 1, loop.config.total_steps + 1):
-            batch = steps.to_device(next(train_iter))  # host work overlaps the step in flight
+            host = next(train_iter)
+            if loop.token_keys:
+                tokens, slots = pipeline.token_count(host, loop.token_keys, int(loop.config.task.get("pad_id", 0)))
+                loop.tokens, loop.slots = loop.tokens + tokens, loop.slots + slots
+            batch = steps.to_device(host)  # host work overlaps the step in flight
             if in_flight is not None:
                 # Without this wait, async dispatch lets the loop queue steps up to the next blocking
                 # log or eval, so a SIGTERM would be answered only after all of them had run (minutes
@@ -235,7 +249,14 @@ def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *,
     """`train_and_evaluate` once the workdir is checked, made and locked: (last eval metrics, summary line)."""
     config = s.config
     log_run(s, workdir, changes, allow_config_change=allow_config_change)
-    mesh = sharding.make_mesh()
+    mesh = sharding.make_mesh(config.parallel.get("sequence", 1))
+    with sharding.mesh_context(mesh):
+        return _train_on(s, workdir, mesh, evaluators)
+
+
+def _train_on(s: RunSetup, workdir: str, mesh, evaluators) -> tuple[dict, str]:
+    """`_train_in` on `mesh` (under `sharding.mesh_context`)."""
+    config = s.config
     replicated = sharding.replicated(mesh)
     checkpoints, state, start = restore_or_init(s, workdir, replicated)
     if start >= config.total_steps:   # its last evaluation came before its last checkpoint
@@ -259,9 +280,9 @@ def _train_in(s: RunSetup, workdir: str, changes: list[str], evaluators, *,
     loop.writer = metrics_lib.MetricWriter(workdir, enabled=is_main, resume_step=start)
     if start == 0:
         loop.writer.write_text("config", f"```\n{config}\n```")
-    train_iter = pipeline.train_batches(s.train_source, global_batch_size=config.batch_size, seed=config.seed,
-                                        process_index=jax.process_index(), process_count=jax.process_count(),
-                                        start_step=start)
+    if s.packer is not None and is_main:
+        logging.info("%s", s.packer.stats().line())
+    train_iter = s.train_batches(start)
     restore_logging = lambda: None
     if is_main and config.progress_bar:
         from tqdm.auto import tqdm

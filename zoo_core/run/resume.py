@@ -18,7 +18,9 @@ from zoo_core.run.errors import ConfigError
 SAFE_ON_RESUME = ("log_every_steps", "eval_every_steps", "eval_also_at_step", "eval_max_examples",
                   "eval_batch_size", "checkpoint_every_steps", "progress_bar", "checkpoint.keep",
                   "checkpoint.best_metric", "checkpoint.best_mode", "checkpoint.patience", "data.data_dir",
-                  "data.eval_split", "test_split", "decode.", "parallel.cpu_devices")
+                  "data.eval_split", "test_split", "decode.", "parallel.cpu_devices", "parallel.sequence")
+# Fields added after runs were stored: absent in a stored config means this value.
+ADDED_DEFAULTS = {"data.packing": False, "data.packing_factor": 1, "parallel.sequence": 1}
 # Schedules whose learning rate at a step does not depend on total_steps.
 
 
@@ -39,9 +41,13 @@ def resume_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[l
 
     Both are JSON-like dicts (`config.to_json_best_effort()`). Allowed are the `SAFE_ON_RESUME` fields
     and a larger total_steps under a schedule that does not depend on it. A null field (an unset
-    placeholder) equals an absent one: both leave the value to the model or dataset.
+    placeholder) equals an absent one: both leave the value to the model or dataset; an absent field of
+    `ADDED_DEFAULTS` (a config stored before it existed) equals its default.
     """
     a, b = _flatten(dict(stored)), _flatten(dict(new))
+    for key, value in ADDED_DEFAULTS.items():
+        a.setdefault(key, value)
+        b.setdefault(key, value)
     refused, allowed = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):   # equal, or null on one side and absent on the other

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from absl import logging
 import jax
+import numpy as np
 
 from zoo_core.run import checkpoint as ckpt_lib
 from zoo_core import costs, tasks
@@ -49,6 +50,7 @@ class RunSetup:
     train_source: Any = None
     eval_source: Any = None
     example: dict | None = None           # one example [1, ...] of the eval pipeline's numeric features
+    packer: Any = None                    # data.packing: the packed training stream (`pipeline.make_packer`)
     abstract: TrainState | None = None    # the state's shapes and dtypes
     # (example shapes, abstract state) traced on the features the dataset declares before it is prepared
     _declared: tuple | None = None
@@ -63,29 +65,56 @@ class RunSetup:
             raise ValueError("RunSetup.prepare needs the model: give check_setup a build_model")
         pcount, pindex = jax.process_count(), jax.process_index()
         try:
-            train_source, eval_source = prepare_data(config, builder=self.builder)
-            if len(train_source) < config.batch_size:   # found here, not after the first compile
-                raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training "
-                                 f"examples of {config.data.name}")
-            example = sharding.numeric(next(pipeline.eval_batches(
-                eval_source, global_batch_size=config.eval_batch_size, process_index=pindex,
-                process_count=pcount)))
-            example = jax.tree_util.tree_map(lambda x: x[:1], example)
-            if self._declared is not None and self._declared[0] == _shapes(example):
-                abstract = self._declared[1]   # traced and checked on these very shapes by check_setup
-            else:
-                abstract = jax.eval_shape(functools.partial(init_state, model=self.model, tx=self.tx), self.rng,
-                                          example)
-                check_eval_metrics(config.checkpoint.best_metric, self.model, self.task, abstract.params, example,
-                                   has_evaluators=self.has_evaluators)
-            check_classes(config, self.model, abstract.params, example, train_source)
+            with sharding.mesh_context(sharding.config_mesh(config)):
+                self._prepare(pcount, pindex)
         except ConfigError:
             raise
         except (ValueError, TypeError, KeyError, OSError) as e:
             raise config_error(e) from e
+        return self
+
+    def _prepare(self, pcount: int, pindex: int) -> None:
+        """`prepare` under the run's mesh; sets the sources, the example, the abstract state and the packer."""
+        config = self.config
+        train_source, eval_source = prepare_data(config, builder=self.builder)
+        if len(train_source) < config.batch_size:   # found here, not after the first compile
+            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train_source)} training "
+                             f"examples of {config.data.name}")
+        example = sharding.numeric(next(pipeline.eval_batches(
+            eval_source, global_batch_size=config.eval_batch_size, process_index=pindex,
+            process_count=pcount)))
+        example = jax.tree_util.tree_map(lambda x: x[:1], example)
+        sequence = config.parallel.get("sequence", 1)
+        sharding.check_sequence_lengths(example, sequence)
+        if self._declared is not None and self._declared[0] == _shapes(example):
+            abstract = self._declared[1]   # traced and checked on these very shapes by check_setup
+        else:
+            abstract = jax.eval_shape(functools.partial(init_state, model=self.model, tx=self.tx), self.rng,
+                                      example)
+            check_eval_metrics(config.checkpoint.best_metric, self.model, self.task, abstract.params, example,
+                               has_evaluators=self.has_evaluators)
+        check_classes(config, self.model, abstract.params, example, train_source)
+        packer = None
+        if config.data.get("packing", False):
+            packer = pipeline.make_packer(train_source, keys=tasks.packed_features(config), seed=config.seed,
+                                          pad_id=int(config.task.get("pad_id", 0)),
+                                          factor=int(config.data.packing_factor))
+            packed = dict(packer.rows(0, 1), example_mask=np.ones((1,), np.float32))
+            sharding.check_sequence_lengths(packed, sequence)
+            # the model refuses a packed batch it cannot take (one line), here and not at the first step
+            check_eval_metrics("", self.model, self.task, abstract.params, packed, has_evaluators=True)
         self.train_source, self.eval_source, self.example, self.abstract = (train_source, eval_source, example,
                                                                             abstract)
-        return self
+        self.packer = packer
+
+    def train_batches(self, start_step: int):
+        """This process's training batches from `start_step` on: packed rows (`data.packing`) or examples."""
+        config = self.config
+        where = dict(global_batch_size=config.batch_size, process_index=jax.process_index(),
+                     process_count=jax.process_count(), start_step=start_step)
+        if self.packer is not None:
+            return pipeline.packed_train_batches(self.packer, **where)
+        return pipeline.train_batches(self.train_source, seed=config.seed, **where)
 
     def init_state(self, replicated) -> TrainState:
         """A fresh state (`init_state` on the example) made directly in the `replicated` sharding."""
@@ -116,27 +145,33 @@ def check_setup(config, build_model: Callable[..., Any] | None = None, *,
     """
     try:
         validate_config(config)
-        tx, schedule = optim.make_optimizer(config)
-        task = tasks.make_task(config)
-        model = make_model(build_model, config) if build_model is not None else None
-        options = config.data.options.to_dict()
-        builder = data_lib.check_options(config.data.name, config.data.data_dir, options)
-        num_train = options.get("num_train")
-        if isinstance(num_train, int) and 0 < num_train < config.batch_size:
-            raise ValueError(f"batch_size {config.batch_size} exceeds the {num_train} training examples "
-                             f"(data.options.num_train) of {config.data.name}")
-        rng = jax.random.PRNGKey(config.seed)
-        example = example_from_features(builder)
-        declared = None
-        if model is not None and example is not None:
-            abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
-            check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
-                               has_evaluators=has_evaluators)
-            declared = (_shapes(example), abstract)
+        with sharding.mesh_context(sharding.config_mesh(config)):   # a layer over 'sequence' traces in it
+            return _check_setup(config, build_model, has_evaluators)
     except ConfigError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:
         raise config_error(e) from e
+
+
+def _check_setup(config, build_model, has_evaluators: bool) -> RunSetup:
+    """`check_setup` once the config's ranges are checked, under the run's mesh."""
+    tx, schedule = optim.make_optimizer(config)
+    task = tasks.make_task(config)
+    model = make_model(build_model, config) if build_model is not None else None
+    options = config.data.options.to_dict()
+    builder = data_lib.check_options(config.data.name, config.data.data_dir, options)
+    num_train = options.get("num_train")
+    if isinstance(num_train, int) and 0 < num_train < config.batch_size:
+        raise ValueError(f"batch_size {config.batch_size} exceeds the {num_train} training examples "
+                         f"(data.options.num_train) of {config.data.name}")
+    rng = jax.random.PRNGKey(config.seed)
+    example = example_from_features(builder)
+    declared = None
+    if model is not None and example is not None:
+        abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
+        check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
+                           has_evaluators=has_evaluators)
+        declared = (_shapes(example), abstract)
     return RunSetup(config=config, config_dict=json.loads(config.to_json_best_effort()), model=model, task=task,
                     tx=tx, schedule=schedule, builder=builder, rng=rng, has_evaluators=has_evaluators,
                     _declared=declared)

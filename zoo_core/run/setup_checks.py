@@ -3,6 +3,7 @@ constructor, the eval metrics and the class count (shapes only). Each raises one
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Any, Callable
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo_core import checks
+from zoo_core import checks, tasks
 
 from zoo_core.run import optim, sharding
 from zoo_core.run.errors import ConfigError
@@ -42,14 +43,21 @@ def validate_config(config) -> None:
                         ("schedule.warmup_steps", config.schedule.warmup_steps)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    devices = jax.device_count()
+    sequence = config.parallel.get("sequence", 1)
+    sharding.check_sequence(sequence, jax.device_count())
+    if sequence > 1 and mode == "pmap":
+        raise ValueError("parallel.sequence > 1 needs parallel.mode='jit' (a 'data' x 'sequence' mesh)")
+    check_packing(config)
+    # data-parallel devices: the others split each sequence
+    devices = jax.device_count() // sequence
     accum = int(config.optim.grad_accum_steps)
     # Applied by the training command before JAX starts (zoo_core.run.main); checked here for every caller.
     sharding.check_cpu_devices(config.parallel.cpu_devices)
     if accum < 1:
         raise ValueError(f"optim.grad_accum_steps must be >= 1, got {accum}")
     if config.batch_size % (devices * accum):
-        raise ValueError(f"batch_size {config.batch_size} must be divisible by devices ({devices}) x "
+        what = "devices" if sequence == 1 else "data-parallel devices (devices / parallel.sequence)"
+        raise ValueError(f"batch_size {config.batch_size} must be divisible by {what} ({devices}) x "
                          f"optim.grad_accum_steps ({accum})")
     patience = config.checkpoint.patience
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
@@ -58,7 +66,8 @@ def validate_config(config) -> None:
         raise ValueError("checkpoint.patience stops on evaluations without a new best, so it needs "
                          "checkpoint.best_metric and eval_every_steps > 0")
     if config.eval_batch_size % devices:
-        raise ValueError(f"eval_batch_size {config.eval_batch_size} must be divisible by the {devices} devices")
+        raise ValueError(f"eval_batch_size {config.eval_batch_size} must be divisible by the {devices} "
+                         f"{'devices' if sequence == 1 else 'data-parallel devices'}")
     seed = config.seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
@@ -76,17 +85,49 @@ def validate_config(config) -> None:
     optim.check_ranges(config)
 
 
+def check_packing(config) -> None:
+    """`data.packing` (a bool) and `data.packing_factor` (an int >= 1); packing needs a task that can pack
+    (`tasks.packed_features`)."""
+    packing, factor = config.data.get("packing", False), config.data.get("packing_factor", 1)
+    if not isinstance(packing, bool):
+        raise ValueError(f"data.packing must be True or False, got {packing!r}")
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"data.packing_factor must be an int >= 1, got {factor!r}")
+    if factor > 1 and not packing:
+        raise ValueError(f"data.packing_factor={factor} sizes packed rows: it needs data.packing=True")
+    if packing:
+        tasks.packed_features(config)
+
+
 def make_model(build_model: Callable[..., Any], config):
     """`build_model(**config.model)`; a field it has not, or one it needs and the config lacks, most
     often means a config written for another architecture's train command."""
     try:
-        return build_model(**config.model.to_dict())
+        model = build_model(**config.model.to_dict())
+        return with_sequence_axis(build_model, config, model)
     except TypeError as e:
         if not re.search(r"unexpected keyword argument|missing \d+ required", str(e)):
             raise
         detail = re.sub(r"^\S*\(\) ", "", str(e).splitlines()[0])
         raise ConfigError(f"config.model does not fit {build_model.__module__}.{build_model.__qualname__}: "
                           f"{detail}; is the config written for another architecture's train command?") from None
+
+
+def with_sequence_axis(build_model: Callable[..., Any], config, model):
+    """With parallel.sequence > 1, a model that has a `sequence_axis` field (its layers' context-parallel
+    forms) built again with it set to the mesh's 'sequence' axis, unless the config sets it; any other
+    model as it is (XLA partitions its steps over the sequence axis: the same numbers)."""
+    if config.parallel.get("sequence", 1) == 1 or "sequence_axis" not in {f.name for f in fields_of(model)}:
+        return model
+    given = config.model.get("sequence_axis", None)
+    if given not in (None, sharding.SEQUENCE_AXIS):
+        raise ValueError(f"model.sequence_axis={given!r}: with parallel.sequence > 1 the mesh's sequence axis is "
+                         f"{sharding.SEQUENCE_AXIS!r} (leave the field unset)")
+    return build_model(**{**config.model.to_dict(), "sequence_axis": sharding.SEQUENCE_AXIS})
+
+
+def fields_of(module) -> tuple:
+    return dataclasses.fields(module) if dataclasses.is_dataclass(module) else ()
 
 
 def example_from_features(builder) -> dict[str, np.ndarray] | None:

@@ -1,13 +1,19 @@
-"""Data parallelism: a 1-D 'data' mesh over all devices (default) and the legacy pmap layout.
+"""Data and context parallelism: a 'data' mesh over all devices (default), a 'data' x 'sequence' mesh
+(`parallel.sequence` = P > 1), and the legacy pmap layout.
 
 jit mode: parameters and optimiser state are replicated (`P()`), batches are split on their leading axis
 (`P('data')`) across every device of every process. Each process passes only its own rows; they are
-assembled into one global array with `jax.make_array_from_process_local_data`.
+assembled into one global array with `jax.make_array_from_process_local_data`. With P > 1 the mesh is
+`[devices / P, P]` over ('data', 'sequence') and the sequence features (`sequence_features`) are split
+along their length too (`P('data', 'sequence')`): each device holds T / P tokens of B / (devices / P) rows.
+A layer with `sequence_axis='sequence'` runs its context-parallel form there (docs/specs/context_parallel.md);
+any other layer is partitioned by XLA (the same numbers, more bytes moved).
 pmap mode (`config.parallel.mode = 'pmap'`): the state is replicated with a leading device axis and
 every batch is reshaped to [local_devices, B / local_devices, ...].
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -17,6 +23,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+SEQUENCE_AXIS = "sequence"
+# The features split along their length (axis 1) with parallel.sequence > 1, where present; the packed
+# features' segmentation and positions follow their feature.
+SEQUENCE_FEATURES = ("inputs", "targets", "inputs_segmentation", "inputs_position", "targets_segmentation",
+                     "targets_position", "segment_ids", "positions")
 
 
 def cpu_device_count(requested: int, *, batch_size: int, eval_batch_size: int, accum_steps: int = 1,
@@ -82,9 +93,43 @@ def configure_cpu_devices(config) -> int:
     return n
 
 
-def make_mesh() -> Mesh:
-    """One 'data' axis over all devices of all processes."""
-    return Mesh(np.asarray(jax.devices()), (DATA_AXIS,))
+def check_sequence(sequence: Any, devices: int) -> None:
+    """Raises ValueError unless `parallel.sequence` is an int >= 1 that divides the device count."""
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
+        raise ValueError(f"parallel.sequence must be an int >= 1 (1: no context parallelism), got {sequence!r}")
+    if devices % sequence:
+        hint = (f" (CPU devices: --config.parallel.cpu_devices={sequence} or a multiple)"
+                if jax.default_backend() == "cpu" else "")
+        raise ValueError(f"parallel.sequence={sequence} must divide the {devices} devices{hint}")
+    if jax.process_count() > 1 and jax.local_device_count() % sequence:
+        raise ValueError(f"parallel.sequence={sequence} must divide each process's {jax.local_device_count()} "
+                         f"devices (each process reads whole rows)")
+
+
+def make_mesh(sequence: int = 1) -> Mesh:
+    """One 'data' axis over all devices of all processes; with `sequence` = P > 1, ('data', 'sequence')
+    of shape [devices / P, P] (a row of P consecutive devices shares a sequence)."""
+    devices = np.asarray(jax.devices())
+    if sequence == 1:
+        return Mesh(devices, (DATA_AXIS,))
+    check_sequence(sequence, devices.size)
+    return Mesh(devices.reshape(-1, sequence), (DATA_AXIS, SEQUENCE_AXIS))
+
+
+def config_mesh(config) -> Mesh:
+    """`make_mesh` of a config's `parallel.sequence`."""
+    return make_mesh(config.parallel.get("sequence", 1))
+
+
+def mesh_context(mesh: Mesh):
+    """`jax.set_mesh(mesh)` on a mesh with a sequence axis (a layer's `jax.shard_map` over 'sequence' reads
+    the mesh from it), else nothing: the data-parallel programs stay as they were."""
+    return jax.set_mesh(mesh) if SEQUENCE_AXIS in mesh.axis_names else contextlib.nullcontext()
+
+
+def data_size(mesh: Mesh) -> int:
+    """The devices along 'data' (all of them without a sequence axis)."""
+    return int(mesh.shape[DATA_AXIS])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -95,15 +140,35 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA_AXIS))
 
 
+def feature_sharding(mesh: Mesh, name: str, ndim: int) -> NamedSharding:
+    """`P('data', 'sequence')` for a sequence feature (`SEQUENCE_FEATURES`, ndim >= 2) on a mesh with a
+    sequence axis, else `P('data')`."""
+    if SEQUENCE_AXIS in mesh.axis_names and name in SEQUENCE_FEATURES and ndim >= 2:
+        return NamedSharding(mesh, P(DATA_AXIS, SEQUENCE_AXIS))
+    return batch_sharding(mesh)
+
+
+def check_sequence_lengths(example: dict[str, Any], sequence: int) -> None:
+    """Raises ValueError unless every sequence feature's length (axis 1) is divisible by `sequence`."""
+    if sequence == 1:
+        return
+    for name, x in example.items():
+        shape = np.shape(x)
+        if name in SEQUENCE_FEATURES and len(shape) >= 2 and shape[1] % sequence:
+            raise ValueError(f"parallel.sequence={sequence} must divide the length of every sequence feature; "
+                             f"{name!r} has {shape[1]}")
+
+
 def numeric(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Drops host-only features (strings, bytes) that have no place on a device."""
     return {k: v for k, v in batch.items() if np.asarray(v).dtype.kind in "biuf"}
 
 
 def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """This process's rows of a batch -> one global array per feature, split over the 'data' axis."""
-    sharding = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in numeric(batch).items()}
+    """This process's rows of a batch -> one global array per feature, split over the 'data' axis (and a
+    sequence feature along its length over 'sequence', `feature_sharding`)."""
+    return {k: jax.make_array_from_process_local_data(feature_sharding(mesh, k, np.ndim(v)), v)
+            for k, v in numeric(batch).items()}
 
 
 def pmap_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -68,6 +69,9 @@ def seq2seq(label_smoothing: float = 0.0, pad_id: int = 0) -> Callable[[dict, di
     """Token cross-entropy of outputs['logits'] [B, T, V] against batch['targets'] [B, T] (pad_id ignored).
 
     Metrics: loss (smoothed), nll, token accuracy (token-weighted) and teacher-forced sequence accuracy.
+    A packed batch (`data.packing`, zoo_core/data/packing.py) carries 'targets_segmentation' int [B, T]
+    (1, 2, ... per example, 0 = padding): tokens are weighted by it (padding excluded), and the sequence
+    accuracy counts each packed example (segment) of a row, weighted by the number of examples.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"task.label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -75,19 +79,54 @@ def seq2seq(label_smoothing: float = 0.0, pad_id: int = 0) -> Callable[[dict, di
     def metrics(outputs, batch):
         logits = outputs["logits"].astype(jnp.float32)
         targets = batch["targets"].astype(jnp.int32)
-        valid = (targets != pad_id).astype(jnp.float32)
+        segments = batch.get("targets_segmentation")
+        real = (targets != pad_id) if segments is None else (segments > 0)
+        valid = real.astype(jnp.float32)
         tokens = jnp.maximum(valid.sum(-1), 1.0)
         soft = optax.smooth_labels(jax_one_hot(targets, logits.shape[-1]), label_smoothing)
-        per_token = _nan_outside(optax.softmax_cross_entropy(logits, soft), targets, logits.shape[-1]) * valid
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets) * valid
-        correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * valid
+        # jnp.where, not a product: a NaN logit at padding must not reach the sums
+        per_token = jnp.where(real, _nan_outside(optax.softmax_cross_entropy(logits, soft), targets,
+                                                 logits.shape[-1]), 0.0)
+        nll = jnp.where(real, optax.softmax_cross_entropy_with_integer_labels(logits, targets), 0.0)
+        correct = jnp.where(real, (jnp.argmax(logits, -1) == targets).astype(jnp.float32), 0.0)
+        if segments is None:
+            sequence = ((correct.sum(-1) == valid.sum(-1)).astype(jnp.float32), _ones(targets))
+        else:
+            sequence = _segment_accuracy(correct, real, segments.astype(jnp.int32))
         return {
             "loss": (per_token.sum(-1) / tokens, tokens),
             "nll": (nll.sum(-1) / tokens, tokens),
             "token_accuracy": (correct.sum(-1) / tokens, tokens),
-            "sequence_accuracy": ((correct.sum(-1) == valid.sum(-1)).astype(jnp.float32), _ones(targets)),
+            "sequence_accuracy": sequence,
         }
     return metrics
+
+
+def _segment_accuracy(correct, real, segments):
+    """(share of a row's segments with every token correct [B], number of segments [B]) for packed rows:
+    one `segment_sum` over (row, segment) ids, O(B T)."""
+    b, t = segments.shape
+    ids = (jnp.arange(b)[:, None] * (t + 1) + jnp.where(real, segments, 0)).reshape(-1)
+    wrong = jax.ops.segment_sum((real & (correct == 0)).astype(jnp.float32).reshape(-1), ids, b * (t + 1))
+    present = jax.ops.segment_sum(real.astype(jnp.float32).reshape(-1), ids, b * (t + 1))
+    # segment 0 of each row is the padding
+    present = present.reshape(b, t + 1)[:, 1:] > 0
+    right = present & (wrong.reshape(b, t + 1)[:, 1:] == 0)
+    count = present.sum(-1).astype(jnp.float32)
+    return right.sum(-1) / jnp.maximum(count, 1.0), count
+
+
+# The sequence features each task can pack (`data.packing`); a task not named here cannot.
+PACKED_FEATURES = {"seq2seq": ("inputs", "targets")}
+
+
+def packed_features(config: Any) -> tuple[str, ...]:
+    """The features `data.packing` packs for `config.task` (raises one line for a task that cannot pack)."""
+    name = config.task.name
+    if name not in PACKED_FEATURES:
+        raise ValueError(f"data.packing=True packs sequence-to-sequence examples; task {name!r} has one "
+                         f"label per example and cannot pack (packable tasks: {', '.join(PACKED_FEATURES)})")
+    return PACKED_FEATURES[name]
 
 
 def _nan_outside(loss, labels, k):
