@@ -382,6 +382,9 @@ class _ToyMeanAttention(nn.Module):
 
 def test_the_registry_reads_packing_and_context_parallelism_from_the_layers():
     assert "linear" in attention.names("segment_ids", "context_parallel")
+    # The baselines whose definition mixes the whole sequence refuse segment ids, and say so here.
+    assert not {"linformer", "nystromformer", "reformer"} & set(attention.names("segment_ids"))
+    assert {"longformer", "softmax", "agf", "favor", "window_graph"} <= set(attention.names("segment_ids"))
     assert set(attention.PACKED_ARGS) < set(attention.CAPABILITIES)
     for name in attention.names():
         caps = attention.capabilities(name)
@@ -409,11 +412,11 @@ def test_the_drop_in_passes_segment_ids_a_packed_row_equals_its_documents_alone(
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda x: attention.make("agf", num_heads=HEADS, qkv_features=E).init(
+    (lambda x: attention.make("linformer", num_heads=HEADS, qkv_features=E, max_length=x.shape[1]).init(
         jax.random.PRNGKey(0), x, segment_ids=np.ones(x.shape[:2], np.int32)),
-     r"^attention 'agf' takes no segment_ids in its self-attention \(packed sequences\); these do: \["),
-    (lambda x: attention.make("agf", num_heads=HEADS, qkv_features=E, sequence_axis="sequence"),
-     r"^attention 'agf' has no context-parallel form \(sequence_axis\); these have one: \[.*'linear'"),
+     r"^attention 'linformer' takes no segment_ids in its self-attention \(packed sequences\); these do: \["),
+    (lambda x: attention.make("longformer", num_heads=HEADS, qkv_features=E, sequence_axis="sequence"),
+     r"^attention 'longformer' has no context-parallel form \(sequence_axis\); these have one: \[.*'linear'"),
     (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E, sequence_axis=3),
      r"`sequence_axis` must be a mesh axis name or None, got 3"),
     (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E, causal=True).init(

@@ -154,9 +154,12 @@ def self_paths(entry: _Entry) -> list[tuple[_Form, calls.Call]]:
 
 
 def accepts(form: _Form, call: calls.Call, arg: str) -> bool:
-    """Whether the layer method that `call` calls takes keyword `arg`."""
-    method = getattr(layer_class(form), calls.METHOD[call])
-    return arg in inspect.signature(method).parameters
+    """Whether the layer method that `call` calls takes keyword `arg` (segment ids: and does not refuse
+    them, `keeps_documents_apart`)."""
+    cls = layer_class(form)
+    if arg in ("segment_ids", "kv_segment_ids") and not getattr(cls, "keeps_documents_apart", True):
+        return False
+    return arg in inspect.signature(getattr(cls, calls.METHOD[call])).parameters
 
 
 def check_packed(name: str, form: _Form, call: calls.Call, packed: dict, what: str) -> None:

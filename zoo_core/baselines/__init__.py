@@ -16,7 +16,7 @@ equality properties of the spec can be checked on them:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -59,6 +59,9 @@ class ProjectedAttention(nn.Module):
     kernel_init: Initializer = TORCH_LINEAR_KERNEL_INIT
     bias_init: Initializer = nn.initializers.zeros_init()
     out_bias_init: Optional[Initializer] = None
+    # False where the definition mixes the whole sequence, so that `segment_ids` is refused (the registry's
+    # capabilities read it).
+    keeps_documents_apart: ClassVar[bool] = True
 
     def _check_common(self) -> None:
         checks.check_int("num_heads", self.num_heads, 1)

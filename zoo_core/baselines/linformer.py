@@ -16,7 +16,7 @@ Causal attention is refused: the projection mixes the future into every projecte
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -79,6 +79,7 @@ class LinformerAttention(ProjectedAttention):
       proj_init: initialiser of E and F (default: LeCun normal over the n columns, as a Dense
         layer from n to k).
     """
+    keeps_documents_apart: ClassVar[bool] = False   # segment_ids refused in one line
     max_length: int = 512
     proj_len: int = 256
     share_kv: bool = False

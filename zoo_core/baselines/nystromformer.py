@@ -23,7 +23,7 @@ skip O += conv(V) along the sequence, one kernel `[K]` per head shared by the he
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +143,7 @@ class NystromformerAttention(ProjectedAttention):
       conv_init: initialiser of `conv` (PyTorch's Conv2d default, U(+-1/sqrt(K))).
       dropout_rate: dropout on F, each query's weights over the landmarks.
     """
+    keeps_documents_apart: ClassVar[bool] = False   # segment_ids refused in one line
     num_landmarks: int = 64
     pinv_iterations: Optional[int] = 6
     conv_kernel: Optional[int] = None

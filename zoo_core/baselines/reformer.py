@@ -40,7 +40,7 @@ and causal self-attention, no `scan` / `step` / decode form and no cross form.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
@@ -239,6 +239,7 @@ class ReformerAttention(ProjectedAttention):
         dropout_rate, dtype, param_dtype, kernel_init, bias_init, out_bias_init: as
             `ProjectedAttention` (`zoo_core.baselines`); the attention maths is float32.
     """
+    keeps_documents_apart: ClassVar[bool] = False   # segment_ids refused in one line
     causal: bool = False
     num_buckets: int = 8
     num_hashes: int = 2
