@@ -55,7 +55,7 @@ def train_step_setup(config, build_model: Callable[..., Any], *, num_examples: i
                 options[key] = min(int(options[key]), max(need, 1))
     # A benchmark runs no evaluation: checkpoint.best_metric may name an evaluator's metric.
     s = run_setup.build_setup(config, build_model, has_evaluators=True)
-    mesh = sharding.make_mesh()
+    mesh = sharding.config_mesh(config)   # parallel.sequence too: the benchmark times the training step
     replicated = sharding.replicated(mesh)
     steps = run_setup.compile_steps(s, mesh, replicated, donate=donate)
     # One batch: streamed, not a whole split decoded into memory for it.
