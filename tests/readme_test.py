@@ -47,3 +47,20 @@ def test_the_packed_and_long_sequences_snippet_runs(capsys):
     exec(compile(snippet, "README.md context-parallel snippet", "exec"), {"__name__": "__readme__"})
     t = 64 * jax.device_count()
     assert jax.device_count() == 2 and capsys.readouterr().out.strip() == f"(1, {t}, 4, 16) (1, {t}, 4)"
+
+
+def test_the_registry_table_says_what_each_mechanism_can_do():
+    """Every row of the README's registry table against `attention.capabilities`: self, causal, decode,
+    cross, packed ('self' where the cross-attention takes no kv_segment_ids) and CP."""
+    from zoo_core import attention
+
+    rows = re.findall(r"^\| `(\w+)` \| [^|]+ \|((?: [^|]+ \|){6})", _section("Use in your own model"), flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(attention.names())
+    for name, cells in rows:
+        caps = attention.capabilities(name)
+        packed = "-"
+        if caps["segment_ids"]:
+            packed = "self" if caps["cross"] and not caps["kv_segment_ids"] else "yes"
+        expected = ["yes" if caps[k] else "-" for k in ("self", "causal", "decode", "cross")]
+        expected += [packed, "yes" if caps["context_parallel"] else "-"]
+        assert [c.strip() for c in cells.strip(" |").split("|")] == expected, name
