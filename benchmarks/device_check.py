@@ -71,8 +71,9 @@ TEST_FILES = ("tests/agf_jax/ops_test.py", "tests/agf_jax/reference_test.py", "t
               "tests/samovar_jax/ops_test.py", "tests/samovar_jax/reference_test.py",
               "tests/htgn_jax/ops_test.py", "tests/htgn_jax/graph_causal_test.py",
               "tests/zoo_core/linear_attention_test.py", "tests/zoo_core/attention_test.py",
-              "tests/zoo_core/xla_forms_test.py", "tests/zoo_core/testing_test.py")
-TINY_TEST_FILES = ("tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise",)
+              "tests/zoo_core/xla_forms_test.py", "tests/zoo_core/testing_test.py", "tests/zoo_core/packing_test.py",
+              "tests/agf_jax/packing_test.py")
+TINY_TEST_FILES = ("tests/zoo_core/guard_test.py::test_reach_runs_to_the_end_or_to_the_next_document",)
 PHASES = ("bounds", "steps", "bisect_bf16", "tests", "scaling", "peers", "profile", "throughput", "reference_runs")
 DEFAULT_PHASES = tuple(p for p in PHASES if p != "profile")
 DTYPES = ("float32", "bfloat16")

@@ -27,14 +27,26 @@ def test_fails():
 '''
 
 
+def test_the_check_runs_tests_that_exist():
+    """The GPU check's test targets name files and tests of this tree (tests move between files)."""
+    from benchmarks import device_check
+
+    for target in device_check.TEST_FILES + device_check.TINY_TEST_FILES:
+        path, _, name = target.partition("::")
+        assert (REPO / path).is_file(), target
+        assert not name or f"def {name}(" in (REPO / path).read_text(), target
+
+
 def test_tiny_check_plans_and_records_every_phase(tmp_path):
+    from benchmarks import device_check
+
     failing = tmp_path / "one_fails_test.py"
     failing.write_text(FAILING_TEST)
     out = tmp_path / "out" / "dc.json"
     cmd = [sys.executable, "-m", "benchmarks.device_check", "--tiny", "--profile", "--configs", "agf_listops",
            "--bisect_forms", "embed", "--scaling_scripts", "agf_scaling", "--scaling_dtypes", "float32",
            "--scaling_budget_s", "60", "--peers_budget_s", "1", "--reference_runs_budget_s", "2", "--uea_seeds", "1",
-           "--tests", f"tests/zoo_core/linear_attention_test.py::test_bad_arguments_raise,{failing}",
+           "--tests", f"{device_check.TINY_TEST_FILES[0]},{failing}",
            "--work_dir", str(tmp_path / "work"), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=command_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]   # the failing test fails the check
