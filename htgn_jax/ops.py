@@ -31,7 +31,7 @@ a packed call gives each document the numbers it gets alone. The causal forms re
 each document start (`linear_attention`'s packed forms); the global form sums per document
 (`linear_attention.noncausal`'s packed form); a packed cross-attention (`kv_segment_ids` `[B, S]`,
 documents matched by id) merges keys and queries into one row ordered by (id, keys first) and runs
-the packed causal form on it (`_cross_segments`), O((S + T) (M + Dv)) memory. The original's 'max'
+the packed causal form on it (`linear_attention.noncausal`), O((S + T) (M + Dv)) memory. The original's 'max'
 key stabiliser is a max over the whole row (all positions and features of a (batch, head)); since
 it enters the output through `eps`, a row-wide max would let one document change another's numbers
 (by up to eps exp(max_row - max_doc) relative to its features), so packed it is the max over the
@@ -384,7 +384,7 @@ def favor_parallel(phi_q: Array, phi_k: Array, v: Array, *, segment_ids: Array |
 
     Packed (`segment_ids`), each query reads the sums over its own document's keys only: a
     self-attention (`kv_segment_ids` None, S = T) by `linear_attention.noncausal`'s packed form; a
-    cross-attention (`kv_segment_ids` `[B, S]`, documents matched by id) by `_cross_segments`.
+    cross-attention (`kv_segment_ids` `[B, S]`, documents matched by id) by `linear_attention.noncausal`.
 
     Args:
       phi_q: `[B, T, H, M]`.
@@ -408,38 +408,15 @@ def favor_parallel(phi_q: Array, phi_k: Array, v: Array, *, segment_ids: Array |
 
 def _noncausal(phi_q, phi_k, v, segment_ids=None, kv_segment_ids=None):
     """`favor_parallel` after its checks."""
-    if kv_segment_ids is not None:
-        return _cross_segments(phi_q, phi_k, v, segment_ids, kv_segment_ids)
-    if segment_ids is not None:
-        return linear_attention.noncausal(phi_q, phi_k, v, denominator=True, segment_ids=segment_ids)
+    if segment_ids is not None:   # packed self- or cross-attention (kv_segment_ids: the memory's documents)
+        return linear_attention.noncausal(phi_q, phi_k, v, denominator=True, segment_ids=segment_ids,
+                                          kv_segment_ids=kv_segment_ids)
     v = v.astype(acc_dtype(v, phi_k))
     z_mat = jnp.einsum("bshm,bshd->bhmd", phi_k, v)
     num = jnp.einsum("bthm,bhmd->bthd", phi_q, z_mat)
     t = jnp.sum(phi_k, axis=1)
     den = jnp.einsum("bthm,bhm->bth", phi_q, t)
     return num, den
-
-
-def _cross_segments(phi_q, phi_k, v, q_ids, kv_ids):
-    """Packed cross-attention sums, O((S + T) (M + Dv)) memory: keys and queries merged into one row
-    ordered by (document id, keys before queries), then the packed causal form on it, so that each
-    query reads the sum over its document's keys exactly (query rows add no key, key rows read
-    nothing); the outputs are taken back in the queries' order."""
-    b, s, t = phi_q.shape[0], phi_k.shape[1], phi_q.shape[1]
-    acc = acc_dtype(phi_q, phi_k, v)
-    zeros = lambda x, n: jnp.zeros((b, n) + x.shape[2:], acc)
-    q = jnp.concatenate([zeros(phi_q, s), phi_q.astype(acc)], axis=1)
-    k = jnp.concatenate([phi_k.astype(acc), zeros(phi_k, t)], axis=1)
-    vm = jnp.concatenate([v.astype(acc), zeros(v, t)], axis=1)
-    ids = jnp.concatenate([kv_ids, q_ids], axis=1).astype(jnp.int32)
-    kind = jnp.concatenate([jnp.zeros((b, s), jnp.int32), jnp.ones((b, t), jnp.int32)], axis=1)
-    order = jnp.argsort(2 * ids + kind, axis=1, stable=True)                     # [B, S + T]
-    take = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
-    num, den, _ = linear_attention.causal_chunked_batched(
-        take(q, order), take(k, order), take(vm, order), chunk_size=linear_attention.SEGMENT_CHUNK,
-        denominator=True, segment_ids=take(ids, order))
-    back = jnp.argsort(order, axis=1)[:, s:]                                     # the queries' rows
-    return take(num, back), take(den, back)
 
 
 def cross_cache(phi_k: Array, v: Array) -> LinearState:

@@ -142,16 +142,22 @@ class LinearAttention(nn.Module):
         return self.out(num, self.out_features or x.shape[-1])
 
     def cross(self, x: Array, memory: Array, *, memory_mask: Optional[Array] = None,
-              query_mask: Optional[Array] = None, deterministic: bool = True) -> Array:
+              query_mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+              kv_segment_ids: Optional[Array] = None, deterministic: bool = True) -> Array:
         """Global (non-causal) linear attention without normaliser on this layer's parameters:
         x [B, T, E] attends to every valid token of memory [B, S, E_m] (memory_mask [B, S],
-        query_mask [B, T], True = valid) -> y [B, T, E_out] (`linear_attention.noncausal`)."""
+        query_mask [B, T], True = valid) -> y [B, T, E_out] (`linear_attention.noncausal`); packed
+        (`segment_ids` [B, T] and `kv_segment_ids` [B, S], both or neither), a query reads only its
+        own document's memory."""
         checks.check_tokens("x", x, "[B, T, E]")
         checks.check_tokens("memory", memory, "[B, S, E_m]")
         if memory.shape[0] != x.shape[0]:
             checks.fail(f"`memory` [B, S, E_m] must have x's batch {x.shape[0]}, got shape {memory.shape}")
+        if (segment_ids is None) != (kv_segment_ids is None):
+            checks.fail("packed cross-attention takes both `segment_ids` [B, T] and `kv_segment_ids` [B, S]")
         q, k, v = self._qkv(x, deterministic, memory)
-        num, _ = linear_attention.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask)
+        num, _ = linear_attention.noncausal(q, k, v, mask=memory_mask, query_mask=query_mask,
+                                            segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
         return self._out(num, x)
 
     def global_self(self, x: Array, *, mask: Optional[Array] = None, segment_ids: Optional[Array] = None,

@@ -424,7 +424,7 @@ def test_the_drop_in_passes_segment_ids_a_packed_row_equals_its_documents_alone(
      r"kv_segment_ids are the memory's documents in cross-attention"),
     (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E).init(
         jax.random.PRNGKey(0), x, x[:, :S], kv_segment_ids=np.ones((x.shape[0], S), np.int32)),
-     r"^attention 'linear' takes no kv_segment_ids in its cross-attention"),
+     r"packed cross-attention takes both `segment_ids` \[B, T\] and `kv_segment_ids` \[B, S\]"),
 ])
 def test_packed_arguments_a_mechanism_cannot_take_are_refused_in_one_line(call, message):
     x, _, _ = _data()

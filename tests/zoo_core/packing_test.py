@@ -124,3 +124,65 @@ def test_helpers_and_bad_ids():
         linear_attention.causal_parallel(q, k, v, segment_ids=IDS[:, :5])
     with pytest.raises(ValueError, match="`segment_ids` must be integers"):
         linear_attention.causal_scan(q, k, v, segment_ids=IDS.astype(np.float32))
+
+
+# Packed cross-attention: queries and memory packed apart, documents matched by id (in another order).
+KV_IDS = np.array([[2, 2, 0, 1, 1, 1, 1, 3, 0],
+                   [7, 7, 7, 0, 5, 5, 5, 5, 5]], np.int32)
+
+
+def _cross_inputs(seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.nn.elu(jax.random.normal(ks[0], (B, T, H, D))) + 1
+    k = jax.nn.elu(jax.random.normal(ks[1], (B, KV_IDS.shape[1], H, D))) + 1
+    v = jax.random.normal(ks[2], (B, KV_IDS.shape[1], H, M))
+    return q, k, v
+
+
+def _cross_separate(q, k, v):
+    """Each query document against its own memory document alone, scattered back; 0 at padding."""
+    num, den = np.zeros((B, T, H, M), np.float32), np.zeros((B, T, H), np.float32)
+    for b in range(B):
+        for doc in set(IDS[b].tolist()) - {0}:
+            rows, keys = IDS[b] == doc, KV_IDS[b] == doc
+            n, d = linear_attention.noncausal(q[b:b + 1, rows], k[b:b + 1, keys], v[b:b + 1, keys], denominator=True)
+            num[b, rows], den[b, rows] = n[0], d[0]
+    return num, den
+
+
+def test_packed_cross_attention_equals_each_document_alone():
+    q, k, v = _cross_inputs()
+    got = linear_attention.noncausal(q, k, v, denominator=True, segment_ids=IDS, kv_segment_ids=KV_IDS)
+    assert_trees_close(got, _cross_separate(q, k, v), **F32_SIMPLE)
+    # NaN in memory padding changes nothing; NaN in document 2's memory reaches only document 2's queries.
+    k_bad = np.asarray(k).copy()
+    k_bad[0, 2] = np.nan
+    assert_trees_close(linear_attention.noncausal(q, k_bad, v, denominator=True, segment_ids=IDS,
+                                                  kv_segment_ids=KV_IDS), got, **F32_SIMPLE)
+    k_bad[0, 0] = np.nan
+    num, _ = linear_attention.noncausal(q, k_bad, v, denominator=True, segment_ids=IDS, kv_segment_ids=KV_IDS)
+    num = np.asarray(num)
+    assert np.isnan(num[0, IDS[0] == 2]).all() and np.isfinite(num[0, IDS[0] != 2]).all() and np.isfinite(num[1]).all()
+
+
+def test_packed_cross_attention_gradients_equal_each_document_alone_in_float64():
+    with jax.enable_x64(True):
+        q, k, v = (np.asarray(x, np.float64) for x in _cross_inputs(1))
+
+        def packed(q, k, v):
+            num, den = linear_attention.noncausal(q, k, v, denominator=True, segment_ids=IDS, kv_segment_ids=KV_IDS)
+            return jnp.sum(jnp.sin(num)) + jnp.sum(jnp.cos(den))
+
+        def alone(q, k, v):
+            total = 0.0
+            for b in range(B):
+                for doc in set(IDS[b].tolist()) - {0}:
+                    rows, keys = np.flatnonzero(IDS[b] == doc), np.flatnonzero(KV_IDS[b] == doc)
+                    num, den = linear_attention.noncausal(q[b:b + 1, rows], k[b:b + 1, keys], v[b:b + 1, keys],
+                                                          denominator=True)
+                    total = total + jnp.sum(jnp.sin(num)) + jnp.sum(jnp.cos(den))
+            return total
+
+        assert_trees_close(jax.grad(packed, argnums=(0, 1, 2))(q, k, v), jax.grad(alone, argnums=(0, 1, 2))(q, k, v),
+                           **F64)
+

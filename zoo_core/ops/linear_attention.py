@@ -480,7 +480,8 @@ def _read(q: Array, state: LinearState, query_mask: Optional[Array]) -> tuple[Ar
 
 def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
               query_mask: Optional[Array] = None, denominator: bool = False,
-              segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
+              segment_ids: Optional[Array] = None,
+              kv_segment_ids: Optional[Array] = None) -> tuple[Array, Optional[Array]]:
     """Global (non-causal) linear attention, every query over every valid key.
 
         num_t = sum_s (q_t . k_s) v_s = q_t S,   S = sum_s k_s v_s^T   [B, H, D, M]
@@ -505,6 +506,11 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
         each query reads the sum over its own document only, computed as the inclusive causal
         form forward plus the same backward, less the diagonal counted twice (O(T) memory, no
         per-document table).
+      kv_segment_ids: optional int `[B, S]` packed documents of the keys of a cross-attention, with
+        `segment_ids` `[B, T]` those of the queries (documents matched by id, in any order): each
+        query reads the sum over its own document's keys only. Keys and queries are merged into one
+        row ordered by (id, keys first) and run through the packed causal form: O((S + T)(D + M))
+        memory, no per-document table.
 
     Returns:
       (num `[B, T, H, M]`, den `[B, T, H]` or None), in the accumulation dtype.
@@ -515,9 +521,14 @@ def noncausal(q: Array, k: Array, v: Array, *, mask: Optional[Array] = None,
                     f"got q {qs}, k {ks}, v {vs}")
     masking.check_mask(mask, ks[:2], "mask", "[B, S]")
     masking.check_mask(query_mask, qs[:2], "query_mask", "[B, T]")
+    if kv_segment_ids is not None or (segment_ids is not None and ks[1] != qs[1]):
+        if segment_ids is None or kv_segment_ids is None:
+            checks.fail("packed cross-attention takes both `segment_ids` [B, T] (queries) and `kv_segment_ids` "
+                        "[B, S] (keys)")
+        packing.check_segment_ids(segment_ids, qs[:2])
+        packing.check_segment_ids(kv_segment_ids, ks[:2], "kv_segment_ids")
+        return _cross_segments(q, k, v, mask, query_mask, denominator, segment_ids, kv_segment_ids)
     if segment_ids is not None:
-        if ks != qs:
-            checks.fail(f"packed non-causal linear attention is a self-attention (T = S): got q {qs}, k {ks}")
         packing.check_segment_ids(segment_ids, qs[:2])
         return _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids)
     acc = acc_dtype(q, k, v)
@@ -539,3 +550,26 @@ def _noncausal_segments(q, k, v, mask, query_mask, denominator, segment_ids):
     num = masking.zero_padding(fwd_num + flip(bwd_num) - diag[..., None] * vp, query_mask)
     den = None if not denominator else masking.zero_padding(fwd_den + flip(bwd_den) - diag, query_mask)
     return num, den
+
+
+def _cross_segments(q, k, v, mask, query_mask, denominator, q_ids, kv_ids):
+    """`noncausal` of packed cross-attention: keys and queries merged into one row ordered by (document
+    id, keys before queries), then the packed causal form on it, so that each query reads exactly the
+    sum over its document's keys (query rows add no key, key rows' outputs are dropped); the outputs are
+    taken back in the queries' order. Padding (id 0, or `mask` / `query_mask` False) is id 0 there."""
+    b, s, t = q.shape[0], k.shape[1], q.shape[1]
+    acc = acc_dtype(q, k, v)
+    kv_ids = jnp.where(packing.valid(kv_ids, mask), kv_ids, 0)
+    q_ids = jnp.where(packing.valid(q_ids, query_mask), q_ids, 0)
+    zeros = lambda x, n: jnp.zeros((b, n) + x.shape[2:], acc)                                  # noqa: E731
+    rows_q = jnp.concatenate([zeros(q, s), q.astype(acc)], axis=1)
+    rows_k = jnp.concatenate([k.astype(acc), zeros(k, t)], axis=1)
+    rows_v = jnp.concatenate([v.astype(acc), zeros(v, t)], axis=1)
+    ids = jnp.concatenate([kv_ids, q_ids], axis=1).astype(jnp.int32)
+    kind = jnp.concatenate([jnp.zeros((b, s), jnp.int32), jnp.ones((b, t), jnp.int32)], axis=1)
+    order = jnp.argsort(2 * ids + kind, axis=1, stable=True)                                  # [B, S + T]
+    take = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731
+    num, den, _ = _batched(take(rows_q, order), take(rows_k, order), take(rows_v, order), SEGMENT_CHUNK, None,
+                           None, denominator, take(ids, order))
+    back = jnp.argsort(order, axis=1)[:, s:]                                                 # the queries' rows
+    return take(num, back), None if den is None else take(den, back)
