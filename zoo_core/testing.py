@@ -115,6 +115,23 @@ def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float) 
                                    atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
+def assert_refused(call: Callable[[], Any], fragment: str) -> str:
+    """Asserts that `call()` refuses its arguments as the zoo's boundary checks do (issue 43, one table per
+    package): it raises ValueError or TypeError whose message holds `fragment` and is one line. Returns the
+    message."""
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"no ValueError or TypeError raised; expected a message with {fragment!r}")
+    if fragment not in message:
+        raise AssertionError(f"{fragment!r} is not in the message: {message}")
+    if "\n" in message.strip():
+        raise AssertionError(f"the message is not one line: {message!r}")
+    return message
+
+
 def param_shapes(params: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Flattens a parameter tree to {'a/b/kernel': shape}, for parameter-name snapshot tests."""
     import jax

@@ -122,14 +122,6 @@ def test_nan_in_padding_changes_nothing_and_a_nan_key_reaches_only_later_shards(
         assert np.isnan(num[0, T - 1, 1]).all() and np.isfinite(num[0, :3]).all() and np.isfinite(num[1]).all()
 
 
-def test_bad_layout_is_one_line():
-    q, k, v, _ = _inputs(t=T + 1)
-    with pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
-        context_parallel.causal(q, k, v, chunk_size=CHUNK, mesh=_mesh(2))
-    with pytest.raises(ValueError, match="the mesh has no axis 'seq'"):
-        context_parallel.noncausal(q, k, v, mesh=_mesh(2), axis_name="seq")
-
-
 def test_bytes_between_devices_do_not_grow_with_the_length():
     """Forward and backward of the causal form at T and 4T over 2 devices: the collectives move the
     same bytes (the summaries' all-gather and its transpose), where jit's own partitioning of the
