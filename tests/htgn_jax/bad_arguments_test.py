@@ -14,6 +14,7 @@ from htgn_jax import WindowState
 from htgn_jax import graph_context_parallel as GCP
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
+from htgn_jax.model import Model
 from tests.htgn_jax.bad_argument_rows_favor import FAVOR_ROWS
 from zoo_core import testing
 
@@ -28,6 +29,9 @@ _Q = np.ones((B, 5, H, 4), np.float32)
 _F = np.ones((B, N, H, D), np.float32)
 _A = np.ones((H, D), np.float32)
 _IDS = np.ones((B, N), np.int32)
+
+_SEQ = dict(kind="seq2seq", variant="test", num_layers=1, source_vocab_size=11, target_vocab_size=9,
+            max_source_len=16, max_target_len=16)
 
 
 def _init(layer, *args, **kwargs):
@@ -183,6 +187,19 @@ ROWS = [
     ("cross-rho", lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), _X, _X), "`rho`"),
     ("cross-segment-ids-alone", lambda: _init(_CROSS, _X, _X, segment_ids=np.ones((B, N + NG), np.int32)),
      "are given together or not at all"),
+    # --- Model: fields of a switched-off part (htgn_jax.validation.GRAPH_ONLY_KWARGS and HRPE's) ------
+    ("model-graph-off-cross-window-rho", lambda: Model(**_SEQ, use_graph_conv=False, rho=3.0, cross_window=7),
+     "['cross_window', 'rho'] apply to the graph layers"),
+    ("model-graph-off-kl-tau", lambda: Model(**_SEQ, use_graph_conv=False, kl_weight=0.0, kl_tau=2.0),
+     "['kl_tau'] apply to the graph layers"),
+    ("model-graph-off-kl-mode", lambda: Model(**_SEQ, use_graph_conv=False, kl_weight=0.0, kl_mode="neighbour"),
+     "['kl_mode'] apply to the graph layers"),
+    ("model-graph-off-kl-weight", lambda: Model(**_SEQ, use_graph_conv=False, kl_weight=0.5),
+     "['kl_weight'] apply to the graph layers"),
+    ("model-hrpe-off", lambda: Model(**_SEQ, use_hrpe=False, num_pe=3, pe_basis="adjacency"),
+     "['num_pe', 'pe_basis'] apply to HRPE"),
+    ("model-chunk-softmax", lambda: Model(**_SEQ, attention="softmax", chunk_size=3),
+     "chunk_size applies to attention='favor'"),
 ] + FAVOR_ROWS   # FAVOR+, HRPE and the random features: tests/htgn_jax/bad_argument_rows_favor.py
 
 
