@@ -11,6 +11,7 @@ import pytest
 from agf_jax import context_parallel, ops, softmax
 from agf_jax.layers import AGFAttention, SoftmaxAttention
 from agf_jax.model import Model
+from tests.environment import sequence_mesh
 from zoo_core import testing
 
 B, T, E, H, D = 2, 7, 8, 2, 4
@@ -37,11 +38,6 @@ def _model(batch=None, **kwargs):
     model = Model(**kwargs)
     if batch is not None:
         model.init(KEY, batch)
-
-
-def _mesh():
-    return jax.make_mesh((2,), ("sequence",), devices=jax.devices()[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,))
 
 
 ROWS = [
@@ -172,14 +168,14 @@ ROWS = [
     ("basis_iter basis", lambda: ops.basis_iter(jnp.ones(3), 2, "hermite", None, None), "basis must be one of"),
     ("filter theta", lambda: ops.filter_coefficients(np.ones((2, 2))), "theta must be rank 1"),
     # Context parallelism.
-    ("cp length", lambda: context_parallel.causal(Z, Z, Z, Z, C, chunk_size=2, mesh=_mesh()),
+    ("cp length", lambda: context_parallel.causal(Z, Z, Z, Z, C, chunk_size=2, mesh=sequence_mesh(2)),
      "must divide by the 'sequence' axis size 2"),
-    ("cp axis", lambda: context_parallel.noncausal(Z, Z, Z, Z, C, mesh=_mesh(), axis_name="seq"),
+    ("cp axis", lambda: context_parallel.noncausal(Z, Z, Z, Z, C, mesh=sequence_mesh(2), axis_name="seq"),
      "the mesh has no axis 'seq'"),
-    ("cp chunk_size", lambda: context_parallel.causal(Z, Z, Z, Z, C, chunk_size=-1, mesh=_mesh()),
+    ("cp chunk_size", lambda: context_parallel.causal(Z, Z, Z, Z, C, chunk_size=-1, mesh=sequence_mesh(2)),
      "`chunk_size` must be an integer >= 1"),
-    ("cp rank", lambda: context_parallel.orthogonality(Z[0], Z, mesh=_mesh()), "rank 4"),
-    ("cp segment_ids", lambda: context_parallel.noncausal(Z, Z, Z, Z, C, mesh=_mesh(), segment_ids=IDS[:, :2]),
+    ("cp rank", lambda: context_parallel.orthogonality(Z[0], Z, mesh=sequence_mesh(2)), "rank 4"),
+    ("cp segment_ids", lambda: context_parallel.noncausal(Z, Z, Z, Z, C, mesh=sequence_mesh(2), segment_ids=IDS[:, :2]),
      "`segment_ids` must have shape"),
     # Softmax kernels (agf_jax.softmax's public functions).
     ("softmax weights rank", lambda: softmax.softmax_attention_weights(Z[0], Z), "rank 4"),

@@ -15,6 +15,7 @@ from htgn_jax import graph_context_parallel as GCP
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
 from htgn_jax.model import Model
+from tests.environment import sequence_mesh
 from tests.htgn_jax.bad_argument_rows_favor import FAVOR_ROWS
 from zoo_core import testing
 
@@ -48,15 +49,10 @@ def _causal_vars():
     return _init(_CAUSAL, _X)
 
 
-def _mesh():
-    return jax.make_mesh((2,), ("sequence",), devices=jax.devices()[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-
-
 def _sharded(length=N + 1, **kw):
     f = np.ones((B, length, H, D), np.float32)
     return GCP.window_graph_attention(f, f, f, _A, axis_name=kw.pop("axis_name", "sequence"),
-                                      mesh=_mesh(), **{"window": W, **kw})
+                                      mesh=sequence_mesh(2), **{"window": W, **kw})
 
 
 ROWS = [

@@ -12,6 +12,7 @@ from samovar_jax import analysis, context_parallel, convert, modules, ops
 from samovar_jax.baselines import DLinear
 from samovar_jax.model import Model
 from samovar_jax.layers import LinearAttention, LinTransBlock, VARChain
+from tests.environment import sequence_mesh
 from zoo_core import testing
 from zoo_core.testing import TESTDATA, Golden
 
@@ -38,11 +39,6 @@ def _chain(**fields):
 
 
 _FIXED = dict(qv_source="fixed", use_qv_norm=False, max_tokens=T)
-
-
-def _mesh():
-    return jax.make_mesh((2,), ("sequence",), devices=jax.devices()[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,))
 
 
 # The Model's shapes: C=2 channels, L_I=10, P=3 (as tests/samovar_jax/model_test.py).
@@ -113,11 +109,12 @@ ROWS = [
     ("instance norm mean_mode", lambda: ops.instance_norm_stats(X, 4, "median"), "mean_mode"),
     # context_parallel
     ("context parallel length", lambda: context_parallel.var_chain(X0[:, :7], Q[:, :, :7], Q[:, :, :7], chunk_size=2,
-                                                                  mesh=_mesh()),
+                                                                  mesh=sequence_mesh(2)),
      "must divide by the 'sequence' axis size 2"),
-    ("context parallel axis", lambda: context_parallel.var_chain(X0, Q, Q, chunk_size=2, mesh=_mesh(), axis_name="seq"),
+    ("context parallel axis",
+     lambda: context_parallel.var_chain(X0, Q, Q, chunk_size=2, mesh=sequence_mesh(2), axis_name="seq"),
      "the mesh has no axis 'seq'"),
-    ("context parallel chunk_size", lambda: context_parallel.var_chain(X0, Q, Q, chunk_size=0, mesh=_mesh()),
+    ("context parallel chunk_size", lambda: context_parallel.var_chain(X0, Q, Q, chunk_size=0, mesh=sequence_mesh(2)),
      "`chunk_size` must be an integer >= 1"),
     # layers
     ("attention rank", lambda: _attention()[0].init(KEY, X[0]), "`x` must have rank 3"),

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.environment import sequence_mesh
 from zoo_core import attention, testing
 from zoo_core.baselines.linformer import LinformerAttention
 from zoo_core.baselines.longformer import LongformerAttention
@@ -20,11 +21,6 @@ V = jnp.ones((B, T, H, M))
 X = jnp.ones((B, T, 8))
 IDS = jnp.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 3, 3]], jnp.int32)
 KEY = jax.random.PRNGKey(0)
-
-
-def _mesh(p=1):
-    """A `sequence` mesh of p devices (the suite runs with 2 host devices, tests/conftest.py)."""
-    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _init(layer, **call):
@@ -91,11 +87,11 @@ ROWS = [
     ("la-read-state", lambda: la.read(Q, la.init_state(B, H + 1, D, M)), "state.num must be [B, H, D, M]"),
     # ops.packing and ops.context_parallel
     ("packing-shape", lambda: packing.check_segment_ids(IDS, (B, T + 1)), "`segment_ids` must have shape [B, T]"),
-    ("cp-length", lambda: context_parallel.causal(Q[:, :5], Q[:, :5], V[:, :5], chunk_size=2, mesh=_mesh(2)),
+    ("cp-length", lambda: context_parallel.causal(Q[:, :5], Q[:, :5], V[:, :5], chunk_size=2, mesh=sequence_mesh(2)),
      "the sequence length 5 must divide by the 'sequence' axis size 2"),
-    ("cp-axis", lambda: context_parallel.noncausal(Q, Q, V, mesh=_mesh(), axis_name="seq"),
+    ("cp-axis", lambda: context_parallel.noncausal(Q, Q, V, mesh=sequence_mesh(1), axis_name="seq"),
      "the mesh has no axis 'seq'"),
-    ("cp-sequence-map-axis", lambda: context_parallel.sequence_map(lambda **a: a["x"], dict(x=V), mesh=_mesh(),
+    ("cp-sequence-map-axis", lambda: context_parallel.sequence_map(lambda **a: a["x"], dict(x=V), mesh=sequence_mesh(1),
                                                                    axis_name="seq"), "the mesh has no axis 'seq'"),
     # baselines: fields, and segment_ids where the definition mixes the whole sequence
     ("reformer-buckets-odd", _init(ReformerAttention(num_heads=H, head_dim=D, num_buckets=3)), "`num_buckets`"),
@@ -134,7 +130,8 @@ ROWS = [
     ("layer-linformer-segments", _apply(attention.layer("linformer", num_heads=2, qkv_features=8, max_length=T),
                                         segment_ids=IDS), "Linformer mixes the whole sequence"),
     # the drop-in (zoo_core.attention.make): options at make, decoding, cross-attention, packing
-    ("make-unknown", lambda: attention.make("nope", num_heads=2, qkv_features=8), "unknown attention 'nope'; choose one of ("),
+    ("make-unknown", lambda: attention.make("nope", num_heads=2, qkv_features=8),
+     "unknown attention 'nope'; choose one of ("),
     ("make-cross-graph-causal", lambda: attention.make("cross_graph", num_heads=2, qkv_features=8, causal=True),
      "'cross_graph' has no causal=True mode (it is cross-attention only)"),
     ("make-agf-decode", lambda: attention.make("agf", num_heads=2, qkv_features=8, decode=True),
@@ -144,7 +141,8 @@ ROWS = [
     ("names-capability", lambda: attention.names("bidirectional"), "unknown capability ['bidirectional']"),
     ("make-option-shift", lambda: attention.make("window_graph", num_heads=2, qkv_features=8, causal=True, shift=1),
      "no option(s) ['shift']; its options are ["),
-    ("make-option-typo", lambda: attention.make("agf", num_heads=2, qkv_features=8, orderr=3), "no option(s) ['orderr']"),
+    ("make-option-typo", lambda: attention.make("agf", num_heads=2, qkv_features=8, orderr=3),
+     "no option(s) ['orderr']"),
     ("make-heads-divide", lambda: attention.make("agf", num_heads=3, qkv_features=8), "divisible by `num_heads`"),
     ("make-heads-0", lambda: attention.make("agf", num_heads=0, qkv_features=8), "`num_heads` must be an integer >= 1"),
     ("make-out-features", lambda: attention.make("softmax", num_heads=2, qkv_features=8, out_features=0),
@@ -157,12 +155,14 @@ ROWS = [
      "attention 'agf' has no cross-attention form; these have one: ('cross_graph', 'favor', 'linear', 'softmax')"),
     ("cross-graph-self", _in_module(lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8)(x)),
      "'cross_graph' is cross-attention only: call it as attn(inputs_q, inputs_k)"),
-    ("cross-favor-causal", _in_module(lambda x, m: attention.make("favor", num_heads=2, qkv_features=8, causal=True)(x, m)),
+    ("cross-favor-causal",
+     _in_module(lambda x, m: attention.make("favor", num_heads=2, qkv_features=8, causal=True)(x, m)),
      "cross-attention is not causal"),
     ("cross-softmax-dropout",
      _in_module(lambda x, m: attention.make("softmax", num_heads=2, qkv_features=8, dropout_rate=0.1)(x, m)),
      "option(s) ['dropout_rate'] of 'softmax' apply to its self-attention form only"),
-    ("cross-graph-rho-self", _in_module(lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8, rho=0.5)(x)),
+    ("cross-graph-rho-self",
+     _in_module(lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8, rho=0.5)(x)),
      "cross-attention only"),
     ("cross-favor-k-and-v", _in_module(lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, x)),
      "keys and values come from one memory"),
@@ -174,12 +174,14 @@ ROWS = [
     ("packed-linformer", lambda: attention.make("linformer", num_heads=2, qkv_features=16, max_length=7).init(
         KEY, XA, segment_ids=np.ones((2, 7), np.int32)),
      "attention 'linformer' takes no segment_ids in its self-attention (packed sequences); these do: ["),
-    ("packed-longformer-cp", lambda: attention.make("longformer", num_heads=2, qkv_features=16, sequence_axis="sequence"),
+    ("packed-longformer-cp",
+     lambda: attention.make("longformer", num_heads=2, qkv_features=16, sequence_axis="sequence"),
      "attention 'longformer' has no context-parallel form (sequence_axis); these have one: ["),
     ("packed-sequence-axis-int", lambda: attention.make("linear", num_heads=2, qkv_features=16, sequence_axis=3),
      "`sequence_axis` must be a mesh axis name or None, got 3"),
     ("packed-kv-ids-self", lambda: attention.make("linear", num_heads=2, qkv_features=16, causal=True).init(
-        KEY, XA, kv_segment_ids=np.ones((2, 7), np.int32)), "kv_segment_ids are the memory's documents in cross-attention"),
+        KEY, XA, kv_segment_ids=np.ones((2, 7), np.int32)),
+     "kv_segment_ids are the memory's documents in cross-attention"),
     ("packed-cross-kv-ids-alone", lambda: attention.make("linear", num_heads=2, qkv_features=16).init(
         KEY, XA, XA[:, :5], kv_segment_ids=np.ones((2, 5), np.int32)),
      "packed cross-attention takes both `segment_ids` [B, T] and `kv_segment_ids` [B, S]"),
