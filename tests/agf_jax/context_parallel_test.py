@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from agf_jax import AGFAttention, context_parallel, ops
 from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
 B, T, H, D, M, CHUNK = 2, 24, 2, 4, 3, 2
 BASIS = dict(basis="jacobi", alpha=2.0, beta=-1.0)
@@ -29,15 +29,7 @@ def _inputs(seed=0, t=T):
 
 def _packed(t=T):
     """Documents of lengths that cross every shard boundary for P up to 8 (and padding between)."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 7], [1, 10, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
+    return packed_segment_ids(([5, 9, 2, 7], [1, 10, 3, 4]), t)
 
 
 def _causal(mesh, mask, ids=None):

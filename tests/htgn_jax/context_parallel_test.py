@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from htgn_jax import context_parallel, ops
 from htgn_jax.layers import FavorAttention
 from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
-from zoo_core.testing import F32_SIMPLE, assert_trees_close, collective_bytes
+from zoo_core.testing import F32_SIMPLE, assert_trees_close, collective_bytes, packed_segment_ids
 
 B, T, E = 2, 48, 8
 # (causal, chunk_size, feature_map): the causal chunked form (constant key stabiliser) and the global
@@ -21,15 +21,7 @@ CASES = [(True, 4, "softmax"), (False, None, "softmax"), (False, None, "relu")]
 
 def _packed(t=T):
     """Documents whose lengths cross every shard boundary for P up to 8, padding (0) between some."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 13, 7], [1, 17, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
+    return packed_segment_ids(([5, 9, 2, 13, 7], [1, 17, 3, 4]), t)
 
 
 def _layers(causal, chunk_size, feature_map):

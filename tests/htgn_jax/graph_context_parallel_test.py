@@ -12,7 +12,7 @@ from htgn_jax import graph_context_parallel as GCP
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import WindowGraphAttention
 from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
 B, L, H, C = 2, 48, 2, 3
 
@@ -26,15 +26,7 @@ CASES = {
 
 def _packed(length=L):
     """Documents crossing every shard boundary for P up to 8, every fourth run padding."""
-    ids = np.zeros((B, length), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 7, 13, 6], [1, 10, 3, 4, 20])):
-        pos = 0
-        for doc, n in enumerate(lengths * length):
-            if pos >= length:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
+    return packed_segment_ids(([5, 9, 2, 7, 13, 6], [1, 10, 3, 4, 20]), length)
 
 
 def _inputs(case, seed=0, length=L):

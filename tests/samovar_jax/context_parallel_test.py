@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from samovar_jax import context_parallel, ops
 from samovar_jax.layers import LinTransBlock, VARChain
 from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
 B, T, H, D, L, CHUNK = 2, 16, 2, 3, 3, 3
 
@@ -30,15 +30,7 @@ def _inputs(seed=0, t=T, dtype=np.float32):
 
 def _packed(t=T):
     """Documents whose lengths cross every shard boundary for P up to 8, padding (0) between some."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 3, 2, 7], [1, 6, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
+    return packed_segment_ids(([5, 3, 2, 7], [1, 6, 3, 4]), t)
 
 
 def _chain(mesh, wk, drop, mask, ids, per_layer=False):

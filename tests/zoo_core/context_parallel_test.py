@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.environment import assert_host_devices, host_devices_env, run_on_host_devices, sequence_mesh
 from zoo_core.ops import context_parallel, linear_attention
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T, H, D, M, CHUNK = 2, 24, 2, 4, 3, 5
@@ -30,15 +30,7 @@ def _inputs(seed=0, t=T):
 
 def _packed(t=T):
     """Documents of lengths that cross every shard boundary for P up to 8 (and padding between)."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 7], [1, 10, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0     # every fourth run is padding
-            pos += n
-    return ids
+    return packed_segment_ids(([5, 9, 2, 7], [1, 10, 3, 4]), t)
 
 
 def _assert_grads_equal(form, mesh, q, k, v, mask, segment_ids=None):
