@@ -33,6 +33,21 @@ _IDS = np.ones((B, N), np.int32)
 
 _SEQ = dict(kind="seq2seq", variant="test", num_layers=1, source_vocab_size=11, target_vocab_size=9,
             max_source_len=16, max_target_len=16)
+_CLS = dict(kind="classifier", variant="digits", num_classes=10, d_model=16, num_heads=2, mlp_dim=32, num_features=8)
+
+
+def _model(**fields):
+    return lambda: Model(**{**_SEQ, **fields})
+
+
+def _seq2seq(change):
+    """`Model(**_SEQ)` traced (`jax.eval_shape`) on a good seq2seq batch [2, 7] changed by `change`."""
+    batch = {"inputs": np.full((B, 7), 3, np.int32), "targets": np.full((B, 7), 4, np.int32)}
+    return lambda: jax.eval_shape(lambda b: Model(**_SEQ).init(jax.random.PRNGKey(0), b), change(batch))
+
+
+def _classify(batch):
+    return lambda: jax.eval_shape(lambda b: Model(**_CLS).init(jax.random.PRNGKey(0), b), batch)
 
 
 def _init(layer, *args, **kwargs):
@@ -183,8 +198,59 @@ ROWS = [
     ("cross-rho", lambda: _init(CrossGraphAttention(num_heads=H, rho=-1.0), _X, _X), "`rho`"),
     ("cross-segment-ids-alone", lambda: _init(_CROSS, _X, _X, segment_ids=np.ones((B, N + NG), np.int32)),
      "are given together or not at all"),
+    # --- Model: options (htgn_jax.validation: one clear line before anything compiles) ---------------
+    ("model d_model=18 num_heads=4", _model(d_model=18, num_heads=4),
+     "`d_model` = 18 must be divisible by `num_heads` = 4"),
+    ("model no_such_option=1", _model(no_such_option=1), "unknown Model kwargs"),
+    ("model attention=linear", _model(attention="linear"), "`attention` must be one of"),
+    ("model feature_map=cos", _model(feature_map="cos"), "`feature_map` must be one of"),
+    ("model gat_version=v3", _model(gat_version="v3"), "`gat_version` must be one of"),
+    ("model kl_tau=0.0", _model(kl_tau=0.0), "`kl_tau` must be None (uniform KL prior) or a finite number > 0"),
+    ("model kl_tau=float(inf)", _model(kl_tau=float("inf")),
+     "`kl_tau` must be None (uniform KL prior) or a finite number > 0"),
+    ("model kl_tau=2.0 kl_weight=0.0", _model(kl_tau=2.0, kl_weight=0.0), "kl_tau shapes the KL term, but kl_weight"),
+    ("model kl_mode=rows", _model(kl_mode="rows"), "`kl_mode` must be one of"),
+    ("model kl_mode=neighbour kl_tau=1.0", _model(kl_mode="neighbour", kl_tau=1.0),
+     "`kl_tau` sets the prior of kl_mode='prior'"),
+    ("model kl_mode=neighbour kl_weight=0.0", _model(kl_mode="neighbour", kl_weight=0.0),
+     "kl_mode shapes the KL term, but kl_weight"),
+    ("model norm=mid", _model(norm="mid"), "`norm` must be one of"),
+    ("model window=-1", _model(window=-1), "`window` must be an integer >= 0"),
+    ("model dropout_rate=1.0", _model(dropout_rate=1.0), "`dropout_rate` must be in"),
+    ("model share_embeddings=True", _model(share_embeddings=True), "share_embeddings=True needs equal vocab sizes"),
+    ("model attention=softmax feature_map=relu", _model(attention="softmax", feature_map="relu"),
+     "feature_map applies to attention='favor'"),
+    ("model use_graph_conv=False attention_dropout=0.1", _model(use_graph_conv=False, attention_dropout=0.1),
+     "attention_dropout"),
+    ("model feature_map=relu num_features=16", _model(feature_map="relu", num_features=16), "num_features applies to"),
+    ("model redraw_every=-1", _model(redraw_every=-1), "`redraw_every` must be an integer >= 0"),
+    ("model attention=softmax redraw_every=10", _model(attention="softmax", redraw_every=10),
+     "redraw_every redraws the FAVOR"),
+    ("model feature_map=relu redraw_every=10", _model(feature_map="relu", redraw_every=10),
+     "redraw_every redraws the FAVOR"),
+    ("model kl_weight=-1.0", _model(kl_weight=-1.0), "`kl_weight` must be a finite number >= 0"),
+    ("model kl_weight=float(inf)", _model(kl_weight=float("inf")), "`kl_weight` must be a finite number >= 0"),
+    ("model rho=float(nan)", _model(rho=float("nan")), "`rho` must be a finite number >= 0"),
+    ("model kind=lm", lambda: Model(kind="lm"), "kind must be one of"),
+    ("model variant=huge", _model(variant="huge"), "variant must be one of"),
+    ("model seq2seq without sizes", lambda: Model(kind="seq2seq", variant="tiny"), "missing required kwargs"),
+    ("model cls without globals", lambda: Model(**_CLS, num_global=0), "pool='cls' reads global token 0"),
+    ("model patch_size", lambda: Model(**_CLS, patch_size=3), "image_size (8) must be divisible by patch_size"),
+    # --- Model: batches (checked while tracing, before anything compiles) -----------------------------
+    ("batch inputs rank", _seq2seq(lambda b: dict(b, inputs=b["inputs"][0])), "batch['inputs'] must have rank 2"),
+    ("batch targets rank", _seq2seq(lambda b: dict(b, targets=b["targets"][..., None])),
+     "batch['targets'] must have rank 2"),
+    ("batch float inputs", _seq2seq(lambda b: dict(b, inputs=b["inputs"].astype(np.float32))), "integer ids"),
+    ("batch inputs_mask", _seq2seq(lambda b: dict(b, inputs_mask=np.ones((B, 8), bool))),
+     "batch['inputs_mask'] must have"),
+    ("batch targets length", _seq2seq(lambda b: dict(b, targets=np.zeros((B, 17), np.int32))), "max_target_len=16"),
+    ("batch inputs length", _seq2seq(lambda b: dict(b, inputs=np.ones((B, 17), np.int32))), "max_source_len=16"),
+    ("batch batch size", _seq2seq(lambda b: dict(b, targets=b["targets"][:1])), "batch size"),
+    ("batch no targets", _seq2seq(lambda b: {"inputs": b["inputs"]}), "must contain 'inputs'"),
+    ("image rank", _classify({"image": np.zeros((B, 8, 8), np.float32)}), "must have shape [B, 8, 8, 1]"),
+    ("image key", _classify({"pixels": np.zeros((B, 8, 8, 1), np.float32)}), "must contain 'image'"),
     # --- Model: fields of a switched-off part (htgn_jax.validation.GRAPH_ONLY_KWARGS and HRPE's) ------
-    ("model-graph-off-cross-window-rho", lambda: Model(**_SEQ, use_graph_conv=False, rho=3.0, cross_window=7),
+    ("model-graph-off-cross-window-rho", _model(use_graph_conv=False, rho=3.0, cross_window=7),
      "['cross_window', 'rho'] apply to the graph layers"),
     ("model-graph-off-kl-tau", lambda: Model(**_SEQ, use_graph_conv=False, kl_weight=0.0, kl_tau=2.0),
      "['kl_tau'] apply to the graph layers"),
