@@ -188,6 +188,13 @@ ROWS = [
     ("softmax step cache", lambda: softmax.softmax_step(softmax.init_cache(B, 4, H, D + 1), Z[:, 0], Z[:, 0], Z[:, 0]),
      "do not match"),
     ("softmax scan rank", lambda: softmax.softmax_scan(Z[0], Z, Z, cache=softmax.init_cache(B, 4, H, D)), "rank 4"),
+    ("softmax cross ids alone", lambda: softmax.softmax_cross(Z, Z, Z, segment_ids=IDS),
+     "softmax cross-attention takes segment_ids (queries) and kv_segment_ids (keys) together"),
+    ("softmax cp length", lambda: softmax.softmax_context_parallel(Z, Z, Z, mesh=sequence_mesh(2)),
+     "must divide by the 'sequence' axis size 2"),
+    ("softmax layer segment_ids shape", lambda: _layer(softmax_layer=True, causal=True, max_length=T,
+                                                       call_kw=dict(segment_ids=IDS[:, :4])),
+     "`segment_ids` must have shape [B, T]"),
 ]
 
 

@@ -125,8 +125,6 @@ def test_cross_attention_keeps_packed_documents_apart():
             want = np.einsum("hts,shm->thm", w / w.sum(-1, keepdims=True), v[b, ki])
             np.testing.assert_allclose(got[b, qi], want, rtol=1e-5, atol=1e-6)
     assert np.all(got[IDS == 0] == 0)
-    with pytest.raises(ValueError, match="segment_ids .* and kv_segment_ids .* together"):
-        sm.softmax_cross(q, k, v, segment_ids=IDS)
 
 
 def test_the_layer_takes_segment_ids_in_every_form():
@@ -142,8 +140,6 @@ def test_the_layer_takes_segment_ids_in_every_form():
     assert_trees_close(want[:, 5:11], alone, **F32_SIMPLE)
     assert_trees_close(run(chunked)(x, IDS), want, **F32_SIMPLE)
     assert_trees_close(run(parallel, "scan")(x, IDS), want, **F32_SIMPLE)
-    with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\]"):
-        parallel.apply(params, x, segment_ids=IDS[:, :4])
 
 
 # --- context parallelism: one subprocess with 8 host devices -----------------------------------------------
@@ -204,8 +200,6 @@ def test_two_shards_equal_one_device(causal):
         q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
         assert_trees_close(jax.jit(jax.grad(loss(split), argnums=(0, 1, 2)))(q, k, v),
                            jax.jit(jax.grad(loss(whole), argnums=(0, 1, 2)))(q, k, v), **F64)
-    with pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
-        sm.softmax_context_parallel(q[:, :15], k[:, :15], v[:, :15], mesh=sequence_mesh(2))
 
 
 @pytest.mark.slow
