@@ -95,16 +95,6 @@ def test_bytes_between_devices_do_not_grow_with_the_length(causal):
     assert 0 < small and large <= 1.5 * small, (small, large)
 
 
-def test_bad_layout_is_one_line():
-    plain, split = _layers(False, None, "softmax")
-    x = jnp.zeros((B, T + 1, E))
-    params = plain.init(jax.random.PRNGKey(0), x)
-    with jax.set_mesh(sequence_mesh(2)), pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
-        split.apply(params, x)
-    with pytest.raises(ValueError, match="the mesh has no axis 'sequence'"):
-        split.apply(params, x)
-
-
 @pytest.mark.slow
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
