@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htgn_jax import WindowState
+from htgn_jax import WindowState, decoding
 from htgn_jax import graph_context_parallel as GCP
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
@@ -69,6 +69,20 @@ def _sharded(length=N + 1, **kw):
     return GCP.window_graph_attention(f, f, f, _A, axis_name=kw.pop("axis_name", "sequence"),
                                       mesh=sequence_mesh(2), **{"window": W, **kw})
 
+
+
+@functools.lru_cache(maxsize=None)
+def _abstract_params():
+    """The seq2seq model's parameter shapes (max_target_len=8): the searches check their arguments first."""
+    model = Model(**{**_SEQ, "max_target_len": 8})
+    batch = {"inputs": np.full((B, 7), 3, np.int32), "targets": np.zeros((B, 7), np.int32)}
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)["params"]
+
+
+def _search(search, inputs=np.full((B, 7), 3, np.int32), **kwargs):
+    """`decoding.<search>` of the seq2seq model (max_target_len=8, or `kwargs["model"]`'s) on `inputs`."""
+    model = kwargs.pop("model", Model(**{**_SEQ, "max_target_len": 8}))
+    return lambda: getattr(decoding, search)(model, _abstract_params(), inputs, **kwargs)
 
 ROWS = [
     # --- WindowGraphAttention: fields (setup) and inputs -------------------------------------------
@@ -275,6 +289,17 @@ ROWS = [
     ("model attention=cross_graph", _model(attention="cross_graph"), "got 'cross_graph'"),
     ("model attention=agf qk_rank=2", _model(attention="agf", qk_rank=2),
      "qk_rank applies to attention 'favor' or 'softmax'"),
+    # --- decoding: the searches' arguments ------------------------------------------------------------
+    ("search max_len too long", _search("greedy_search", max_len=9), "exceeds the model's max_target_len"),
+    ("search max_len 0", _search("greedy_search", max_len=0), "max_len must be a positive int"),
+    ("search beam_size 0", _search("beam_search", max_len=4, beam_size=0), "beam_size must be an int"),
+    ("search length_penalty", _search("beam_search", max_len=4, beam_size=2, length_penalty=-1.0),
+     "length_penalty must be"),
+    ("search inputs rank", _search("greedy_search", np.full((7,), 3, np.int32), max_len=4),
+     "inputs must have rank 2"),
+    ("search cache softmax", _search("greedy_search", max_len=7, use_cache=True,
+                                     model=Model(**{**_SEQ, "max_target_len": 8}, attention="softmax")),
+     "use_cache=True needs attention='favor'"),
     # --- Model: fields of a switched-off part (htgn_jax.validation.GRAPH_ONLY_KWARGS and HRPE's) ------
     ("model-graph-off-cross-window-rho", _model(use_graph_conv=False, rho=3.0, cross_window=7),
      "['cross_window', 'rho'] apply to the graph layers"),
