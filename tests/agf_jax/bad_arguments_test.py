@@ -3,16 +3,19 @@ with a one-line message holding the fragment. Kernels (`ops`, `softmax`, `contex
 arguments once at their entry; layers check fields in `setup` and inputs at each call; the Model factory
 checks its options and batches."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agf_jax import context_parallel, ops, softmax
+from agf_jax import context_parallel, convert, ops, softmax
 from agf_jax.layers import AGFAttention, SoftmaxAttention
 from agf_jax.model import Model
 from tests.environment import sequence_mesh
 from zoo_core import testing
+from zoo_core.testing import TESTDATA, Golden
 
 B, T, E, H, D = 2, 7, 8, 2, 4
 X = jnp.ones((B, T, E))
@@ -39,6 +42,25 @@ def _model(batch=None, **kwargs):
     if batch is not None:
         model.init(KEY, batch)
 
+
+
+@functools.lru_cache(maxsize=None)
+def _golden(name):
+    return Golden(TESTDATA / "agf" / name)
+
+
+def _convert(change=lambda p: p, layer=None):
+    """`convert.convert_attention` of the UEA golden's reference attention, changed, into `layer` (default: the
+    golden's own, 3 heads of 8, K=6, Jacobi(1.5, -1.5))."""
+    layer = layer or AGFAttention(num_heads=3, head_dim=8, order=6, alpha=1.5, beta=-1.5)
+    return lambda: convert.convert_attention(change(dict(_golden("agf_uea_attention_jacobi_fixI.npz").params)), layer)
+
+
+def _convert_model(**changes):
+    def call():
+        golden = _golden("agf_lra_model.npz")
+        return convert.convert_model(golden.params, convert.module_from_meta(golden.meta)[1].clone(**changes))
+    return call
 
 ROWS = [
     # Layer fields.
@@ -195,6 +217,16 @@ ROWS = [
     ("softmax layer segment_ids shape", lambda: _layer(softmax_layer=True, causal=True, max_length=T,
                                                        call_kw=dict(segment_ids=IDS[:, :4])),
      "`segment_ids` must have shape [B, T]"),
+    # convert: the reference checkpoints (tests/testdata/agf)
+    ("convert unknown key", _convert(lambda p: {**p, "extra.weight": np.zeros(3)}),
+     "unknown state_dict keys (not used by the conversion): ['extra.weight']"),
+    ("convert missing key", _convert(lambda p: {k: v for k, v in p.items() if k != "Sigma_projection.bias"}),
+     "Sigma_projection.bias"),
+    ("convert theta_0 frozen", _convert(lambda p: {**p, "inner_attention.poly.thetas.0": np.float32(0.5)}), "learn_c0"),
+    ("convert thetas beyond K", _convert(layer=AGFAttention(num_heads=3, head_dim=8, order=5, alpha=1.5, beta=-1.5)),
+     "thetas.6"),
+    ("convert num_heads", _convert(layer=AGFAttention(num_heads=2, head_dim=8, order=6)), "num_heads"),
+    ("convert model layers", _convert_model(num_layers=3), "transformer_2"),
 ]
 
 
