@@ -396,14 +396,19 @@ def favor_parallel(phi_q: Array, phi_k: Array, v: Array, *, segment_ids: Array |
     Returns:
       (numerator W `[B, T, H, Dv]`, denominator R `[B, T, H]`), before `normalize`.
     """
+    _check_documents(segment_ids, kv_segment_ids, phi_q.shape[:2], phi_k.shape[:2])
+    return _noncausal(phi_q, phi_k, v, segment_ids, kv_segment_ids)
+
+
+def _check_documents(segment_ids, kv_segment_ids, queries: tuple[int, int], keys: tuple[int, int]) -> None:
+    """The packing arguments of a public FAVOR+/softmax kernel (docs/specs/context_parallel.md): `segment_ids`
+    `[B, T]` alone (self-attention, S = T) or with `kv_segment_ids` `[B, S]` (packed cross-attention)."""
     if kv_segment_ids is not None and segment_ids is None:
         fail("`kv_segment_ids` needs `segment_ids` (the documents of the queries)")
-    if segment_ids is not None and kv_segment_ids is None and phi_k.shape[1] != phi_q.shape[1]:
-        fail(f"packed cross-attention (S = {phi_k.shape[1]} keys, T = {phi_q.shape[1]} queries) needs "
-             f"`kv_segment_ids` [B, S]")
-    packing.check_segment_ids(segment_ids, phi_q.shape[:2])
-    packing.check_segment_ids(kv_segment_ids, phi_k.shape[:2], "kv_segment_ids")
-    return _noncausal(phi_q, phi_k, v, segment_ids, kv_segment_ids)
+    if segment_ids is not None and kv_segment_ids is None and keys[1] != queries[1]:
+        fail(f"packed cross-attention (S = {keys[1]} keys, T = {queries[1]} queries) needs `kv_segment_ids` [B, S]")
+    packing.check_segment_ids(segment_ids, queries)
+    packing.check_segment_ids(kv_segment_ids, keys, "kv_segment_ids")
 
 
 def _noncausal(phi_q, phi_k, v, segment_ids=None, kv_segment_ids=None):
@@ -487,13 +492,7 @@ def _check_attention(q, k, v, key_mask, causal, segment_ids, kv_segment_ids) -> 
     masking.check_mask(key_mask, k.shape[:2], "key_mask", "[B, S]")
     if causal and kv_segment_ids is not None:
         fail("causal attention is a self-attention: pass `segment_ids` only, not `kv_segment_ids`")
-    if kv_segment_ids is not None and segment_ids is None:
-        fail("`kv_segment_ids` needs `segment_ids` (the documents of the queries)")
-    if segment_ids is not None and kv_segment_ids is None and k.shape[1] != q.shape[1]:
-        fail(f"packed cross-attention (S = {k.shape[1]} keys, T = {q.shape[1]} queries) needs "
-             f"`kv_segment_ids` [B, S]")
-    packing.check_segment_ids(segment_ids, q.shape[:2])
-    packing.check_segment_ids(kv_segment_ids, k.shape[:2], "kv_segment_ids")
+    _check_documents(segment_ids, kv_segment_ids, q.shape[:2], k.shape[:2])
 
 
 def favor_attention(q: Array, k: Array, v: Array, *, feature_map: str = "softmax",

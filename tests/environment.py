@@ -61,3 +61,38 @@ def command_env(**extra: str) -> dict[str, str]:
     env = allocator.wanted_env(env) or env
     env.update(extra)
     return env
+
+
+def host_devices_env(count: int, **extra: str) -> dict[str, str]:
+    """`command_env` on `count` host CPU devices (`--xla_force_host_platform_device_count`), for a command that
+    runs a sharded program: the suite itself runs on two."""
+    env = command_env(**extra)
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+                                + [f"--xla_force_host_platform_device_count={count}"])
+    return env
+
+
+def run_on_host_devices(module: str, count: int = 8, timeout: float = 600) -> list[str]:
+    """Runs `python -m module` from the repository root on `count` host CPU devices; asserts that it exits with 0
+    (showing its stderr's tail) and returns the words it printed. The module's `__main__` starts with
+    `assert_host_devices(count)`."""
+    out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=host_devices_env(count), capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def assert_host_devices(count: int) -> None:
+    """In a module run by `run_on_host_devices`: it got `count` CPU devices."""
+    import jax
+
+    assert jax.device_count() == count and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+
+
+def sequence_mesh(p: int, axis_type=None):
+    """A mesh of the first `p` devices over one axis, "sequence" (the context-parallel layers' default
+    `sequence_axis`), of `axis_type` (default `jax.sharding.AxisType.Auto`)."""
+    import jax
+
+    axis_type = jax.sharding.AxisType.Auto if axis_type is None else axis_type
+    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(axis_type,))

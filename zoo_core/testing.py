@@ -115,6 +115,37 @@ def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float) 
                                    atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
+def assert_refused(call: Callable[[], Any], fragment: str) -> str:
+    """Asserts that `call()` refuses its arguments as the zoo's boundary checks do (issue 43, one table per
+    package): it raises ValueError or TypeError whose message holds `fragment` and is one line. Returns the
+    message."""
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        message = str(error)
+    else:
+        raise AssertionError(f"no ValueError or TypeError raised; expected a message with {fragment!r}")
+    if fragment not in message:
+        raise AssertionError(f"{fragment!r} is not in the message: {message}")
+    if "\n" in message.strip():
+        raise AssertionError(f"the message is not one line: {message!r}")
+    return message
+
+
+def packed_segment_ids(run_lengths: Sequence[Sequence[int]], length: int) -> np.ndarray:
+    """Packed `segment_ids` `[B, length]` int32 for tests of packing (docs/specs/context_parallel.md): row b
+    cycles through the runs `run_lengths[b]`, numbering them 1, 2, ...; every fourth run (counted from b) is
+    padding (0). Lengths that are not multiples of a shard size make documents cross shard boundaries."""
+    ids = np.zeros((len(run_lengths), length), np.int32)
+    for b, lengths in enumerate(run_lengths):
+        pos, doc = 0, 0
+        while pos < length:
+            n = lengths[doc % len(lengths)]
+            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
+            pos, doc = pos + n, doc + 1
+    return ids
+
+
 def param_shapes(params: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Flattens a parameter tree to {'a/b/kernel': shape}, for parameter-name snapshot tests."""
     import jax

@@ -2,10 +2,6 @@
 single-device numbers, values and gradients, packed documents spanning shards included, and moves a
 number of bytes that does not grow with the length."""
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +10,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from agf_jax import AGFAttention, context_parallel, ops
-from tests.environment import command_env
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T, H, D, M, CHUNK = 2, 24, 2, 4, 3, 2
 BASIS = dict(basis="jacobi", alpha=2.0, beta=-1.0)
 COEFFS = np.array([1.0, 0.6, -0.4, 0.3], np.float32)
@@ -34,20 +29,7 @@ def _inputs(seed=0, t=T):
 
 def _packed(t=T):
     """Documents of lengths that cross every shard boundary for P up to 8 (and padding between)."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 7], [1, 10, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
-
-
-def _mesh(p):
-    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    return packed_segment_ids(([5, 9, 2, 7], [1, 10, 3, 4]), t)
 
 
 def _causal(mesh, mask, ids=None):
@@ -74,7 +56,7 @@ def _loss(fn, ids=None):
 
 def _check(form, p, mask, ids, x):
     """Values in float32, gradients in float64 (the shards' sums round in another order)."""
-    mesh = _mesh(p)
+    mesh = sequence_mesh(p)
     got, want = jax.jit(form(mesh, mask, ids))(*x), jax.jit(form(None, mask, ids))(*x)
     if ids is not None:     # outputs of padding (id 0) are not defined
         keep = ids > 0
@@ -97,7 +79,7 @@ def test_two_shards_equal_one_device(form, packed):
 def test_nan_in_padding_changes_nothing_and_a_nan_reaches_later_shards_of_its_document_only():
     x, mask = _inputs(1)
     ids = _packed()
-    fn = jax.jit(_causal(_mesh(2), None, ids))
+    fn = jax.jit(_causal(sequence_mesh(2), None, ids))
     clean = np.asarray(fn(*x))
     dirty = [a.copy() for a in x]
     pad = ids == 0
@@ -120,7 +102,7 @@ def test_nan_in_padding_changes_nothing_and_a_nan_reaches_later_shards_of_its_do
 def test_the_layer_takes_a_sequence_axis(causal, packed):
     """`AGFAttention(sequence_axis='sequence')` under `jax.set_mesh`, x sharded along T: the single-device
     layer's numbers and regulariser with the same parameters, packed documents included."""
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     x = jax.random.normal(jax.random.key(6), (B, T, 8))
     kw = dict(num_heads=H, head_dim=D, causal=causal, chunk_size=4 if causal else None)
     plain, split = AGFAttention(**kw), AGFAttention(sequence_axis="sequence", **kw)
@@ -138,7 +120,7 @@ def test_the_drop_in_takes_a_sequence_axis():
     """`attention.make('agf', ..., sequence_axis=...)` passes the field to the layer."""
     from zoo_core import attention
 
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     x = jax.random.normal(jax.random.key(7), (B, T, 16))
     kw = dict(num_heads=2, qkv_features=16, causal=True)
     plain, split = attention.make("agf", **kw), attention.make("agf", sequence_axis="sequence", **kw)
@@ -151,7 +133,7 @@ def test_the_drop_in_takes_a_sequence_axis():
 def test_bytes_between_devices_do_not_grow_with_the_length():
     """Forward and backward over 2 devices at T and 4T: the collectives move the same bytes (the
     summaries' all-gather, the global sums' psum, and their transposes)."""
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
 
     def moved(fn, t):
         s = jax.ShapeDtypeStruct((1, t, H, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, "sequence")))
@@ -167,13 +149,7 @@ def test_bytes_between_devices_do_not_grow_with_the_length():
 @pytest.mark.slow
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=8"])
-    out = subprocess.run([sys.executable, "-m", "tests.agf_jax.context_parallel_test"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
+    assert run_on_host_devices("tests.agf_jax.context_parallel_test") == ["P=1", "P=2", "P=4", "P=8"]
 
 
 def _check_all_shard_counts():
@@ -185,5 +161,5 @@ def _check_all_shard_counts():
 
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+    assert_host_devices(8)
     _check_all_shard_counts()

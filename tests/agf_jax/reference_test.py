@@ -60,34 +60,18 @@ def _uea_layer_sd():
     return golden, AGFAttention(num_heads=3, head_dim=8, order=6, alpha=1.5, beta=-1.5)
 
 
-def test_convert_rejects_unknown_and_missing_keys():
+def test_convert_maps_the_reference_attention():
     golden, layer = _uea_layer_sd()
     params = convert.convert_attention(golden.params, layer)
     assert params["query"]["kernel"].shape == (24, 3, 8)
     assert params["theta"].shape == (6,) and "theta_0" not in params
-    with pytest.raises(ValueError, match="unknown state_dict keys.*extra.weight"):
-        convert.convert_attention({**golden.params, "extra.weight": np.zeros(3)}, layer)
-    missing = {k: v for k, v in golden.params.items() if k != "Sigma_projection.bias"}
-    with pytest.raises(ValueError, match="Sigma_projection.bias"):
-        convert.convert_attention(missing, layer)
-    # A non-unit theta_0 cannot be represented with learn_c0=False; more thetas than K is an error.
-    with pytest.raises(ValueError, match="learn_c0"):
-        convert.convert_attention(
-            {**golden.params, "inner_attention.poly.thetas.0": np.float32(0.5)}, layer)
-    with pytest.raises(ValueError, match="thetas.6"):
-        convert.convert_attention(golden.params, AGFAttention(num_heads=3, head_dim=8, order=5,
-                                                              alpha=1.5, beta=-1.5))
-    with pytest.raises(ValueError, match="num_heads"):
-        convert.convert_attention(golden.params, AGFAttention(num_heads=2, head_dim=8, order=6))
 
 
-def test_convert_checks_against_the_module():
+def test_convert_maps_the_reference_model():
     golden = Golden(TESTDATA / "agf" / "agf_lra_model.npz")
     _, model = convert.module_from_meta(golden.meta)
     variables = convert.convert(golden.params, model)
     assert variables["params"]["encoder"]["block_01"]["attention"]["theta"].shape == (4,)
-    with pytest.raises(ValueError, match="transformer_2"):
-        convert.convert_model(golden.params, model.clone(num_layers=3))
 
 
 def test_softmax_attention_round_trip():

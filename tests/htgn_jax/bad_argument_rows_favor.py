@@ -13,6 +13,7 @@ import numpy as np
 
 from htgn_jax import hrpe, ops
 from htgn_jax.layers import FavorAttention
+from tests.environment import sequence_mesh
 
 B, T, H, D, M = 2, 7, 2, 4, 8
 E = H * D
@@ -55,6 +56,16 @@ def _field(**kw):
 
 def _state(layer):
     return layer.apply(_variables(), B, method="init_state")
+
+
+def _split(mesh: bool):
+    """FavorAttention with `sequence_axis="sequence"` on T = 7 tokens, under a 2-device mesh or none."""
+    def call():
+        if not mesh:
+            return _apply(_x(), layer=_layer(sequence_axis="sequence"))
+        with jax.set_mesh(sequence_mesh(2)):
+            return _apply(_x(), layer=_layer(sequence_axis="sequence"))
+    return call
 
 
 _ids = np.ones((B, T), np.int32)
@@ -149,4 +160,6 @@ FAVOR_ROWS = [
                                                method="cross"), "memory_mask"),
     ("layer_feature_step_required", lambda: _apply(_x(), deterministic=False, layer=_layer(redraw_every=5)),
      "feature_step"),
+    ("layer_sequence_length", _split(mesh=True), "must divide by the 'sequence' axis size 2"),
+    ("layer_sequence_no_mesh", _split(mesh=False), "the mesh has no axis 'sequence'"),
 ]

@@ -1,10 +1,6 @@
 """Context-parallel FAVOR+ (htgn_jax/context_parallel.py): `FavorAttention(sequence_axis='sequence')` under
 `jax.set_mesh`, x sharded along T, gives the one-device layer's values and gradients, causal and global,
 packed documents spanning shards included; P in {1, 2, 4, 8} in one subprocess with 8 host devices."""
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +10,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from htgn_jax import context_parallel, ops
 from htgn_jax.layers import FavorAttention
-from tests.environment import command_env
-from zoo_core.testing import F32_SIMPLE, assert_trees_close, collective_bytes
+from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
+from zoo_core.testing import F32_SIMPLE, assert_trees_close, collective_bytes, packed_segment_ids
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T, E = 2, 48, 8
 # (causal, chunk_size, feature_map): the causal chunked form (constant key stabiliser) and the global
 # form with the 'max' key stabiliser reduced over the shards (softmax), and a deterministic map.
@@ -26,19 +21,7 @@ CASES = [(True, 4, "softmax"), (False, None, "softmax"), (False, None, "relu")]
 
 def _packed(t=T):
     """Documents whose lengths cross every shard boundary for P up to 8, padding (0) between some."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 13, 7], [1, 17, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
-
-
-def _mesh(p):
-    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(jax.sharding.AxisType.Auto,))
+    return packed_segment_ids(([5, 9, 2, 13, 7], [1, 17, 3, 4]), t)
 
 
 def _layers(causal, chunk_size, feature_map):
@@ -65,7 +48,7 @@ def _check(p, case, packed):
 
     grad = lambda layer: jax.jit(jax.value_and_grad(lambda p, x: loss(layer, p, x), argnums=(0, 1), has_aux=True))
     (_, want), want_grads = grad(plain)(params, x)
-    mesh = _mesh(p)
+    mesh = sequence_mesh(p)
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
         (_, got), got_grads = grad(split)(params, xs)
@@ -85,7 +68,7 @@ def test_max_stabiliser_of_a_document_spanning_shards():
     sequence, whichever shards the document spans."""
     ids = _packed()
     values = jax.random.normal(jax.random.PRNGKey(2), (B, T, 2))
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     body = lambda v, i: context_parallel.shard_key_max(v, i, axis_name="sequence")
     got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "sequence"),) * 2,
                                 out_specs=P(None, "sequence")))(values, ids)
@@ -97,7 +80,7 @@ def test_bytes_between_devices_do_not_grow_with_the_length(causal):
     """Forward and backward of the packed layer at T and 4T over 2 devices: the collectives (the
     summaries' all-gather, the stabiliser's maxima, their transposes) move the same bytes."""
     plain, split = _layers(causal, 64 if causal else None, "softmax")
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     params = jax.eval_shape(plain.init, jax.random.PRNGKey(0), jnp.zeros((1, 8, E)))
 
     def moved(t):
@@ -112,30 +95,14 @@ def test_bytes_between_devices_do_not_grow_with_the_length(causal):
     assert 0 < small and large <= 1.5 * small, (small, large)
 
 
-def test_bad_layout_is_one_line():
-    plain, split = _layers(False, None, "softmax")
-    x = jnp.zeros((B, T + 1, E))
-    params = plain.init(jax.random.PRNGKey(0), x)
-    with jax.set_mesh(_mesh(2)), pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
-        split.apply(params, x)
-    with pytest.raises(ValueError, match="the mesh has no axis 'sequence'"):
-        split.apply(params, x)
-
-
 @pytest.mark.slow
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=8"])
-    out = subprocess.run([sys.executable, "-m", "tests.htgn_jax.context_parallel_test"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
+    assert run_on_host_devices("tests.htgn_jax.context_parallel_test") == ["P=1", "P=2", "P=4", "P=8"]
 
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+    assert_host_devices(8)
     for shards in (1, 2, 4, 8):
         for case in CASES:
             for packed in (False, True):

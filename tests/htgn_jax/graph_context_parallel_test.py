@@ -1,10 +1,6 @@
 """The window graph split over a sequence axis (htgn_jax/graph_context_parallel.py): P shards give one
 device's numbers, values and gradients, packed documents across shards and global nodes included, and
 the bytes between devices do not grow with the length."""
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from htgn_jax import graph_context_parallel as GCP
 from htgn_jax import graph_ops as G
 from htgn_jax.graph_layers import WindowGraphAttention
-from tests.environment import command_env
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, L, H, C = 2, 48, 2, 3
 
 CASES = {
@@ -31,15 +26,7 @@ CASES = {
 
 def _packed(length=L):
     """Documents crossing every shard boundary for P up to 8, every fourth run padding."""
-    ids = np.zeros((B, length), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 7, 13, 6], [1, 10, 3, 4, 20])):
-        pos = 0
-        for doc, n in enumerate(lengths * length):
-            if pos >= length:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
+    return packed_segment_ids(([5, 9, 2, 7, 13, 6], [1, 10, 3, 4, 20]), length)
 
 
 def _inputs(case, seed=0, length=L):
@@ -53,11 +40,6 @@ def _inputs(case, seed=0, length=L):
         kw["global_bias"] = r.randn(H).astype(np.float32)
     mask = np.arange(length)[None] < np.array([[length], [length - 5]])
     return q, k, r.randn(H, C).astype(np.float32), mask, kw
-
-
-def _mesh(p):
-    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p],
-                         axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _form(mesh, attn, mask, ids, kw):
@@ -77,12 +59,12 @@ def _check(case, p, packed):
     q, k, attn, mask, kw = _inputs(case)
     ids = _packed() if packed else None
     want = jax.jit(_form(None, attn, mask, ids, kw))(q, k)
-    assert_trees_close(jax.jit(_form(_mesh(p), attn, mask, ids, kw))(q, k), want, **F32_SIMPLE)
+    assert_trees_close(jax.jit(_form(sequence_mesh(p), attn, mask, ids, kw))(q, k), want, **F32_SIMPLE)
     with jax.enable_x64(True):
         q, k, attn = (np.asarray(x, np.float64) for x in (q, k, attn))
         kw = {n: (np.asarray(v, np.float64) if isinstance(v, np.ndarray) else v) for n, v in kw.items()}
         loss = lambda form: lambda q, k: (jnp.sum(jnp.sin(form(q, k)[0])) + form(q, k)[1])
-        grads = jax.jit(jax.grad(loss(_form(_mesh(p), attn, mask, ids, kw)), argnums=(0, 1)))(q, k)
+        grads = jax.jit(jax.grad(loss(_form(sequence_mesh(p), attn, mask, ids, kw)), argnums=(0, 1)))(q, k)
         expected = jax.jit(jax.grad(loss(_form(None, attn, mask, ids, kw)), argnums=(0, 1)))(q, k)
         assert_trees_close(grads, expected, **F64)
 
@@ -96,7 +78,7 @@ def test_the_layer_takes_a_sequence_axis():
     """`WindowGraphAttention(sequence_axis='sequence')` under `jax.set_mesh`, x sharded along L: the
     one-device layer's numbers with the same parameters, packed documents across the shards; and the
     drop-in `attention.make('window_graph', ..., sequence_axis=...)`."""
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     x = np.random.RandomState(3).randn(B, L, 8).astype(np.float32)
     ids = _packed()
     for kw in (dict(num_global=2, skip_offsets=(3,)), dict(causal=True, chunk_size=5)):
@@ -122,7 +104,7 @@ def test_the_layer_takes_a_sequence_axis():
 def test_bytes_between_devices_do_not_grow_with_the_length():
     """Forward and backward at L and 4L over 2 shards, packed, with globals: the halo, the published
     global slots and the softmax summaries move the same bytes at both lengths."""
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
 
     def moved(length):
         q, k, attn, mask, kw = _inputs("skips_neighbour_kl", length=length)
@@ -141,13 +123,7 @@ def test_bytes_between_devices_do_not_grow_with_the_length():
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2);
     about 35 s of CPU, so opt-in (`-m slow`)."""
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=8"])
-    out = subprocess.run([sys.executable, "-m", "tests.htgn_jax.graph_context_parallel_test"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
+    assert run_on_host_devices("tests.htgn_jax.graph_context_parallel_test") == ["P=1", "P=2", "P=4", "P=8"]
 
 
 def _check_all_shard_counts():
@@ -162,5 +138,5 @@ def _check_all_shard_counts():
 
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+    assert_host_devices(8)
     _check_all_shard_counts()

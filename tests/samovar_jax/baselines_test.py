@@ -111,27 +111,6 @@ def test_a_trained_dlinear_learns_a_linear_trend():
     assert float(loss) < 1e-3 * float(first)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(kernel_size=4), "`kernel_size` must be odd"),
-    (dict(horizon=0), "`horizon` must be an integer >= 1"),
-    (dict(num_targets=3), "num_targets"),
-    (dict(dtype="nonsense"), "dtype"),
-])
-def test_bad_arguments_raise_at_construction(kw, match):
-    with pytest.raises(ValueError, match=match):
-        DLinear(**{**BASE, **kw})
-
-
-def test_bad_inputs_raise():
-    model = DLinear(**BASE)
-    with pytest.raises(ValueError, match="input_len=16"):
-        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), {"inputs": jnp.zeros((2, 15, 2))}))
-    with pytest.raises(ValueError, match="'inputs'"):
-        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), {"x": X}))
-    with pytest.raises(ValueError, match="floating"):
-        jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), {"inputs": jnp.zeros((2, 16, 2), jnp.int32)}))
-
-
 def test_bfloat16_compute_is_close_to_float32():
     params = _init(DLinear(**BASE), 1)
     y32 = DLinear(**BASE).apply({"params": params}, BATCH)[0]["forecast"]

@@ -2,10 +2,6 @@
 `sequence` mesh axis gives one device's numbers, values and gradients, packed documents spanning shards
 included, for P in {1, 2, 4, 8}; the bytes its collectives move do not grow with the length; the layers'
 `sequence_axis` field gives the single-device layer's numbers."""
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +11,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from samovar_jax import context_parallel, ops
 from samovar_jax.layers import LinTransBlock, VARChain
-from tests.environment import command_env
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T, H, D, L, CHUNK = 2, 16, 2, 3, 3, 3
 
 
@@ -35,19 +30,7 @@ def _inputs(seed=0, t=T, dtype=np.float32):
 
 def _packed(t=T):
     """Documents whose lengths cross every shard boundary for P up to 8, padding (0) between some."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 3, 2, 7], [1, 6, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0
-            pos += n
-    return ids
-
-
-def _mesh(p, axis_type=jax.sharding.AxisType.Auto):
-    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(axis_type,))
+    return packed_segment_ids(([5, 3, 2, 7], [1, 6, 3, 4]), t)
 
 
 def _chain(mesh, wk, drop, mask, ids, per_layer=False):
@@ -65,7 +48,7 @@ def _check(p, packed, axis_type=jax.sharding.AxisType.Auto, per_layer=False, t=T
     """Values (float32) and gradients (float64) of the chain over p shards equal one device's."""
     x0, q, v, wk, drop, mask = _inputs(p, t)
     ids = _packed(t) if packed else None
-    mesh = _mesh(p, axis_type)
+    mesh = sequence_mesh(p, axis_type)
     got = jax.jit(_chain(mesh, wk, drop, mask, ids, per_layer))(x0, q, v)
     assert_trees_close(got, jax.jit(_chain(None, wk, drop, mask, ids))(x0, q, v), **F32_SIMPLE)
     if not grads:
@@ -90,7 +73,7 @@ def test_explicit_mesh_and_per_layer_operands():
 def test_nan_in_padding_changes_nothing():
     x0, q, v, wk, drop, mask = _inputs(1)
     ids = _packed()
-    fn = jax.jit(_chain(_mesh(2), wk, drop, mask, ids))
+    fn = jax.jit(_chain(sequence_mesh(2), wk, drop, mask, ids))
     pad = ~(mask & (ids > 0))[:, :, None, None]
     dirty = fn(np.where(pad, np.nan, x0), np.where(pad, np.float32(1e30), q), np.where(pad, np.nan, v))
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(fn(x0, q, v)))
@@ -100,7 +83,7 @@ def test_bytes_between_devices_do_not_grow_with_the_length():
     """Forward and backward at T and 4T over 2 devices: the chain's collectives (L all-gathers of
     [B, H, D, D] summaries and their transposes) move the same bytes, packed too, where jit's own
     partitioning of the single-device chunked chain moves bytes in proportion to T."""
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
 
     def moved(fn, t, packed):
         tokens, layered = NamedSharding(mesh, P(None, "sequence")), NamedSharding(mesh, P(None, None, "sequence"))
@@ -135,7 +118,7 @@ def test_the_layers_take_a_sequence_axis(name):
     x = np.random.default_rng(3).standard_normal((B, T, e)).astype(np.float32)
     variables = layer.init(jax.random.PRNGKey(0), x)
     methods = ("__call__", "layer_outputs") if isinstance(layer, VARChain) else ("__call__",)
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     for method in methods:
         call = lambda m, x: m.apply(variables, x, segment_ids=ids, method=method)  # noqa: E731
         want = call(layer, x)
@@ -147,17 +130,11 @@ def test_the_layers_take_a_sequence_axis(name):
 
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=8"])
-    out = subprocess.run([sys.executable, "-m", "tests.samovar_jax.context_parallel_test"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
+    assert run_on_host_devices("tests.samovar_jax.context_parallel_test") == ["P=1", "P=2", "P=4", "P=8"]
 
 
 if __name__ == "__main__":
-    assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+    assert_host_devices(8)
     jax.config.update("jax_disable_most_optimizations", True)   # as the suite's process (tests/conftest.py)
     for shards in (1, 2, 4, 8):
         # values with and without packing; gradients packed (the gated fold's transpose; the plain

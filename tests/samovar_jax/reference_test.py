@@ -62,7 +62,7 @@ def test_cli_names_a_file_that_is_not_a_golden_and_checks_the_rest(tmp_path, cap
     assert any(line.startswith(f"{files[2]}: ") and line.endswith(" ok") for line in lines), lines
 
 
-def test_conversion_names_unknown_missing_and_mismatched_keys():
+def test_conversion_maps_the_reference_keys():
     g = Golden(TESTDATA / "samovar" / "samovar_padded.npz")
     model = convert.model_from_meta(g.meta)
     params = convert.convert_state_dict(g.params, model)              # pns.* accepted (no effect)
@@ -70,18 +70,6 @@ def test_conversion_names_unknown_missing_and_mismatched_keys():
     np.testing.assert_array_equal(params["var"]["layer_00"]["query"]["kernel"],
                                   g.params["transformer.attn.0.q_proj.weight"].T)
     np.testing.assert_array_equal(params["embedding"]["type"], g.params["pos_emb_2"][0, 0])
-    extra = dict(g.params, **{"transformer.attn.0.k_proj.weight": np.zeros((32, 32))})
-    with pytest.raises(ValueError, match=r"unknown state_dict keys: transformer\.attn\.0\.k_proj\.weight"):
-        convert.convert_state_dict(extra, model)
-    missing = {k: v for k, v in g.params.items() if k != "transformer.generate_S.LU"}
-    with pytest.raises(ValueError, match="no state_dict entry: structural/theta"):
-        convert.convert_state_dict(missing, model)
-    wrong = dict(g.params, **{"final_norm.weight": np.ones(16)})
-    with pytest.raises(ValueError, match=r"final_norm\.weight \(16,\) -> final_norm/scale needs \(32,\)"):
-        convert.convert_state_dict(wrong, model)
-    lintrans = convert.model_from_meta(Golden(TESTDATA / "samovar" / "lintrans.npz").meta)
-    with pytest.raises(ValueError, match="unknown state_dict keys"):
-        convert.convert_state_dict(g.params, lintrans)
 
 
 def test_reference_config_mapping():
@@ -90,12 +78,6 @@ def test_reference_config_mapping():
     kw = convert.model_kwargs_from_reference(meta["constructor_args"]["configs"], "fixedvar")
     assert kw == dict(kind="fixedvar", variant="paper", num_channels=2, input_len=40, patch_len=2, num_targets=0,
                       width=32, num_heads=2, num_layers=2, mlp_ratio=4, dropout=0.0, univariate=False)
-    with pytest.raises(ValueError, match="time_emb_dim"):
-        convert.model_kwargs_from_reference(dict(meta["constructor_args"]["configs"], time_emb_dim=4), "fixedvar")
-    with pytest.raises(ValueError, match="predictor"):
-        convert.model_kwargs_from_reference(meta["constructor_args"]["configs"], "samovar")
-    with pytest.raises(ValueError, match="official_class"):
-        convert.kind_from_meta({"official_class": "AGF_LRA/attention.py::Attention"})
 
 
 def test_leading_broadcast_axes_are_dropped_only_down_to_the_parameter_rank():

@@ -127,26 +127,6 @@ def test_layer_returns_the_contract_layer():
     np.testing.assert_allclose(np.asarray(y_scan), np.asarray(lay.apply(params, x)[0]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: attention.make("nope", num_heads=2, qkv_features=8), r"unknown attention 'nope'; choose one of \("),
-    (lambda: attention.make("cross_graph", num_heads=2, qkv_features=8, causal=True),
-     r"'cross_graph' has no causal=True mode \(it is cross-attention only\)"),
-    (lambda: attention.make("agf", num_heads=2, qkv_features=8, decode=True),
-     r"decode=True on 'agf' needs causal=True"),
-    (lambda: attention.layer("linear", num_heads=2, qkv_features=8), r"no causal=False contract layer"),
-    (lambda: attention.names("bidirectional"), r"unknown capability \['bidirectional'\]"),
-    (lambda: attention.make("window_graph", num_heads=2, qkv_features=8, causal=True, shift=1),
-     r"no option\(s\) \['shift'\]; its options are \["),
-    (lambda: attention.make("agf", num_heads=2, qkv_features=8, orderr=3), r"no option\(s\) \['orderr'\]"),
-    (lambda: attention.make("agf", num_heads=3, qkv_features=8), r"divisible by `num_heads`"),
-    (lambda: attention.make("agf", num_heads=0, qkv_features=8), r"`num_heads` must be an integer >= 1"),
-    (lambda: attention.make("softmax", num_heads=2, qkv_features=8, out_features=0), r"`out_features`"),
-])
-def test_bad_arguments_raise_at_make(call, message):
-    with pytest.raises(ValueError, match=message):
-        call()
-
-
 # ---------------------------------------------------------------------------------------------
 # Capabilities, Flax's decode convention, cross-attention in the MHDPA call style.
 # ---------------------------------------------------------------------------------------------
@@ -228,21 +208,6 @@ def test_decode_token_by_token_equals_the_causal_call(name, options, dtype):
         assert leaf.dtype in (jnp.float32, jnp.int32, jnp.bool_)
 
 
-def test_decode_refuses_what_it_cannot_do():
-    dec = attention.make("linear", num_heads=HEADS, qkv_features=E, causal=True, decode=True)
-    x = jnp.zeros((B, T, E))
-    variables = dec.init(jax.random.PRNGKey(0), x)
-    with pytest.raises(ValueError, match=r"each call takes one token \[B, 1, E\]; got shape \(2, 7, 16\)"):
-        dec.apply(variables, x, mutable=["cache"])
-    with pytest.raises(ValueError, match=r"a self-attention step takes no mask"):
-        dec.apply(variables, x[:, :1], mask=jnp.ones((B, 1), bool), mutable=["cache"])
-    with pytest.raises(ValueError, match=r"decoding steps run without dropout"):
-        dec.apply(variables, x[:, :1], deterministic=False, mutable=["cache"])
-    full = attention.make("linear", num_heads=HEADS, qkv_features=E, decode=True)   # a cross module
-    with pytest.raises(ValueError, match=r"decode=True self-attention needs causal=True"):
-        full.init(jax.random.PRNGKey(0), x)
-
-
 @functools.lru_cache(maxsize=None)
 def _memory():
     rng = np.random.default_rng(7)
@@ -291,36 +256,6 @@ def test_cross_decode_step_by_step_equals_the_full_call(name):
             return state["cache"], y_t[:, 0]
         return jnp.swapaxes(jax.lax.scan(body, variables["cache"], jnp.swapaxes(x, 0, 1))[1], 0, 1)
     np.testing.assert_allclose(np.asarray(jax.jit(tokens)(variables)), np.asarray(y), **testing.F32_SIMPLE)
-
-
-@pytest.mark.parametrize("call,message", [
-    (lambda x, m: attention.make("agf", num_heads=2, qkv_features=8)(x, m),
-     r"^attention 'agf' has no cross-attention form; these have one: \('cross_graph', 'favor', 'linear', "
-     r"'softmax'\)"),
-    (lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8)(x),
-     r"'cross_graph' is cross-attention only: call it as attn\(inputs_q, inputs_k\)"),
-    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8, causal=True)(x, m),
-     r"cross-attention is not causal"),
-    (lambda x, m: attention.make("softmax", num_heads=2, qkv_features=8, dropout_rate=0.1)(x, m),
-     r"option\(s\) \['dropout_rate'\] of 'softmax' apply to its self-attention form only"),
-    (lambda x, m: attention.make("cross_graph", num_heads=2, qkv_features=8, rho=0.5)(x),
-     r"cross-attention only"),
-    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, x),
-     r"keys and values come from one memory"),
-    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, inputs_kv=m),
-     r"as inputs_kv or as inputs_k, not both"),
-    (lambda x, m: attention.make("favor", num_heads=2, qkv_features=8)(x, m, mask=jnp.ones((2, 7), bool)),
-     r"mask must be a \[B, S\] = \(2, 5\) key-padding mask, got shape \(2, 7\)"),
-])
-def test_cross_refusals_are_one_clear_line(call, message):
-    x, m = jnp.zeros((2, 7, 8)), jnp.zeros((2, 5, 8))
-
-    class Wrap(nn.Module):
-        @nn.compact
-        def __call__(self, x, m):
-            return call(x, m)
-    with pytest.raises(ValueError, match=message):
-        Wrap().init(jax.random.PRNGKey(0), x, m)
 
 
 def test_noncausal_linear_attention_kernel(x64):
@@ -409,28 +344,6 @@ def test_the_drop_in_passes_segment_ids_a_packed_row_equals_its_documents_alone(
     np.testing.assert_allclose(np.asarray(packed[:, lengths[0]:sum(lengths)]), np.asarray(second), rtol=1e-5,
                                atol=1e-6)
     assert np.isfinite(np.asarray(packed[:, :sum(lengths)])).all()
-
-
-@pytest.mark.parametrize("call,message", [
-    (lambda x: attention.make("linformer", num_heads=HEADS, qkv_features=E, max_length=x.shape[1]).init(
-        jax.random.PRNGKey(0), x, segment_ids=np.ones(x.shape[:2], np.int32)),
-     r"^attention 'linformer' takes no segment_ids in its self-attention \(packed sequences\); these do: \["),
-    (lambda x: attention.make("longformer", num_heads=HEADS, qkv_features=E, sequence_axis="sequence"),
-     r"^attention 'longformer' has no context-parallel form \(sequence_axis\); these have one: \[.*'linear'"),
-    (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E, sequence_axis=3),
-     r"`sequence_axis` must be a mesh axis name or None, got 3"),
-    (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E, causal=True).init(
-        jax.random.PRNGKey(0), x, kv_segment_ids=np.ones(x.shape[:2], np.int32)),
-     r"kv_segment_ids are the memory's documents in cross-attention"),
-    (lambda x: attention.make("linear", num_heads=HEADS, qkv_features=E).init(
-        jax.random.PRNGKey(0), x, x[:, :S], kv_segment_ids=np.ones((x.shape[0], S), np.int32)),
-     r"packed cross-attention takes both `segment_ids` \[B, T\] and `kv_segment_ids` \[B, S\]"),
-])
-def test_packed_arguments_a_mechanism_cannot_take_are_refused_in_one_line(call, message):
-    x, _, _ = _data()
-    with pytest.raises(ValueError, match=message) as e:
-        call(x)
-    assert "\n" not in str(e.value)
 
 
 def test_a_new_mechanism_is_one_registry_row(monkeypatch):

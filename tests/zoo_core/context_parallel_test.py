@@ -1,7 +1,6 @@
 """Context parallelism (zoo_core/ops/context_parallel.py): a sequence split over a `sequence` mesh axis gives
 the single-device numbers, values and gradients, NaN-safety included, and moves a number of bytes that
 does not grow with the length."""
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests.environment import command_env
+from tests.environment import assert_host_devices, host_devices_env, run_on_host_devices, sequence_mesh
 from zoo_core.ops import context_parallel, linear_attention
-from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes
+from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T, H, D, M, CHUNK = 2, 24, 2, 4, 3, 5
@@ -31,19 +30,7 @@ def _inputs(seed=0, t=T):
 
 def _packed(t=T):
     """Documents of lengths that cross every shard boundary for P up to 8 (and padding between)."""
-    ids = np.zeros((B, t), np.int32)
-    for b, lengths in enumerate(([5, 9, 2, 7], [1, 10, 3, 4])):
-        pos = 0
-        for doc, n in enumerate(lengths * t):
-            if pos >= t:
-                break
-            ids[b, pos:pos + n] = doc + 1 if (doc + b) % 4 else 0     # every fourth run is padding
-            pos += n
-    return ids
-
-
-def _mesh(p, axis_type=jax.sharding.AxisType.Auto):
-    return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(axis_type,))
+    return packed_segment_ids(([5, 9, 2, 7], [1, 10, 3, 4]), t)
 
 
 def _assert_grads_equal(form, mesh, q, k, v, mask, segment_ids=None):
@@ -84,7 +71,7 @@ def _noncausal(mesh, mask, segment_ids=None):
 def test_two_shards_equal_one_device(form, axis_type, packed):
     q, k, v, mask = _inputs()
     ids = _packed() if packed else None
-    mesh = _mesh(2, getattr(jax.sharding.AxisType, axis_type))
+    mesh = sequence_mesh(2, getattr(jax.sharding.AxisType, axis_type))
     expected, actual = jax.jit(form(None, mask, ids)), jax.jit(form(mesh, mask, ids))
     assert_trees_close(actual(q, k, v), expected(q, k, v), **F32_SIMPLE)
     _assert_grads_equal(form, mesh, q, k, v, mask, ids)
@@ -96,7 +83,7 @@ def test_packed_documents_across_shards_equal_each_document_alone():
     q, k, v, mask = _inputs(4)
     ids = _packed()
     for form in (_causal, _noncausal):
-        num, den = jax.jit(form(_mesh(2), None, ids))(q, k, v)
+        num, den = jax.jit(form(sequence_mesh(2), None, ids))(q, k, v)
         for b in range(B):
             doc = ids[b, T // 2]
             idx = np.flatnonzero(ids[b] == doc)
@@ -108,7 +95,7 @@ def test_packed_documents_across_shards_equal_each_document_alone():
 @pytest.mark.parametrize("form", [_causal, _noncausal], ids=["causal", "noncausal"])
 def test_nan_in_padding_changes_nothing_and_a_nan_key_reaches_only_later_shards(form):
     q, k, v, mask = _inputs(1)
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     fn = jax.jit(form(mesh, mask))
     clean = fn(q, k, v)
     dirty = [jnp.where(~mask[..., None, None], jnp.nan, x) for x in (q, k, v)]
@@ -122,19 +109,11 @@ def test_nan_in_padding_changes_nothing_and_a_nan_key_reaches_only_later_shards(
         assert np.isnan(num[0, T - 1, 1]).all() and np.isfinite(num[0, :3]).all() and np.isfinite(num[1]).all()
 
 
-def test_bad_layout_is_one_line():
-    q, k, v, _ = _inputs(t=T + 1)
-    with pytest.raises(ValueError, match="must divide by the 'sequence' axis size 2"):
-        context_parallel.causal(q, k, v, chunk_size=CHUNK, mesh=_mesh(2))
-    with pytest.raises(ValueError, match="the mesh has no axis 'seq'"):
-        context_parallel.noncausal(q, k, v, mesh=_mesh(2), axis_name="seq")
-
-
 def test_bytes_between_devices_do_not_grow_with_the_length():
     """Forward and backward of the causal form at T and 4T over 2 devices: the collectives move the
     same bytes (the summaries' all-gather and its transpose), where jit's own partitioning of the
     unsharded form moves bytes in proportion to T."""
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
 
     def moved(fn, t):
         s = jax.ShapeDtypeStruct((1, t, H, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, "sequence")))
@@ -167,7 +146,7 @@ def test_the_drop_in_takes_a_sequence_axis(causal):
     the single-device layer's numbers with the same parameters, packed documents included."""
     from zoo_core import attention
 
-    mesh = _mesh(2)
+    mesh = sequence_mesh(2)
     x = jax.random.normal(jax.random.PRNGKey(6), (B, T, 16))
     kw = dict(num_heads=2, qkv_features=16, causal=causal)
     plain, split = attention.make("linear", **kw), attention.make("linear", sequence_axis="sequence", **kw)
@@ -191,22 +170,14 @@ def test_the_drop_in_takes_a_sequence_axis(causal):
 
 def test_up_to_eight_shards_equal_one_device():
     """P in {1, 2, 4, 8} in one process with 8 host devices (a subprocess: the suite runs on 2)."""
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=8"])
-    out = subprocess.run([sys.executable, "-m", "tests.zoo_core.context_parallel_test"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["P=1", "P=2", "P=4", "P=8"], out.stdout
+    assert run_on_host_devices("tests.zoo_core.context_parallel_test") == ["P=1", "P=2", "P=4", "P=8"]
 
 
 def test_two_processes_split_one_sequence():
     """jax.distributed over 2 local processes of 2 CPU devices each: the sequence axis spans the
     processes, and both get the single-device numbers, values and gradients, packed and not."""
     port = _free_port()
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=2"])
+    env = host_devices_env(2)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.zoo_core.context_parallel_test", str(i), str(port)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -261,8 +232,8 @@ def _check_all_shard_counts():
         for form in (_causal, _noncausal):
             for ids in (None, _packed(48)):
                 expected = jax.jit(form(None, mask, ids))
-                assert_trees_close(jax.jit(form(_mesh(p), mask, ids))(q, k, v), expected(q, k, v), **F32_SIMPLE)
-                _assert_grads_equal(form, _mesh(p), q, k, v, mask, ids)
+                assert_trees_close(jax.jit(form(sequence_mesh(p), mask, ids))(q, k, v), expected(q, k, v), **F32_SIMPLE)
+                _assert_grads_equal(form, sequence_mesh(p), q, k, v, mask, ids)
         print(f"P={p}")
 
 
@@ -270,5 +241,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3:
         _check_two_processes(int(sys.argv[1]), int(sys.argv[2]))
     else:
-        assert jax.device_count() == 8 and os.environ.get("JAX_PLATFORMS") == "cpu", jax.devices()
+        assert_host_devices(8)
         _check_all_shard_counts()

@@ -115,15 +115,10 @@ def test_the_final_state_is_the_last_documents_and_a_given_state_reaches_the_fir
         assert_trees_close(with_state[0][~first], without[0][~first], **F32_SIMPLE)
 
 
-def test_helpers_and_bad_ids():
+def test_starts_marks_each_document_start():
     start = packing.starts(jnp.asarray(IDS))
     assert start[0].tolist() == [False, False, False, True, False, False, False, False, True, True,
                                  False, True, False]
-    q, k, v = _inputs()
-    with pytest.raises(ValueError, match=r"`segment_ids` must have shape \[B, T\]"):
-        linear_attention.causal_parallel(q, k, v, segment_ids=IDS[:, :5])
-    with pytest.raises(ValueError, match="`segment_ids` must be integers"):
-        linear_attention.causal_scan(q, k, v, segment_ids=IDS.astype(np.float32))
 
 
 # Packed cross-attention: queries and memory packed apart, documents matched by id (in another order).

@@ -42,3 +42,29 @@ def test_the_golden_command_line_reports_every_file_then_fails(tmp_path, capsys)
     assert parser.parse_args(["--check", str(tmp_path / "g.npz")]).check == [str(tmp_path / "g.npz")]
     with pytest.raises(SystemExit):
         parser.parse_args(["--check", str(tmp_path / "missing.npz")])
+
+
+def _raise(error):
+    def call():
+        raise error
+    return call
+
+
+def test_assert_refused_accepts_only_a_one_line_value_or_type_error_with_the_fragment():
+    assert testing.assert_refused(_raise(ValueError("`x` must be >= 1, got 0")), "must be >= 1") \
+        == "`x` must be >= 1, got 0"
+    testing.assert_refused(_raise(TypeError("`x` must be an int")), "an int")
+    for call, fragment, why in ((lambda: None, "x", "no ValueError or TypeError"),
+                                (_raise(ValueError("`x` must be >= 1")), "`y`", "is not in the message"),
+                                (_raise(ValueError("`x` bad\nsee the docs")), "bad", "not one line")):
+        with pytest.raises(AssertionError, match=why):
+            testing.assert_refused(call, fragment)
+    with pytest.raises(KeyError):    # another exception is not a refusal: it propagates
+        testing.assert_refused(_raise(KeyError("x")), "x")
+
+
+def test_packed_segment_ids_cycle_the_runs_with_every_fourth_run_padding():
+    ids = testing.packed_segment_ids(([2, 3], [1]), 9)
+    assert ids.dtype == np.int32 and ids.shape == (2, 9)
+    assert ids[0].tolist() == [0, 0, 2, 2, 2, 3, 3, 4, 4]        # row 0: run 0 (then 4, 8, ...) is padding
+    assert ids[1].tolist() == [1, 2, 3, 0, 5, 6, 7, 0, 9]        # row 1: runs 3 and 7
