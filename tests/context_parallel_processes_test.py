@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests.environment import command_env
+from tests.environment import host_devices_env
 from zoo_core.testing import F64, assert_trees_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,9 +25,7 @@ def test_every_mechanism_splits_one_sequence_over_two_processes():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = command_env()
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f] + ["--xla_force_host_platform_device_count=2"])
+    env = host_devices_env(2)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.context_parallel_processes_test", str(i), str(port)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
