@@ -2,9 +2,6 @@
 devices each, the `sequence` axis spanning both, for every mechanism's context-parallel form on packed
 documents that cross the shard (and process) boundaries: values and float64 gradients equal one device.
 (Linear attention's own two-process test is tests/zoo_core/context_parallel_test.py.)"""
-import pathlib
-import socket
-import subprocess
 import sys
 
 import jax
@@ -13,28 +10,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests.environment import host_devices_env
+from tests.environment import run_two_processes
 from zoo_core.testing import F64, assert_trees_close
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 MECHANISMS = ("agf_causal", "agf_global", "favor_causal", "var_chain", "window_graph", "softmax_causal")
 
 
 @pytest.mark.slow
 def test_every_mechanism_splits_one_sequence_over_two_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = host_devices_env(2)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.context_parallel_processes_test", str(i), str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    for p in procs:
-        out, err = p.communicate(timeout=1200)
-        assert p.returncode == 0, err[-3000:]
-        said = [line for line in out.splitlines() if line in MECHANISMS + ("ok",)]   # (gloo prints its own lines)
-        assert said == list(MECHANISMS) + ["ok"], out
-
+    for lines in run_two_processes("tests.context_parallel_processes_test", timeout=1200):
+        said = [line for line in lines if line in MECHANISMS + ("ok",)]   # (gloo prints its own lines)
+        assert said == list(MECHANISMS) + ["ok"], lines
 
 def _cases():
     """(name, arrays, form(mesh) -> f(*arrays) -> pytree, segment ids `[B, T]`): packed documents; the

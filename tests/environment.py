@@ -82,6 +82,25 @@ def run_on_host_devices(module: str, count: int = 8, timeout: float = 600) -> li
     return out.stdout.split()
 
 
+def run_two_processes(module: str, timeout: float = 600) -> list[str]:
+    """Runs `python -m module PROCESS_ID PORT` twice from the repository root, processes 0 and 1 of a
+    jax.distributed group on a free local port, each on 2 host CPU devices; asserts that both exit with 0
+    (showing stderr's tail) and returns each one's printed lines."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", module, str(i), str(port)], cwd=ROOT, env=host_devices_env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        outputs.append(out.splitlines())
+    return outputs
+
+
 def assert_host_devices(count: int) -> None:
     """In a module run by `run_on_host_devices`: it got `count` CPU devices."""
     import jax

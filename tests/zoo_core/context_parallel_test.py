@@ -1,8 +1,6 @@
 """Context parallelism (zoo_core/ops/context_parallel.py): a sequence split over a `sequence` mesh axis gives
 the single-device numbers, values and gradients, NaN-safety included, and moves a number of bytes that
 does not grow with the length."""
-import pathlib
-import subprocess
 import sys
 
 import jax
@@ -11,11 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests.environment import assert_host_devices, host_devices_env, run_on_host_devices, sequence_mesh
+from tests.environment import assert_host_devices, run_on_host_devices, run_two_processes, sequence_mesh
 from zoo_core.ops import context_parallel, linear_attention
 from zoo_core.testing import F32_SIMPLE, F64, assert_trees_close, collective_bytes, packed_segment_ids
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 B, T, H, D, M, CHUNK = 2, 24, 2, 4, 3, 5
 
 
@@ -176,23 +173,8 @@ def test_up_to_eight_shards_equal_one_device():
 def test_two_processes_split_one_sequence():
     """jax.distributed over 2 local processes of 2 CPU devices each: the sequence axis spans the
     processes, and both get the single-device numbers, values and gradients, packed and not."""
-    port = _free_port()
-    env = host_devices_env(2)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.zoo_core.context_parallel_test", str(i), str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        assert out.split()[-1] == "ok", out
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for lines in run_two_processes("tests.zoo_core.context_parallel_test"):
+        assert "\n".join(lines).split()[-1] == "ok", lines
 
 
 def _check_two_processes(process_id: int, port: int):
