@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from configs import common
+from zoo_core import study
 
 
 def args(arg: str | None, **defaults: Any):
@@ -47,3 +48,25 @@ def floats(text: str) -> list[float]:
         return [float(t) for t in text.split("_") if t]
     except ValueError:
         raise ValueError(f"study argument {text!r}: give numbers joined by '_', e.g. 0_1e-4_1e-2") from None
+
+
+# The HTGN studies' tasks: config, headline metrics, the command after each run, the data's name.
+HTGN_TASKS = ("number_words", "digits")
+
+
+def htgn_task(parsed):
+    """(config file, metrics, evaluate flags, label) of the HTGN study argument `task`: number-words
+    En -> De (validation BLEU and exact match, the best validation checkpoint's test BLEU) or digits
+    (test accuracy: its only held-out split, the best over the evaluations and the last, the config's
+    reported number)."""
+    if parsed.task not in HTGN_TASKS:
+        raise ValueError(f"study argument task={parsed.task!r}; choose one of {', '.join(HTGN_TASKS)}")
+    if parsed.task == "digits":
+        return ("configs/htgn/digits.py",
+                [study.Best("eval/accuracy", "max", label="best test accuracy"),
+                 study.Last("eval/accuracy", label="last test accuracy")], (), "digits")
+    return ("configs/htgn/number_words.py",
+            [study.Best("eval/bleu", "max", label="best validation BLEU"),
+             study.Best("eval/exact_match", "max", label="best validation exact match"),
+             study.EvalFile("eval_best_test.json", "eval/bleu", label="test BLEU (best val ckpt)")],
+            ("--eval_only", "--eval_split=test"), "number words")

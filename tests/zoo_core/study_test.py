@@ -127,6 +127,15 @@ def test_only_runs_the_matching_cells(tmp_path, capsys):
         [(k, s) for k in (2, 4) for s in (666, 1, 2)], 1)]
 
 
+def test_htgn_studies_run_on_either_task():
+    for name in ("htgn_ablation", "htgn_rank_heads"):
+        words, digits = (cli.load_study(f"configs/studies/{name}.py:task={t}") for t in ("number_words", "digits"))
+        assert [c.label for c in words.cells] == [c.label for c in digits.cells]
+        assert words.evaluate == ("--eval_only", "--eval_split=test") and digits.evaluate == ()
+        assert words.metrics[0].key == "eval/bleu" and digits.metrics[0].key == "eval/accuracy"
+        assert all("configs/htgn/digits.py" in (c.config or digits.config) for c in digits.cells)
+
+
 def test_mechanism_studies_read_the_registry_at_load_time():
     cells = cli.load_study("configs/studies/agf_uea.py").cells
     assert {c.params["attention"] for c in cells} == set(attention.names("self"))
@@ -140,6 +149,7 @@ def test_mechanism_studies_read_the_registry_at_load_time():
     (["configs/studies/no_such_study.py"], "unknown study 'configs/studies/no_such_study.py'"),
     (["configs/studies/agf_order.py:no_such_arg=1"], "unknown config argument 'no_such_arg'"),
     (["configs/studies/agf_order.py:orders=1-x"], "give integers joined by '-'"),
+    (["configs/studies/htgn_ablation.py:task=mnist"], "task='mnist'; choose one of number_words, digits"),
     (["configs/studies/samovar_fig4.py:smoke", "--set", "model.no_such_field=1"],
      "--set model.no_such_field: configs/samovar/synthetic_var.py:kind=samovar,protocol=code,smoke has no field"),
     (["configs/studies/samovar_fig4.py:smoke", "--set", "total_steps"], "give field=value"),
@@ -225,7 +235,8 @@ def test_error_line_is_the_last_error_else_the_last_line():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["configs/studies/agf_filter.py:smoke", "configs/studies/htgn_rank_heads.py:smoke",
-                                  "configs/studies/agf_cost.py:smoke", "configs/studies/htgn_ablation.py:smoke"])
+                                  "configs/studies/agf_cost.py:smoke", "configs/studies/htgn_ablation.py:smoke",
+                                  "configs/studies/htgn_rank_heads.py:task=digits,smoke"])
 def test_agf_and_htgn_smoke_studies_run_end_to_end(spec, tmp_path):
     proc = _study_command([spec, "--workdir", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
