@@ -214,6 +214,11 @@ def test_report_means_stds_csv_and_figures(tmp_path):
     assert str(tmp_path / "toy.png") in paths
     steps = st.Study(**{**study.__dict__, "name": "toy_steps", "plot": st.StepCurves("eval/accuracy")})
     assert str(tmp_path / "toy_steps.png") in report.write(steps, str(tmp_path))
+    with open(tmp_path / "curves.csv") as f:   # the figure's points: K=1 has seeds 0, 1 (seed 2 failed)
+        curve = [r for r in csv.DictReader(f) if r["cell"] == "K=1"]
+    assert [(r["step"], r["n"]) for r in curve] == [("2", "2"), ("4", "2")]
+    assert float(curve[0]["eval/accuracy mean"]) == pytest.approx(0.6)
+    assert float(curve[1]["eval/accuracy std"]) == pytest.approx(math.sqrt(0.02))
 
 
 def test_benchmark_records_become_rows_per_case_and_length(tmp_path):

@@ -1,4 +1,5 @@
-"""A study's outputs, rewritten after every run: DIR/results.md, DIR/results.csv and DIR/<name>.png.
+"""A study's outputs, rewritten after every run: DIR/results.md, DIR/results.csv, DIR/<name>.png and, for
+training curves, DIR/curves.csv (the figure's points).
 
 Rows: one per cell (and per benchmark record key, e.g. case and length, for a benchmark cell). Each metric
 is the mean ± sample standard deviation over the seeds whose run finished ('n' of them); failed runs are
@@ -146,6 +147,30 @@ def _write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def step_curves(study: Study, root: str) -> dict[str, list[tuple[int, float, float, int]]]:
+    """A `StepCurves` study's curves: per cell label, (step, mean, sample std, n) over the seeds' runs."""
+    curves = {}
+    for cell in study.cells:
+        per_step: dict[int, list[float]] = {}
+        for run in (r for r in study.runs() if r.cell is cell):
+            for step, value in metrics_lib.series(os.path.join(root, run.folder), study.plot.metric):
+                per_step.setdefault(step, []).append(value)
+        if per_step:
+            curves[cell.label] = [(step, *_mean_std(per_step[step]), len(per_step[step])) for step in sorted(per_step)]
+    return curves
+
+
+def curves_csv(study: Study, root: str) -> str:
+    """curves.csv of a `StepCurves` study: the figure's points, one row per (cell, step)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    metric = study.plot.metric
+    writer.writerow(["cell", "step", f"{metric} mean", f"{metric} std", "n"])
+    for label, points in step_curves(study, root).items():
+        writer.writerows([label, step, mean, std, n] for step, mean, std, n in points)
+    return out.getvalue()
+
+
 def plot(study: Study, root: str, rows: list[dict[str, Any]], path: str) -> bool:
     """Draws the study's figure into `path` (matplotlib, Agg); False when there is nothing to draw."""
     import matplotlib
@@ -154,18 +179,11 @@ def plot(study: Study, root: str, rows: list[dict[str, Any]], path: str) -> bool
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     drawn = False
     if isinstance(study.plot, StepCurves):
-        key = study.plot.metric
-        for cell in study.cells:
-            per_step: dict[int, list[float]] = {}
-            for run in (r for r in study.runs() if r.cell is cell):
-                for step, value in metrics_lib.series(os.path.join(root, run.folder), key):
-                    per_step.setdefault(step, []).append(value)
-            if per_step:
-                steps = sorted(per_step)
-                ax.plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps], marker=".", label=cell.label)
-                drawn = True
+        for label, points in step_curves(study, root).items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+            drawn = True
         ax.set_xlabel("step")
-        ax.set_ylabel(f"{key} (mean over seeds)")
+        ax.set_ylabel(f"{study.plot.metric} (mean over seeds)")
         log_x, log_y = False, study.plot.log_y
     else:
         curve: Curve = study.plot
@@ -206,6 +224,9 @@ def write(study: Study, root: str) -> list[str]:
     paths = [os.path.join(root, "results.md"), os.path.join(root, "results.csv")]
     _write(paths[0], markdown(study, rows, failed))
     _write(paths[1], csv_text(study, rows, failed))
+    if isinstance(study.plot, StepCurves):
+        paths.append(os.path.join(root, "curves.csv"))
+        _write(paths[-1], curves_csv(study, root))
     if study.plot is not None:
         png = os.path.join(root, f"{study.name}.png")
         if plot(study, root, rows, png):
