@@ -9,7 +9,6 @@ the rest run in-process.
 import csv
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
