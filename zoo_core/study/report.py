@@ -171,6 +171,10 @@ def curves_csv(study: Study, root: str) -> str:
     return out.getvalue()
 
 
+# matplotlib's colour cycle has 10 colours: the next 10 lines are dashed, the 10 after dotted
+_STYLES = ("-", "--", ":")
+
+
 def plot(study: Study, root: str, rows: list[dict[str, Any]], path: str) -> bool:
     """Draws the study's figure into `path` (matplotlib, Agg); False when there is nothing to draw."""
     import matplotlib
@@ -179,8 +183,9 @@ def plot(study: Study, root: str, rows: list[dict[str, Any]], path: str) -> bool
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     drawn = False
     if isinstance(study.plot, StepCurves):
-        for label, points in step_curves(study, root).items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+        for i, (label, points) in enumerate(step_curves(study, root).items()):
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label,
+                    linestyle=_STYLES[i // 10 % 3])
             drawn = True
         ax.set_xlabel("step")
         ax.set_ylabel(f"{study.plot.metric} (mean over seeds)")
@@ -195,10 +200,10 @@ def plot(study: Study, root: str, rows: list[dict[str, Any]], path: str) -> bool
                 continue
             series_key = row.get(curve.series) if curve.series else name
             lines.setdefault(series_key, []).append((float(x), value[0], 0.0 if math.isnan(value[1]) else value[1]))
-        for label, points in lines.items():
+        for i, (label, points) in enumerate(lines.items()):
             points.sort()
             ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                        marker="o", capsize=3, label=str(label))
+                        marker="o", capsize=3, label=str(label), linestyle=_STYLES[i // 10 % 3])
             drawn = True
         ax.set_xlabel(curve.x)
         ax.set_ylabel(name)
