@@ -22,7 +22,7 @@ nbformat = pytest.importorskip("nbformat")
 # notebook -> (its package, its key figures)
 NOTEBOOKS = {
     "agf_filters": ("agf_jax", {"agf_filter"}),
-    "samovar_var": ("samovar_jax", {"samovar_var_coefficients", "samovar_fig5_paths"}),
+    "samovar_var": ("samovar_jax", {"samovar_var_coefficients", "samovar_fig5_paths", "samovar_fig4_study"}),
     "htgn_graphs": ("htgn_jax", {"htgn_graph_attention"}),
 }
 PACKAGES = ("agf_jax", "samovar_jax", "htgn_jax", "zoo_core", "configs", "benchmarks")

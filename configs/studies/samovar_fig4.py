@@ -36,7 +36,7 @@ def get_study(arg=None):
                                         overrides=["--config.model.structural=lu_inverse"], config=config))
     return study.Study(
         name="samovar_fig4",
-        title="SAMoVAR Fig. 4: validation MSE on VAR(3..4) after training on VAR(1..2)",
+        title="SAMoVAR Fig. 4: validation MSE on VAR orders above the trained ones (code 1-2 / 3-4, paper 1-3 / 3-5)",
         module="samovar_jax.train", config="configs/samovar/synthetic_var.py", cells=cells,
         seeds=studies.seeds(a, (1, 2, 3, 4, 5), default=3, smoke=2),
         metrics=[study.Best("eval/mse", "min", label="min eval/mse"),

@@ -27,12 +27,12 @@ def _init(model):
 
 
 def test_notebook_executes_in_smoke_mode_and_draws(tmp_path):
-    """Smoke size, on a copy in tmp_path: every cell runs, the 4 figures are drawn, the key ones are saved
-    (the implied VAR coefficients and Fig. 5's temporal-influence paths)."""
+    """Smoke size, on a copy in tmp_path: every cell runs, the 5 figures are drawn, the key ones are saved
+    (the implied VAR coefficients, Fig. 5's temporal-influence paths and Fig. 4 from the study's curves)."""
     pytest.importorskip("nbclient")
     nb = run_notebooks.smoke_check("samovar_var", tmp_path, xla_flags=fast_compile_xla_flags())   # raises on a failing cell or a missing figure
-    assert len(run_notebooks.images(nb)) == 4
-    for name in ("samovar_var_coefficients", "samovar_fig5_paths"):
+    assert len(run_notebooks.images(nb)) == 5
+    for name in ("samovar_var_coefficients", "samovar_fig5_paths", "samovar_fig4_study"):
         assert (tmp_path / f"{name}.png").is_file(), name
 
 
