@@ -8,8 +8,9 @@ Cells: gamma (`--config.model.ortho_weight`, the reference's --reg) in `gammas` 
 1e-2 (the reference's ListOps value), 1e-1, 1), on configs/agf/lra_listops.py (data generated on first
 use). Protocol: the best validation checkpoint on test (`--eval_only --eval_split=test` after each run).
 The figure: test accuracy against gamma (0 is drawn at the left end of a linear axis). Budget: 5,000
-steps, about 100 min a run on an idle 2-core CPU: an accelerator study. Smoke: gamma in {0, 1e-2},
-2-step runs, one seed.
+steps, about 100 min a run on an idle 2-core CPU: an accelerator study (a shorter schedule does not
+inform: through 1,200 steps the model still predicts the majority class, benchmarks/RESULTS.md). Smoke:
+gamma in {0, 1e-2}, 2-step runs, one seed.
 """
 from configs import studies
 from zoo_core import study
