@@ -150,9 +150,10 @@ def _write(path: str, text: str) -> None:
 def step_curves(study: Study, root: str) -> dict[str, list[tuple[int, float, float, int]]]:
     """A `StepCurves` study's curves: per cell label, (step, mean, sample std, n) over the seeds' runs."""
     curves = {}
+    runs = study.runs()
     for cell in study.cells:
         per_step: dict[int, list[float]] = {}
-        for run in (r for r in study.runs() if r.cell is cell):
+        for run in (r for r in runs if r.cell is cell):
             for step, value in metrics_lib.series(os.path.join(root, run.folder), study.plot.metric):
                 per_step.setdefault(step, []).append(value)
         if per_step:
@@ -160,13 +161,13 @@ def step_curves(study: Study, root: str) -> dict[str, list[tuple[int, float, flo
     return curves
 
 
-def curves_csv(study: Study, root: str) -> str:
-    """curves.csv of a `StepCurves` study: the figure's points, one row per (cell, step)."""
+def curves_csv(study: Study, curves: dict[str, list[tuple[int, float, float, int]]]) -> str:
+    """curves.csv of a `StepCurves` study from its `step_curves`: the figure's points, one row per (cell, step)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     metric = study.plot.metric
     writer.writerow(["cell", "step", f"{metric} mean", f"{metric} std", "n"])
-    for label, points in step_curves(study, root).items():
+    for label, points in curves.items():
         writer.writerows([label, step, mean, std, n] for step, mean, std, n in points)
     return out.getvalue()
 
@@ -175,15 +176,17 @@ def curves_csv(study: Study, root: str) -> str:
 _STYLES = ("-", "--", ":")
 
 
-def plot(study: Study, root: str, rows: list[dict[str, Any]], path: str) -> bool:
-    """Draws the study's figure into `path` (matplotlib, Agg); False when there is nothing to draw."""
+def plot(study: Study, rows: list[dict[str, Any]], path: str,
+         curves: dict[str, list[tuple[int, float, float, int]]] | None = None) -> bool:
+    """Draws the study's figure into `path` (matplotlib, Agg): a `Curve` from `rows`, `StepCurves` from
+    `curves` (`step_curves`); False when there is nothing to draw."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     drawn = False
     if isinstance(study.plot, StepCurves):
-        for i, (label, points) in enumerate(step_curves(study, root).items()):
+        for i, (label, points) in enumerate((curves or {}).items()):
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label,
                     linestyle=_STYLES[i // 10 % 3])
             drawn = True
@@ -229,11 +232,12 @@ def write(study: Study, root: str) -> list[str]:
     paths = [os.path.join(root, "results.md"), os.path.join(root, "results.csv")]
     _write(paths[0], markdown(study, rows, failed))
     _write(paths[1], csv_text(study, rows, failed))
-    if isinstance(study.plot, StepCurves):
+    curves = step_curves(study, root) if isinstance(study.plot, StepCurves) else None   # read once: CSV and figure
+    if curves is not None:
         paths.append(os.path.join(root, "curves.csv"))
-        _write(paths[-1], curves_csv(study, root))
+        _write(paths[-1], curves_csv(study, curves))
     if study.plot is not None:
         png = os.path.join(root, f"{study.name}.png")
-        if plot(study, root, rows, png):
+        if plot(study, rows, png, curves):
             paths.append(png)
     return paths
