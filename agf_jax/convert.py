@@ -252,7 +252,6 @@ def _example_input(module):
     """A dummy input for shape inference of `module.init`."""
     import jax.numpy as jnp
 
-    from agf_jax.layers import AGFAttention, SoftmaxAttention
     from agf_jax.model import LRAClassifier, LRARetrieval, UEAClassifier
 
     if isinstance(module, UEAClassifier):

@@ -12,8 +12,16 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax.basis import _basis_and_derivative_iter, basis_params, check_filter, spectrum_filter
-from agf_jax.factors import (MASK_OFFSET, _document_softmax, _left_factor, _packed_orthogonality, agf_factors,
-                             as_float, check_projections, orthogonality_loss)
+from agf_jax.factors import (
+    MASK_OFFSET,
+    _document_softmax,
+    _left_factor,
+    _packed_orthogonality,
+    agf_factors,
+    as_float,
+    check_projections,
+    orthogonality_loss,
+)
 from zoo_core.ops import guard, linear_attention, masking, packing, xla_forms
 
 Array = jax.Array

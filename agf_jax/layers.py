@@ -35,9 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from agf_jax import context_parallel as agf_context_parallel
-from agf_jax import ops
+from agf_jax import ops, validation
 from agf_jax import softmax as softmax_ops
-from agf_jax import validation
 from agf_jax.ops import AGFState
 from agf_jax.softmax import KVCache
 from zoo_core import checks

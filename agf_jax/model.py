@@ -52,18 +52,25 @@ import jax.numpy as jnp
 
 from agf_jax import validation
 from agf_jax.layers import torch_linear_bias_init, torch_linear_kernel_init
+
 # AGF_ONLY_KWARGS, OWN_ATTENTIONS and attentions are this module's public names too.
-from agf_jax.model_attention import (AGF_ONLY_KWARGS, OWN_ATTENTIONS, attentions,  # noqa: F401
-                                     block_attention as _attention, call_attention,
-                                     check_attention_options, options_tuple)
+from agf_jax.model_attention import (  # noqa: F401
+    AGF_ONLY_KWARGS,
+    OWN_ATTENTIONS,
+    attentions,
+    call_attention,
+    check_attention_options,
+    options_tuple,
+)
+from agf_jax.model_attention import block_attention as _attention
 from zoo_core import checks
 from zoo_core.ops import xla_forms
 from zoo_core.ops.aux_merge import stack_aux
 from zoo_core.ops.block_config import config_class
-from zoo_core.ops.remat import call_block
-from zoo_core.ops.residual import feed_forward, residual
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.positions import sinusoidal_table
+from zoo_core.ops.remat import call_block
+from zoo_core.ops.residual import feed_forward, residual
 
 Array = jax.Array
 

@@ -71,13 +71,39 @@ The code lives in one module per concern, and every name is importable from here
 
 from __future__ import annotations
 
-from agf_jax.basis import (BASES, JACOBI_DEFAULT_ALPHA, JACOBI_DEFAULT_BETA, basis_and_derivative_iter,
-                           basis_iter, filter_coefficients, graph_filter, jacobi_abc, polynomial_basis,
-                           resolve_basis)
-from agf_jax.factors import (MASK_OFFSET, AGFFactors, agf_factors, as_float, check_projections,
-                             left_factor, masked_logits, orthogonality_loss)
-from agf_jax.forms import (AGFState, agf_attention_matrix, agf_chunked, agf_chunked_parallel,
-                           agf_chunked_scan, agf_parallel, agf_scan, agf_step, init_state)
+from agf_jax.basis import (
+                           BASES,
+                           JACOBI_DEFAULT_ALPHA,
+                           JACOBI_DEFAULT_BETA,
+                           basis_and_derivative_iter,
+                           basis_iter,
+                           filter_coefficients,
+                           graph_filter,
+                           jacobi_abc,
+                           polynomial_basis,
+                           resolve_basis,
+)
+from agf_jax.factors import (
+                           MASK_OFFSET,
+                           AGFFactors,
+                           agf_factors,
+                           as_float,
+                           check_projections,
+                           left_factor,
+                           masked_logits,
+                           orthogonality_loss,
+)
+from agf_jax.forms import (
+                           AGFState,
+                           agf_attention_matrix,
+                           agf_chunked,
+                           agf_chunked_parallel,
+                           agf_chunked_scan,
+                           agf_parallel,
+                           agf_scan,
+                           agf_step,
+                           init_state,
+)
 from agf_jax.fused import agf_with_orthogonality, agf_with_orthogonality_plain
 
 __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET", "AGFFactors",

@@ -6,9 +6,8 @@
 The configs in configs/agf/ hold the reference's best hyperparameters per task; see zoo_core.run.main for
 the flags.
 """
-from zoo_core.run import allocator
-from zoo_core.run import main
 from agf_jax import model
+from zoo_core.run import allocator, main
 
 if __name__ == "__main__":
     allocator.restart_with_huge_pages()   # before any work: see zoo_core.run.allocator

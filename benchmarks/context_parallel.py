@@ -51,10 +51,14 @@ if "jax" not in __import__("sys").modules:   # host devices must be set before j
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
-from agf_jax import context_parallel as agf_cp, softmax  # noqa: E402
-from htgn_jax import context_parallel as favor_cp, graph_context_parallel as graph_cp, ops as favor_ops  # noqa: E402
+from agf_jax import context_parallel as agf_cp  # noqa: E402
+from agf_jax import softmax
+from htgn_jax import context_parallel as favor_cp  # noqa: E402
+from htgn_jax import graph_context_parallel as graph_cp
+from htgn_jax import ops as favor_ops
 from samovar_jax import context_parallel as var_cp  # noqa: E402
 from zoo_core import bench, checks  # noqa: E402
 from zoo_core.ops import context_parallel, linear_attention  # noqa: E402

@@ -67,8 +67,14 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:   # `python benchmarks/peers.py` as well as `python -m benchmarks.peers`
     sys.path.insert(0, str(REPO))
 
-from benchmarks.peers_official import (OFFICIAL_FILES, OFFICIAL_REPOS, PRECISIONS, check_torch,  # noqa: E402
-                                       official_source, official_step)
+from benchmarks.peers_official import (  # noqa: E402
+    OFFICIAL_FILES,
+    OFFICIAL_REPOS,
+    PRECISIONS,
+    check_torch,
+    official_source,
+    official_step,
+)
 from zoo_core import checks  # noqa: E402 - after the path above
 
 STEP_CASES = ("agf_listops", "agf_softmax", "samovar_fig4", "lintrans")
@@ -105,7 +111,7 @@ def _our_build_model(case: str):
     from samovar_jax import train
     if hasattr(train, "build_model"):
         return train.build_model
-    from samovar_jax import model   # the entry point's factory moved here (`main.run(model.Model)`)
+    from samovar_jax import model  # the entry point's factory moved here (`main.run(model.Model)`)
     return model.Model
 
 
@@ -149,7 +155,7 @@ def interleave(sides: dict[str, Callable[[], None]], *, warmup: int, steps: int,
                log: Callable[[str], Any] | None = None) -> dict[str, dict[str, Any]]:
     """Times each side's step: `warmup` untimed steps each, then `rounds` rounds of `steps` timed
     steps of every side in turn (A B A B ...). Returns {side: dict(median_s, min_s, all_s, round_medians)}."""
-    for name, fn in sides.items():
+    for fn in sides.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[list[float]]] = {name: [] for name in sides}

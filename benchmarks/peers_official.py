@@ -148,11 +148,11 @@ LINTRANS_WINDOW = 8   # local_attention_window * pred_len: LinTrans sees the las
 
 def _official_samovar(src: pathlib.Path, case: str, ours: Any, tiny: bool, seed: int, device: str,
                       precision: str):
+    import types
+
     import numpy as np
     import torch
     import torch.nn.functional as F
-
-    import types
 
     file = "Autoregressive.py" if case == "lintrans" else "AutoregressiveAlignment.py"
     module = _load_module(src / "models" / file, f"_official_{case}")

@@ -9,11 +9,11 @@ blocks, `BlockConfig`), `model` (`Seq2Seq`, `Classifier`, `VARIANTS`, the `Model
 `analysis` (pictures and error curves). Only light re-exports here.
 """
 from htgn_jax.blocks import BlockConfig, DecoderMemory, DecoderState
-from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.graph_causal import WindowState
+from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.layers import FavorAttention
 from htgn_jax.model import VARIANTS, Classifier, Model, Seq2Seq
-from zoo_core.ops.linear_attention import LinearState   # FAVOR+'s causal state and cross cache (S, z)
+from zoo_core.ops.linear_attention import LinearState  # FAVOR+'s causal state and cross cache (S, z)
 
 __all__ = ["BlockConfig", "Classifier", "CrossGraphAttention", "CrossGraphCache", "DecoderMemory",
            "DecoderState", "FavorAttention", "LinearState", "Model", "Seq2Seq",

@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from htgn_jax import ops
-from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.graph_causal import WindowState
+from htgn_jax.graph_layers import CrossGraphAttention, CrossGraphCache, WindowGraphAttention
 from htgn_jax.layers import FavorAttention
 from zoo_core import attention as zoo_attention
+from zoo_core.ops import packing
 from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.block_config import config_from
 from zoo_core.ops.linear_attention import LinearState
-from zoo_core.ops import packing
 from zoo_core.ops.remat import call_block
 
 Array = jax.Array

@@ -32,8 +32,8 @@ from htgn_jax import graph_causal, graph_context_parallel, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.graph_heads import HeadProjection, HeadVector
 from htgn_jax.layers import HeadsOutput
-from zoo_core.ops import masking, packing
 from zoo_core.checks import check_rank, check_tokens, fail
+from zoo_core.ops import masking, packing
 
 Array = jax.Array
 Initializer = Callable[..., Array]

@@ -68,12 +68,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from htgn_jax import graph_packed
-from htgn_jax.graph_kl import (KL_MODES, attention_kl, check_kl, distance_prior_logits,  # noqa: F401
-                               neighbour_kl)
-from htgn_jax.graph_stencil import (KERNEL, NEGATIVE_SLOPE, _masked_softmax,  # noqa: F401
-                                    bias_row, gather_rows, neighbour_attention, unfold)
-from zoo_core.ops import masking, packing
+from htgn_jax.graph_kl import KL_MODES, attention_kl, check_kl, distance_prior_logits, neighbour_kl  # noqa: F401
+from htgn_jax.graph_stencil import (  # noqa: F401
+    KERNEL,
+    NEGATIVE_SLOPE,
+    _masked_softmax,
+    bias_row,
+    gather_rows,
+    neighbour_attention,
+    unfold,
+)
 from zoo_core.checks import check_int, check_rank, check_shape, fail
+from zoo_core.ops import masking, packing
 
 Array = jax.Array
 

@@ -50,8 +50,8 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import context_parallel, hrpe, ops, validation
-from zoo_core.ops import linear_attention, masking, packing
 from zoo_core.checks import check_rank, check_shape, check_tokens, fail
+from zoo_core.ops import linear_attention, masking, packing
 from zoo_core.ops.linear_attention import LinearState
 
 Array = Any

@@ -461,6 +461,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
 def _packing_missing(m: Seq2Seq) -> list[str]:
     """The parts `m` uses whose call takes no `segment_ids` in this installation (packing needs them all)."""
     import inspect
+
     from htgn_jax.graph_layers import CrossGraphAttention, WindowGraphAttention
     from htgn_jax.layers import FavorAttention
     from zoo_core import attention as zoo_attention

@@ -82,8 +82,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htgn_jax.random_features import (  # noqa: F401  (the projection's home; ops keeps its names)
-    draw_projection, gaussian_iid_random_matrix, gaussian_orthogonal_random_matrix)
+from htgn_jax.random_features import draw_projection, gaussian_iid_random_matrix, gaussian_orthogonal_random_matrix  # noqa: F401  (the projection's home; ops keeps its names)
 from zoo_core.checks import check_choice, check_rank, fail
 from zoo_core.ops import linear_attention, masking, packing
 from zoo_core.ops.linear_attention import LinearState, acc_dtype

@@ -7,8 +7,7 @@ Seq2seq configs (task.name == 'seq2seq') also decode the eval split and log eval
 eval/chrf and eval/exact_match (`htgn_jax.decoding.evaluators_for`).
 """
 from htgn_jax import decoding, model
-from zoo_core.run import allocator
-from zoo_core.run import main
+from zoo_core.run import allocator, main
 
 if __name__ == "__main__":
     allocator.restart_with_huge_pages()   # before any work: see zoo_core.run.allocator

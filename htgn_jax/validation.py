@@ -14,8 +14,16 @@ from typing import Any
 import jax.numpy as jnp
 
 from htgn_jax import graph_ops, hrpe, ops
-from zoo_core.checks import (check_choice, check_chunk_size, check_divisible, check_int, check_nonnegative,
-                             check_optional_int, check_rate, fail)
+from zoo_core.checks import (
+    check_choice,
+    check_chunk_size,
+    check_divisible,
+    check_int,
+    check_nonnegative,
+    check_optional_int,
+    check_rate,
+    fail,
+)
 
 ATTENTIONS = ("favor", "softmax")   # HTGN's own: every stack (encoder, causal decoder, cross)
 
@@ -25,7 +33,7 @@ def encoder_attentions() -> tuple[str, ...]:
     zoo's registry (`zoo_core.attention.names('self')`) that has a non-causal contract layer
     (`zoo_core.attention.layer`), e.g. 'agf', 'window_graph' (and 'reformer', 'longformer' once
     registered). Those drive the encoder only; a seq2seq decoder then uses exact softmax."""
-    from zoo_core import attention   # the registry imports the architecture packages lazily
+    from zoo_core import attention  # the registry imports the architecture packages lazily
     out = list(ATTENTIONS)
     for name in attention.names("self"):
         if name in out:

@@ -8,10 +8,10 @@ causal attention layers `LinearAttention`, `LinTransBlock`, `VARChain` and their
 (reference PyTorch state_dict -> Flax params, golden check CLI), `analysis` (effective lag matrices,
 path weights, VAR-coefficient recovery).
 """
-from samovar_jax.layers import LinearAttention, LinearState, LinTransBlock, VARChain, VARChainState
 from samovar_jax.baselines import DLinear
-from samovar_jax.modules import ARXEmbedding, ARXTokenizer, MLPBlock, MultiHeadRMSNorm, RMSNorm, StructuralMatrix
+from samovar_jax.layers import LinearAttention, LinearState, LinTransBlock, VARChain, VARChainState
 from samovar_jax.model import KINDS, VARIANTS, Forecaster, Model
+from samovar_jax.modules import ARXEmbedding, ARXTokenizer, MLPBlock, MultiHeadRMSNorm, RMSNorm, StructuralMatrix
 
 __all__ = ["ARXEmbedding", "ARXTokenizer", "DLinear", "Forecaster", "KINDS", "LinTransBlock", "LinearAttention",
            "LinearState", "MLPBlock", "Model", "MultiHeadRMSNorm", "RMSNorm", "StructuralMatrix", "VARChain",

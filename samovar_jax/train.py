@@ -8,8 +8,7 @@ or 'dlinear'. Configs with a `test_split` also evaluate it at every eval (`samov
 See zoo_core.run.main for the flags.
 """
 from samovar_jax import evaluation, model
-from zoo_core.run import allocator
-from zoo_core.run import main
+from zoo_core.run import allocator, main
 
 if __name__ == "__main__":
     allocator.restart_with_huge_pages()   # before any work: see zoo_core.run.allocator

@@ -70,10 +70,12 @@ def test_a_context_parallel_train_step_exports_without_loops(kind, tmp_path):
     (LinearAttention with sequence_axis='sequence': one all_gather of the shards' states), exports for cuda
     and tpu with the batch sharded along T, and holds no while loop over chunks."""
     from jax import export
+
     from configs.samovar import synthetic_var
     from samovar_jax import model as samovar_model
     from tests.zoo_core.sequence_parallel_test import CPForecaster
-    from zoo_core.run import setup as run_setup, sharding
+    from zoo_core.run import setup as run_setup
+    from zoo_core.run import sharding
 
     if jax.device_count() % 2:
         pytest.skip("needs an even number of devices")

@@ -95,7 +95,7 @@ def test_every_model_field_is_written_and_builds_the_same_model(module, arg, mon
 
     import jax.numpy as jnp
     c = module.get_config(arg)
-    build = getattr(importlib.import_module(BUILDERS[module.__name__.split(".")[1]][0]), "Model")
+    build = importlib.import_module(BUILDERS[module.__name__.split(".")[1]][0]).Model
     after = build(**c.model.to_dict())
     fields = [f.name for f in dataclasses.fields(after) if f.name not in ("parent", "name")]
     assert set(fields) <= set(c.model), sorted(set(fields) - set(c.model))

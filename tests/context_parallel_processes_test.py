@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tests.environment import run_two_processes
 from zoo_core.testing import F64, assert_trees_close
@@ -25,7 +26,8 @@ def test_every_mechanism_splits_one_sequence_over_two_processes():
 def _cases():
     """(name, arrays, form(mesh) -> f(*arrays) -> pytree, segment ids `[B, T]`): packed documents; the
     positions with id 0 are padding, not compared."""
-    from htgn_jax import context_parallel as favor_cp, ops as favor_ops
+    from htgn_jax import context_parallel as favor_cp
+    from htgn_jax import ops as favor_ops
     from tests.agf_jax import context_parallel_test as agf_t
     from tests.htgn_jax import graph_context_parallel_test as graph_t
     from tests.samovar_jax import context_parallel_test as var_t

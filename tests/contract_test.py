@@ -297,7 +297,7 @@ def test_an_empty_sequence_is_refused_by_every_layer_and_form():
             forms["chunked"] = dict(chunk_size=3)
         if causal and (name == "var_chain" or _recurrent(name)):
             forms["scan"] = dict(method="scan")
-        for form, kw in forms.items():
+        for kw in forms.values():
             layer = lay.clone(chunk_size=kw.pop("chunk_size")) if "chunk_size" in kw else lay
             with pytest.raises(ValueError, match=re.escape(message)):
                 layer.apply(params, x[:, :0], mask=mask[:, :0], **kw)

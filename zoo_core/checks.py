@@ -35,7 +35,7 @@ def constructor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     for key in ("dtype", "param_dtype"):
         if isinstance(out.get(key), str):
             check_choice(key, out[key], DTYPE_NAMES)
-            import jax.numpy as jnp   # only here: the rest of this module is numpy-only
+            import jax.numpy as jnp  # only here: the rest of this module is numpy-only
             out[key] = jnp.dtype(out[key])
     return out
 

@@ -32,15 +32,30 @@ import warnings
 
 from zoo_core.run.errors import ConfigError, NonFiniteError
 from zoo_core.run.evaluation import evaluate_checkpoint, evaluate_params, load_params, with_eval_split
+from zoo_core.run.log import parameter_overview
 from zoo_core.run.loop import evals_between, is_eval_step, train_and_evaluate
 from zoo_core.run.prepare import prepare_data
-from zoo_core.run.resume import (EVAL_MAY_CHANGE, SAFE_ON_RESUME, check_eval_config, check_resume, resume_changes,
-                                 stored_run_config)
-from zoo_core.run.log import parameter_overview
+from zoo_core.run.resume import (
+    EVAL_MAY_CHANGE,
+    SAFE_ON_RESUME,
+    check_eval_config,
+    check_resume,
+    resume_changes,
+    stored_run_config,
+)
 from zoo_core.run.setup import check_setup, step_flops
 from zoo_core.run.setup_checks import PARALLEL_MODES, check_workdir, validate_config
-from zoo_core.run.steps import (WEIGHT_PREFIX, TrainState, batch_loss_weight, eval_feature_step, eval_step,
-                                feature_step_kwargs, init_state, train_step, uses_feature_step)
+from zoo_core.run.steps import (
+    WEIGHT_PREFIX,
+    TrainState,
+    batch_loss_weight,
+    eval_feature_step,
+    eval_step,
+    feature_step_kwargs,
+    init_state,
+    train_step,
+    uses_feature_step,
+)
 
 __all__ = [
     "ConfigError", "NonFiniteError", "evaluate_checkpoint", "evaluate_params", "load_params", "with_eval_split",

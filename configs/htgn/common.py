@@ -12,8 +12,7 @@ import ml_collections
 
 from configs import common
 from htgn_jax import model as htgn_model
-from htgn_jax import ops
-from htgn_jax import validation
+from htgn_jax import ops, validation
 
 OPTIMIZERS = ("adamw", "lamb", "ranger")
 # FAVOR+ random features are redrawn every this many training steps (htgn.md §2.4, §5.4) and frozen

@@ -13,6 +13,7 @@ Shapes: inputs `[B, S]` int, targets `[B, T]` int (0 = padding) -> logits `[B, T
 from __future__ import annotations
 
 import dataclasses
+
 import flax.linen as nn
 import jax.numpy as jnp
 

@@ -21,12 +21,12 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:   # run by path: `examples` and this checkout's packages importable
     sys.path.insert(0, str(REPO))
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
-from examples.wmt.models import Transformer, TransformerConfig, shift_right  # noqa: E402 - after the path
+from examples.wmt.models import Transformer, TransformerConfig, shift_right  # noqa: E402  (after the path)
 from zoo_core import attention  # noqa: E402
 from zoo_core.data import number_words  # noqa: E402
 

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from agf_jax import AGFAttention, context_parallel, ops
 from tests.environment import assert_host_devices, run_on_host_devices, sequence_mesh

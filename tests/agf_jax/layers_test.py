@@ -3,9 +3,9 @@
 Every form of every causal layer gives the same numbers (`assert_forms_agree`), and a NaN or 1e30
 at a padded or future position changes no valid or past output, nor the regulariser.
 """
-import flax.linen as nn
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -79,9 +79,10 @@ def _abstract_params():
     return jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)["params"]
 
 
-def _search(search, inputs=np.full((B, 7), 3, np.int32), **kwargs):
+def _search(search, inputs=None, **kwargs):
     """`decoding.<search>` of the seq2seq model (max_target_len=8, or `kwargs["model"]`'s) on `inputs`."""
     model = kwargs.pop("model", Model(**{**_SEQ, "max_target_len": 8}))
+    inputs = np.full((B, 7), 3, np.int32) if inputs is None else inputs
     return lambda: getattr(decoding, search)(model, _abstract_params(), inputs, **kwargs)
 
 ROWS = [

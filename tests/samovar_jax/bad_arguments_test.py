@@ -10,8 +10,8 @@ import pytest
 
 from samovar_jax import analysis, context_parallel, convert, modules, ops
 from samovar_jax.baselines import DLinear
-from samovar_jax.model import Model
 from samovar_jax.layers import LinearAttention, LinTransBlock, VARChain
+from samovar_jax.model import Model
 from tests.environment import sequence_mesh
 from zoo_core import testing
 from zoo_core.testing import TESTDATA, Golden

@@ -13,7 +13,8 @@ from zoo_core.baselines.linformer import LinformerAttention
 from zoo_core.baselines.longformer import LongformerAttention
 from zoo_core.baselines.nystromformer import NystromformerAttention
 from zoo_core.baselines.reformer import ReformerAttention
-from zoo_core.ops import context_parallel, linear_attention as la, masking, packing
+from zoo_core.ops import context_parallel, masking, packing
+from zoo_core.ops import linear_attention as la
 
 B, T, H, D, M = 2, 6, 2, 4, 3
 Q = jnp.ones((B, T, H, D))

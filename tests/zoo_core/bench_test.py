@@ -245,7 +245,8 @@ def test_train_step_setup_times_the_step_the_trainer_runs(tmp_path, monkeypatch)
     to the very program that `train_and_evaluate` compiles and runs for the same config."""
     from configs.core import synthetic
     from zoo_core import mlp_classifier, trainer
-    from zoo_core.run import loop, setup as run_setup
+    from zoo_core.run import loop
+    from zoo_core.run import setup as run_setup
 
     c = synthetic.get_config("smoke")
     with c.unlocked():

@@ -21,7 +21,8 @@ from absl import flags
 
 from tests.environment import command_env
 from zoo_core import mlp_classifier, trainer
-from zoo_core.run import log as run_log, main
+from zoo_core.run import log as run_log
+from zoo_core.run import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOY = "tests/zoo_core/cli_configs/toy.py"
@@ -690,6 +691,7 @@ def test_an_error_line_starts_its_own_line_after_a_progress_bar(env, tmp_path, c
     """A data set that fails while its progress bars are shown (TFDS shows nested ones): the bars are
     closed first, so their text and cursor-up codes never share the `error:` line."""
     from tqdm.auto import tqdm
+
     from zoo_core.run import setup
 
     def failing(config, *, builder=None):
@@ -708,7 +710,8 @@ def test_an_error_line_starts_its_own_line_after_a_progress_bar(env, tmp_path, c
 
 def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, tmp_path, capfd, monkeypatch):
     """The command checks the setup before the workdir and hands what it built to the trainer."""
-    from zoo_core import data as data_lib, tasks
+    from zoo_core import data as data_lib
+    from zoo_core import tasks
     from zoo_core.run import optim
     calls = {"model": 0, "task": 0, "optimizer": 0, "builder": 0}
 

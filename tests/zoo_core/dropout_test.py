@@ -1,4 +1,5 @@
 """zoo_core.ops.dropout: keep probability, lane independence, flax-compatible module behaviour."""
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -89,5 +90,5 @@ def test_module_is_a_drop_in_for_flax_dropout():
     np.testing.assert_array_equal(e, x)       # eval: identity, no rng needed
     g = jax.grad(lambda x: m.apply({}, x, True, rngs={"dropout": jax.random.key(1)})[0].sum())(x)
     np.testing.assert_array_equal(g, np.where(np.asarray(a) != 0, 1 / 0.7, 0).astype(np.float32))
-    with pytest.raises(Exception):
+    with pytest.raises(flax.errors.InvalidRngError):
         m.apply({}, x, True)                  # no 'dropout' rng: an error, as nn.Dropout

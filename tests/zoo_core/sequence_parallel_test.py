@@ -67,8 +67,8 @@ def _train(tmp, sequence, kind):
 
 
 def _check(tmp):
-    from zoo_core.testing import assert_trees_close
     from zoo_core.run import sharding
+    from zoo_core.testing import assert_trees_close
     assert jax.device_count() == 2, jax.devices()
     mesh = sharding.make_mesh(2)
     assert dict(mesh.shape) == {"data": 1, "sequence": 2}

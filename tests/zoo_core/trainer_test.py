@@ -19,11 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from configs.core import synthetic
 from tests.environment import command_env
-from zoo_core.run import metrics as metrics_lib
 from zoo_core import mlp_classifier, tasks, trainer
-from zoo_core.run import optim, sharding
-from zoo_core.run import guard as run_guard, log as run_log, loop
 from zoo_core.data import pipeline
+from zoo_core.run import guard as run_guard
+from zoo_core.run import log as run_log
+from zoo_core.run import loop, optim, sharding
+from zoo_core.run import metrics as metrics_lib
 from zoo_core.testing import assert_trees_close
 
 
@@ -584,6 +585,7 @@ def test_a_checkpoint_with_per_parameter_optimiser_state_is_refused_and_kept(dat
     """A checkpoint written when the optimiser kept one state array per parameter (the same model and
     config) is neither restored into the vector layout nor moved aside as damage."""
     import optax
+
     from zoo_core.run import checkpoint as ckpt_lib
     c = _config(data_dir, total_steps=2, eval_every_steps=0, checkpoint_every_steps=2)
     trainer.train_and_evaluate(c, str(tmp_path), mlp_classifier.Model)

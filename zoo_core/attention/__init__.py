@@ -54,8 +54,7 @@ import jax.numpy as jnp
 
 from zoo_core.attention import registry
 from zoo_core.attention.dropin import DropInAttention
-from zoo_core.attention.registry import (CAPABILITIES, PACKED_ARGS, capabilities, layer, length_option, names,
-                                         options)
+from zoo_core.attention.registry import CAPABILITIES, PACKED_ARGS, capabilities, layer, length_option, names, options
 
 __all__ = ["CAPABILITIES", "PACKED_ARGS", "DropInAttention", "capabilities", "layer", "length_option", "make", "names",
            "options"]

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from zoo_core import checks
-
 from zoo_core.ops import masking, xla_forms
 from zoo_core.ops.dropout import Dropout, keep_mask
 

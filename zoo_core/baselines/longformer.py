@@ -45,9 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from zoo_core import checks
-
-from zoo_core.ops import guard, masking, packing
 from zoo_core.baselines import ProjectedAttention
+from zoo_core.ops import guard, masking, packing
 
 Array = jax.Array
 DropoutFn = Optional[Callable[[Array, int], Array]]   # (weights, index) -> weights

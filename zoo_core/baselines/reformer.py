@@ -46,9 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from zoo_core import checks
-
-from zoo_core.ops import masking
 from zoo_core.baselines import ProjectedAttention
+from zoo_core.ops import masking
 
 Array = jax.Array
 DropoutFn = Optional[Callable[[Array, int], Array]]   # (weights, index) -> weights

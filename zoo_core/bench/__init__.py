@@ -21,14 +21,44 @@ bench`; `bench.run_scaling`, `bench.train_step_setup`, ...):
 A scaling script reduces to a `make_fn(case, n) -> (fn, args)` closure; see
 `benchmarks/softmax_attention.py`.
 """
-from zoo_core.bench.report import (SCALING_LENGTHS, _measured_bytes, machine_meta, parse_scaling_args, plot,
-                                   run_and_report, scaling_parser, write_records)
-from zoo_core.bench.sweep import (CALIBRATE_MIN_BYTES, CPU_MEMORY_FACTOR, OK, OOM, SKIPPED, Result, format_table,
-                                  materialize, run_scaling)
-from zoo_core.bench.timing import (DEFAULT_MEMORY_FRACTION, ROOFLINE_HEADER, best_bounds, default_bandwidth_bytes,
-                                   default_max_bytes, device_memory, format_roofline, machine_bounds,
-                                   process_memory, reference_bandwidth, reference_matmul, reset_peak_rss, roofline,
-                                   time_jitted, time_state_step)
+from zoo_core.bench.report import (
+                                   SCALING_LENGTHS,
+                                   _measured_bytes,
+                                   machine_meta,
+                                   parse_scaling_args,
+                                   plot,
+                                   run_and_report,
+                                   scaling_parser,
+                                   write_records,
+)
+from zoo_core.bench.sweep import (
+                                   CALIBRATE_MIN_BYTES,
+                                   CPU_MEMORY_FACTOR,
+                                   OK,
+                                   OOM,
+                                   SKIPPED,
+                                   Result,
+                                   format_table,
+                                   materialize,
+                                   run_scaling,
+)
+from zoo_core.bench.timing import (
+                                   DEFAULT_MEMORY_FRACTION,
+                                   ROOFLINE_HEADER,
+                                   best_bounds,
+                                   default_bandwidth_bytes,
+                                   default_max_bytes,
+                                   device_memory,
+                                   format_roofline,
+                                   machine_bounds,
+                                   process_memory,
+                                   reference_bandwidth,
+                                   reference_matmul,
+                                   reset_peak_rss,
+                                   roofline,
+                                   time_jitted,
+                                   time_state_step,
+)
 from zoo_core.bench.train_step import train_step_setup
 from zoo_core.costs import compiled_memory, cost_of, memory_of
 

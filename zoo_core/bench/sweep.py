@@ -16,8 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo_core.bench.timing import (check_counts, default_max_bytes, device_memory, process_memory, reference_matmul,
-                                   reset_peak_rss, time_compiled)
+from zoo_core.bench.timing import (
+    check_counts,
+    default_max_bytes,
+    device_memory,
+    process_memory,
+    reference_matmul,
+    reset_peak_rss,
+    time_compiled,
+)
 from zoo_core.costs import compile_timed, cost_of, flops_of, memory_of
 
 _GIB = 1024**3

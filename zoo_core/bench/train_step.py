@@ -11,10 +11,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zoo_core.run import sharding
 from zoo_core.costs import cost_of
 from zoo_core.data import pipeline
 from zoo_core.run import setup as run_setup
+from zoo_core.run import sharding
 
 # Data options shrunk by `train_step_setup` (the generated data sets): only a fixed batch is needed.
 _SIZE_OPTIONS = ("num_train", "num_validation", "num_test")

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
 import weakref
+from typing import Any
 
-from absl import logging
 import numpy as np
+from absl import logging
 
 ENV_LIMIT = "ZOO_DATA_IN_MEMORY_BYTES"
 MAX_DEFAULT_BYTES = 8 << 30

@@ -12,8 +12,8 @@ import struct
 import threading
 from typing import Any, TypeVar
 
-from absl import logging
 import tensorflow_datasets as tfds
+from absl import logging
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 C = TypeVar("C", bound=tfds.core.BuilderConfig)

@@ -46,7 +46,7 @@ class FetchError(ValueError):
 
 def downloads_dir(data_dir: Optional[str] = None) -> str:
     """The download cache: `<data dir>/downloads` (data dir as `pipeline.resolve_data_dir`)."""
-    from zoo_core.data import pipeline   # pipeline imports grain; only needed here
+    from zoo_core.data import pipeline  # pipeline imports grain; only needed here
     return os.path.join(pipeline.resolve_data_dir(data_dir), DOWNLOADS)
 
 

@@ -51,8 +51,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from zoo_core.data import base
-from zoo_core.data import fetch
+from zoo_core.data import base, fetch
 
 SPLITS = ("train", "validation", "test")
 SPLIT_RULES = ("auto", "ett_hour", "ett_minute", "ratio")

@@ -124,7 +124,7 @@ def _after(name: str, folder: str) -> Optional[str]:
 
 
 def _decode_png(data: bytes, side: int, where: str) -> np.ndarray:
-    from PIL import Image   # pylint: disable=import-outside-toplevel
+    from PIL import Image  # pylint: disable=import-outside-toplevel
     try:
         image = np.asarray(Image.open(io.BytesIO(data)).convert("L"), dtype=np.uint8)
     except Exception as e:  # noqa: BLE001 - Pillow raises several types for a bad image

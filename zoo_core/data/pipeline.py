@@ -21,9 +21,9 @@ import queue
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from absl import logging
 import grain
 import numpy as np
+from absl import logging
 
 from zoo_core.data import arrays as arrays_lib
 from zoo_core.data import packing as packing_lib
@@ -105,8 +105,8 @@ def train_batches(source, *, global_batch_size: int, seed: int, process_index: i
             return
         del stream
         order = shuffle.Order(n, seed)
-        for step in itertools.count(step):
-            yield held.take(order.positions(step * global_batch_size, (step + 1) * global_batch_size)[rows])
+        for i in itertools.count(step):
+            yield held.take(order.positions(i * global_batch_size, (i + 1) * global_batch_size)[rows])
 
     return _ReadAhead(batches, prefetch)
 

@@ -45,8 +45,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from zoo_core.data import base
-from zoo_core.data import fetch
+from zoo_core.data import base, fetch
 
 BASE_URL = "https://timeseriesclassification.com/aeon-toolkit"
 # AGF Table 1 (agf.md §3.2): the ten data sets of the paper, fetched when not shipped.

@@ -45,8 +45,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from zoo_core.ops import guard, masking, packing, xla_forms
 from zoo_core import checks
+from zoo_core.ops import guard, masking, packing, xla_forms
 
 Array = jax.Array
 

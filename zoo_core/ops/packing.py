@@ -16,8 +16,8 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from zoo_core.ops import masking
 from zoo_core.checks import check_shape
+from zoo_core.ops import masking
 
 Array = jax.Array
 

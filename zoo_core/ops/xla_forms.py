@@ -31,9 +31,9 @@ from typing import Iterator
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax.core import meta
 from flax.linen import dtypes as flax_dtypes
-import jax.numpy as jnp
 
 Array = jax.Array
 

@@ -18,8 +18,8 @@ import os
 import shutil
 from typing import Any
 
-from absl import logging
 import orbax.checkpoint as ocp
+from absl import logging
 
 
 class CheckpointMismatch(ValueError):

@@ -7,13 +7,14 @@ import json
 import os
 from typing import Any, Callable, Iterable, Mapping
 
-from absl import logging
 import jax
 import numpy as np
+from absl import logging
 
-from zoo_core.run import checkpoint as ckpt_lib
-from zoo_core.run import metrics as metrics_lib, sharding
 from zoo_core.data import pipeline
+from zoo_core.run import checkpoint as ckpt_lib
+from zoo_core.run import metrics as metrics_lib
+from zoo_core.run import sharding
 from zoo_core.run.errors import ConfigError
 from zoo_core.run.resume import check_eval_config
 from zoo_core.run.setup import check_setup, compile_steps

@@ -8,9 +8,9 @@ import signal
 import socket
 import time
 
-from absl import logging
 import jax
 import numpy as np
+from absl import logging
 
 from zoo_core.run.errors import ConfigError
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from absl import logging
 import jax
 import numpy as np
+from absl import logging
 
 from zoo_core.run.steps import WEIGHT_PREFIX
 

@@ -7,18 +7,19 @@ import os
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from absl import logging
 import jax
+from absl import logging
 
-from zoo_core.run import checkpoint as ckpt_lib
-from zoo_core.run import metrics as metrics_lib, sharding
 from zoo_core import tasks
 from zoo_core.data import pipeline
+from zoo_core.run import checkpoint as ckpt_lib
+from zoo_core.run import metrics as metrics_lib
+from zoo_core.run import sharding
 from zoo_core.run.errors import ConfigError, NonFiniteError
 from zoo_core.run.evaluation import evaluate_params
-from zoo_core.run.resume import check_resume
 from zoo_core.run.guard import Terminate, lock_workdir
 from zoo_core.run.log import log_run, log_through_tqdm, mean_metrics
+from zoo_core.run.resume import check_resume
 from zoo_core.run.setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
 from zoo_core.run.setup_checks import check_workdir
 

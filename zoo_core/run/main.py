@@ -134,8 +134,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
     if not any(isinstance(f, _QuietLibraries) for f in handler.filters):
         handler.addFilter(_QuietLibraries())
     # Imported here, not at the top: --help and a flag mistake answer without loading JAX.
-    from zoo_core.run import sharding
-    from zoo_core.run import evaluation, loop, setup
+    from zoo_core.run import evaluation, loop, setup, sharding
     config = _CONFIG.value
     if config is None:
         _fail("--config is required, e.g. --config configs/core/synthetic.py:smoke")

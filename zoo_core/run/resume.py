@@ -9,7 +9,6 @@ from typing import Any, Mapping
 
 from zoo_core.run.errors import ConfigError
 
-
 # Config fields that may change between a run and its resumption: they decide what is logged,
 # evaluated or kept, not what is trained. `total_steps` may grow when the schedule does not depend on
 # it (see `resume_changes`). Every other difference is refused unless the caller allows it.

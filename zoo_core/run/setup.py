@@ -15,19 +15,25 @@ import json
 import os
 from typing import Any, Callable
 
-from absl import logging
 import jax
 import numpy as np
+from absl import logging
 
-from zoo_core.run import checkpoint as ckpt_lib
 from zoo_core import costs, tasks
-from zoo_core.run import metrics as metrics_lib, optim, sharding
 from zoo_core import data as data_lib
 from zoo_core.data import pipeline
+from zoo_core.run import checkpoint as ckpt_lib
+from zoo_core.run import metrics as metrics_lib
+from zoo_core.run import optim, sharding
 from zoo_core.run.errors import ConfigError, config_error
 from zoo_core.run.prepare import prepare_data
-from zoo_core.run.setup_checks import (check_classes, check_eval_metrics, example_from_features, make_model,
-                                       validate_config)
+from zoo_core.run.setup_checks import (
+    check_classes,
+    check_eval_metrics,
+    example_from_features,
+    make_model,
+    validate_config,
+)
 from zoo_core.run.steps import TrainState, eval_step, init_state, train_step
 
 

@@ -13,11 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo_core import checks, tasks
-
 from zoo_core.run import optim, sharding
 from zoo_core.run.errors import ConfigError
 from zoo_core.run.steps import eval_step, feature_step_kwargs, uses_feature_step
-
 
 PARALLEL_MODES = ("jit", "pmap")
 

@@ -17,10 +17,11 @@ import contextlib
 import os
 from typing import Any
 
-from absl import logging
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from absl import logging
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
 SEQUENCE_AXIS = "sequence"

@@ -24,7 +24,7 @@ import dataclasses
 import re
 from typing import Any, Mapping, Sequence
 
-from zoo_core.study.metrics import AtBest, Best, BenchRecords, EvalFile, Last, Metric
+from zoo_core.study.metrics import AtBest, BenchRecords, Best, EvalFile, Last, Metric
 
 __all__ = ["AtBest", "Best", "BenchRecords", "Cell", "Curve", "EvalFile", "Last", "Metric", "Run", "Study",
            "StepCurves", "slug"]

@@ -14,9 +14,8 @@ import math
 import os
 from typing import Any
 
-from zoo_core.study import Curve, StepCurves, Study, slug
+from zoo_core.study import Curve, StepCurves, Study, runner, slug
 from zoo_core.study import metrics as metrics_lib
-from zoo_core.study import runner
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -15,8 +15,8 @@ import json
 import os
 import pathlib
 import shlex
-import subprocess
 import signal
+import subprocess
 import sys
 import threading
 import time

@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 
 from zoo_core import data
-from zoo_core.data import digits
-from zoo_core.data import pipeline
+from zoo_core.data import digits, pipeline
 
 
 def _all(builder, split):

@@ -32,7 +32,7 @@ def _tar_gz(path, files: dict[str, bytes]) -> str:
 def lra_release(path, prefix="lra_release/lra_release/", num_images=20) -> str:
     """A small lra_release.gz: listops-1000, tsv_data and pathfinder32/curv_contour_length_14."""
     files = {f"{prefix}listops-1000/basic_{s}.tsv": LISTOPS.encode() for s in ("train", "val", "test")}
-    for split, name in (("train", "train"), ("eval", "eval"), ("test", "test")):
+    for name in ("train", "eval", "test"):
         files[f"{prefix}tsv_data/new_aan_pairs.{name}.tsv"] = b"1.0\tid1\tid2\tab c\tde f\n0.0\tx\ty\tgh\tij\n"
     pf = f"{prefix}pathfinder32/curv_contour_length_14/"
     meta = []

@@ -3,10 +3,9 @@ import numpy as np
 import pytest
 
 from zoo_core import data
-
-from zoo_core.tasks import textmetrics
 from zoo_core.data import number_words as nw
 from zoo_core.data import pipeline
+from zoo_core.tasks import textmetrics
 
 TINY = dict(num_train=40, num_validation=12, num_test=12)
 

@@ -1,9 +1,9 @@
 """`zoo_core.data.shuffle`: the vectorised index shuffle equals grain's, element by element, and `Order`
 gives the example order of `grain.MapDataset.range(n).shuffle(seed).repeat()` across epoch boundaries."""
 import grain
-from grain.experimental import index_shuffle as grain_index_shuffle
 import numpy as np
 import pytest
+from grain.experimental import index_shuffle as grain_index_shuffle
 
 from zoo_core.data import shuffle
 
