@@ -29,12 +29,12 @@ BF16_STEP_FACTOR = 40.0   # bf16 step estimate over f32 (the H200's AGF bf16 ste
 # name -> (config module, argument, --tiny argument, model factory "module:attr").
 # The two whose bf16 step was slow first (the steps phase times them in this order).
 MAIN_CONFIGS = {
-    "agf_listops": ("configs.agf.lra_listops", None, "smoke", "agf_jax.model:Model"),
-    "agf_listops_softmax": ("configs.agf.lra_listops", "attention=softmax", "attention=softmax,smoke",
+    "agf_listops": ("zoo_core.configs.agf.lra_listops", None, "smoke", "agf_jax.model:Model"),
+    "agf_listops_softmax": ("zoo_core.configs.agf.lra_listops", "attention=softmax", "attention=softmax,smoke",
                             "agf_jax.model:Model"),
-    "samovar_fig4": ("configs.samovar.synthetic_var", None, "smoke",
+    "samovar_fig4": ("zoo_core.configs.samovar.synthetic_var", None, "smoke",
                      "samovar_jax.train:build_model|samovar_jax.model:Model"),
-    "htgn_number_words": ("configs.htgn.number_words", None, "smoke", "htgn_jax.model:Model"),
+    "htgn_number_words": ("zoo_core.configs.htgn.number_words", None, "smoke", "htgn_jax.model:Model"),
 }
 SCALING_SCRIPTS = ("agf_scaling", "samovar_scaling", "htgn_scaling")
 # Causal form over its non-causal one, per scaling script (the AGF target: within 2x at every N).
@@ -450,7 +450,7 @@ def _estimate_run_s(step_s: float, config, tiny: bool) -> float:
 
 
 def phase_reference_runs(check) -> dict[str, Any]:
-    from configs.agf import lra_listops
+    from zoo_core.configs.agf import lra_listops
 
     args = check.args
     out: dict[str, Any] = dict(status="ok", runs={})

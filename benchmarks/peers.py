@@ -35,7 +35,7 @@ configs/agf/uea.py:dataset=JapaneseVowels` (same epochs, batch 16, test every 2 
 a subprocess, alternating for `--uea_rounds` rounds: wall time, per-epoch training time and
 per-evaluation time of each. The official side runs under `--official_python` (a venv with torch,
 pandas < 3, matplotlib 3.8, scikit-learn, tensorboard, xlrd, xlwt, xlutils, tabulate, ipdb; see
-benchmarks/README.md), on the sktime copy of the data (`--uea_data_dir`).
+benchmarks/README.md), on the copy of the data shipped in zoo_core (`--uea_data_dir`).
 
     python -m benchmarks.peers --agf_src ~/peers/agf --samovar_src ~/peers/samovar
     python -m benchmarks.peers --agf_src DIR --cases agf_uea_jv --epochs 20 --official_python DIR/venv/bin/python
@@ -50,7 +50,6 @@ outside it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -75,7 +74,8 @@ from benchmarks.peers_official import (  # noqa: E402
     official_source,
     official_step,
 )
-from zoo_core import checks  # noqa: E402 - after the path above
+from zoo_core import checks  # noqa: E402  (after the path above)
+from zoo_core.data import uea as uea_data  # noqa: E402
 
 STEP_CASES = ("agf_listops", "agf_softmax", "samovar_fig4", "lintrans")
 E2E_CASES = ("agf_uea_jv",)
@@ -84,10 +84,10 @@ DEFAULT_CASES = STEP_CASES + E2E_CASES
 
 # Our configs per case: (config module, argument, argument with --tiny).
 OUR_CONFIGS = {
-    "agf_listops": ("configs.agf.lra_listops", None, "smoke"),
-    "agf_softmax": ("configs.agf.lra_listops", "attention=softmax", "attention=softmax,smoke"),
-    "samovar_fig4": ("configs.samovar.synthetic_var", None, "smoke"),
-    "lintrans": ("configs.samovar.synthetic_var", "kind=lintrans", "kind=lintrans,smoke"),
+    "agf_listops": ("zoo_core.configs.agf.lra_listops", None, "smoke"),
+    "agf_softmax": ("zoo_core.configs.agf.lra_listops", "attention=softmax", "attention=softmax,smoke"),
+    "samovar_fig4": ("zoo_core.configs.samovar.synthetic_var", None, "smoke"),
+    "lintrans": ("zoo_core.configs.samovar.synthetic_var", "kind=lintrans", "kind=lintrans,smoke"),
 }
 UEA_DATASET = "JapaneseVowels"
 
@@ -268,7 +268,7 @@ def our_uea_command(workdir: pathlib.Path, epochs: int, seed: int | None, tiny: 
     config = "configs/agf/uea.py:dataset=JapaneseVowels" + (",smoke" if tiny else "")
     cmd = [sys.executable, "-m", "agf_jax.train", "--config", config, "--workdir", str(workdir)]
     if not tiny:
-        from configs.agf import uea
+        from zoo_core.configs.agf import uea
 
         c = uea.get_config("dataset=JapaneseVowels")
         epoch = c.log_every_steps
@@ -309,14 +309,11 @@ def _our_uea_times(workdir: pathlib.Path, steps_per_epoch: int, eval_steps: set[
                 method="metrics.jsonl train/steps_per_second windows (see _our_uea_times)")
 
 
-def _uea_data_dir(args) -> pathlib.Path | None:
+def _uea_data_dir(args) -> pathlib.Path:
+    """The folder of JapaneseVowels_{TRAIN,TEST}.ts: --uea_data_dir, else the copy shipped in zoo_core."""
     if args.uea_data_dir:
         return pathlib.Path(args.uea_data_dir)
-    spec = importlib.util.find_spec("sktime")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = pathlib.Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / UEA_DATASET
-    return d if (d / f"{UEA_DATASET}_TRAIN.ts").exists() else None
+    return uea_data.SHIPPED_DIR / UEA_DATASET
 
 
 def _run(cmd: list[str], cwd, env, log_path: pathlib.Path, timeout: float | None) -> dict[str, Any]:
@@ -334,8 +331,8 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
     rec: dict[str, Any] = dict(case=case, kind="end_to_end", status="ok", epochs=args.epochs)
     src, reason = official_source(case, args)
     data_dir = _uea_data_dir(args)
-    if src is not None and data_dir is None:
-        src, reason = None, "no JapaneseVowels .ts files: pass --uea_data_dir (the sktime copy)"
+    if src is not None and not (data_dir / f"{UEA_DATASET}_TRAIN.ts").is_file():
+        src, reason = None, f"no {UEA_DATASET}_TRAIN.ts in --uea_data_dir {data_dir}"
     if src is None and not args.tiny:
         rec.update(status="skipped", reason=reason)
         return rec
@@ -345,7 +342,7 @@ def run_uea_case(case: str, args, log) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     if args.clear_xla_flags:
         env.pop("XLA_FLAGS", None)
-    from configs.agf import uea
+    from zoo_core.configs.agf import uea
     from zoo_core.run import loop
 
     c = uea.get_config("dataset=JapaneseVowels" + (",smoke" if args.tiny else ""))
@@ -468,7 +465,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="agf_uea_jv: alternating rounds of the two jobs")
     p.add_argument("--uea_timeout", type=checks.positive_float, default=None, help="agf_uea_jv: seconds per job")
     p.add_argument("--uea_data_dir", default=None, help="folder with JapaneseVowels_{TRAIN,TEST}.ts "
-                   "(default: sktime's copy)")
+                   "(default: the copy shipped in zoo_core/data/uea_files)")
     p.add_argument("--uea_out", default=None, help="agf_uea_jv: folder for the jobs' outputs and logs")
     p.add_argument("--official_python", default=sys.executable,
                    help="python for the official UEA job (needs its old pandas/matplotlib; see README)")

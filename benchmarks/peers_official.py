@@ -16,6 +16,8 @@ import pathlib
 import sys
 from typing import Any, Callable
 
+from zoo_core import extras
+
 # The official files each case needs, relative to --agf_src / --samovar_src.
 OFFICIAL_FILES = {
     "agf_listops": ("agf", "AGF_LRA/model_wrapper.py"),
@@ -202,10 +204,9 @@ def official_source(case: str, args) -> tuple[pathlib.Path | None, str | None]:
 
 
 def check_torch() -> str | None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return "torch is not installed (pip install -e '.[peers]')"
+    absent = extras.missing("peers")
+    if absent:
+        return f"needs the [peers] extra ({', '.join(absent)} not installed): {extras.install_command('peers')}"
     return None
 
 

@@ -25,7 +25,7 @@ benchmarks/results/pipeline_synthetic.json unless --out names another file.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -38,24 +38,24 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from zoo_core import checks  # noqa: E402 - after the path above
+from zoo_core import checks, configs  # noqa: E402  (after the path above)
 
 MAIN_CONFIGS = ("configs/agf/lra_listops.py", "configs/samovar/synthetic_var.py", "configs/htgn/number_words.py")
 PATHS = ("memory", "stream")
 
 
 def load_config(spec: str, *, tiny: bool):
-    """The config of 'configs/x/y.py[:args]' (the smoke variant with `tiny`)."""
-    path, _, arg = spec.partition(":")
-    module = path[:-3] if path.endswith(".py") else path
-    module = module.replace(os.sep, ".").replace("/", ".")
+    """The config of 'configs/x/y.py[:args]' (the smoke variant with `tiny`), the file found as the
+    training command finds it (`zoo_core.configs.resolve`)."""
+    path, _, arg = configs.resolve(spec).partition(":")
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {spec!r}: no such config file")
     if tiny:
         arg = ",".join(filter(None, [arg, "smoke"]))
-    try:
-        get_config = importlib.import_module(module).get_config
-    except ImportError as e:
-        raise ValueError(f"--config {spec!r}: no config module {module!r} ({e})") from None
-    return get_config(arg or None)
+    loader = importlib.util.spec_from_file_location(f"_bench_config_{len(arg)}", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module.get_config(arg or None)
 
 
 def _load() -> list[float]:

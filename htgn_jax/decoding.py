@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo_core import checks
+from zoo_core import checks, extras
 
 Array = jax.Array
 
@@ -343,6 +343,7 @@ def make_bleu_evaluator(config) -> Callable[..., Mapping[str, float]]:
     targets' width), use_cache ('auto' | 'cache' | 'recompute').
     """
     options = decode_options(config)
+    extras.require("text", "the seq2seq evaluation (BLEU, chrF)", ("sacrebleu",))
     cache: dict[str, Any] = {}
 
     def load():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib
 import os
 import pathlib
 import shutil
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from zoo_core import checks
+from zoo_core import checks, extras
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -211,27 +210,12 @@ def platform_problem(platform: str) -> str | None:
     return f"JAX cannot start it here ({lines[-1] if lines else f'exit status {probe.returncode}'})"
 
 
-NOTEBOOK_PACKAGES = ("nbclient", "nbformat", "ipykernel")   # the `[notebooks]` extra (setup.cfg), less jupyterlab
-
-
-def missing_packages() -> list[str]:
-    """The packages this script needs that this interpreter cannot import."""
-    missing = []
-    for name in NOTEBOOK_PACKAGES:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    return missing
+NOTEBOOK_PACKAGES = ("nbclient", "nbformat", "ipykernel")   # of the [notebooks] extra: what running them imports
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    missing = missing_packages()
-    if missing:
-        print(f"error: {', '.join(missing)} not installed; the notebooks need the extra: pip install -e \".[notebooks]\"",
-              file=sys.stderr)
-        return 2
+    extras.require_or_exit("notebooks", "running the notebooks", NOTEBOOK_PACKAGES)
     names = [n.removesuffix(".ipynb") for n in args.names] or list(NOTEBOOKS)
     output_dir = args.output_dir or (tempfile.mkdtemp(prefix="notebooks_smoke_") if args.smoke else None)
     for name in names:

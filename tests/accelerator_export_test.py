@@ -17,10 +17,10 @@ from zoo_core import attention, bench, testing
 PLATFORMS = ("cuda", "tpu")
 # (config module, its smoke argument, the Model factory's module)
 MAIN_CONFIGS = {
-    "agf_listops": ("configs.agf.lra_listops", "smoke", "agf_jax.model"),
-    "agf_listops_softmax": ("configs.agf.lra_listops", "attention=softmax,smoke", "agf_jax.model"),
-    "samovar_fig4": ("configs.samovar.synthetic_var", "smoke", "samovar_jax.model"),
-    "htgn_number_words": ("configs.htgn.number_words", "smoke", "htgn_jax.model"),
+    "agf_listops": ("zoo_core.configs.agf.lra_listops", "smoke", "agf_jax.model"),
+    "agf_listops_softmax": ("zoo_core.configs.agf.lra_listops", "attention=softmax,smoke", "agf_jax.model"),
+    "samovar_fig4": ("zoo_core.configs.samovar.synthetic_var", "smoke", "samovar_jax.model"),
+    "htgn_number_words": ("zoo_core.configs.htgn.number_words", "smoke", "htgn_jax.model"),
 }
 
 
@@ -71,9 +71,9 @@ def test_a_context_parallel_train_step_exports_without_loops(kind, tmp_path):
     and tpu with the batch sharded along T, and holds no while loop over chunks."""
     from jax import export
 
-    from configs.samovar import synthetic_var
     from samovar_jax import model as samovar_model
     from tests.zoo_core.sequence_parallel_test import CPForecaster
+    from zoo_core.configs.samovar import synthetic_var
     from zoo_core.run import setup as run_setup
     from zoo_core.run import sharding
 

@@ -39,7 +39,7 @@ DATA_ERROR = re.compile(r"source|does not exist|not found|no such|missing|files?
 
 def _commands(path: pathlib.Path) -> list[str]:
     """The `python -m ...` lines of the docstring of `path`, continuation lines joined."""
-    module = importlib.import_module(f"configs.{path.parent.name}.{path.stem}")
+    module = importlib.import_module(f"zoo_core.configs.{path.parent.name}.{path.stem}")
     text = (module.__doc__ or "").replace("\\\n", " ")
     return [" ".join(line.split()) for line in text.splitlines() if line.strip().startswith("python -m ")]
 

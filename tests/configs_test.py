@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
-from configs import common
 from zoo_core import data as data_lib
 from zoo_core import tasks, trainer
+from zoo_core.configs import common
 from zoo_core.run import optim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def test_there_are_configs_for_every_folder_that_exists():
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_config_loads_and_builds(path):
-    module = importlib.import_module(f"configs.{path.parent.name}.{path.stem}")
+    module = importlib.import_module(f"zoo_core.configs.{path.parent.name}.{path.stem}")
     assert "python -m" in (module.__doc__ or ""), "the config docstring gives its command line"
     c = module.get_config("smoke")
     assert c.is_locked
@@ -61,7 +61,7 @@ def test_seq2seq_configs_give_decoding_options_the_trainer_accepts(name, arg):
     # The evaluator's checks (htgn_jax.decoding.decode_options) would refuse the run before training.
     from htgn_jax import decoding
 
-    c = importlib.import_module(f"configs.htgn.{name}").get_config(arg)
+    c = importlib.import_module(f"zoo_core.configs.htgn.{name}").get_config(arg)
     options = decoding.decode_options(c)
     if arg and "beam_size=1" in arg:
         assert options["beam_size"] == 1 and options["length_penalty"] == 0.0
@@ -78,7 +78,7 @@ FIELD_ARGS = {
 
 def _field_cases():
     for path in CONFIG_FILES:
-        module = importlib.import_module(f"configs.{path.parent.name}.{path.stem}")
+        module = importlib.import_module(f"zoo_core.configs.{path.parent.name}.{path.stem}")
         for arg in ["smoke", *FIELD_ARGS[path.parent.name]]:
             try:
                 module.get_config(arg)
@@ -95,7 +95,7 @@ def test_every_model_field_is_written_and_builds_the_same_model(module, arg, mon
 
     import jax.numpy as jnp
     c = module.get_config(arg)
-    build = importlib.import_module(BUILDERS[module.__name__.split(".")[1]][0]).Model
+    build = importlib.import_module(BUILDERS[module.__name__.split(".")[2]][0]).Model
     after = build(**c.model.to_dict())
     fields = [f.name for f in dataclasses.fields(after) if f.name not in ("parent", "name")]
     assert set(fields) <= set(c.model), sorted(set(fields) - set(c.model))
@@ -108,7 +108,7 @@ def test_every_model_field_is_written_and_builds_the_same_model(module, arg, mon
 
 def test_unset_model_fields_are_typed_placeholders_a_flag_can_set():
     from agf_jax import model as agf_model
-    from configs.agf import uea
+    from zoo_core.configs.agf import uea
     c = uea.get_config("dataset=JapaneseVowels,attention=softmax")
     assert c.model.basis is None and c.model.param_dtype == "float32" and c.model.dtype is None
     with c.unlocked():
@@ -136,7 +136,7 @@ def test_every_size_is_a_config_field_the_model_reads(arg):
     for path in CONFIG_FILES:
         if path.parent.name != "agf":
             continue
-        c = importlib.import_module(f"configs.agf.{path.stem}").get_config(arg)
+        c = importlib.import_module(f"zoo_core.configs.agf.{path.stem}").get_config(arg)
         with c.unlocked():
             c.model.num_layers = 3
             c.model.num_heads = 4
@@ -146,7 +146,7 @@ def test_every_size_is_a_config_field_the_model_reads(arg):
 
 def test_the_uea_head_width_follows_d_model_and_heads_unless_given():
     from agf_jax import model as agf_model
-    from configs.agf import uea
+    from zoo_core.configs.agf import uea
     c = uea.get_config("dataset=JapaneseVowels")
     assert c.model.head_dim is None and c.model.d_model == 512 and c.model.num_heads == 8
     with c.unlocked():
@@ -158,14 +158,14 @@ def test_the_uea_head_width_follows_d_model_and_heads_unless_given():
 
 
 def test_the_uea_table_keeps_the_reference_settings():
-    from configs.agf import uea
+    from zoo_core.configs.agf import uea
     c = uea.get_config("dataset=SpokenArabicDigits")
     assert (c.optim.name, c.model.basis, c.model.order, c.model.ortho_weight) == ("adam", "jacobi", 4, 0.5)
     c = uea.get_config("dataset=PEMS-SF")
     assert c.total_steps == 400 * 17 and c.optim.name == "radam"
     c = uea.get_config("dataset=Heartbeat,attention=softmax")
     assert c.model.basis is None and c.model.attention_dropout == 0.1   # unset: the filter is off
-    assert uea.get_config("dataset=Heartbeat,smoke").data.options.dataset == "JapaneseVowels"
+    assert uea.get_config("dataset=Heartbeat,smoke").data.options.dataset == "Heartbeat"   # never swapped
     with pytest.raises(ValueError, match="choose one of"):
         uea.get_config("dataset=Nope")
 
@@ -173,7 +173,7 @@ def test_the_uea_table_keeps_the_reference_settings():
 def test_uea_configs_evaluate_when_the_reference_harness_does():
     """mvts_transformer validates after the first epoch, every val_interval = 2 epochs and the last;
     the best of those is the reported metric, so evaluating more often would flatter it."""
-    from configs.agf import uea
+    from zoo_core.configs.agf import uea
     for dataset, epoch in (("JapaneseVowels", 17), ("BasicMotions", 3)):
         c = uea.get_config(f"dataset={dataset}")
         evals = [s // epoch for s in range(1, c.total_steps + 1) if trainer.is_eval_step(c, s)]
@@ -182,14 +182,14 @@ def test_uea_configs_evaluate_when_the_reference_harness_does():
 
 def test_lra_configs_select_the_checkpoint_on_the_dev_split():
     """The harness keeps the best dev checkpoint and reports it on test (agf.md §3.1)."""
-    from configs.agf import lra_image, lra_listops, lra_pathfinder, lra_retrieval, lra_text
+    from zoo_core.configs.agf import lra_image, lra_listops, lra_pathfinder, lra_retrieval, lra_text
     for module in (lra_listops, lra_retrieval, lra_image, lra_pathfinder):
         assert module.get_config().data.eval_split == "validation", module.__name__
     assert lra_text.get_config().data.eval_split == "test"   # LRA's IMDB task has no dev split
 
 
 def test_htgn_configs_never_select_a_checkpoint_on_test():
-    from configs.htgn import digits, number_words, wmt14_en_de
+    from zoo_core.configs.htgn import digits, number_words, wmt14_en_de
     assert wmt14_en_de.get_config("source_dir=/data").data.eval_split == "validation"
     assert number_words.get_config().data.eval_split == "validation"
     c = digits.get_config()      # test is its only held-out split: no best checkpoint at all
@@ -197,6 +197,6 @@ def test_htgn_configs_never_select_a_checkpoint_on_test():
 
 
 def test_a_smoke_forecast_config_refuses_sizes_it_would_ignore():
-    from configs.samovar import forecasting
+    from zoo_core.configs.samovar import forecasting
     with pytest.raises(ValueError, match="smoke runs use horizon 8"):
         forecasting.get_config("smoke,horizon=192")

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from configs.agf import lra_listops, uea
 from tests.environment import command_env
 from zoo_core import attention
+from zoo_core.configs.agf import lra_listops, uea
 from zoo_core.run import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

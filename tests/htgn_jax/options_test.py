@@ -319,7 +319,7 @@ def test_encoder_accepts_registry_self_attentions():
 
 
 def test_configs_take_the_card_preset_and_sweeps():
-    from configs.htgn import digits, number_words, wmt14_en_de
+    from zoo_core.configs.htgn import digits, number_words, wmt14_en_de
     c = number_words.get_config("smoke,card")
     assert (c.model.feature_map, c.model.qk_rank, c.model.graph_activation) == ("trig", 8, "relu")
     assert c.model.graph_alpha == "attention"

@@ -147,7 +147,7 @@ def test_channel_drop_needs_no_target():
 @pytest.mark.parametrize("protocol, train_orders, val_orders", [("code", {1, 2}, {3, 4}),
                                                                 ("paper", {1, 2, 3}, {3, 4, 5})])
 def test_synthetic_var_protocol_presets(protocol, train_orders, val_orders):
-    from configs.samovar import synthetic_var
+    from zoo_core.configs.samovar import synthetic_var
     from zoo_core.data import synthetic_var as data
 
     c = synthetic_var.get_config(f"smoke,protocol={protocol}")
@@ -160,7 +160,7 @@ def test_synthetic_var_protocol_presets(protocol, train_orders, val_orders):
 
 
 def test_synthetic_var_option_arguments():
-    from configs.samovar import synthetic_var
+    from zoo_core.configs.samovar import synthetic_var
 
     c = synthetic_var.get_config("smoke,structural=lu_inverse,channel_drop")
     model = Model(**c.model.to_dict())
@@ -174,7 +174,7 @@ def test_synthetic_var_option_arguments():
 
 
 def test_forecasting_structural_argument():
-    from configs.samovar import forecasting
+    from zoo_core.configs.samovar import forecasting
 
     model = Model(**forecasting.get_config("smoke,structural=lu_inverse").model.to_dict())
     assert model.resolved.structural == "lu_inverse"
@@ -186,8 +186,8 @@ def test_forecasting_structural_argument():
 
 @pytest.mark.slow
 def test_options_smoke_trains_in_process(tmp_path):
-    from configs.samovar import synthetic_var
     from zoo_core import trainer
+    from zoo_core.configs.samovar import synthetic_var
 
     config = synthetic_var.get_config("smoke,protocol=paper,structural=lu_inverse,channel_drop")
     config.unlock()

@@ -57,8 +57,8 @@ def test_model_factory_dispatches_on_kind():
 
 
 def test_dlinear_forecasting_smoke_in_process_reports_test_metrics(tmp_path):
-    from configs.samovar import forecasting
     from zoo_core import trainer
+    from zoo_core.configs.samovar import forecasting
 
     # us_change (198 rows) prepares in a fraction of vic_elec's time; the CLI test covers vic_elec.
     config = forecasting.get_config("smoke,kind=dlinear,source=embedded:us_change")
@@ -72,8 +72,8 @@ def test_dlinear_forecasting_smoke_in_process_reports_test_metrics(tmp_path):
 
 
 def test_ett_without_its_csv_is_a_one_line_config_error(tmp_path):
-    from configs.samovar import ett
     from zoo_core import trainer
+    from zoo_core.configs.samovar import ett
 
     config = ett.get_config(f"smoke,csv_dir={tmp_path}")
     config.unlock()
@@ -85,7 +85,7 @@ def test_ett_without_its_csv_is_a_one_line_config_error(tmp_path):
 
 @pytest.mark.parametrize("kind", ["samovar", "lintrans", "fixedvar"])
 def test_synthetic_var_config_per_kind(kind):
-    from configs.samovar import synthetic_var
+    from zoo_core.configs.samovar import synthetic_var
 
     c = synthetic_var.get_config(f"kind={kind}")
     assert (c.total_steps, c.batch_size, c.optim.learning_rate, c.optim.b2) == (7900, 256, 6e-4, 0.95)

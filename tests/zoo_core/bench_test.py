@@ -225,8 +225,8 @@ def test_run_scaling_deadline_skips_the_rest_and_records_bytes():
 def test_train_step_setup_costs_the_whole_step_with_micro_batches(tmp_path):
     """XLA's cost analysis counts the micro-batch loop's body once; the step's cost is that of the
     same step on the whole batch."""
-    from configs.core import synthetic
     from zoo_core import mlp_classifier
+    from zoo_core.configs.core import synthetic
 
     def cost(accum):
         c = synthetic.get_config("smoke")
@@ -243,8 +243,8 @@ def test_train_step_setup_costs_the_whole_step_with_micro_batches(tmp_path):
 def test_train_step_setup_times_the_step_the_trainer_runs(tmp_path, monkeypatch):
     """The benchmark's step comes from the trainer's own setup (`run_setup.compile_steps`), and it lowers
     to the very program that `train_and_evaluate` compiles and runs for the same config."""
-    from configs.core import synthetic
     from zoo_core import mlp_classifier, trainer
+    from zoo_core.configs.core import synthetic
     from zoo_core.run import loop
     from zoo_core.run import setup as run_setup
 

@@ -75,7 +75,7 @@ def env(tmp_path_factory):
     """A prepared data dir (synthetic), a file, a UEA source folder, a binary and a header-only CSV."""
     root = tmp_path_factory.mktemp("cli")
     data = root / "data"
-    from configs.core import synthetic
+    from zoo_core.configs.core import synthetic
     c = synthetic.get_config("smoke")
     c.unlock()
     c.data.data_dir = str(data)
@@ -261,8 +261,8 @@ def test_a_signal_while_preparing_data_is_one_line_and_leaves_no_data_folder(tmp
     """Ctrl-C or SIGTERM outside the training loop (which saves and exits 0 on its own): one line, status
     130 / 143, and the dataset being prepared is removed rather than left half-made. (`main` turns
     SIGTERM into `_SigtermStop` outside the loop: `_stop_on_sigterm`.)"""
-    from configs.core import synthetic
     from zoo_core import data as data_lib
+    from zoo_core.configs.core import synthetic
 
     builder_class = type(data_lib.make_builder("synthetic_linear", str(tmp_path / "probe"),
                                                **synthetic.get_config("smoke").data.options.to_dict()))
@@ -535,7 +535,7 @@ def test_log_lines_go_through_tqdm_while_the_bar_is_shown(monkeypatch):
 
 
 def test_an_edited_source_file_is_prepared_again_and_says_why(tmp_path, caplog):
-    from configs import common
+    from zoo_core.configs import common
     folder = tmp_path / "src" / "Toy"
     folder.mkdir(parents=True)
     for split in ("TRAIN", "TEST"):

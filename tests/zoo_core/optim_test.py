@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import common
+from zoo_core.configs import common
 from zoo_core.run import optim
 
 
@@ -177,7 +177,7 @@ def test_cycle_momentum_needs_linear_one_cycle():
 
 
 def test_schedule_defaults_match_the_base_config_and_unused_fields_raise():
-    from configs import common
+    from zoo_core.configs import common
     base = common.base_config()
     assert {k: base.schedule[k] for k in optim.SCHEDULE_DEFAULTS} == optim.SCHEDULE_DEFAULTS
     sched = common.base_config().schedule

@@ -137,7 +137,7 @@ def test_a_packed_batch_gives_each_examples_unpacked_loss():
     (dict(packing_factor=2), "data.packing_factor=2 sizes packed rows: it needs data.packing=True"),
 ])
 def test_bad_packing_options_are_one_line(overrides, fragment):
-    from configs.htgn import number_words
+    from zoo_core.configs.htgn import number_words
     c = number_words.get_config("smoke")
     c.unlock()
     c.data.packing = overrides.get("packing", False)
@@ -150,7 +150,7 @@ def test_bad_packing_options_are_one_line(overrides, fragment):
 
 
 def test_packing_trains_a_seq2seq_config_and_reports_its_padding(tmp_path, caplog):
-    from configs.htgn import number_words
+    from zoo_core.configs.htgn import number_words
     c = number_words.get_config("smoke")
     c.unlock()
     c.data.data_dir = str(tmp_path / "data")
@@ -187,8 +187,8 @@ def test_htgn_refuses_a_packed_batch_where_an_encoder_attention_cannot_pack():
 def test_htgn_trains_number_words_packed_and_reports_its_padding(tmp_path, caplog):
     """The brief's command, in process: `python -m htgn_jax.train --config configs/htgn/number_words.py:smoke
     --config.data.packing=True` (rows of two examples' widths)."""
-    from configs.htgn import number_words
     from htgn_jax import model as htgn_model
+    from zoo_core.configs.htgn import number_words
     c = number_words.get_config("smoke")
     c.unlock()
     c.data.data_dir = str(tmp_path / "data")
@@ -204,7 +204,7 @@ def test_htgn_trains_number_words_packed_and_reports_its_padding(tmp_path, caplo
 
 
 def test_a_packed_run_resumes_bit_identically(tmp_path):
-    from configs.htgn import number_words
+    from zoo_core.configs.htgn import number_words
     from zoo_core.run import checkpoint as ckpt_lib
 
     def config(steps):

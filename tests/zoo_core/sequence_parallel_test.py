@@ -39,7 +39,7 @@ class CPForecaster(nn.Module):
 
 
 def _config(data_dir, sequence, kind):
-    from configs.samovar import synthetic_var
+    from zoo_core.configs.samovar import synthetic_var
     c = synthetic_var.get_config("smoke")
     c.unlock()
     c.data.data_dir = data_dir
@@ -136,7 +136,7 @@ def test_the_mesh_splits_sequence_features_along_their_length():
                                               "(devices / parallel.sequence) (1) x optim.grad_accum_steps (2)"),
 ])
 def test_bad_sequence_settings_are_one_line(overrides, fragment):
-    from configs.core import synthetic
+    from zoo_core.configs.core import synthetic
     from zoo_core.run.setup_checks import validate_config
     if jax.device_count() != 2:
         pytest.skip("the suite runs on two host devices")

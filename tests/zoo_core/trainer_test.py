@@ -17,9 +17,9 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from configs.core import synthetic
 from tests.environment import command_env
 from zoo_core import mlp_classifier, tasks, trainer
+from zoo_core.configs.core import synthetic
 from zoo_core.data import pipeline
 from zoo_core.run import guard as run_guard
 from zoo_core.run import log as run_log
@@ -436,7 +436,7 @@ def test_patience_stops_early_and_a_finished_run_stays_finished(data_dir, tmp_pa
 
 _LOAD_ON_ONE_DEVICE = """
 import sys, jax, numpy as np
-from configs.core import synthetic
+from zoo_core.configs.core import synthetic
 from zoo_core import mlp_classifier, trainer
 c = synthetic.get_config("smoke")
 _, params, step = trainer.load_params(sys.argv[1], mlp_classifier.Model, c)
@@ -762,7 +762,7 @@ def test_a_run_ends_with_one_summary_line_naming_steps_best_metric_and_checkpoin
 def test_a_shorter_total_steps_needs_no_other_step_field_changed():
     """`--config.total_steps=1` on the UEA config (eval_also_at_step = one epoch = 17) runs: an extra
     evaluation past the end is none, as an eval_every_steps past the end is."""
-    from configs.agf import uea
+    from zoo_core.configs.agf import uea
     from zoo_core.run import setup_checks
     c = uea.get_config("dataset=JapaneseVowels")
     assert c.eval_also_at_step == 17 and c.eval_every_steps == 34

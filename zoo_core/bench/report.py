@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from zoo_core import checks
+from zoo_core import checks, extras
 from zoo_core.bench.sweep import OK, Result, as_dicts, format_table, run_scaling
 from zoo_core.bench.timing import default_bandwidth_bytes, default_max_bytes, psutil, reference_bandwidth, roofline
 from zoo_core.run.metrics import write_json
@@ -193,6 +193,7 @@ def parse_scaling_args(parser: argparse.ArgumentParser, cases: Sequence[str],
     """Parses `argv`: cases become a list (an unknown case, a number out of range, lengths not increasing
     and an --out_dir that cannot be written are usage errors), and `max_bytes` is the resolved memory guard."""
     args = parser.parse_args(argv)
+    extras.require_or_exit("plots", "the scaling benchmark's figure", ("matplotlib",))
     if args.lengths != sorted(set(args.lengths)):   # a case stops at its first failure: smallest first
         parser.error(f"--lengths must be increasing, got {','.join(map(str, args.lengths))}")
     args.cases = checks.choice_list(parser, "--cases", args.cases, cases)

@@ -11,6 +11,8 @@ import os
 
 from absl import logging
 
+from zoo_core import extras
+
 DATASETS = {
     "synthetic_linear": "zoo_core.data.synthetic",
     "lra_listops": "zoo_core.data.listops",
@@ -27,6 +29,14 @@ DATASETS = {
 }
 
 
+def require_extra(name: str) -> None:
+    """Raises `extras.MissingExtra` (one line) when dataset `name` needs an extra that is not installed:
+    its module's `EXTRA`, (extra, the import names its building needs)."""
+    need = getattr(importlib.import_module(DATASETS[name]), "EXTRA", None)
+    if need is not None:
+        extras.require(need[0], f"data.name={name!r}", need[1])
+
+
 def make_builder(name: str, data_dir: str, **options):
     """Returns the (unprepared) TFDS builder of dataset `name` configured with `options`.
 
@@ -36,6 +46,7 @@ def make_builder(name: str, data_dir: str, **options):
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
+    require_extra(name)
     module = importlib.import_module(DATASETS[name])
     # Modules serving several names (the LRA file readers) take the name as their first option.
     if getattr(module, "MULTI_DATASET", False):
@@ -88,6 +99,7 @@ def check_options(name: str, data_dir: str, options: dict):
     from zoo_core.data import pipeline
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r} (data.name); known datasets: {', '.join(sorted(DATASETS))}")
+    require_extra(name)
     resolved = pipeline.resolve_data_dir(data_dir)
     where = "data.data_dir" if data_dir else ("$ZOO_DATA_DIR" if os.environ.get("ZOO_DATA_DIR") else "the data dir")
     parent = os.path.abspath(resolved)

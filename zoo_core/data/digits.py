@@ -18,7 +18,11 @@ import pathlib
 import numpy as np
 import tensorflow_datasets as tfds
 
+from zoo_core import extras
 from zoo_core.data import base
+
+# The extra and the packages of it that building this dataset imports (zoo_core.extras).
+EXTRA = ("digits", ("sklearn",))
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (8, 8, 1)
@@ -62,9 +66,8 @@ def load_arrays() -> tuple[np.ndarray, np.ndarray]:
     Reads `sklearn/datasets/data/digits.csv.gz` (64 pixels then the label per row, what `load_digits`
     parses) without importing scikit-learn, which takes seconds; falls back to `load_digits`.
     """
+    extras.require(EXTRA[0], "data.name='digits'", EXTRA[1])
     spec = importlib.util.find_spec("sklearn")
-    if spec is None or spec.origin is None:
-        raise ValueError("digits: needs scikit-learn installed (its wheel ships the data)")
     path = pathlib.Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     if path.is_file():
         table = np.loadtxt(path, delimiter=",")

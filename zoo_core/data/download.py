@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     if args.source == "uea":
         for name in args.names or uea.TABLE1:
             if name in uea.shipped_datasets():
-                print(f"{name}: shipped with sktime, nothing to fetch")
+                print(f"{name}: shipped in the package, nothing to fetch")
                 continue
             try:
                 train, _ = uea.fetch_dataset(name, data_dir, args.base_url or uea.BASE_URL)

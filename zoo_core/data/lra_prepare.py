@@ -51,6 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from zoo_core import extras
 from zoo_core.data import fetch
 
 LRA_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
@@ -323,6 +324,8 @@ def main(argv=None) -> int:
         lacking = sorted({source_of[t] for t in tasks if not given[source_of[t]]})
         if lacking:
             raise PrepareError(f"--tasks {','.join(tasks)} needs --{' --'.join(lacking)}")
+        if "pathfinder" in tasks:
+            extras.require("lra", "pathfinder (its PNG images)", ("PIL",))
         data_dir = args.data_dir or None
         archive_tasks = [t for t in tasks if t in ARCHIVE_TASKS]
         if archive_tasks:

@@ -45,6 +45,9 @@ import tensorflow_datasets as tfds
 
 from zoo_core.data import base
 
+# The extra and the packages of it that building this dataset imports (zoo_core.extras).
+EXTRA = ("text", ("num2words",))
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3

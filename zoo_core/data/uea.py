@@ -14,14 +14,13 @@ which this module reproduces:
 The validation split of the harness is the TEST split (agf.md §3.2), so the splits are 'train', 'test'.
 
 Sources:
-  * `source_dir=None`: the `.ts` files that the sktime (preferred) or aeon wheel ships, located with
-    importlib.metadata without importing the package. Multivariate: BasicMotions (40/40, 6 dims,
-    length 100, 4 classes) and JapaneseVowels (270/370, 12 dims, length 7-29, 9 classes); univariate
-    sets such as GunPoint work the same way (C = 1).
+  * `source_dir=None`: the `.ts` files shipped in this package (`SHIPPED_DIR`, the UEA archive's files
+    as sktime's wheel ships them): BasicMotions (40/40, 6 dims, length 100, 4 classes) and
+    JapaneseVowels (270/370, 12 dims, length 7-29, 9 classes). Univariate sets work the same way (C = 1).
   * `source_dir=DIR`: the archive layout DIR/<Name>/<Name>_TRAIN.ts and DIR/<Name>/<Name>_TEST.ts
     (as unzipped from timeseriesclassification.com's Multivariate2018_ts.zip; DIR/<Name>_TRAIN.ts works
     too).
-  * otherwise (not shipped, no `source_dir`): fetched on first use from `<base_url>/<Name>.zip` (the
+  * otherwise (no `source_dir`, not shipped): fetched on first use from `<base_url>/<Name>.zip` (the
     option `base_url`, default `BASE_URL`, the archive's per-data-set zips that aeon and sktime download)
     into `<data dir>/downloads/uea/<Name>.zip`, checked (every CRC, <Name>_TRAIN.ts and <Name>_TEST.ts at
     the zip's root or in a <Name>/ folder) and unpacked to `<data dir>/downloads/uea/<Name>/`
@@ -37,9 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import json
 import os
+import pathlib
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,8 @@ BASE_URL = "https://timeseriesclassification.com/aeon-toolkit"
 # AGF Table 1 (agf.md §3.2): the ten data sets of the paper, fetched when not shipped.
 TABLE1 = ("EthanolConcentration", "FaceDetection", "Handwriting", "Heartbeat", "JapaneseVowels", "PEMS-SF",
           "SelfRegulationSCP1", "SelfRegulationSCP2", "SpokenArabicDigits", "UWaveGestureLibrary")
-WHEEL_PACKAGES = ("sktime", "aeon")  # searched in this order; both ship identical files
+# The two small sets the main job and the tests use ship inside the package (attribution: its README.md).
+SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "uea_files"
 NORMALIZATIONS = ("standardization", "minmax", "none")
 _EPS = np.finfo(float).eps  # mvts_transformer's Normalizer epsilon (float64)
 
@@ -194,24 +194,10 @@ def fill_missing(x: np.ndarray, *, where: str = "") -> np.ndarray:
 # locating files
 
 
-@functools.lru_cache(maxsize=None)
-def _wheel_files(package: str) -> dict[str, str]:
-    """{'BasicMotions_TRAIN.ts': absolute path, ...} of the .ts files that `package` installed."""
-    try:
-        files = importlib.metadata.files(package) or []
-    except importlib.metadata.PackageNotFoundError:
-        return {}
-    return {f.name: str(f.locate()) for f in files if f.name.endswith(".ts")}
-
-
 def shipped_datasets() -> list[str]:
-    """Names of the datasets with both TRAIN and TEST files in an installed sktime/aeon."""
-    names = set()
-    for package in WHEEL_PACKAGES:
-        files = _wheel_files(package)
-        names |= {n[:-len("_TRAIN.ts")] for n in files if n.endswith("_TRAIN.ts")
-                  and n.replace("_TRAIN.ts", "_TEST.ts") in files}
-    return sorted(names)
+    """Names of the datasets shipped inside this package (`SHIPPED_DIR`, with both TRAIN and TEST)."""
+    return sorted(d.name for d in SHIPPED_DIR.iterdir()
+                  if (d / f"{d.name}_TRAIN.ts").is_file() and (d / f"{d.name}_TEST.ts").is_file())
 
 
 def _zip_members(dataset: str, names: list[str]) -> dict[str, str]:
@@ -258,8 +244,8 @@ def fetch_dataset(dataset: str, data_dir: str, base_url: str = BASE_URL) -> tupl
 
 def locate(dataset: str, source_dir: str | None, *, data_dir: str | None = None,
            base_url: str | None = None) -> tuple[str, str]:
-    """Paths of <dataset>_TRAIN.ts and <dataset>_TEST.ts: from `source_dir`, else from an installed
-    sktime/aeon, else (with `data_dir`) from the download cache, else (with `base_url` too) fetched
+    """Paths of <dataset>_TRAIN.ts and <dataset>_TEST.ts: from `source_dir`, else the copy shipped in this
+    package, else (with `data_dir`) from the download cache, else (with `base_url` too) fetched
     (`fetch_dataset`).
 
     Raises:
@@ -274,17 +260,14 @@ def locate(dataset: str, source_dir: str | None, *, data_dir: str | None = None,
         raise ValueError(f"uea: dataset {dataset!r} not found: put {dataset}/{names[0]} and {dataset}/{names[1]} "
                          f"(UEA .ts format, the archive's Multivariate_ts layout) under "
                          f"source_dir={source_dir!r}")
-    for package in WHEEL_PACKAGES:
-        files = _wheel_files(package)
-        if all(n in files for n in names):
-            return files[names[0]], files[names[1]]
+    shipped = SHIPPED_DIR / dataset
+    if all((shipped / n).is_file() for n in names):
+        return str(shipped / names[0]), str(shipped / names[1])
     if data_dir is not None:
         paths = tuple(os.path.join(cached_dir(data_dir), dataset, n) for n in names)
         if all(os.path.isfile(p) for p in paths):
             return paths
-    shipped = shipped_datasets()
-    not_shipped = (f"uea: dataset {dataset!r} is not shipped by an installed {' or '.join(WHEEL_PACKAGES)} "
-                   f"(available: {', '.join(shipped) or 'none, install sktime'})")
+    not_shipped = f"uea: {dataset} is not shipped (only {', '.join(shipped_datasets())} are)"
     if data_dir is not None and base_url:
         try:
             return fetch_dataset(dataset, data_dir, base_url)
@@ -452,7 +435,7 @@ def _check(c: UeaConfig) -> None:
 def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     """Returns the (unprepared) builder of one UEA dataset.
 
-    Options: dataset ('JapaneseVowels'), source_dir (None: the files shipped by sktime/aeon, else
+    Options: dataset ('JapaneseVowels'), source_dir (None: the files shipped in this package, else
     the download cache, else fetched), max_length (None: longest of both splits; 'train': longest TRAIN
     series; or an int), normalization ('standardization' | 'minmax' | 'none'), base_url (`BASE_URL`;
     '' or None: never fetch). base_url does not key the prepared data (the files' contents do).

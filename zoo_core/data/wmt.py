@@ -32,6 +32,9 @@ import tensorflow_datasets as tfds
 
 from zoo_core.data import base
 
+# The extra and the packages of it that building this dataset imports (zoo_core.extras).
+EXTRA = ("text", ("sentencepiece",))
+
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 # split name -> file stem in source_dir.
 FILE_STEMS = {"train": "train", "validation": "dev", "test": "test"}

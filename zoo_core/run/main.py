@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from zoo_core import configs
 from zoo_core.run import flag_errors
 from zoo_core.run.errors import ConfigError, NonFiniteError
 
@@ -304,6 +305,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if any(arg in _HELP for arg in argv[1:]):
         _print_help()
         sys.exit(0)
+    argv = with_shipped_config(argv)
     problem = flag_errors.config_path_problem(argv)
     if problem:
         _fail(problem)
@@ -322,6 +324,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
         except OSError as e:
             _fail(f"bad flag: --config {flag_errors.config_argument(argv)}: {flag_errors.last_line(str(e))}")
     return rest
+
+
+def with_shipped_config(argv: Sequence[str]) -> list[str]:
+    """`argv` with its --config value passed through `zoo_core.configs.resolve`: the README's
+    `--config configs/<arch>/<task>.py` names the shipped file from any folder where no such file exists."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in ("--config", "-config") and i + 1 < len(out):
+            out[i + 1] = configs.resolve(out[i + 1])
+        elif arg.startswith(("--config=", "-config=")):
+            flag, _, value = arg.partition("=")
+            out[i] = f"{flag}={configs.resolve(value)}"
+    return out
 
 
 def run(build_model: Callable[..., Any], evaluators_fn: Callable[[Any], list] | None = None) -> None:

@@ -18,9 +18,10 @@ import re
 import shlex
 import sys
 
+from zoo_core import configs, extras
 from zoo_core.study import Study, report, runner
 
-STUDIES = runner.REPO / "configs" / "studies"
+STUDIES = configs.ROOT / "studies"
 
 
 def _fail(message: str) -> None:
@@ -37,15 +38,11 @@ def _load_module(path: str, name: str):
 
 def load_study(spec: str) -> Study:
     """The `Study` of 'path/to/study.py[:args]' (raises ValueError with one line when it cannot be had)."""
-    path, _, arg = spec.partition(":")
-    if not os.path.isfile(path) and os.path.isfile(runner.REPO / path):
-        path = str(runner.REPO / path)
+    path, _, arg = configs.resolve(spec).partition(":")
     if not os.path.isfile(path) or not path.endswith(".py"):
         known = sorted(p.stem for p in STUDIES.glob("*.py") if not p.stem.startswith("_"))
         raise ValueError(f"unknown study {spec.partition(':')[0]!r}: not a study file; known: "
                          f"{', '.join(f'configs/studies/{k}.py' for k in known)}")
-    if str(runner.REPO) not in sys.path:   # study files import configs.*
-        sys.path.insert(0, str(runner.REPO))
     try:
         module = _load_module(path, f"_study_{os.path.basename(path)[:-3]}")
     except Exception as e:   # a broken study file: name it and the exception
@@ -73,13 +70,13 @@ def check_set_fields(study: Study, flags: list[str]) -> None:
     """Each --set field must exist in every training cell's config (loaded here, as the trainer would)."""
     if not flags:
         return
-    configs = {c.config or study.config for c in study.cells if not c.is_benchmark}
-    if not configs:
+    specs = {c.config or study.config for c in study.cells if not c.is_benchmark}
+    if not specs:
         raise ValueError("--set: this study has no training runs (its cells are benchmarks)")
-    for spec in sorted(configs):
-        path, _, arg = spec.partition(":")
+    for spec in sorted(specs):
+        path, _, arg = configs.resolve(spec).partition(":")
         try:
-            config = _load_module(str(runner.REPO / path), "study_config").get_config(arg or None)
+            config = _load_module(path, "study_config").get_config(arg or None)
         except Exception as e:
             raise ValueError(f"config {spec} does not load: {type(e).__name__}: {e}") from None
         for flag in flags:
@@ -151,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             if evaluation:
                 print(f"    then: {_shown(evaluation)}")
         return 0
+    if study.plot is not None:
+        extras.require_or_exit("plots", f"the {study.name} study's figure", ("matplotlib",))
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:

@@ -1,7 +1,7 @@
 """Running a study's grid: one subprocess per run, resumable, with a progress line and an ETA per run.
 
 Each run is `python -m <module> --config <config> --workdir DIR/<cell>/seed_<s> --config.seed=<s>
-<overrides>` (or a benchmark cell's command) started from the repository root, its output appended to
+<overrides>` (or a benchmark cell's command) started in the working directory, its output appended to
 `<run folder>/log.txt`. Its outcome goes to `<run folder>/study_run.json` (`MARKER`): status 'done' or
 'failed', the exit status, the one-line error (the trainer's last `error: ...` line, else the output's
 last line), the wall time and the command. A rerun skips the 'done' runs and starts the others again;
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 from zoo_core.study import Run, Study
 
 MARKER = "study_run.json"
-REPO = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES_DIR = pathlib.Path(__file__).resolve().parents[2]
 
 
 def train_command(study: Study, run: Run, run_dir: str, extra: Sequence[str] = ()) -> list[str]:
@@ -84,9 +84,11 @@ _STOPPING = threading.Event()
 
 
 def _execute(cmd: list[str], log_path: str) -> tuple[int, str]:
-    """Runs `cmd` from the repository root, appending its output to `log_path`: (exit status, output)."""
+    """Runs `cmd` in the working directory, with the packages' folder first on PYTHONPATH (a checkout
+    need not be installed), appending its output to `log_path`: (exit status, output). Its
+    `configs/...` names resolve as the trainer resolves them (`zoo_core.configs.resolve`)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGES_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     with open(log_path, "a") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
@@ -94,7 +96,7 @@ def _execute(cmd: list[str], log_path: str) -> tuple[int, str]:
         start = log.tell()
         if _STOPPING.is_set():
             raise Stopped
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
         _CHILDREN.add(proc)
         try:

@@ -2,8 +2,8 @@
 a UEA or forecasting data block whose path options exist (so that `--config.data.options.<path>=` can
 be overridden). `:data=uea|forecasting`.
 """
-from configs import common
-from configs.core import synthetic
+from zoo_core.configs import common
+from zoo_core.configs.core import synthetic
 
 
 def get_config(arg=None):

@@ -12,7 +12,7 @@ from zoo_core import data as data_lib
 from zoo_core.data import arrays, pipeline
 
 # The main configs' datasets: AGF ListOps, SAMoVAR Fig. 4, HTGN number_words.
-CONFIGS = ("configs.agf.lra_listops", "configs.samovar.synthetic_var", "configs.htgn.number_words")
+CONFIGS = ("zoo_core.configs.agf.lra_listops", "zoo_core.configs.samovar.synthetic_var", "zoo_core.configs.htgn.number_words")
 
 
 @pytest.fixture(scope="module", params=CONFIGS)

@@ -47,7 +47,7 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
 
 
 def test_a_config_that_does_not_exist_is_named():
-    with pytest.raises(ValueError, match="no config module 'configs.agf.nothing'"):
+    with pytest.raises(ValueError, match="--config 'configs/agf/nothing.py': no such config file"):
         bench_pipeline.load_config("configs/agf/nothing.py", tiny=True)
     config = bench_pipeline.load_config("configs/samovar/synthetic_var.py:kind=lintrans", tiny=True)
     assert config.model.kind == "lintrans" and config.total_steps == 2   # the argument and the smoke variant

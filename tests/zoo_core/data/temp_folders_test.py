@@ -8,7 +8,7 @@ import pytest
 
 from zoo_core import data as data_lib
 
-CONFIGS = ("configs.agf.lra_listops", "configs.samovar.synthetic_var", "configs.htgn.number_words")
+CONFIGS = ("zoo_core.configs.agf.lra_listops", "zoo_core.configs.samovar.synthetic_var", "zoo_core.configs.htgn.number_words")
 
 
 @pytest.mark.parametrize("module", CONFIGS)

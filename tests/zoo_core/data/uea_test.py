@@ -117,9 +117,8 @@ def test_max_length_train_truncates_and_none_normalisation(source_dir, tmp_path)
     assert b.info.features["mask"].shape == (7,)
 
 
-def test_wheel_datasets(tmp_path):
-    if not {"JapaneseVowels", "BasicMotions"} <= set(uea.shipped_datasets()):
-        pytest.skip("neither sktime nor aeon is installed")
+def test_shipped_datasets(tmp_path):
+    assert uea.shipped_datasets() == ["BasicMotions", "JapaneseVowels"]
     b = uea.make_builder(str(tmp_path), dataset="JapaneseVowels")
     b.download_and_prepare()
     assert b.info.features["inputs"].shape == (29, 12)
@@ -146,10 +145,10 @@ def test_wheel_datasets(tmp_path):
 def test_missing_files_and_bad_options(tmp_path):
     with pytest.raises(ValueError, match=r"put Nope/Nope_TRAIN\.ts and Nope/Nope_TEST\.ts .* under source_dir="):
         uea.make_builder(str(tmp_path), dataset="Nope", source_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"'Nope' is not shipped .* pass source_dir=DIR"):
+    with pytest.raises(ValueError, match=r"^uea: Nope is not shipped \(only BasicMotions, JapaneseVowels are\) and could not fetch .*Nope\.zip"):
         uea.make_builder(str(tmp_path), dataset="Nope")
     # '' (how configs spell "not given") means the shipped files, not the current directory.
-    with pytest.raises(ValueError, match=r"'Nope' is not shipped .* pass source_dir=DIR"):
+    with pytest.raises(ValueError, match=r"^uea: Nope is not shipped \(only BasicMotions, JapaneseVowels are\) and could not fetch .*Nope\.zip"):
         uea.make_builder(str(tmp_path), dataset="Nope", source_dir="")
     with pytest.raises(ValueError, match="max_length"):
         uea.make_builder(str(tmp_path), dataset="Toy", max_length=0)

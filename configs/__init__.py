@@ -1,1 +1,0 @@
-"""ml_collections configs: configs/<arch>/<task>.py, each `get_config(arg)` with a `:smoke` variant."""
