@@ -18,8 +18,9 @@ for name in $tops; do
     *) echo "wheel-check: the wheel installs a top-level '$name'"; exit 1 ;; esac
 done
 python3 -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q --upgrade pip
-"$work/venv/bin/python" -m pip install -q "$wheel"
+pip_quiet() { "$work/venv/bin/python" -m pip install -q "$@" > "$work/pip.log" 2>&1 || { tail -20 "$work/pip.log"; exit 1; }; }
+pip_quiet --upgrade pip
+pip_quiet "$wheel"
 echo "wheel-check: core install $(du -sm "$work/venv" | cut -f1) MB in a fresh venv"
 run_dir="$work/run"
 mkdir -p "$run_dir" "$work/home"
@@ -52,6 +53,6 @@ py -W error::DeprecationWarning -c "import zoo_core.masking" 2> "$work/err" && {
 grep -q "zoo_core.ops.masking" "$work/err"
 py -c "import warnings; warnings.simplefilter('ignore'); import zoo_core.masking"
 # With the [text] extra, the HTGN config trains.
-"$work/venv/bin/python" -m pip install -q "$wheel[text]"
+pip_quiet "$wheel[text]"
 py -m htgn_jax.train --config configs/htgn/number_words.py:smoke --workdir runs/htgn
 echo "wheel-check: passed in $(( $(date +%s) - start )) s"

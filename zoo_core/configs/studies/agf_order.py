@@ -5,8 +5,8 @@
         --set total_steps=340
     python -m zoo_core.study configs/studies/agf_order.py:smoke --workdir /tmp/agf_order_smoke
 
-Cells: K in `orders` (default 1-2-3-4-5-6-8-10) on `dataset` (default JapaneseVowels, which ships with
-sktime; the others are fetched on first use, docs/data.md), every other setting the reference's best for that data set
+Cells: K in `orders` (default 1-2-3-4-5-6-8-10) on `dataset` (default JapaneseVowels, which ships in the
+package; the others are fetched on first use, docs/data.md), every other setting the reference's best for that data set
 (configs/agf/uea.py; JapaneseVowels: Legendre, no fixI, gamma 0.01, tuned K = 4). Metric: the UEA
 protocol's best test accuracy over the evaluations, and the last. The figure: accuracy against K.
 Budget: 100 epochs (1,700 steps on JapaneseVowels, about 7 min a run on an idle 2-core CPU);

@@ -6,7 +6,7 @@
 
 Cells: the paper's ten data sets (configs/agf/uea.py's REFERENCE less BasicMotions) x every name of
 `zoo_core.attention.names("self")` read when the study loads, so mechanisms registered later join the
-grid (`:attention=NAME` of configs/agf/uea.py). Data: JapaneseVowels ships with sktime; the other nine
+grid (`:attention=NAME` of configs/agf/uea.py). Data: JapaneseVowels ships in the package; the other nine
 are fetched from the UEA archive on first use (`python -m zoo_core.data.download uea` fetches them ahead;
 docs/data.md), or read from `source_dir=DIR` (the unpacked Multivariate2018_ts.zip); offline and
 uncached, a cell is recorded as failed with the data's one-line error. Metric: the UEA protocol's best
