@@ -17,6 +17,10 @@ Everything returns numpy arrays; shapes use B batch, T sequence, H heads, D head
 """
 from __future__ import annotations
 
+__all__ = ["agf_layers", "filter_coefficients_of", "filter_response", "implicit_attention", "softmax_attention_matrix",
+           "frequency_energy", "high_frequency_fraction", "frequency_comparison", "token_cosine_similarity",
+           "oversmoothing_profile", "attention_probes", "operator_oversmoothing"]
+
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp

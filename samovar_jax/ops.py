@@ -32,6 +32,10 @@ one in that dtype; the returned outputs are in x0's dtype; states are float32 (f
 """
 from __future__ import annotations
 
+__all__ = ["rms_norm", "instance_norm_stats", "patchify", "unpatchify", "var_chain_init_state", "var_chain_parallel",
+           "var_chain_chunked", "var_chain_chunked_batched", "var_chain_layers", "var_chain_scan", "var_chain_step",
+           "lu_factors", "structural_matrix", "structural_matrix_inverse"]
+
 from typing import Optional, Sequence
 
 import jax
