@@ -1,11 +1,15 @@
 """The module paths of 0.1.0 still import (zoo_core.moved): each old path of a moved module warns once with
 a DeprecationWarning naming the new path and is the new module object; every other 0.1.0 path is still a
 module of its own. tests/testdata/modules_0.1.0.txt lists the 0.1.0 layout (from git history)."""
+import importlib
 import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
+import warnings
+
+import pytest
 
 from tests import environment
 from zoo_core import moved
@@ -102,3 +106,21 @@ def test_python_shows_the_warning_by_default_at_the_importing_line():
         "zoo_core.ops.masking",
         "<string>:2: DeprecationWarning: zoo_core.optim is deprecated and will be removed in 0.3.0; import "
         "zoo_core.run.optim"]
+
+
+def test_every_renamed_name_warns_and_is_the_new_object():
+    for old, new in moved.RENAMED.items():
+        module_name, _, name = old.rpartition(".")
+        module = importlib.import_module(module_name)
+        assert name not in vars(module), f"{old} is defined again: the alias would never run"
+        new_module, _, new_name = new.rpartition(".")
+        expected = getattr(importlib.import_module(new_module), new_name)
+        with pytest.warns(DeprecationWarning) as caught:
+            got = getattr(module, name)
+        assert got is expected, old
+        assert [str(w.message) for w in caught] == [f"{old} is deprecated and will be removed in 0.3.0; use {new}"]
+        assert caught[0].filename == __file__   # the line that asked for the name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+            assert importlib.import_module("agf_jax.ops").no_such_name is None

@@ -2,7 +2,8 @@
 
 `import zoo_core.masking` (or `from zoo_core import masking`) warns once with a `DeprecationWarning`
 naming the new path and gives the new module itself, so `zoo_core.masking is zoo_core.ops.masking` and
-every name of it works. One table (`MOVED`) and one `sys.meta_path` finder serve every old path; the
+every name of it works. A function renamed in a module that kept its path (`RENAMED`, e.g.
+`agf_jax.ops.agf_recurrent` -> `agf_scan`) warns the same way through the module's `__getattr__`. One table (`MOVED`) and one `sys.meta_path` finder serve every old path; the
 finder is installed by `zoo_core/__init__`, which every package of the zoo imports before its own
 modules, so an old path under `samovar_jax` works whichever package is imported first.
 
@@ -60,10 +61,35 @@ MOVED = {
     "samovar_jax.blocks": "samovar_jax.modules",
 }
 
+# old name (0.1.0) -> its new name, where a module kept its path and a function of it was renamed. The module
+# ends with `__getattr__ = moved.renamed_getattr(__name__)`.
+RENAMED = {
+    "agf_jax.ops.agf_recurrent": "agf_jax.ops.agf_scan",
+    "agf_jax.analysis.filter_coefficients": "agf_jax.analysis.filter_coefficients_of",
+    "agf_jax.model.merge_aux": "zoo_core.ops.aux_merge.stack_aux",
+    "samovar_jax.ops.var_chain_recurrent": "samovar_jax.ops.var_chain_scan",
+    "zoo_core.bench.write_json": "zoo_core.bench.write_records",
+}
+
 
 def message(old: str) -> str:
     """The warning of old path `old`: '<old> is deprecated and will be removed in 0.3.0; import <new>'."""
     return f"{old} is deprecated and will be removed in {REMOVED_IN}; import {MOVED[old]}"
+
+
+def renamed_getattr(module_name: str):
+    """The module-level `__getattr__` (PEP 562) of module `module_name`: each of its old names in `RENAMED`
+    warns with a DeprecationWarning naming the new one and gives the new object."""
+    def __getattr__(name: str):
+        old = f"{module_name}.{name}"
+        if old not in RENAMED:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        new = RENAMED[old]
+        warnings.warn(f"{old} is deprecated and will be removed in {REMOVED_IN}; use {new}", DeprecationWarning,
+                      stacklevel=2)
+        module, _, attribute = new.rpartition(".")
+        return getattr(importlib.import_module(module), attribute)
+    return __getattr__
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
