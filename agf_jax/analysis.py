@@ -17,12 +17,17 @@ Everything returns numpy arrays; shapes use B batch, T sequence, H heads, D head
 """
 from __future__ import annotations
 
+__all__ = ["agf_layers", "filter_coefficients_of", "filter_response", "implicit_attention", "softmax_attention_matrix",
+           "frequency_energy", "high_frequency_fraction", "frequency_comparison", "token_cosine_similarity",
+           "oversmoothing_profile", "attention_probes", "operator_oversmoothing"]
+
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
 import numpy as np
 
 from agf_jax import ops, softmax
+from zoo_core import moved
 
 _AGF_KEYS = frozenset({"query", "key", "sigma", "value", "out"})
 
@@ -371,3 +376,7 @@ def operator_oversmoothing(matrix, values, *, num_steps: int = 8, mask=None) -> 
         # A global rescale per sample keeps y in range (cosines are scale-free).
         y = y / np.maximum(np.max(np.abs(y), axis=(1, 2, 3), keepdims=True), 1e-300)
     return np.stack(out)
+
+
+# The names of 0.1.0 that were renamed warn and give the new function (zoo_core.moved.RENAMED).
+__getattr__ = moved.renamed_getattr(__name__)

@@ -22,6 +22,8 @@ on `axis_name`; `causal` and `noncausal` wrap them for a caller under `jax.set_m
 """
 from __future__ import annotations
 
+__all__ = ["causal", "noncausal", "orthogonality"]
+
 import functools
 from typing import Optional
 

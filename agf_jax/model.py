@@ -63,7 +63,7 @@ from agf_jax.model_attention import (  # noqa: F401
     options_tuple,
 )
 from agf_jax.model_attention import block_attention as _attention
-from zoo_core import checks
+from zoo_core import checks, moved
 from zoo_core.ops import xla_forms
 from zoo_core.ops.aux_merge import stack_aux
 from zoo_core.ops.block_config import config_class
@@ -558,3 +558,7 @@ def Model(*, kind: str, variant: Optional[str] = None, **kwargs) -> nn.Module:  
         args["attention_options"] = options_tuple(args["attention_options"])
     _check_options(kind, args)
     return KINDS[kind](**args)
+
+
+# The names of 0.1.0 that were renamed warn and give the new function (zoo_core.moved.RENAMED).
+__getattr__ = moved.renamed_getattr(__name__)

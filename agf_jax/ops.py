@@ -105,6 +105,7 @@ from agf_jax.forms import (
                            init_state,
 )
 from agf_jax.fused import agf_with_orthogonality, agf_with_orthogonality_plain
+from zoo_core import moved
 
 __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET", "AGFFactors",
            "AGFState", "agf_attention_matrix", "agf_chunked",
@@ -114,3 +115,7 @@ __all__ = ["BASES", "JACOBI_DEFAULT_ALPHA", "JACOBI_DEFAULT_BETA", "MASK_OFFSET"
            "basis_iter", "check_projections", "filter_coefficients", "graph_filter",
            "init_state", "jacobi_abc", "left_factor", "masked_logits",
            "orthogonality_loss", "polynomial_basis", "resolve_basis"]
+
+
+# The names of 0.1.0 that were renamed warn and give the new function (zoo_core.moved.RENAMED).
+__getattr__ = moved.renamed_getattr(__name__)

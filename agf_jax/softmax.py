@@ -53,6 +53,10 @@ bf16/fp16 inputs as they are (cuDNN keeps its softmax statistics in float32) and
 """
 from __future__ import annotations
 
+__all__ = ["KVCache", "init_cache", "check_room", "softmax_attention_weights", "softmax_parallel", "softmax_cross",
+           "softmax_fused", "softmax_chunked", "softmax_chunked_batched", "softmax_step", "softmax_scan",
+           "softmax_context_parallel"]
+
 import functools
 import math
 from typing import Callable, NamedTuple, Optional

@@ -18,6 +18,9 @@ run: `python -m htgn_jax.train --config ... --workdir W --eval_only --eval_split
 """
 from __future__ import annotations
 
+__all__ = ["window_graph_adjacency", "cross_graph_adjacency_matrix", "window_probs_to_dense", "cross_probs_to_dense",
+           "graph_attention_maps", "favor_error_curve"]
+
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn

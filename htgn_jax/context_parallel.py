@@ -19,6 +19,8 @@ forms' (`htgn_jax.ops`, `zoo_core.ops.packing`). The step form (decoding) is not
 """
 from __future__ import annotations
 
+__all__ = ["favor", "positions"]
+
 import functools
 from typing import Any, Optional
 

@@ -32,6 +32,8 @@ Wu et al. 2016). With beam_size = 1 and alpha = 0 beam search is greedy search.
 """
 from __future__ import annotations
 
+__all__ = ["greedy_search", "beam_search", "sequence_log_probs", "length_normaliser", "make_bleu_evaluator"]
+
 import functools
 from typing import Any, Callable, Mapping, Optional
 

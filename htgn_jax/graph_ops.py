@@ -61,6 +61,8 @@ changes no other output and no KL term. The dense `[L, L]` test oracles live in
 """
 from __future__ import annotations
 
+__all__ = ["window_graph_attention", "cross_graph_attention", "cross_graph_centres"]
+
 from typing import Any, Sequence
 
 import jax

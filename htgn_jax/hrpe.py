@@ -27,6 +27,9 @@ dropped. Global nodes get no spectral PE (htgn.md §5.2: they only shift the tok
 """
 from __future__ import annotations
 
+__all__ = ["rotary_frequencies", "apply_rotary", "path_graph_pe", "masked_path_graph_pe", "grid_graph_pe",
+           "adjacency_graph_pe", "skip_path_graph_pe", "masked_skip_path_graph_pe", "skip_grid_graph_pe"]
+
 import functools
 import math
 from typing import Any

@@ -75,6 +75,9 @@ by passing the last training step (or none). k = 0 means never redraw (draw inde
 """
 from __future__ import annotations
 
+__all__ = ["FEATURE_MAPS", "softmax_kernel_features", "trig_kernel_features", "relu_features", "elu_features",
+           "favor_features", "normalize", "favor_parallel", "cross_cache", "exact_softmax_attention", "favor_attention"]
+
 import math
 from typing import Any
 

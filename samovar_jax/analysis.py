@@ -28,6 +28,10 @@ Functions:
 """
 from __future__ import annotations
 
+__all__ = ["lag_matrices", "channel_contributions", "model_lag_matrices", "path_factors", "temporal_path_weights",
+           "model_temporal_paths", "num_temporal_paths", "total_num_paths", "jacobian_var_coefficients",
+           "var_coefficient_distance", "var_attention_maps", "lintrans_attention_maps", "attention_maps"]
+
 import functools
 import math
 from typing import Callable, Optional

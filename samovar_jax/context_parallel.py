@@ -28,6 +28,8 @@ is one device's form.
 """
 from __future__ import annotations
 
+__all__ = ["var_chain"]
+
 import functools
 from typing import Optional, Sequence, Union
 

@@ -32,13 +32,17 @@ one in that dtype; the returned outputs are in x0's dtype; states are float32 (f
 """
 from __future__ import annotations
 
+__all__ = ["rms_norm", "instance_norm_stats", "patchify", "unpatchify", "var_chain_init_state", "var_chain_parallel",
+           "var_chain_chunked", "var_chain_chunked_batched", "var_chain_layers", "var_chain_scan", "var_chain_step",
+           "lu_factors", "structural_matrix", "structural_matrix_inverse"]
+
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo_core import checks
+from zoo_core import checks, moved
 from zoo_core.ops import linear_attention, masking, packing
 
 Array = jax.Array
@@ -416,3 +420,7 @@ def structural_matrix_inverse(theta: Array) -> Array:
     eye = jnp.broadcast_to(jnp.eye(theta.shape[-1], dtype=theta.dtype), theta.shape)
     l_inv = jax.scipy.linalg.solve_triangular(lower, eye, lower=True, unit_diagonal=True)
     return jax.scipy.linalg.solve_triangular(upper, l_inv, lower=False)
+
+
+# The names of 0.1.0 that were renamed warn and give the new function (zoo_core.moved.RENAMED).
+__getattr__ = moved.renamed_getattr(__name__)

@@ -134,12 +134,12 @@ def test_the_trainer_and_the_harness_are_packages_in_layers():
 def test_the_zoo_core_top_level_holds_packages_and_a_few_leaves():
     """The architecture shows in the folders: the maths (`ops`), the mechanisms (`attention`,
     `baselines`), the trainer (`run`), the harness (`bench`), `data`, `tasks`, `study`, the shipped
-    `configs`; at the top only the boundary checks, the cost leaf, the extras, the test helpers and the
-    trainer's facade and self-test."""
+    `configs`; at the top only the boundary checks, the cost leaf, the extras, the test helpers, the
+    trainer's facade and self-test, and the table of the 0.1.0 paths that moved."""
     root = pathlib.Path(__file__).resolve().parents[1] / "zoo_core"
     leaves = {p.stem for p in root.glob("*.py")} - {"__init__"}
     packages = {p.parent.name for p in root.glob("*/__init__.py")}
-    assert leaves == {"checks", "costs", "extras", "testing", "trainer", "train", "mlp_classifier"}
+    assert leaves == {"checks", "costs", "extras", "testing", "trainer", "train", "mlp_classifier", "moved"}
     assert packages == {"ops", "attention", "baselines", "run", "bench", "data", "tasks", "study", "configs"}
 
 

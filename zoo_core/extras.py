@@ -8,6 +8,8 @@ for it before any work (`require`) and stops with one line naming the extra and 
 """
 from __future__ import annotations
 
+__all__ = ["DISTRIBUTION", "EXTRAS", "MissingExtra", "install_command", "missing", "require", "require_or_exit"]
+
 import importlib.util
 import sys
 from typing import Sequence

@@ -15,6 +15,8 @@ Causal attention is refused: the projection mixes the future into every projecte
 """
 from __future__ import annotations
 
+__all__ = ["LinformerAttention", "linformer_attention"]
+
 import math
 from typing import Callable, ClassVar, Optional
 

@@ -38,6 +38,8 @@ non-causal and causal self-attention, no `scan` / `step` / decode form and no cr
 """
 from __future__ import annotations
 
+__all__ = ["LongformerAttention", "longformer_attention"]
+
 import math
 from typing import Callable, Optional
 

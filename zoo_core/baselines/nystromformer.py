@@ -22,6 +22,8 @@ skip O += conv(V) along the sequence, one kernel `[K]` per head shared by the he
 """
 from __future__ import annotations
 
+__all__ = ["NystromformerAttention", "nystrom_attention"]
+
 import math
 from typing import Callable, ClassVar, Optional
 

@@ -39,6 +39,8 @@ and causal self-attention, no `scan` / `step` / decode form and no cross form.
 """
 from __future__ import annotations
 
+__all__ = ["ReformerAttention", "lsh_attention"]
+
 import math
 from typing import Callable, ClassVar, Optional
 

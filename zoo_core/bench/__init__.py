@@ -21,6 +21,7 @@ bench`; `bench.run_scaling`, `bench.train_step_setup`, ...):
 A scaling script reduces to a `make_fn(case, n) -> (fn, args)` closure; see
 `benchmarks/softmax_attention.py`.
 """
+from zoo_core import moved
 from zoo_core.bench.report import (
                                    SCALING_LENGTHS,
                                    _measured_bytes,
@@ -70,3 +71,7 @@ __all__ = [
     "process_memory", "reference_bandwidth", "reference_matmul", "reset_peak_rss", "roofline", "time_jitted",
     "time_state_step", "compiled_memory", "cost_of", "memory_of", "train_step_setup", "_measured_bytes",
 ]
+
+
+# The names of 0.1.0 that were renamed warn and give the new function (zoo_core.moved.RENAMED).
+__getattr__ = moved.renamed_getattr(__name__)

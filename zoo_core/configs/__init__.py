@@ -7,6 +7,8 @@ and `resolve` finds the shipped file for such a name wherever the command runs.
 """
 from __future__ import annotations
 
+__all__ = ["ROOT", "resolve"]
+
 import os
 import pathlib
 

@@ -21,6 +21,8 @@ would.
 """
 from __future__ import annotations
 
+__all__ = ["causal", "noncausal", "sequence_map", "shard_causal", "shard_noncausal"]
+
 import functools
 from typing import Optional
 

@@ -39,6 +39,9 @@ removed with `jnp.where`, never by multiplying with 0, since 0 * NaN = NaN:
 """
 from __future__ import annotations
 
+__all__ = ["LinearState", "init_state", "causal_parallel", "causal_chunked", "causal_chunked_batched", "causal_step",
+           "causal_scan", "summary", "read", "noncausal"]
+
 import functools
 from typing import NamedTuple, Optional
 

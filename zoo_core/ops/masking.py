@@ -6,6 +6,8 @@ padded position holding NaN or 1e30 would otherwise still reach the output.
 """
 from __future__ import annotations
 
+__all__ = ["check_mask", "as_bool", "expand", "zero_padding"]
+
 from typing import Any, Optional, Sequence
 
 import jax

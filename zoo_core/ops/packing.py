@@ -11,6 +11,8 @@ the block.
 """
 from __future__ import annotations
 
+__all__ = ["check_segment_ids", "valid", "starts", "same_segment", "positions_from_segments"]
+
 from typing import Any, Optional, Sequence
 
 import jax

@@ -3,6 +3,8 @@ constant) and the same rows at given positions `[B, T]` (packed documents restar
 `zoo_core.ops.packing.positions_from_segments`)."""
 from __future__ import annotations
 
+__all__ = ["sinusoidal_table", "sinusoidal_at"]
+
 import math
 
 import jax.numpy as jnp

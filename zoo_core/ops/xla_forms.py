@@ -23,6 +23,9 @@ parameters and values). It is read at trace time, so jit the step inside it.
 """
 from __future__ import annotations
 
+__all__ = ["PLAIN_FORMS", "plain", "is_plain", "Dense", "DenseGeneral", "Embed", "LayerNorm", "layer_norm", "gelu",
+           "heads", "add_to_each"]
+
 import contextlib
 import functools
 import math

@@ -31,6 +31,8 @@ CPU devices: JAX's CPU backend starts with `config.parallel.cpu_devices` devices
 """
 from __future__ import annotations
 
+__all__ = ["run"]
+
 import functools
 import json
 import os
