@@ -1,7 +1,7 @@
 """Context parallelism of the zoo's own models: their compiled training step with the sequence split over P devices.
 
 For each model, length T (tokens of the model's sequence) and mode, the trainer's `train_step` (forward,
-backward and an Adam update, `zoo_core.run.steps.train_step`) is compiled from shapes only for a
+backward and the trainer's default AdamW update, `zoo_core.run.steps.train_step`) is compiled from shapes only for a
 ('data', 'sequence') mesh of [1, P] host devices, as the trainer builds it with `--config.parallel.sequence=P`
 (the state replicated, the sequence features split along T), and measured as `benchmarks.context_parallel`
 measures one mechanism:
@@ -40,12 +40,12 @@ if "jax" not in __import__("sys").modules:   # host devices must be set before j
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 from zoo_core import bench, checks, tasks  # noqa: E402
-from zoo_core.run import sharding  # noqa: E402
+from zoo_core.configs import common  # noqa: E402
+from zoo_core.run import optim, sharding  # noqa: E402
 from zoo_core.run.steps import init_state, train_step  # noqa: E402
 from zoo_core.testing import collective_bytes  # noqa: E402
 
@@ -99,8 +99,8 @@ def measure(name: str, t: int, shards: int, mode: str, args) -> dict:
     mesh = jax.make_mesh((1, shards), (sharding.DATA_AXIS, sharding.SEQUENCE_AXIS), devices=jax.devices()[:shards],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     model, task, host = build(name, t, sharding.SEQUENCE_AXIS if mode == "cp" and shards > 1 else None)
-    tx = optax.adam(1e-3)
-    step = jax.jit(functools.partial(train_step, model=model, tx=tx, task=task, schedule=lambda s: 1e-3))
+    tx, schedule = optim.make_optimizer(common.base_config())   # the trainer's default AdamW, as a vector
+    step = jax.jit(functools.partial(train_step, model=model, tx=tx, task=task, schedule=schedule))
     shape = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
     with jax.set_mesh(mesh):
         batch = {k: shape(v, sharding.feature_sharding(mesh, k, v.ndim).spec) for k, v in host.items()}

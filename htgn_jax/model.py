@@ -218,13 +218,9 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       dtype, param_dtype: compute and parameter dtypes.
       remat: recompute each encoder and decoder block's forward pass in the backward pass
         (`zoo_core.ops.remat`; decoding is not rematerialised).
-      sequence_axis: the mesh axis the source and target sequences are split over (context
-        parallelism; None: one device), with attention='favor' and a kernel feature map: the
-        self-attention, graph and Cross-Graph layers run their context-parallel forms (Cross-Graph:
-        every shard reads the whole memory) under `jax.set_mesh(mesh)`; the encoder's `[globals ;
-        tokens]` and the decoder's tokens are padded at their end to a multiple of the axis size
-        (masked; `encode` returns the padded memory and mask), and the logits are cut back to T.
-        Decoding (`init_cache`, `decode_step`) is one device's. `parallel.sequence > 1` sets it.
+      sequence_axis: the mesh axis both sequences are split over (context parallelism under `jax.set_mesh`;
+        attention='favor', a kernel feature map): every attention and graph layer runs its CP form, the stacks
+        padded to a multiple of the shards (masked; `encode` gives the padded memory); decoding steps are not.
     """
     source_vocab_size: int
     target_vocab_size: int
@@ -254,12 +250,10 @@ class Seq2Seq(_HTGNModel, kw_only=True):
 
     @property
     def sequence_padding(self) -> dict[str, int]:
-        """With `sequence_axis`: the batch features this model takes padded at their end (with the pad id;
-        0 = padding in the packed keys), which the trainer pads to a multiple of `parallel.sequence`: the
-        added tokens are masked and change no output or metric (`zoo_core.run.sharding.pad_sequences`)."""
-        if self.sequence_axis is None:
-            return {}
-        return {"inputs": self.pad_id, "targets": self.pad_id, "inputs_mask": False, **dict.fromkeys(PACKED_KEYS, 0)}
+        """With `sequence_axis`, the features the trainer may pad (masked: no output changes) and their pad
+        values (`zoo_core.run.sharding.pad_sequences`)."""
+        pads = {"inputs": self.pad_id, "targets": self.pad_id, "inputs_mask": False, **dict.fromkeys(PACKED_KEYS, 0)}
+        return {} if self.sequence_axis is None else pads
 
     @property
     def supports_cache(self) -> bool:
@@ -324,8 +318,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         elif positions is not None:
             x = x + jnp.take(self.source_pos_embed, positions, axis=0).astype(x.dtype)
         else:   # (rows past the table: the padding of context parallelism, `validation.source`)
-            table = pad_end(self.source_pos_embed[:inputs.shape[1]], inputs.shape[1], axis=0)
-            x = x + table.astype(x.dtype)[None]
+            x = x + pad_end(self.source_pos_embed[:inputs.shape[1]], inputs.shape[1], axis=0).astype(x.dtype)[None]
         return self.dropout(x, deterministic=deterministic)
 
     def _decoder_pe(self) -> Array:
@@ -371,9 +364,9 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     def _decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array,
                 deterministic: bool, feature_step: Optional[Array]):
         t = decoder_inputs.shape[1]
-        # positions past the table: padding of context parallelism (`validation.target_length`)
+        # context parallelism: positions past the table are padding (`validation.target_length`), and T is
+        # padded (masked) to a multiple of the shards; causal, so no output changes
         y = self._target_tokens(decoder_inputs, jnp.minimum(jnp.arange(t), self.max_target_len - 1), deterministic)
-        # context parallelism: T padded (masked) to a multiple of the shards; causal, so no output changes
         length = padded_length(t, self.sequence_axis)
         y, mask = pad_end(y, length), pad_end(decoder_inputs != self.pad_id, length, value=False)
         auxes = []
@@ -437,7 +430,6 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         logits, dec_aux = self._decode(decoder_inputs, memory, memory_mask, det, feature_step)
         return {"logits": logits}, _aux(self, sum_aux(enc_aux, dec_aux))
 
-
     def _packed_call(self, batch: dict, det: bool, feature_step: Optional[Array]):
         """`__call__` on a packed batch (zoo_core/data/packing.py, flax's wmt keys): 'inputs' `[B, S]` and
         'targets' `[B, T]` rows of several examples, with 'inputs_segmentation' / 'targets_segmentation'
@@ -471,8 +463,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         prev = jnp.concatenate([jnp.full_like(targets[:, :1], self.pad_id), targets[:, :-1]], axis=1)
         decoder_inputs = jnp.where(tgt_seg > 0, jnp.where(tgt_pos == 0, self.bos_id, prev), self.pad_id)
         y = self._target_tokens(decoder_inputs, tgt_pos, det)
-        t = y.shape[1]
-        length = padded_length(t, self.sequence_axis)   # context parallelism, as in `_decode`
+        t, length = y.shape[1], padded_length(y.shape[1], self.sequence_axis)   # context parallelism: `_decode`
         y, tgt_seg, tgt_pos = pad_end(y, length), pad_end(tgt_seg, length), pad_end(tgt_pos, length)
         auxes = []
         for block in self.decoder_blocks:
