@@ -157,6 +157,7 @@ class _ModelFields(nn.Module, kw_only=True):
     # The longest input (a registry attention's length option, `model_attention.registry_attention`);
     # the models declare it as a required field.
     max_len: Optional[int] = None
+    sequence_axis: Optional[str] = None
 
 
 BlockConfig = config_class(_ModelFields, "BlockConfig", """The fields every block and encoder of a model
@@ -280,6 +281,11 @@ class _LRABase(_ModelFields, kw_only=True):
             a token vocab_size-1 is prepended and the last input token dropped, pooling position 0).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.ops.remat`).
+        sequence_axis: the mesh axis T is split over (context parallelism; None: one device):
+            every block's attention runs its context-parallel form (`names('context_parallel')`;
+            another attention is refused), called under `jax.set_mesh(mesh)` with T divisible by
+            the axis size; the pooling and the head are jit's global view, so the numbers are one
+            device's (tested). `parallel.sequence > 1` sets it.
     """
     num_classes: int
     vocab_size: int
@@ -429,6 +435,7 @@ class UEAClassifier(_ModelFields, kw_only=True):
         pos_encoding: 'learnable' (U(-0.02, 0.02) table) | 'fixed' (sinusoidal, not trained).
         dtype, param_dtype: compute and parameter dtypes.
         remat: recompute each block's forward pass in the backward pass (`zoo_core.ops.remat`).
+        sequence_axis: as in `LRAClassifier` (max_len divisible by the axis size).
     """
     num_classes: int
     feat_dim: int

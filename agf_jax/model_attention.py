@@ -41,8 +41,9 @@ def block_attention(owner: nn.Module, config, *, ortho_scale: float, learn_c0: b
     if c.attention not in OWN_ATTENTIONS:
         return registry_attention(c.attention, num_heads=c.num_heads, head_dim=c.head_dim,
                                   dtype=c.dtype, param_dtype=c.param_dtype, max_len=c.max_len,
-                                  options=dict(c.attention_options)).clone(parent=owner, name=name)
-    init = dict(dtype=c.dtype, param_dtype=c.param_dtype,
+                                  options=dict(c.attention_options),
+                                  sequence_axis=c.sequence_axis).clone(parent=owner, name=name)
+    init = dict(dtype=c.dtype, param_dtype=c.param_dtype, sequence_axis=c.sequence_axis,
                 bias_init=torch_linear_bias_init(c.d_model),
                 out_bias_init=torch_linear_bias_init(c.num_heads * c.head_dim), name=name)
     if c.attention == "agf":
@@ -56,7 +57,8 @@ def block_attention(owner: nn.Module, config, *, ortho_scale: float, learn_c0: b
 
 
 def registry_attention(name: str, *, num_heads: int, head_dim: int, dtype: Any, param_dtype: Any,
-                       options: dict, max_len: Optional[int] = None) -> nn.Module:
+                       options: dict, max_len: Optional[int] = None,
+                       sequence_axis: Optional[str] = None) -> nn.Module:
     """Registry attention `name`, non-causal, in the layer contract (`(y, aux)`), for a block.
 
     `zoo_core.attention.layer` gives the mechanism's own contract layer; a mechanism whose
@@ -65,11 +67,15 @@ def registry_attention(name: str, *, num_heads: int, head_dim: int, dtype: Any, 
     Its own initialisers and defaults, `options` its fields (e.g. FAVOR+'s `num_features`). Where
     the registry names an option that bounds the input length (`zoo_core.attention.length_option`,
     e.g. Linformer's `max_length`) and `options` leaves it unset, it is the model's `max_len`.
+    `sequence_axis` (context parallelism) goes to the layer; `validation.check_sequence_axis` has
+    refused a mechanism without that form.
     """
     length_option = getattr(zoo_attention, "length_option", None)   # registries that have one
     key = length_option(name) if length_option is not None and max_len is not None else None
     if key is not None and key not in options:
         options = {**options, key: max_len}
+    if sequence_axis is not None:
+        options = {**options, "sequence_axis": sequence_axis}
     kw = dict(num_heads=num_heads, qkv_features=num_heads * head_dim, dtype=dtype,
               param_dtype=param_dtype, **options)
     try:
@@ -98,6 +104,7 @@ def check_attention_options(args: dict, get: Callable[[str], Any]) -> None:
     one `error:` line each; `args` are the given kwargs, `get(name)` a field's value or default."""
     name = get("attention")
     checks.check_choice("attention", name, attentions())
+    validation.check_sequence_axis(name, get("sequence_axis"))
     checks.check_rate("attention_dropout", get("attention_dropout"))
     given = sorted(k for k in AGF_ONLY_KWARGS if k in args)
     if name != "agf" and given:

@@ -126,6 +126,19 @@ def check_cache(cache: Any, q_t: Any, k_t: Any, v_t: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_sequence_axis(attention: str, sequence_axis: Any) -> None:
+    """A model's `sequence_axis`: None, or a mesh axis name with an attention that has a
+    context-parallel form (`zoo_core.attention.names('context_parallel')`)."""
+    from zoo_core import attention as zoo_attention  # the registry imports this package's layers
+    if sequence_axis is None:
+        return
+    if not isinstance(sequence_axis, str):
+        checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {sequence_axis!r}")
+    if not zoo_attention.capabilities(attention)["context_parallel"]:
+        checks.fail(f"sequence_axis={sequence_axis!r}: attention={attention!r} has no context-parallel form; "
+                    f"these have one: {list(zoo_attention.names('context_parallel'))}")
+
+
 def _check_batch_key(batch: dict, key: str, doc: str) -> None:
     if key not in batch:
         checks.fail(f"`batch` must contain {key!r} ({doc}), got keys {sorted(batch)}")

@@ -38,6 +38,7 @@ from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.block_config import config_from
 from zoo_core.ops.linear_attention import LinearState
 from zoo_core.ops.remat import call_block
+from zoo_core.ops.shard_padding import pad_end, padded_length
 
 Array = jax.Array
 
@@ -75,6 +76,9 @@ class BlockConfig:
       chunk_size: C of the chunked causal FAVOR+ (decoder self-attention).
       dtype, param_dtype: compute and parameter dtypes.
       remat: recompute each block's forward pass in the backward pass (`zoo_core.ops.remat`).
+      sequence_axis: the mesh axis the sequences are split over (context parallelism; None: one
+        device), given to every self-attention, graph and Cross-Graph layer; the stacks pad their
+        sequence to a multiple of the axis size (`Encoder`; the decoder's, `htgn_jax.model.Seq2Seq`).
     """
     d_model: int
     num_heads: int
@@ -105,6 +109,7 @@ class BlockConfig:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
+    sequence_axis: Optional[str] = None
 
     @classmethod
     def from_module(cls, m: Any, **overrides) -> "BlockConfig":
@@ -218,7 +223,7 @@ class _Block(nn.Module):
                               qk_rank=c.qk_rank,
                               redraw_every=c.redraw_every, use_rotary=rotary,
                               projection_seed=seed, dtype=c.dtype, param_dtype=c.param_dtype,
-                              name=name)
+                              sequence_axis=None if exact else c.sequence_axis, name=name)
 
     def _graph_kwargs(self) -> dict:
         c = self.config
@@ -227,7 +232,8 @@ class _Block(nn.Module):
                     activation=c.graph_activation, skip_offsets=tuple(c.skip_offsets),
                     alpha=c.graph_alpha,
                     score_dim=c.feature_width if c.graph_alpha == "attention" else None,
-                    kl_tau=c.kl_tau, kl_mode=c.kl_mode, dtype=c.dtype, param_dtype=c.param_dtype)
+                    kl_tau=c.kl_tau, kl_mode=c.kl_mode, dtype=c.dtype, param_dtype=c.param_dtype,
+                    sequence_axis=c.sequence_axis)
 
     def _residual(self, x: Array, norm: nn.Module, fn, deterministic: bool) -> Array:
         """x + DP(Drop(fn(LN(x)))) (pre) or LN(x + DP(Drop(fn(x)))) (post); x `[B, L, d]` or one
@@ -265,9 +271,10 @@ class EncoderBlock(_Block):
             self.self_attention = self._favor("self_attention", causal=False, rotary=c.use_hrpe,
                                               seed=self.projection_seed)
         else:   # a registry self-attention (its own contract layer; no RoPE, no feature step)
+            cp = {} if c.sequence_axis is None else {"sequence_axis": c.sequence_axis}
             self.self_attention = zoo_attention.layer(
                 c.attention, num_heads=c.num_heads, qkv_features=c.d_model,
-                dtype=c.dtype if c.dtype is not None else jnp.float32, param_dtype=c.param_dtype)
+                dtype=c.dtype if c.dtype is not None else jnp.float32, param_dtype=c.param_dtype, **cp)
         if c.use_graph_conv:
             self.graph_norm = self._norm("graph_norm")
             self.graph = WindowGraphAttention(window=c.window, num_global=c.num_global,
@@ -530,6 +537,8 @@ class Encoder(nn.Module):
 
         Packed (`segment_ids`, `positions` int `[B, N]`): memory `[B, N + g N, d]` laid out by
         `packed_layout` (each document `[its globals ; its tokens]`), its ids those of `packed_layout`.
+        With `config.sequence_axis` the memory is padded at its end to a multiple of the axis size
+        (masked nodes: pad the memory's mask and ids alike, `pad_end`).
         """
         c = self.config
         b, n, _ = tokens.shape
@@ -554,6 +563,11 @@ class Encoder(nn.Module):
                 # RoPE: globals at position 0, tokens at their index (htgn.md §5.1 step 1).
                 positions = jnp.concatenate([jnp.zeros((g,), jnp.int32), jnp.arange(n, dtype=jnp.int32)])
             mask = with_globals(mask, g)
+        if c.sequence_axis is not None:   # context parallelism: nodes padded (masked) to a multiple of the shards
+            length = padded_length(x.shape[1], c.sequence_axis)
+            x, mask = pad_end(x, length), pad_end(mask, length, value=False)
+            positions = pad_end(positions, length, axis=positions.ndim - 1) if positions is not None else None
+            seg = {k: pad_end(v, length) for k, v in seg.items()}
         auxes = []
         for block in self.blocks:
             x, aux = call_block(block, x, mask=mask, positions=positions, deterministic=deterministic,

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from htgn_jax import graph_causal, graph_context_parallel, graph_ops, validation
+from htgn_jax import cross_graph_context_parallel, graph_causal, graph_context_parallel, graph_ops, validation
 from htgn_jax.graph_causal import WindowState
 from htgn_jax.graph_heads import HeadProjection, HeadVector
 from htgn_jax.layers import HeadsOutput
@@ -467,13 +467,21 @@ class CrossGraphAttention(_GraphAttentionBase):
         side uses the same D.
       num_global: g, the encoder globals at the front of `memory`.
       rho: centre ratio (mean source / mean target length, a hyperparameter; 1.0 by default).
+      sequence_axis: the mesh axis the decoder's sequence is split over (context parallelism,
+        `cross_graph_context_parallel`: each shard reads the whole projected memory): `__call__`
+        then runs under `jax.shard_map`, called under `jax.set_mesh(mesh)` with T divisible by the
+        axis size, and gives one device's numbers. `step` and `attention_weights` are one device's
+        forms whatever it is. None: one device.
     """
     rho: float = 1.0
+    sequence_axis: Optional[str] = None
 
     _source_arg = "memory"
 
     def setup(self):
         validation.check_cross_graph_fields(self)
+        if self.sequence_axis is not None and not isinstance(self.sequence_axis, str):
+            fail(f"`sequence_axis` must be a mesh axis name or None, got {self.sequence_axis!r}")
         self._has_global_bias = self.num_global > 0
         self._setup_common(len(graph_ops.window_offsets(self.window,
                                                         skip_offsets=self.skip_offsets)),
@@ -575,6 +583,16 @@ class CrossGraphAttention(_GraphAttentionBase):
         v = cache.value
         q = self._query_features(x, v.shape[-1], query_features)
         rel_bias, global_bias = self._biases()
+        if self.sequence_axis is not None and positions is None and not stats_only:
+            out, st = cross_graph_context_parallel.cross_graph_attention(
+                q, v if cache.key is None else cache.key, v, self._attn_vector(v), axis_name=self.sequence_axis,
+                window=self.window, num_global=self.num_global, rho=self.rho, mask=mask,
+                memory_mask=cache.mask, rel_bias=rel_bias, global_bias=global_bias,
+                negative_slope=self.negative_slope, dropout_rate=self.dropout_rate,
+                dropout_rng=self._dropout_rng(deterministic), kl_tau=self.kl_tau, kl_mode=self.kl_mode,
+                skip_offsets=self.skip_offsets, segment_ids=segments[0], kv_segment_ids=segments[1])
+            y = self._output(out, x.shape[-1])
+            return jnp.where(mask[..., None], y, 0).astype(y.dtype), _kl_aux(st, self.kl_weight)
         out, st = graph_ops.cross_graph_attention(
             q, v if cache.key is None else cache.key, v, self._attn_vector(v),
             window=self.window, num_global=self.num_global, rho=self.rho, mask=mask,

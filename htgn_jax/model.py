@@ -73,6 +73,7 @@ from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (r
 from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.remat import call_block
+from zoo_core.ops.shard_padding import pad_end, padded_length
 
 Array = jax.Array
 # The keys of a packed batch (zoo_core/data/packing.py: flax's wmt names).
@@ -143,6 +144,7 @@ class _HTGNModel(nn.Module, kw_only=True):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
+    sequence_axis: Optional[str] = None
 
     @property
     def uses_feature_step(self) -> bool:
@@ -216,6 +218,9 @@ class Seq2Seq(_HTGNModel, kw_only=True):
       dtype, param_dtype: compute and parameter dtypes.
       remat: recompute each encoder and decoder block's forward pass in the backward pass
         (`zoo_core.ops.remat`; decoding is not rematerialised).
+      sequence_axis: the mesh axis both sequences are split over (context parallelism under `jax.set_mesh`;
+        attention='favor', a kernel feature map): every attention and graph layer runs its CP form, the stacks
+        padded to a multiple of the shards (masked; `encode` gives the padded memory); decoding steps are not.
     """
     source_vocab_size: int
     target_vocab_size: int
@@ -242,6 +247,13 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     @property
     def decoder_layers(self) -> int:
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def sequence_padding(self) -> dict[str, int]:
+        """With `sequence_axis`, the features the trainer may pad (masked: no output changes) and their pad
+        values (`zoo_core.run.sharding.pad_sequences`)."""
+        pads = {"inputs": self.pad_id, "targets": self.pad_id, "inputs_mask": False, **dict.fromkeys(PACKED_KEYS, 0)}
+        return {} if self.sequence_axis is None else pads
 
     @property
     def supports_cache(self) -> bool:
@@ -305,8 +317,8 @@ class Seq2Seq(_HTGNModel, kw_only=True):
             x = self.encoder_input(jnp.concatenate([x, pe], axis=-1))
         elif positions is not None:
             x = x + jnp.take(self.source_pos_embed, positions, axis=0).astype(x.dtype)
-        else:
-            x = x + self.source_pos_embed[:inputs.shape[1]].astype(x.dtype)[None]
+        else:   # (rows past the table: the padding of context parallelism, `validation.source`)
+            x = x + pad_end(self.source_pos_embed[:inputs.shape[1]], inputs.shape[1], axis=0).astype(x.dtype)[None]
         return self.dropout(x, deterministic=deterministic)
 
     def _decoder_pe(self) -> Array:
@@ -338,7 +350,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
     def _encode(self, inputs: Array, mask: Array, deterministic: bool, feature_step: Optional[Array]):
         tokens = self._source_tokens(inputs, mask, deterministic)
         memory, aux = self.encoder(tokens, mask, deterministic=deterministic, feature_step=feature_step)
-        return memory, with_globals(mask, self.num_global), aux
+        return memory, pad_end(with_globals(mask, self.num_global), memory.shape[1], value=False), aux
 
     def encode(self, inputs: Array, inputs_mask: Optional[Array] = None, *,
                feature_step: Optional[Array] = None) -> tuple[Array, Array]:
@@ -351,14 +363,18 @@ class Seq2Seq(_HTGNModel, kw_only=True):
 
     def _decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array,
                 deterministic: bool, feature_step: Optional[Array]):
-        y = self._target_tokens(decoder_inputs, jnp.arange(decoder_inputs.shape[1]), deterministic)
-        mask = decoder_inputs != self.pad_id
+        t = decoder_inputs.shape[1]
+        # context parallelism: positions past the table are padding (`validation.target_length`), and T is
+        # padded (masked) to a multiple of the shards; causal, so no output changes
+        y = self._target_tokens(decoder_inputs, jnp.minimum(jnp.arange(t), self.max_target_len - 1), deterministic)
+        length = padded_length(t, self.sequence_axis)
+        y, mask = pad_end(y, length), pad_end(decoder_inputs != self.pad_id, length, value=False)
         auxes = []
         for block in self.decoder_blocks:
             y, aux = call_block(block, y, memory, mask=mask, memory_mask=memory_mask,
                                 deterministic=deterministic, feature_step=feature_step, remat=self.remat)
             auxes.append(aux)
-        return self._logits(y), sum_aux(*auxes)
+        return self._logits(y[:, :t]), sum_aux(*auxes)
 
     def decode(self, decoder_inputs: Array, memory: Array, memory_mask: Array, *,
                feature_step: Optional[Array] = None) -> Array:
@@ -414,7 +430,6 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         logits, dec_aux = self._decode(decoder_inputs, memory, memory_mask, det, feature_step)
         return {"logits": logits}, _aux(self, sum_aux(enc_aux, dec_aux))
 
-
     def _packed_call(self, batch: dict, det: bool, feature_step: Optional[Array]):
         """`__call__` on a packed batch (zoo_core/data/packing.py, flax's wmt keys): 'inputs' `[B, S]` and
         'targets' `[B, T]` rows of several examples, with 'inputs_segmentation' / 'targets_segmentation'
@@ -444,10 +459,12 @@ class Seq2Seq(_HTGNModel, kw_only=True):
         tokens = self._source_tokens(inputs, mask, det, segment_ids=src_seg, positions=src_pos)
         memory, enc_aux = self.encoder(tokens, mask, deterministic=det, feature_step=feature_step,
                                        segment_ids=src_seg, positions=src_pos)
-        memory_ids = packed_layout(src_seg, src_pos, self.num_global)[2]
+        memory_ids = pad_end(packed_layout(src_seg, src_pos, self.num_global)[2], memory.shape[1])
         prev = jnp.concatenate([jnp.full_like(targets[:, :1], self.pad_id), targets[:, :-1]], axis=1)
         decoder_inputs = jnp.where(tgt_seg > 0, jnp.where(tgt_pos == 0, self.bos_id, prev), self.pad_id)
         y = self._target_tokens(decoder_inputs, tgt_pos, det)
+        t, length = y.shape[1], padded_length(y.shape[1], self.sequence_axis)   # context parallelism: `_decode`
+        y, tgt_seg, tgt_pos = pad_end(y, length), pad_end(tgt_seg, length), pad_end(tgt_pos, length)
         auxes = []
         for block in self.decoder_blocks:
             y, aux = call_block(block, y, memory, mask=tgt_seg > 0, memory_mask=memory_ids > 0,
@@ -455,7 +472,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
                                 segment_ids=tgt_seg, kv_segment_ids=memory_ids,
                                 positions=tgt_pos if self.use_hrpe else None)
             auxes.append(aux)
-        return {"logits": self._logits(y)}, _aux(self, sum_aux(enc_aux, *auxes))
+        return {"logits": self._logits(y[:, :t])}, _aux(self, sum_aux(enc_aux, *auxes))
 
 
 def _packing_missing(m: Seq2Seq) -> list[str]:
@@ -544,6 +561,7 @@ class Classifier(_HTGNModel, kw_only=True):
         h = self.dropout(h, deterministic=det)
         mask = jnp.ones((b, gr * gr), bool)
         memory, aux = self.encoder(h, mask, deterministic=det, feature_step=feature_step)
+        memory = memory[:, :self.num_global + gr * gr]   # without the padding of context parallelism
         pooled = memory[:, 0] if self.pool == "cls" else jnp.mean(memory[:, self.num_global:], 1)
         logits = self.head(pooled).astype(jnp.float32)
         return {"logits": logits}, _aux(self, aux)

@@ -24,6 +24,7 @@ from zoo_core.checks import (
     check_rate,
     fail,
 )
+from zoo_core.ops.shard_padding import padded_length
 
 ATTENTIONS = ("favor", "softmax")   # HTGN's own: every stack (encoder, causal decoder, cross)
 
@@ -138,8 +139,32 @@ def check_common(a: dict) -> None:
         check_int("num_pe", a["num_pe"], 1)
 
 
+def check_sequence_axis(a: dict, kind: str) -> None:
+    """A model's `sequence_axis`: None, or a mesh axis name with layers that all have a context-parallel
+    form: FAVOR+ with a kernel feature map (the graph and Cross-Graph layers have one), or, in the
+    classifier, a registry encoder attention of `names('context_parallel')`. The seq2seq baselines'
+    exact softmax decoder has none."""
+    from zoo_core import attention as zoo_attention  # the registry imports this package's layers
+
+    axis, name = a["sequence_axis"], a["attention"]
+    if axis is None:
+        return
+    if not isinstance(axis, str):
+        fail(f"`sequence_axis` must be a mesh axis name or None, got {axis!r}")
+    if name == "favor" and a["feature_map"] != "exact":
+        return
+    if kind == "classifier" and name not in ATTENTIONS and zoo_attention.capabilities(name)["context_parallel"]:
+        return
+    what = (f"feature_map={a['feature_map']!r} (the quadratic oracle)" if name == "favor"
+            else f"attention={name!r}" + (" (its decoder is exact softmax)" if kind == "seq2seq" else ""))
+    fail(f"sequence_axis={axis!r}: {what} has no context-parallel form; use attention='favor' with a "
+         f"kernel feature_map" + ("" if kind == "seq2seq" else
+                                  f", or one of {list(zoo_attention.names('context_parallel'))}"))
+
+
 def check_seq2seq(a: dict) -> None:
     """Checks of `Seq2Seq`'s own fields."""
+    check_sequence_axis(a, "seq2seq")
     for name in ("source_vocab_size", "target_vocab_size", "max_source_len", "max_target_len",
                  "chunk_size"):
         check_int(name, a[name], 1)
@@ -164,6 +189,7 @@ def check_seq2seq(a: dict) -> None:
 
 def check_classifier(a: dict) -> None:
     """Checks of `Classifier`'s own fields."""
+    check_sequence_axis(a, "classifier")
     for name in ("num_classes", "image_size", "patch_size", "channels"):
         check_int(name, a[name], 1)
     if a["image_size"] % a["patch_size"]:
@@ -233,8 +259,9 @@ def seq2seq_batch(m, batch: dict):
 def source(m, inputs: Any, inputs_mask: Any):
     """(inputs, mask) of a checked source batch (mask default inputs != pad_id)."""
     inputs = int_array("inputs", inputs, 2, "[B, S]")
-    if inputs.shape[1] > m.max_source_len:
-        fail(f"batch['inputs'] has length {inputs.shape[1]} > max_source_len={m.max_source_len}")
+    if inputs.shape[1] > _longest(m, m.max_source_len):
+        fail(f"batch['inputs'] has length {inputs.shape[1]} > max_source_len={m.max_source_len}"
+             f"{_padding_note(m, m.max_source_len)}")
     if inputs_mask is None:
         return inputs, inputs != m.pad_id
     inputs_mask = jnp.asarray(inputs_mask)
@@ -245,9 +272,20 @@ def source(m, inputs: Any, inputs_mask: Any):
 
 
 def target_length(m, length: int, what: str) -> None:
-    if length > m.max_target_len:
+    if length > _longest(m, m.max_target_len):
         fail(f"{what} has length {length} > max_target_len={m.max_target_len} (the decoder "
-             f"position encodings cover max_target_len positions)")
+             f"position encodings cover max_target_len positions){_padding_note(m, m.max_target_len)}")
+
+
+def _longest(m, max_len: int) -> int:
+    """The longest sequence a model takes: max_len, or with `sequence_axis` max_len rounded up to a
+    multiple of the shards (the positions past max_len are the trainer's padding, `sharding.pad_sequences`)."""
+    return padded_length(max_len, m.sequence_axis)
+
+
+def _padding_note(m, max_len: int) -> str:
+    longest = _longest(m, max_len)
+    return "" if longest == max_len else f" (or {longest} with padding, over sequence_axis={m.sequence_axis!r})"
 
 
 def image(m, batch: dict):

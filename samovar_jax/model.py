@@ -33,6 +33,7 @@ from zoo_core import checks
 from zoo_core.ops.block_config import config_from
 from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.remat import call_block
+from zoo_core.ops.shard_padding import pad_end, padded_length
 
 Array = jax.Array
 
@@ -111,6 +112,7 @@ class BlockConfig:
     chunk_size: Optional[int] = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    sequence_axis: Optional[str] = None
 
     @classmethod
     def from_module(cls, m: "Forecaster") -> "BlockConfig":
@@ -193,6 +195,11 @@ class Forecaster(nn.Module):
       param_dtype: parameter dtype or its name.
       remat: recompute the forward pass of each MLP block, LinTrans block and of the VAR chain in
         the backward pass (`zoo_core.ops.remat`; the stateful scan paths are not rematerialised).
+      sequence_axis: the mesh axis the 2N ARX tokens are split over (context parallelism; None: one
+        device): the VAR chain (`samovar_jax.context_parallel`) or LinTrans's causal linear attention
+        runs its context-parallel form under `jax.set_mesh(mesh)`, on the tokens padded at their end
+        to a multiple of the axis size (causal: the padding changes no output; it is cut off before
+        the heads). Rollouts continue with one device's `scan`. `parallel.sequence > 1` sets it.
     """
     num_channels: int
     input_len: int
@@ -221,6 +228,7 @@ class Forecaster(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     remat: bool = False
+    sequence_axis: Optional[str] = None
 
     # ------------------------------------------------------------------ configuration
 
@@ -253,7 +261,8 @@ class Forecaster(nn.Module):
         if self.kind == "lintrans":
             self.blocks = [
                 layers.LinTransBlock(width=d, num_heads=r.num_heads, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,
-                                     out_init_std=out_std, chunk_size=r.chunk_size, **kw, name=f"block_{i:02d}")
+                                     out_init_std=out_std, chunk_size=r.chunk_size, sequence_axis=r.sequence_axis,
+                                     **kw, name=f"block_{i:02d}")
                 for i in range(r.num_layers)]
         else:
             self.mlps = [modules.MLPBlock(width=d, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,
@@ -265,7 +274,7 @@ class Forecaster(nn.Module):
                 qv_source="projection" if self.kind == "samovar" else "fixed",
                 use_qv_norm=r.use_qv_norm, use_key_proj=r.use_key_proj, num_channels=r.num_targets,
                 max_tokens=self.fixed_max_tokens, dropout_rate=r.dropout,
-                chunk_size=r.chunk_size, **kw, name="var")
+                chunk_size=r.chunk_size, sequence_axis=r.sequence_axis, **kw, name="var")
             if r.structural != "none":
                 self.structural_matrix = modules.StructuralMatrix(
                     r.num_heads, r.head_dim, inverse=r.structural == "lu_inverse", **kw, name="structural")
@@ -362,6 +371,10 @@ class Forecaster(nn.Module):
         (the token recurrence), else `__call__` (parallel or chunked per `chunk_size`).
         """
         stateful = want_state or state is not None
+        t = h.shape[1]
+        if not stateful:   # context parallelism: T padded to a multiple of the shards (causal: no mask)
+            length = padded_length(t, self.sequence_axis)
+            h, positions = pad_end(h, length), pad_end(positions, length, axis=0)
         if self.kind == "lintrans":
             states = []
             for i, block in enumerate(self.blocks):
@@ -370,7 +383,7 @@ class Forecaster(nn.Module):
                     states.append(s)
                 else:
                     h, _ = call_block(block, h, deterministic=not train, remat=self.remat)
-            z = h[:, 1::2]
+            z = h[:, 1:t:2]
             return z, (tuple(states) if stateful else None)
         for mlp in self.mlps:
             h = call_block(mlp, h, deterministic=not train, remat=self.remat)
@@ -381,6 +394,7 @@ class Forecaster(nn.Module):
         else:
             o = call_block(self.var, x0, positions=self._table_positions(positions), deterministic=not train,
                            remat=self.remat, method="layer_outputs")
+            o, x0 = tuple(x[:, :t] for x in o), x0[:, :t]
             new_state = None
         return self._mixture(x0[:, 1::2], o), new_state
 

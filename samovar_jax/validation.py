@@ -35,6 +35,8 @@ def check_forecaster(m) -> None:
     checks.check_choice("norm_mean", m.norm_mean, ("last_patch", "window"))
     checks.check_choice("position_overflow", m.position_overflow, ("error", "clamp"))
     checks.check_choice("structural", m.structural, (None, "lu", "lu_inverse", "none"))
+    if m.sequence_axis is not None and not isinstance(m.sequence_axis, str):
+        checks.fail(f"`sequence_axis` must be a mesh axis name or None, got {m.sequence_axis!r}")
     if not isinstance(m.channel_drop, bool):
         checks.fail(f"`channel_drop` must be True or False, got {m.channel_drop!r}")
     if not m.ar_loss_weight >= 0 or m.num_targets > m.num_channels:

@@ -39,9 +39,15 @@ class CPForecaster(nn.Module):
 
 
 def _config(data_dir, sequence, kind):
+    from zoo_core.configs.agf import uea
+    from zoo_core.configs.htgn import number_words
     from zoo_core.configs.samovar import synthetic_var
-    c = synthetic_var.get_config("smoke")
+    c = {"agf": uea, "htgn": number_words}.get(kind, synthetic_var).get_config("smoke")
     c.unlock()
+    if kind == "htgn":
+        # 'inputs' has 15 tokens: the trainer pads them to 16 with the pad id; no dropout, whose bits follow
+        # the padded shapes (the encoder's 2 + 16 nodes are padded again, to 18)
+        c.model.dropout_rate = 0.0
     c.data.data_dir = data_dir
     c.parallel.cpu_devices = 2
     c.parallel.sequence = sequence
@@ -61,7 +67,10 @@ def _train(tmp, sequence, kind):
     from zoo_core.run import checkpoint as ckpt_lib
     config = _config(os.path.join(tmp, "data"), sequence, kind)
     workdir = os.path.join(tmp, f"{kind}_{sequence}")
-    build = samovar_model.Model if kind == "samovar" else lambda **kw: CPForecaster(**kw)
+    from agf_jax import model as agf_model
+    from htgn_jax import model as htgn_model
+    build = {"samovar": samovar_model.Model, "agf": agf_model.Model, "htgn": htgn_model.Model}.get(
+        kind, lambda **kw: CPForecaster(**kw))
     trainer.train_and_evaluate(config, workdir, build)
     return ckpt_lib.restore_params(workdir)[0]
 
@@ -77,7 +86,7 @@ def _check(tmp):
     from zoo_core.run.setup_checks import make_model
     built = make_model(lambda **kw: CPForecaster(**kw), _config(os.path.join(tmp, "data"), 2, "cp"))
     assert built.sequence_axis == "sequence", built   # the layer runs its context-parallel form
-    for kind in ("samovar", "cp"):
+    for kind in sys.argv[2:] or ("samovar", "cp", "agf", "htgn"):
         one, two = _train(tmp, 1, kind), _train(tmp, 2, kind)
         assert_trees_close(two, one, rtol=2e-5, atol=2e-6)
         print(f"{kind}: P=2 == P=1")
@@ -91,7 +100,8 @@ def test_twenty_steps_with_the_sequence_split_over_two_devices_equal_one(tmp_pat
     out = subprocess.run([sys.executable, "-m", "tests.zoo_core.sequence_parallel_test", str(tmp_path)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "samovar: P=2 == P=1" in out.stdout and "cp: P=2 == P=1" in out.stdout, out.stdout
+    for kind in ("samovar", "cp", "agf", "htgn"):   # one config of each architecture, and a model of a test's own
+        assert f"{kind}: P=2 == P=1" in out.stdout, out.stdout
 
 
 def test_a_sequence_split_that_does_not_divide_is_one_line():
@@ -102,9 +112,40 @@ def test_a_sequence_split_that_does_not_divide_is_one_line():
     with pytest.raises(ValueError, match=r"parallel.sequence must be an int >= 1"):
         sharding.check_sequence(0, 2)
     with pytest.raises(ValueError, match=r"^parallel.sequence=2 must divide the length of every sequence "
-                                         r"feature; 'inputs' has 7$"):
+                                         r"feature the model cannot take padded \(no mask covers added steps\); "
+                                         r"'inputs' has 7: use a parallel.sequence that divides 7$"):
         sharding.check_sequence_lengths({"inputs": np.zeros((1, 7, 2))}, 2)
     sharding.check_sequence_lengths({"inputs": np.zeros((1, 8, 2)), "label": np.zeros((1,))}, 2)
+    sharding.check_sequence_lengths({"inputs": np.zeros((1, 7))}, 2, {"inputs": 0})   # padded by the trainer
+
+
+def test_a_length_the_model_cannot_take_padded_names_its_config_fields():
+    """AGF's UEA classifier (a flatten head over max_len steps) takes no padding: the line names the fields
+    that hold the length, and it comes from check_setup, on the declared shapes, before any data is built."""
+    from agf_jax import model as agf_model
+    from zoo_core.configs.agf import uea
+    from zoo_core.run import setup
+    from zoo_core.run.errors import ConfigError
+    if jax.device_count() != 2:
+        pytest.skip("the suite runs on two host devices")
+    c = uea.get_config("smoke")
+    c.unlock()
+    c.data.options.max_length = c.model.max_len = 25
+    c.parallel.sequence = 2
+    c.batch_size, c.eval_batch_size = 2, 2
+    with pytest.raises(ConfigError, match=r"'inputs' has 25: set model.max_len and data.options.max_length to a "
+                                          r"multiple of 2$"):
+        setup.check_setup(c, agf_model.Model)
+
+
+def test_the_trainer_pads_the_features_the_model_takes_padded():
+    from zoo_core.run import sharding
+    batch = {"inputs": np.ones((2, 15), np.int32), "targets": np.ones((2, 12), np.int32), "label": np.ones((2,))}
+    padded = sharding.pad_sequences(batch, 4, {"inputs": 0, "targets": 0, "inputs_segmentation": 0})
+    assert padded["inputs"].shape == (2, 16) and padded["targets"] is batch["targets"]
+    np.testing.assert_array_equal(padded["inputs"][:, 15], 0)
+    np.testing.assert_array_equal(padded["inputs"][:, :15], 1)
+    assert sharding.pad_sequences(batch, 1, {"inputs": 0}) is batch
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ class RunSetup:
             process_count=pcount)))
         example = jax.tree_util.tree_map(lambda x: x[:1], example)
         sequence = config.parallel.get("sequence", 1)
-        sharding.check_sequence_lengths(example, sequence)
+        padding = sharding.sequence_padding(self.model)
+        sharding.check_sequence_lengths(example, sequence, padding, config)
         if self._declared is not None and self._declared[0] == _shapes(example):
             abstract = self._declared[1]   # traced and checked on these very shapes by check_setup
         else:
@@ -106,7 +107,7 @@ class RunSetup:
                                           pad_id=int(config.task.get("pad_id", 0)),
                                           factor=int(config.data.packing_factor))
             packed = dict(packer.rows(0, 1), example_mask=np.ones((1,), np.float32))
-            sharding.check_sequence_lengths(packed, sequence)
+            sharding.check_sequence_lengths(packed, sequence, padding, config)
             # the model refuses a packed batch it cannot take (one line), here and not at the first step
             check_eval_metrics("", self.model, self.task, abstract.params, packed, has_evaluators=True)
         self.train_source, self.eval_source, self.example, self.abstract = (train_source, eval_source, example,
@@ -173,6 +174,9 @@ def _check_setup(config, build_model, has_evaluators: bool) -> RunSetup:
     rng = jax.random.PRNGKey(config.seed)
     example = example_from_features(builder)
     declared = None
+    if example is not None:   # the declared lengths against parallel.sequence, before any data is built
+        sharding.check_sequence_lengths(example, config.parallel.get("sequence", 1),
+                                        sharding.sequence_padding(model), config)
     if model is not None and example is not None:
         abstract = jax.eval_shape(functools.partial(init_state, model=model, tx=tx), rng, example)
         check_eval_metrics(config.checkpoint.best_metric, model, task, abstract.params, example,
@@ -255,9 +259,12 @@ def compile_steps(s: RunSetup, mesh, replicated, *, donate: bool = True) -> Step
 
     steps = dict(train=train(accum, donate), whole=None if accum == 1 else train(1, donate))
     if jitted:
+        # parallel.sequence = P: the features the model takes padded, padded to a multiple of P
+        sequence, padding = s.config.parallel.get("sequence", 1), sharding.sequence_padding(s.model)
         return Steps(
             **steps, eval=jax.jit(functools.partial(eval_step, model=s.model, task=s.task), out_shardings=replicated),
-            to_device=lambda b: sharding.global_batch(b, mesh), host_state=lambda st: st, pmapped=False)
+            to_device=lambda b: sharding.global_batch(sharding.pad_sequences(b, sequence, padding), mesh),
+            host_state=lambda st: st, pmapped=False)
     return Steps(
         **steps, eval=jax.pmap(functools.partial(eval_step, model=s.model, task=s.task, axis_name="batch"),
                                axis_name="batch", in_axes=(0, 0, None)),

@@ -149,15 +149,55 @@ def feature_sharding(mesh: Mesh, name: str, ndim: int) -> NamedSharding:
     return batch_sharding(mesh)
 
 
-def check_sequence_lengths(example: dict[str, Any], sequence: int) -> None:
-    """Raises ValueError unless every sequence feature's length (axis 1) is divisible by `sequence`."""
+def sequence_padding(model: Any) -> dict[str, Any]:
+    """The batch features `model` takes padded at their end along axis 1, each with its pad value (the
+    model's `sequence_padding` property: the added steps are masked, e.g. by the pad id, and change no
+    output); {} for a model without one."""
+    return dict(getattr(model, "sequence_padding", None) or {})
+
+
+def check_sequence_lengths(example: dict[str, Any], sequence: int, padding: dict[str, Any] | None = None,
+                           config: Any = None) -> None:
+    """Raises ValueError unless every sequence feature's length (axis 1) is divisible by `sequence` or
+    the feature is one the model takes padded (`padding`, `sequence_padding`; `pad_sequences` pads it).
+    The line names the config fields that hold the length (`length_fields` of `config`), if any."""
     if sequence == 1:
         return
     for name, x in example.items():
         shape = np.shape(x)
-        if name in SEQUENCE_FEATURES and len(shape) >= 2 and shape[1] % sequence:
-            raise ValueError(f"parallel.sequence={sequence} must divide the length of every sequence feature; "
-                             f"{name!r} has {shape[1]}")
+        if name in SEQUENCE_FEATURES and len(shape) >= 2 and shape[1] % sequence and name not in (padding or {}):
+            fields = length_fields(config, shape[1]) if config is not None else []
+            fix = (f": set {' and '.join(fields)} to a multiple of {sequence}" if fields else
+                   f": use a parallel.sequence that divides {shape[1]}")
+            raise ValueError(f"parallel.sequence={sequence} must divide the length of every sequence feature the "
+                             f"model cannot take padded (no mask covers added steps); {name!r} has {shape[1]}{fix}")
+
+
+def length_fields(config: Any, length: int) -> list[str]:
+    """The int fields of `config.model` and `config.data.options` equal to `length` ('model.max_len', ...):
+    where a feature's length is set."""
+    out = []
+    for prefix, group in (("model", config.get("model")), ("data.options", config.get("data", {}).get("options"))):
+        values = group.to_dict() if hasattr(group, "to_dict") else dict(group or {})
+        out += [f"{prefix}.{k}" for k, v in sorted(values.items())
+                if isinstance(v, int) and not isinstance(v, bool) and v == length]
+    return out
+
+
+def pad_sequences(batch: dict[str, np.ndarray], sequence: int, padding: dict[str, Any]) -> dict[str, np.ndarray]:
+    """`batch` with each feature of `padding` (name -> pad value) padded at its end along axis 1 to a
+    multiple of `sequence`, where that does not divide its length (host arrays; the others unchanged)."""
+    if sequence == 1 or not padding:
+        return batch
+    out = dict(batch)
+    for name, value in padding.items():
+        x = batch.get(name)
+        if x is None or np.ndim(x) < 2 or np.shape(x)[1] % sequence == 0:
+            continue
+        widths = [(0, 0)] * np.ndim(x)
+        widths[1] = (0, -np.shape(x)[1] % sequence)
+        out[name] = np.pad(np.asarray(x), widths, constant_values=value)
+    return out
 
 
 def numeric(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
