@@ -36,6 +36,7 @@ from zoo_core import attention as zoo_attention
 from zoo_core.ops import packing
 from zoo_core.ops.aux_merge import sum_aux
 from zoo_core.ops.block_config import config_from
+from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.linear_attention import LinearState
 from zoo_core.ops.remat import call_block
 from zoo_core.ops.shard_padding import pad_end, padded_length
@@ -199,7 +200,7 @@ class _Block(nn.Module):
 
     def _setup_residual(self) -> None:
         c = self.config
-        self.dropout = nn.Dropout(c.dropout_rate)
+        self.dropout = Dropout(c.dropout_rate, position_axis=1)  # keyed by position: padding to P shards changes no mask
         # Per-sample mask (broadcast over time and channels), scaled by 1 / (1 - p) (§5.8).
         self.drop_path_layer = nn.Dropout(self.drop_path, broadcast_dims=(1, 2))
         self.mlp_norm = self._norm("mlp_norm")

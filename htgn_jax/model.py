@@ -72,6 +72,7 @@ from htgn_jax.blocks import BlockConfig, DecoderBlock, Encoder, drop_path_rate, 
 from htgn_jax.validation import ATTENTIONS, encoder_attentions  # noqa: F401  (read by the configs)
 from zoo_core.checks import constructor_kwargs, fail
 from zoo_core.ops.aux_merge import sum_aux
+from zoo_core.ops.dropout import Dropout
 from zoo_core.ops.remat import call_block
 from zoo_core.ops.shard_padding import pad_end, padded_length
 
@@ -281,7 +282,7 @@ class Seq2Seq(_HTGNModel, kw_only=True):
                                                (self.max_source_len, d), self.param_dtype)
             self.target_pos_embed = self.param("target_pos_embed", init,
                                                (self.max_target_len, d), self.param_dtype)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate, position_axis=1)  # keyed by position: padding to P shards changes no mask
         config = BlockConfig.from_module(self)
         self.encoder = Encoder(config, self.encoder_layers, self.drop_path,
                                self.per_layer_features, name="encoder")
@@ -534,7 +535,7 @@ class Classifier(_HTGNModel, kw_only=True):
         if not self.use_hrpe:
             self.pos_embed = self.param("pos_embed", nn.initializers.normal(0.02),
                                         (self.grid ** 2, self.d_model), self.param_dtype)
-        self.dropout = nn.Dropout(self.dropout_rate)
+        self.dropout = Dropout(self.dropout_rate, position_axis=1)  # keyed by position: padding to P shards changes no mask
         config = BlockConfig.from_module(
             self, grid_width=self.grid if self.use_graph_conv else None)
         self.encoder = Encoder(config, self.num_layers, self.drop_path, self.per_layer_features,

@@ -57,12 +57,14 @@ class VARChainState(NamedTuple):
 
 
 def _dropout_mask(module: nn.Module, rate: float, shape, deterministic: bool) -> Optional[Array]:
-    """Inverted-dropout multiplier (1/(1-rate) or 0) drawn from the 'dropout' rng, or None
-    (`zoo_core.ops.dropout`'s cheap bits)."""
+    """Inverted-dropout multiplier (1/(1-rate) or 0) of the chain's outputs `shape` [L, B, T, H, D]
+    drawn from the 'dropout' rng, or None (`zoo_core.ops.dropout`'s cheap bits, keyed by position T:
+    padding to P shards changes no mask)."""
     if deterministic or rate == 0.0:
         return None
     keep = 1.0 - rate
-    return jnp.where(keep_mask(module.make_rng("dropout"), keep, shape), jnp.float32(1.0 / keep), 0.0)
+    mask = keep_mask(module.make_rng("dropout"), keep, shape, position_axis=2)
+    return jnp.where(mask, jnp.float32(1.0 / keep), 0.0)
 
 
 def _split_heads(y: Array, num_heads: int) -> Array:
@@ -128,7 +130,7 @@ class LinearAttention(nn.Module):
             dtype=self.dtype, param_dtype=self.param_dtype, name=name)
         self.query, self.key, self.value = proj("query"), proj("key"), proj("value")
         self.out = _OutProjection(self.out_kernel_init, self.dtype, self.param_dtype, name="out")
-        self.key_dropout = Dropout(self.dropout_rate)
+        self.key_dropout = Dropout(self.dropout_rate, position_axis=1)  # keyed by position: padding to P shards changes no mask
 
     def _qkv(self, x: Array, deterministic: bool, x_kv: Optional[Array] = None):
         """Queries from x, keys (their input dropped out) and values from x_kv (default x), per head."""
@@ -247,7 +249,7 @@ class LinTransBlock(nn.Module):
             self.num_heads, self.width // self.num_heads, chunk_size=self.chunk_size,
             dropout_rate=self.dropout_rate, out_kernel_init=nn.initializers.normal(self.out_init_std),
             sequence_axis=self.sequence_axis, **kw, name="attention")
-        self.attention_dropout = Dropout(self.dropout_rate)
+        self.attention_dropout = Dropout(self.dropout_rate, position_axis=1)
         self.mlp = MLPBlock(self.width, self.hidden, self.dropout_rate, self.out_init_std, **kw, name="mlp")
 
     def _finish(self, x: Array, y: Array, deterministic: bool) -> Array:

@@ -257,7 +257,7 @@ class Forecaster(nn.Module):
         self.embedding = modules.ARXEmbedding(num_targets=r.num_targets, max_tokens=2 * r.max_patches, width=d,
                                              with_types=self.kind != "lintrans", **kw, name="embedding")
         self.pre_norm = modules.RMSNorm(d, **kw, name="pre_norm")
-        self.token_dropout = Dropout(r.dropout)
+        self.token_dropout = Dropout(r.dropout, position_axis=1)  # keyed by position: padding to P shards changes no mask
         if self.kind == "lintrans":
             self.blocks = [
                 layers.LinTransBlock(width=d, num_heads=r.num_heads, hidden=r.mlp_ratio * d, dropout_rate=r.dropout,

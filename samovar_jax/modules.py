@@ -125,7 +125,7 @@ class MLPBlock(nn.Module):
         self.norm = RMSNorm(self.width, **kw, name="norm")
         self.fc_in = dense(self.hidden, name="fc_in", **kw)
         self.fc_out = dense(self.width, name="fc_out", std=self.out_init_std, **kw)
-        self.drop = Dropout(self.dropout_rate)
+        self.drop = Dropout(self.dropout_rate, position_axis=1)  # keyed by position: padding to P shards changes no mask
 
     def __call__(self, h: Array, *, deterministic: bool = True) -> Array:
         """[..., E] -> [..., E]; position-wise, so it also serves the recurrent paths."""

@@ -92,3 +92,29 @@ def test_module_is_a_drop_in_for_flax_dropout():
     np.testing.assert_array_equal(g, np.where(np.asarray(a) != 0, 1 / 0.7, 0).astype(np.float32))
     with pytest.raises(flax.errors.InvalidRngError):
         m.apply({}, x, True)                  # no 'dropout' rng: an error, as nn.Dropout
+
+
+@pytest.mark.parametrize("shape, axis", [((3, 40, 32), 1), ((2, 3, 40, 4, 5), 2), ((40, 7), 0)])
+def test_position_keyed_bits_do_not_depend_on_the_length(shape, axis):
+    """With `position_axis`, padding a sequence at its end (context parallelism's multiple of P) keeps every
+    real position's bits; positions and the other axes still get distinct, fair bits."""
+    key = jax.random.key(3)
+    padded = shape[:axis] + (shape[axis] + 5,) + shape[axis + 1:]
+    bits = np.asarray(zd.random_bits(key, shape, position_axis=axis))
+    longer = np.asarray(zd.random_bits(key, padded, position_axis=axis))
+    np.testing.assert_array_equal(bits, np.take(longer, np.arange(shape[axis]), axis=axis))
+    assert len(np.unique(bits)) > 0.99 * bits.size       # no repeats across positions or other axes
+    mask = np.asarray(zd.keep_mask(key, 0.9, (64, 256, 48), position_axis=1))
+    assert abs(mask.mean() - 0.9) < 4 * np.sqrt(0.09 / mask.size)
+    assert np.all(np.abs(mask.mean(axis=(0, 2)) - 0.9) < 0.03)   # every position fair on its own
+
+
+def test_a_position_keyed_module_masks_a_padded_sequence_as_the_unpadded_one():
+    x = jnp.arange(1.0, 1 + 2 * 9 * 16).reshape(2, 9, 16)
+    padded = jnp.concatenate([x, jnp.full((2, 3, 16), jnp.nan)], axis=1)
+    layer = zd.Dropout(0.4, position_axis=1)
+    rngs = {"dropout": jax.random.key(7)}
+    y = layer.apply({}, x, False, rngs=rngs)
+    y_padded = layer.apply({}, padded, False, rngs=rngs)
+    np.testing.assert_array_equal(y_padded[:, :9], y)
+    assert 0 < np.mean(np.asarray(y) == 0) < 1

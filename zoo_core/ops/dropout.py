@@ -54,10 +54,21 @@ def keep_threshold(keep: float) -> int:
     return min(int(round(keep * 2.0 ** 32)), 2 ** 32 - 1)
 
 
-def random_bits(rng: Array, shape: tuple[int, ...]) -> Array:
+def random_bits(rng: Array, shape: tuple[int, ...], *, position_axis: Optional[int] = None) -> Array:
     """uint32 `shape`, each element uniform on [0, 2^32): one `jax.random.bits` word per `LANES`
-    elements hashed into `LANES` lanes (see the module docstring)."""
+    elements hashed into `LANES` lanes (see the module docstring).
+
+    position_axis: an axis of `shape` (a sequence's positions): the bits at index t along it are
+    `random_bits(fold_in(rng, t), the other axes)`, a function of t and never of the axis' length, so
+    a sequence padded at its end (context parallelism's multiple of the shard count) keeps every real
+    position's bits. None: one stream over the whole array.
+    """
     shape = tuple(int(s) for s in shape)
+    if position_axis is not None:
+        axis = position_axis % len(shape)
+        rest = shape[:axis] + shape[axis + 1:]
+        keys = jax.vmap(lambda t: jax.random.fold_in(rng, t))(jnp.arange(shape[axis], dtype=jnp.uint32))
+        return jnp.moveaxis(jax.vmap(lambda key: random_bits(key, rest))(keys), 0, axis)
     size = 1
     for s in shape:
         size *= s
@@ -70,12 +81,14 @@ def random_bits(rng: Array, shape: tuple[int, ...]) -> Array:
     return _fmix32(words[:, None] + lanes).reshape(-1)[:size].reshape(shape)
 
 
-def keep_mask(rng: Array, keep: float, shape: tuple[int, ...]) -> Array:
-    """bool `shape`, True with probability `keep_threshold(keep) / 2^32` (`keep` within 2^-33)."""
-    return random_bits(rng, shape) < jnp.uint32(keep_threshold(keep))
+def keep_mask(rng: Array, keep: float, shape: tuple[int, ...], *, position_axis: Optional[int] = None) -> Array:
+    """bool `shape`, True with probability `keep_threshold(keep) / 2^32` (`keep` within 2^-33);
+    `position_axis` as in `random_bits`."""
+    return random_bits(rng, shape, position_axis=position_axis) < jnp.uint32(keep_threshold(keep))
 
 
-def dropout(x: Array, rate: float, rng: Optional[Array], *, deterministic: bool = False) -> Array:
+def dropout(x: Array, rate: float, rng: Optional[Array], *, deterministic: bool = False,
+            position_axis: Optional[int] = None) -> Array:
     """Inverted dropout of `x` at `rate` (kept elements `x / (1 - rate)`, dropped ones 0).
 
     Args:
@@ -83,6 +96,8 @@ def dropout(x: Array, rate: float, rng: Optional[Array], *, deterministic: bool 
         rate: drop probability in [0, 1]; 0 (or deterministic) returns x unchanged, 1 zeros.
         rng: a PRNG key (typed or raw uint32[2]); unused when nothing is dropped.
         deterministic: True returns x unchanged.
+        position_axis: x's sequence axis, whose padding at the end leaves the other positions'
+          masks unchanged (`random_bits`); None: one stream over x.
     """
     if deterministic or rate == 0.0:
         return x
@@ -95,7 +110,7 @@ def dropout(x: Array, rate: float, rng: Optional[Array], *, deterministic: bool 
         scaled = (x.astype(jnp.float32) / keep).astype(x.dtype)
     else:
         scaled = x / jnp.asarray(keep, x.dtype)
-    return jnp.where(keep_mask(rng, keep, jnp.shape(x)), scaled, 0.0).astype(x.dtype)
+    return jnp.where(keep_mask(rng, keep, jnp.shape(x), position_axis=position_axis), scaled, 0.0).astype(x.dtype)
 
 
 class Dropout(nn.Module):
@@ -106,10 +121,14 @@ class Dropout(nn.Module):
         rate: drop probability.
         deterministic: default for the call's `deterministic`.
         rng_collection: the rng stream (default 'dropout').
+        position_axis: the inputs' sequence axis, e.g. 1 for [B, T, E]: a mask is a function of the
+          position, so padding the sequence at its end (the trainer's `parallel.sequence`) changes no
+          real position's mask (`random_bits`); None: one stream over the inputs.
     """
     rate: float
     deterministic: Optional[bool] = None
     rng_collection: str = "dropout"
+    position_axis: Optional[int] = None
 
     @nn.compact
     def __call__(self, inputs: Array, deterministic: Optional[bool] = None,
@@ -121,4 +140,4 @@ class Dropout(nn.Module):
             return jnp.zeros_like(inputs)
         if rng is None:
             rng = self.make_rng(self.rng_collection)
-        return dropout(inputs, self.rate, rng)
+        return dropout(inputs, self.rate, rng, position_axis=self.position_axis)
