@@ -378,7 +378,7 @@ def _across_shards(stats, run, doc_start, packed: bool, axis_name: str):
             own[..., None] * mine[2] + jnp.sum(weight[..., None] * t(t_num), axis=(0, 3)),
             mine[3] + jnp.sum(jnp.where(m, t(t_hit), 0), axis=(0, 3))]
     # Written back at the first and last run (the same run twice on a one-run shard: equal values).
-    put = lambda x, y: jax.vmap(lambda xb, eb, yb: xb.at[eb].set(yb))(x, ends, y)
+    put = lambda x, y: jax.vmap(lambda xb, eb, yb: xb.at[eb].set(yb))(x, ends, y.astype(x.dtype))
     return tuple(put(x, y) for x, y in zip(stats, done))
 
 
