@@ -17,24 +17,36 @@ Dilation (§3.1's dilated windows) is not implemented.
 
 Banded, never a T x T mask: the sequence is cut into blocks of C = max(w // 2, 1) tokens (causal:
 C = w); each block's queries see the keys of the previous, own and next blocks (causal: previous
-and own) plus the g global keys: `[B, H, n, C, 3C + g]` logits, O(T (w + g)). The g global rows are
-one `[B, H, g, T]` product. A global key inside a query's window is counted once (its band slot is
-masked).
+and own) plus the g global keys: `[B, H, n, C, 3C + g]` logits, O(T (w + g)). The non-causal rows of
+the g global tokens are a softmax over every key from float32 statistics (max, sum, weighted sum),
+O(T g). A global key inside a query's window is counted once (its band slot is masked).
 
 Padding and NaN safety: padded keys get the logit -1e9 and padded values are zeroed (`jnp.where`);
 a non-finite value at a valid position is replaced by 0 and exactly the rows that attend it are set
 to NaN, so NaN or 1e30 in padding, or (causal) in the future, changes no valid or past output. Every
-row's keys sit at fixed slots, so the future does not change their rounding either. Logits, weights
-and outputs are float32.
+row's keys sit at fixed slots, so the future does not change their rounding either. A row with no
+key to attend (a padded query) is 0. Logits, weights and outputs are float32.
 
 Packed rows (`segment_ids` int `[B, T]`, 0 = padding; issue 42): each document is a sequence of its
 own, its window stops at its edges and its global tokens are its own first g tokens (positions
-restart per document; docs/baselines.md "Packed sequences"). `_packed` gathers each query's
-document's global keys (`[B, T, g]`) and computes the non-causal global rows per (document, slot) by
-segment reductions, so packing adds no T x T product; without `segment_ids` the program is unchanged.
+restart per document; docs/baselines.md "Packed sequences"). Each query's document's global keys are
+gathered (`[B, T, g]`) and the global rows' statistics are per (document, slot) by segment
+reductions, so packing adds no T x T product; a padding row is 0.
+
+Context parallelism (`longformer_context_parallel`, the layer's `sequence_axis`;
+/work/shared/specs/context_parallel.md §3): `longformer_shard` is the body of one shard holding tokens
+[p n, (p+1) n) and, with no axis, the single-device kernel itself. Its band reads C tokens of each
+neighbouring shard (causal: of the left one), a halo by `ppermute` (`zoo_core.ops.halo`). A
+document's global tokens may live on another shard: each shard publishes its first min(g, n) tokens
+and the g tokens from its last document start (one `all_gather`). The non-causal global rows combine
+every shard's statistics like log-sum-exp: unpacked a `pmax` and `psum`s; packed, each shard's first
+and last document's statistics (one `all_gather`), since only those can span shards. So the bytes
+between devices depend on C, g, P and the widths, never on T.
 
 `LongformerAttention` (below) follows the zoo's layer contract (README "Layer contract"):
-non-causal and causal self-attention, no `scan` / `step` / decode form and no cross form.
+non-causal and causal self-attention, and causal `init_state` / `scan` / `step` on the decoding
+cache of `zoo_core.baselines.longformer_cache` (the last w and the first g keys and values); no
+cross form.
 """
 from __future__ import annotations
 
