@@ -109,13 +109,11 @@ ROWS = [
      "the mesh has no axis 'seq' (its axes: ('sequence',))"),
     ("longformer-sequence-axis-int", _init(LongformerAttention(num_heads=H, head_dim=D, sequence_axis=0)),
      "`sequence_axis` must be a mesh axis name or None, got 0"),
-    ("longformer-state-noncausal", lambda: LongformerAttention(num_heads=H, head_dim=D).apply(
-        LongformerAttention(num_heads=H, head_dim=D).init(KEY, X), 2, method="init_state"),
+    # (checked before any parameter is read: no init needed)
+    ("longformer-state-noncausal", lambda: LongformerAttention(num_heads=H, head_dim=D).apply({}, 2, method="init_state"),
      "LongformerAttention.init_state is the causal form's (the decoding cache): build the layer with causal=True"),
-    ("longformer-step-shape", lambda: (lambda lay, p: lay.apply(p, lay.apply(p, B, method="init_state"), X,
-                                                                   method="step"))(
-        LongformerAttention(num_heads=H, head_dim=D, causal=True), LongformerAttention(
-            num_heads=H, head_dim=D, causal=True).init(KEY, X)),
+    ("longformer-step-shape", lambda: (lambda lay: lay.apply({}, lay.apply({}, B, method="init_state"), X, method="step"))(
+        LongformerAttention(num_heads=H, head_dim=D, causal=True)),
      "`x_t` must be one token [B, E] with B = 2 (the cache's), got shape (2, 6, 8)"),
     ("reformer-decode", lambda: attention.make("reformer", num_heads=2, qkv_features=8, causal=True, decode=True),
      "attention 'reformer' has no decode=True form; these have one: ("),

@@ -50,6 +50,8 @@ cross form.
 """
 from __future__ import annotations
 
+__all__ = ["LongformerAttention", "longformer_attention", "longformer_context_parallel"]
+
 import functools
 import math
 from typing import Callable, Optional

@@ -15,6 +15,8 @@ replaced with `jnp.where` before the weighted sum.
 """
 from __future__ import annotations
 
+__all__ = ["LongformerCache", "init_cache", "longformer_step", "longformer_scan"]
+
 import math
 from typing import Callable, NamedTuple, Optional
 

@@ -10,6 +10,8 @@ Shared by the window graph (`htgn_jax.graph_packed`) and Longformer (`zoo_core.b
 """
 from __future__ import annotations
 
+__all__ = ["shift_in", "extend", "earlier"]
+
 from typing import Callable, Optional
 
 import jax
