@@ -158,13 +158,9 @@ def longformer_shard(q: Array, k: Array, v: Array, mask: Array, segment_ids: Arr
 
     # The band: blocks of C queries against their blocks' halo-extended keys.
     nb = -(-n // c)
-    kv_ext = ext(jnp.concatenate([k, v], axis=-1))
-    info = ext(jnp.concatenate([jnp.stack([segment_ids, valid.astype(jnp.int32), doc_pos], -1),
-                                bad.astype(jnp.int32)], axis=-1))                      # [B, L, 3 + H]
     heads = lambda x: jnp.swapaxes(x, 1, 2)                                            # [B, n, H, ..] <-> [B, H, n, ..]
-    kb = _key_blocks(heads(kv_ext), nb, c, causal)                                     # [B, H, nb, K, D + M]
-    kb, vb = kb[..., :d], kb[..., d:]
-    ib = _key_blocks(heads(info), nb, c, causal)                                       # [B, 3 + H, nb, K]
+    keys = lambda x: _key_blocks(heads(ext(x)), nb, c, causal)                        # [B, n, *f] -> [B, *f0, nb, K, ..]
+    kb, vb = keys(k), keys(v)                                                          # [B, H, nb, K, D / M]
     qb = _blocks(heads(q), nb, c)                                                      # [B, H, nb, C, D]
     logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale                          # [B, H, nb, C, K]
     blk = jnp.arange(nb)[:, None, None] * c
@@ -172,11 +168,11 @@ def longformer_shard(q: Array, k: Array, v: Array, mask: Array, segment_ids: Arr
     pk = shard * n + blk - c + jnp.arange(kb.shape[3])[None, None, :]                 # [nb, 1, K]
     gap = pq - pk
     near = (gap >= 0) & (gap < window) if causal else jnp.abs(gap) <= window // 2
-    # A key of the query's document within the window, not one of the document's global tokens.
-    allowed = near & (ib[:, 1:2, :, None, :] > 0) & (ib[:, 2:3, :, None, :] >= g)     # [B, 1, nb, C, K]
+    # A valid key within the window, not one of its document's global tokens (and, packed, of the query's document).
+    allowed = near & keys((valid & (doc_pos >= g))[..., None])[..., None, :]          # [B, 1, nb, C, K]
     if packed:
-        allowed = allowed & (_blocks(segment_ids[:, None], nb, c)[..., None] == ib[:, :1, :, None, :])
-    bad_k = jnp.broadcast_to(ib[:, 3:, :, None, :] > 0, logits.shape)
+        allowed = allowed & (_blocks(segment_ids[:, None], nb, c)[..., None] == keys(segment_ids[..., None])[..., None, :])
+    bad_k = jnp.broadcast_to((keys(bad) > 0)[..., None, :], logits.shape)
     values = [vb]
     if g:
         # The g global keys of each query's document (unpacked: the first g tokens, one set for all).
@@ -356,7 +352,11 @@ def _global_rows(q, k, v, bad, valid, doc_start, doc_pos, find, *, g, scale, pac
         stats = _across_shards(stats, run, doc_start, packed, axis_name)
     top, total, num, hit = stats
     slot = jnp.clip(doc_pos, 0, g - 1)                                                 # the token's slot j
-    pick = lambda x: jax.vmap(lambda xb, rb, sb: xb[rb, :, sb])(x, run, slot)         # [B, n, H, ...]
+    if packed:
+        pick = lambda x: jax.vmap(lambda xb, rb, sb: xb[rb, :, sb])(x, run, slot)     # [B, n, H, ...]
+    else:        # one run: a select and a sum over the g slots, no gather (whose gradient is a scatter)
+        sel = slot[..., None] == jnp.arange(g)                                         # [B, n, g]
+        pick = lambda x: jnp.sum(jnp.where(masking.expand(sel[:, :, None], x.ndim), x[:, 0][:, None], 0), axis=3)
     rows = pick(num) / jnp.where(pick(total) > 0, pick(total), 1.0)[..., None]
     return jnp.where((pick(hit) > 0)[..., None], jnp.nan, rows)
 
