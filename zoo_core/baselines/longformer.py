@@ -172,7 +172,7 @@ def longformer_shard(q: Array, k: Array, v: Array, mask: Array, segment_ids: Arr
     allowed = near & keys((valid & (doc_pos >= g))[..., None])[..., None, :]          # [B, 1, nb, C, K]
     if packed:
         allowed = allowed & (_blocks(segment_ids[:, None], nb, c)[..., None] == keys(segment_ids[..., None])[..., None, :])
-    bad_k = jnp.broadcast_to((keys(bad) > 0)[..., None, :], logits.shape)
+    bad_k = jnp.broadcast_to(keys(bad)[..., None, :], logits.shape)
     values = [vb]
     if g:
         # The g global keys of each query's document (unpacked: the first g tokens, one set for all).
