@@ -35,36 +35,9 @@ import numpy as np
 
 from htgn_jax.graph_kl import neighbour_kl
 from htgn_jax.graph_stencil import KERNEL_FLOOR, NEGATIVE_SLOPE, gather_rows, neighbour_attention, unfold
-from zoo_core.ops import masking
+from zoo_core.ops import halo, masking
 
 Array = jax.Array
-
-
-def _shift_in(x: Array, size: int, left: bool, axis_name: Optional[str], num_shards: int) -> Array:
-    """The `size` nodes `[B, size, ...]` beside this shard: the left neighbour's last ones (`left`) or
-    the right neighbour's first ones; zeros (padding) past the row's ends and on one device."""
-    if axis_name is None or num_shards == 1:
-        return jnp.zeros((x.shape[0], size) + x.shape[2:], x.dtype)
-    if left:
-        perm = [(i, i + 1) for i in range(num_shards - 1)]
-        return jax.lax.ppermute(x[:, x.shape[1] - size:], axis_name, perm)
-    return jax.lax.ppermute(x[:, :size], axis_name, [(i + 1, i) for i in range(num_shards - 1)])
-
-
-def _halo(x: Array, left: int, right: int, axis_name, num_shards) -> Array:
-    """`[left halo ; x ; right halo]` along axis 1."""
-    parts = [_shift_in(x, left, True, axis_name, num_shards)] if left else []
-    parts += [x] + ([_shift_in(x, right, False, axis_name, num_shards)] if right else [])
-    return jnp.concatenate(parts, axis=1) if len(parts) > 1 else x
-
-
-def _earlier(x: Array, axis_name, reduce, empty) -> Array:
-    """`reduce` over the shards before this one of x `[B]` (`empty` on the first, and on one device)."""
-    if axis_name is None:
-        return jnp.full_like(x, empty)
-    gathered = jax.lax.all_gather(x, axis_name)                                   # [P, B]
-    before = (jnp.arange(gathered.shape[0]) < jax.lax.axis_index(axis_name))[:, None]
-    return reduce(jnp.where(before, gathered, empty), axis=0)
 
 
 class _Docs:
@@ -87,9 +60,9 @@ class _Docs:
         self.start = change[:, local] | (pos[None] == 0)
         last_start = jnp.max(jnp.where(self.start, pos, -1), axis=1)             # [B]
         self.docstart = jnp.maximum(jax.lax.cummax(jnp.where(self.start, pos, -1), axis=1),
-                                    _earlier(last_start, axis_name, jnp.max, -1)[:, None])
+                                    halo.earlier(last_start, axis_name, jnp.max, -1)[:, None])
         count = jnp.sum(self.start, axis=1, dtype=jnp.int32)
-        self.doc = (_earlier(count, axis_name, jnp.sum, 0)[:, None]
+        self.doc = (halo.earlier(count, axis_name, jnp.sum, 0)[:, None]
                     + jnp.cumsum(self.start.astype(jnp.int32), axis=1))
         self.r = pos - self.docstart
         self.pos0, self.n = pos0, n
@@ -269,7 +242,7 @@ def packed_window_attention(query: Array, key: Array, value: Array, attn: Any, *
     value = key if shared else masking.zero_padding(value, real)
     left, right = max(0, -min(offsets)) + 1, max(0, max(offsets))
     pos0 = 0 if axis_name is None else jax.lax.axis_index(axis_name) * n
-    ext = lambda x: _halo(x, left, right, axis_name, num_shards)
+    ext = lambda x: halo.extend(x, left, right, axis_name, num_shards)
     docs = _Docs(ext(segment_ids), ext(real), left, n, pos0, axis_name)
     rng_tok = rng_glb = dropout_rng
     if dropout_rng is not None:
@@ -315,7 +288,7 @@ def packed_window_attention(query: Array, key: Array, value: Array, attn: Any, *
 def _neighbour_kl(st, valid, tok, docs: _Docs, left: int, g: int, axis_name, num_shards):
     """`neighbour_kl` over consecutive token rows of one document, across the shard boundary too
     (the left neighbour's last row arrives by `ppermute`)."""
-    prev = lambda x: _shift_in(x, 1, True, axis_name, num_shards)
+    prev = lambda x: halo.shift_in(x, 1, True, axis_name, num_shards)
     rows = lambda x: jnp.concatenate([prev(x), x], axis=1)
     # The node before each token row is a token row of the same document.
     before_run = docs.run_ext[:, left - 1:left - 1 + docs.n]

@@ -41,8 +41,8 @@ IDS = [f"{n}-{'causal' if c else 'full'}" + ("-conv" if "conv_kernel" in o else 
 
 
 def _recurrent(name):
-    """Whether the causal layer has the recurrent forms (init_state / scan / step); Reformer and
-    Longformer have `__call__` only."""
+    """Whether the causal layer has the recurrent forms (init_state / scan / step); Reformer has
+    `__call__` only."""
     return attention.capabilities(name)["decode"]
 
 
@@ -139,7 +139,8 @@ def _all_forms_fn(name, options):
     """Jitted (params, x) -> {form: y}: every causal form in one program, compiled once per layer."""
     options = dict(options)
     lay = _layer(name, True, options)
-    chunked = None if name == "softmax" or not _recurrent(name) else _layer(name, True, options, chunk_size=3)
+    chunked = (None if name == "softmax" or not _recurrent(name) or "chunk_size" not in attention.options(name)
+               else _layer(name, True, options, chunk_size=3))
 
     def fn(params, x):
         out = {"parallel": _apply(lay, params, x)[0]}

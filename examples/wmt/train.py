@@ -36,7 +36,7 @@ TEST_EXAMPLES = 8
 
 # Small options for the mechanisms whose defaults are sized for long sequences.
 SMALL_OPTIONS = {"favor": (("num_features", 16),), "window_graph": (("window", 2),),
-                 "cross_graph": (("window", 2),)}
+                 "cross_graph": (("window", 2),), "longformer": (("window", 3), ("num_global", 1))}
 
 
 def number_words_batch(numbers: Sequence[int], direction: str = "en_de") -> dict:

@@ -137,7 +137,8 @@ SMALL = {"favor": {"num_features": 8}, "window_graph": {"window": 2}, "cross_gra
 
 def test_capabilities_say_which_mechanism_fits_which_role():
     assert attention.names("cross") == ("cross_graph", "favor", "linear", "softmax")
-    assert attention.names("causal", "decode") == ("agf", "favor", "linear", "softmax", "window_graph")
+    assert attention.names("causal", "decode") == ("agf", "favor", "linear", "longformer", "softmax", "window_graph")
+    assert "longformer" in attention.names("context_parallel") and "reformer" not in attention.names("decode")
     assert attention.names("self") == ("agf", "favor", "linear", "linformer", "longformer", "nystromformer",
                                        "reformer", "softmax", "window_graph")
     assert attention.names("causal") == ("agf", "favor", "linear", "longformer", "reformer", "softmax",

@@ -10,7 +10,7 @@ import pytest
 from tests.environment import sequence_mesh
 from zoo_core import attention, testing
 from zoo_core.baselines.linformer import LinformerAttention
-from zoo_core.baselines.longformer import LongformerAttention
+from zoo_core.baselines.longformer import LongformerAttention, longformer_context_parallel
 from zoo_core.baselines.nystromformer import NystromformerAttention
 from zoo_core.baselines.reformer import ReformerAttention
 from zoo_core.ops import context_parallel, masking, packing
@@ -100,6 +100,23 @@ ROWS = [
     ("reformer-hashes-0", _init(ReformerAttention(num_heads=H, head_dim=D, num_hashes=0)), "`num_hashes`"),
     ("longformer-window-0", _init(LongformerAttention(num_heads=H, head_dim=D, window=0)), "`window`"),
     ("longformer-global-neg", _init(LongformerAttention(num_heads=H, head_dim=D, num_global=-1)), "`num_global`"),
+    ("longformer-cp-length", lambda: longformer_context_parallel(Q[:, :5], Q[:, :5], V[:, :5], window=2,
+                                                                 mesh=sequence_mesh(2)),
+     "the sequence length 5 must divide by the 'sequence' axis size 2"),
+    ("longformer-cp-halo", lambda: longformer_context_parallel(Q, Q, V, window=4, causal=True, mesh=sequence_mesh(2)),
+     "each of the 2 shards holds 3 tokens, fewer than Longformer's halo 4 (the window)"),
+    ("longformer-cp-axis", lambda: longformer_context_parallel(Q, Q, V, window=2, mesh=sequence_mesh(2), axis_name="seq"),
+     "the mesh has no axis 'seq' (its axes: ('sequence',))"),
+    ("longformer-sequence-axis-int", _init(LongformerAttention(num_heads=H, head_dim=D, sequence_axis=0)),
+     "`sequence_axis` must be a mesh axis name or None, got 0"),
+    # (checked before any parameter is read: no init needed)
+    ("longformer-state-noncausal", lambda: LongformerAttention(num_heads=H, head_dim=D).apply({}, 2, method="init_state"),
+     "LongformerAttention.init_state is the causal form's (the decoding cache): build the layer with causal=True"),
+    ("longformer-step-shape", lambda: (lambda lay: lay.apply({}, lay.apply({}, B, method="init_state"), X, method="step"))(
+        LongformerAttention(num_heads=H, head_dim=D, causal=True)),
+     "`x_t` must be one token [B, E] with B = 2 (the cache's), got shape (2, 6, 8)"),
+    ("reformer-decode", lambda: attention.make("reformer", num_heads=2, qkv_features=8, causal=True, decode=True),
+     "attention 'reformer' has no decode=True form; these have one: ("),
     ("longformer-segments-shape", _apply(LongformerAttention(num_heads=H, head_dim=D), segment_ids=IDS[:, :2]),
      "`segment_ids` must have shape [B, T]"),
     ("nystromformer-conv-even", _init(NystromformerAttention(num_heads=H, head_dim=D, conv_kernel=4)),
@@ -175,9 +192,9 @@ ROWS = [
     ("packed-linformer", lambda: attention.make("linformer", num_heads=2, qkv_features=16, max_length=7).init(
         KEY, XA, segment_ids=np.ones((2, 7), np.int32)),
      "attention 'linformer' takes no segment_ids in its self-attention (packed sequences); these do: ["),
-    ("packed-longformer-cp",
-     lambda: attention.make("longformer", num_heads=2, qkv_features=16, sequence_axis="sequence"),
-     "attention 'longformer' has no context-parallel form (sequence_axis); these have one: ["),
+    ("packed-reformer-cp",
+     lambda: attention.make("reformer", num_heads=2, qkv_features=16, sequence_axis="sequence"),
+     "attention 'reformer' has no context-parallel form (sequence_axis); these have one: ["),
     ("packed-sequence-axis-int", lambda: attention.make("linear", num_heads=2, qkv_features=16, sequence_axis=3),
      "`sequence_axis` must be a mesh axis name or None, got 3"),
     ("packed-kv-ids-self", lambda: attention.make("linear", num_heads=2, qkv_features=16, causal=True).init(

@@ -15,7 +15,8 @@
   memory `[B, S, E_m]`, `mask` a bool `[B, S]` key-padding mask of the memory;
 * `decode=True` (Flax's decoding convention, as flax's examples/wmt drive it): `init` on
   `[B, L, E]` creates the collection 'cache' (the layer's own State, O(1) in L for the linear
-  mechanisms and a key/value cache of L slots for softmax, and the step index `cache_index`); each
+  mechanisms, the last w and first g keys/values for Longformer, a key/value cache of L slots for
+  softmax, and the step index `cache_index`); each
   `apply(..., mutable=['cache'])` on `[B, 1, E]` is one token and advances it. A causal
   self-attention and a decoder's cross-attention both take it (the Cross-Graph layer reads the
   query's position from the index).

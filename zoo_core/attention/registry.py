@@ -51,7 +51,8 @@ class _Entry:
       length_option: the option that bounds the input length of the non-causal self-attention and
         that a model sets to its longest sequence (Linformer's `max_length`), or None.
       recurrent: the causal layer has the recurrent forms `init_state` / `scan` / `step` (and so
-        `decode=True`); False for a causal layer with `__call__` only (Reformer, Longformer).
+        `decode=True`); False for a causal layer with `__call__` only (Reformer: its buckets move with
+        the prefix).
     """
     self_form: Optional[_Form]
     modes: tuple[bool, ...]
@@ -86,8 +87,7 @@ _REGISTRY: dict[str, _Entry] = {
                     "FAVOR+ positive random features (Performer, Choromanski et al. 2021)",
                     cross_call=calls.cross_method),
     "longformer": _Entry(_Form("zoo_core.baselines.longformer", "LongformerAttention"), (False, True), None,
-                         "Longformer (Beltagy et al. 2020): sliding-window + global-token softmax, O(T (w + g))",
-                         recurrent=False),
+                         "Longformer (Beltagy et al. 2020): sliding-window + global-token softmax, O(T (w + g))"),
     "linformer": _Entry(_Form("zoo_core.baselines.linformer", "LinformerAttention"), (False,), None,
                         "Linformer (Wang et al. 2020): keys and values projected along the sequence",
                         length_option="max_length"),

@@ -190,11 +190,13 @@ class DenseGeneral(nn.DenseGeneral):
             dot_general = self.dot_general_cls()
         else:
             dot_general = self.dot_general or jax.lax.dot_general
-        y = dot_general(inputs.reshape(-1, fan_in), kernel.reshape(fan_in, fan_out),
-                        (((1,), (0,)), ((), ())), precision=self.precision)
+        lead = inputs.shape[:inputs.ndim - n]
+        x = inputs.reshape((-1, fan_in) if _mergeable(inputs, len(lead)) else lead + (fan_in,))
+        y = dot_general(x, kernel.reshape(fan_in, fan_out), (((x.ndim - 1,), (0,)), ((), ())),
+                        precision=self.precision)
         if bias is not None:
-            y = y + bias.reshape(1, fan_out)
-        return y.reshape(inputs.shape[:inputs.ndim - n] + features)
+            y = y + bias.reshape((1,) * (y.ndim - 1) + (fan_out,))
+        return y.reshape(lead + features)
 
 
 class Dense(nn.Dense):
@@ -212,11 +214,19 @@ class Dense(nn.Dense):
             dot_general = self.dot_general_cls()
         else:
             dot_general = self.dot_general or jax.lax.dot_general
-        y = dot_general(inputs.reshape(-1, kernel.shape[0]), kernel, (((1,), (0,)), ((), ())),
-                        precision=self.precision)
+        x = inputs.reshape(-1, kernel.shape[0]) if _mergeable(inputs, inputs.ndim - 1) else inputs
+        y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
         if bias is not None:
-            y = y + bias.reshape(1, -1)
+            y = y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
         return y.reshape(inputs.shape[:-1] + (self.features,))
+
+
+def _mergeable(x: Array, lead: int) -> bool:
+    """Whether the `lead` leading axes of x may be merged into one: none is split over an Explicit mesh
+    axis (context parallelism under `jax.make_mesh`'s default axes), where such a reshape has no output
+    sharding and the matmul keeps them apart instead."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is None or all(axis is None for axis in tuple(spec)[:lead])
 
 
 class Embed(nn.Embed):
