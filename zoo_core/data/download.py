@@ -17,15 +17,19 @@ import argparse
 import os
 import sys
 
+from zoo_core import checks
 from zoo_core.data import fetch, forecasting, pipeline, uea
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line (argv without the program name; None = sys.argv)."""
-    parser = argparse.ArgumentParser(prog="python -m zoo_core.data.download",
-                                     description=__doc__.split("\n\n")[0])
+    """The command line (argv without the program name; None = sys.argv); a mistake is one `error:` line
+    and exit status 2."""
+    parser = checks.ArgumentParser(prog="python -m zoo_core.data.download",
+                                   description=__doc__.split("\n\n")[0])
     parser.add_argument("source", choices=("uea", "ett"))
-    parser.add_argument("names", nargs="*", help="data sets (default: UEA's AGF Table 1, or the four ETT files)")
+    # default=[]: without one, argparse counts a '*' positional as required in its missing-arguments message.
+    parser.add_argument("names", nargs="*", default=[],
+                        help="data sets (default: UEA's AGF Table 1, or the four ETT files)")
     parser.add_argument("--data_dir", default="")
     parser.add_argument("--base_url", default="", help=f"default: {uea.BASE_URL} (uea), "
                                                        f"{forecasting.ETT_BASE_URL} (ett)")

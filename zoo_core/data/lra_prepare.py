@@ -51,7 +51,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from zoo_core import extras
+from zoo_core import checks, extras
 from zoo_core.data import fetch
 
 LRA_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
@@ -294,8 +294,8 @@ def prepare_cifar(archive: str, out: str, log=print) -> Optional[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (argv without the program name; None = sys.argv)."""
-    parser = argparse.ArgumentParser(prog="python -m zoo_core.data.lra_prepare",
-                                     description=__doc__.split("\n\n")[0])
+    parser = checks.ArgumentParser(prog="python -m zoo_core.data.lra_prepare",
+                                   description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the folder that gets one sub-folder per task")
     parser.add_argument("--archive", default="", help=f"LRA's lra_release.gz, a path or URL ({LRA_URL})")
     parser.add_argument("--imdb", default="", help=f"aclImdb_v1.tar.gz, a path or URL ({IMDB_URL})")

@@ -18,7 +18,7 @@ import re
 import shlex
 import sys
 
-from zoo_core import configs, extras
+from zoo_core import checks, configs, extras
 from zoo_core.study import Study, report, runner
 
 STUDIES = configs.ROOT / "studies"
@@ -103,7 +103,7 @@ def default_workdir(spec: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line above (`--help` lists it)."""
-    p = argparse.ArgumentParser(prog="python -m zoo_core.study", description=__doc__.split("\n")[0])
+    p = checks.ArgumentParser(prog="python -m zoo_core.study", description=__doc__.split("\n")[0])
     p.add_argument("study", help="configs/studies/<name>.py[:args], e.g. configs/studies/agf_order.py:smoke")
     p.add_argument("--workdir", default=None, help="the study's folder (default runs/study_<name>[_<args>])")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time, each its own process")
