@@ -281,3 +281,26 @@ def test_download_command_fetches_ahead(server, tmp_path, capsys):
     # What the runs then read, with the network gone.
     del handler.files["/uea/Toy.zip"], handler.files["/ett/ETTh1.csv"]
     assert zoo_data.make_builder("uea", data_dir, dataset="Toy").builder_config.dataset == "Toy"
+
+
+@pytest.mark.parametrize("flag, under, expected", [
+    ("--data_dir", "", "is an existing file; expected a directory"),
+    ("--data_dir", "/sub", "is a file, so no directory can be made under it"),
+    ("--csv_dir", "", "is an existing file; expected a directory"),
+    ("$ZOO_DATA_DIR", "", "is an existing file; expected a directory"),
+])
+def test_download_into_a_file_is_one_error_line(flag, under, expected, tmp_path, capsys, monkeypatch):
+    """A file given as the data folder: one line saying it is a file, exit 2 (each data set's fetch
+    error advised putting the data in a folder under that file)."""
+    from zoo_core.data import download
+    (tmp_path / "file").write_text("")
+    path = f"{tmp_path / 'file'}{under}"
+    argv = ["ett", "ETTh1"] + ([] if flag.startswith("$") else [flag, path])
+    if flag.startswith("$"):
+        monkeypatch.setenv("ZOO_DATA_DIR", path)
+    with pytest.raises(SystemExit) as e:
+        download.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {flag} {path!r} ") and expected in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file"]
