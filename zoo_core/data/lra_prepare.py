@@ -304,8 +304,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                     "(default: those whose source is given)")
     parser.add_argument("--pathfinder_resolution", type=int, default=32, choices=RESOLUTIONS)
     parser.add_argument("--pathfinder_difficulty", default="curv_contour_length_14", choices=DIFFICULTIES)
-    parser.add_argument("--data_dir", default="", help="where URLs are downloaded to (<data dir>/downloads/lra)")
-    return parser.parse_args(argv)
+    parser.add_argument("--data_dir", default=None, help="where URLs are downloaded to (<data dir>/downloads/lra)")
+    args = parser.parse_args(argv)
+    # A file (or a path under one, or '') as a folder: one line now, not a traceback when it is written.
+    checks.check_output_paths(parser, args, dirs=["out", "data_dir"])
+    return args
 
 
 def main(argv=None) -> int:
@@ -326,7 +329,7 @@ def main(argv=None) -> int:
             raise PrepareError(f"--tasks {','.join(tasks)} needs --{' --'.join(lacking)}")
         if "pathfinder" in tasks:
             extras.require("lra", "pathfinder (its PNG images)", ("PIL",))
-        data_dir = args.data_dir or None
+        data_dir = args.data_dir
         archive_tasks = [t for t in tasks if t in ARCHIVE_TASKS]
         if archive_tasks:
             path = local_source(args.archive, what="lra_release.gz", data_dir=data_dir)
