@@ -177,8 +177,8 @@ def smoke_check(name: str, output_dir: str | os.PathLike, *, xla_flags: str = ""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line of this script (exits with the usage line on a bad one)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The command line of this script (a bad one is one `error:` line, exit status 2)."""
+    parser = checks.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help=f"notebooks to run (default: all of {', '.join(NOTEBOOKS)})")
     parser.add_argument("--smoke", action="store_true", help="smoke size (ZOO_NOTEBOOK_SMOKE=1); "
                         "without --output-dir it writes into a fresh temporary folder, never in place")

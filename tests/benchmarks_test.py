@@ -162,7 +162,7 @@ def test_a_bad_script_argument_is_a_usage_error(tmp_path, capsys, script, args, 
     with pytest.raises(SystemExit) as e:
         module.parse_args(argv)
     err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if ": error: " in line]
+    errors = [line for line in err.splitlines() if ": error: " in line or line.startswith("error: ")]
     assert e.value.code == 2 and len(errors) == 1 and expected in errors[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]     # nothing made
 

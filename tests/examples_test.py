@@ -55,7 +55,7 @@ def test_bad_arguments_are_one_error_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         train.parse_args(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and ": error: " + message in err[-1], err
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: " + message), err
 
 
 def test_the_command_runs_by_path_from_any_folder(tmp_path):
@@ -70,6 +70,6 @@ def test_the_command_runs_by_path_from_any_folder(tmp_path):
     env = {k: v for k, v in command_env().items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "wmt" / "train.py"), "--steps", "0"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "train.py: error: --steps must be >= 1, got 0" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --steps must be >= 1, got 0"), proc.stderr
     assert os.listdir(tmp_path) == []
     assert "`python -m examples.wmt.train` from the repository root only" in train.__doc__

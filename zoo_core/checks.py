@@ -163,6 +163,15 @@ def check_shape(name: str, x: Any, shape: Sequence[int], shape_doc: str) -> None
 # the flag) when the command is parsed, not a traceback minutes into a run. No jax here: some scripts
 # parse their flags before jax may be imported (the CPU device count).
 
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage error is one line, `error: <message>` on stderr with exit status 2,
+    as the training commands answer (argparse prints its usage block first); `--help` still shows the
+    usage and every argument."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(str(message).split())}\n")
+
 def _number(text: str, kind: type, minimum: float, strict: bool) -> Any:
     try:
         value = kind(text)

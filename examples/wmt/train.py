@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from examples.wmt.models import Transformer, TransformerConfig, shift_right  # noqa: E402  (after the path)
-from zoo_core import attention  # noqa: E402
+from zoo_core import attention, checks  # noqa: E402
 from zoo_core.data import number_words  # noqa: E402
 
 BOS = number_words.BOS_ID
@@ -137,7 +137,7 @@ def train(config: TransformerConfig, batch: dict, *, steps: int, learning_rate: 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command's arguments; a mechanism outside its role, or a count out of range, is a usage error
     (exit 2, one `error:` line) before anything is built."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = checks.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encoder", default="agf", help=f"encoder self-attention: {', '.join(attention.names('self'))}")
     parser.add_argument("--decoder", default="favor",
                         help=f"decoder causal self-attention: {', '.join(attention.names('causal', 'decode'))}")

@@ -575,8 +575,8 @@ def test_a_class_count_that_does_not_match_the_data_is_refused_before_compiling(
 # The real entry points (subprocesses).
 
 
-def _run(*args, timeout=120):
-    env = command_env()
+def _run(*args, timeout=120, env=None):
+    env = command_env(**(env or {}))
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -730,3 +730,19 @@ def test_the_command_builds_the_model_task_optimiser_and_data_builder_once(env, 
                            build_model=counted("model", mlp_classifier.Model))
     assert status == 0, err[-3000:]
     assert calls == {"model": 1, "task": 1, "optimizer": 1, "builder": 1}
+
+
+
+@pytest.mark.entry
+def test_a_download_without_network_prints_only_its_error_line(tmp_path):
+    """No connection (a refused port here, no network for a user): the `error:` line alone, without the
+    INFO line 'fetching <URL>' that came before it (absl logs to stderr only in a real entry point)."""
+    import socket
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, _ = _run("agf_jax.train", "--config", "configs/agf/uea.py:dataset=Heartbeat,smoke", "--workdir",
+                   tmp_path / "w", f"--config.data.data_dir={tmp_path / 'data'}",
+                   f"--config.data.options.base_url=http://127.0.0.1:{port}", env={"ZOO_OFFLINE": "0"})
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, f"could not fetch http://127.0.0.1:{port}/Heartbeat.zip (")
+    assert _snapshot(tmp_path) == []

@@ -156,3 +156,51 @@ def test_run_json_files_are_replaced_whole(tmp_path):
     metrics.write_json(str(path), {"seed": 1, "model": {"hidden": 32}})
     assert json.loads(path.read_text()) == {"seed": 1, "model": {"hidden": 32}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+# A training command started as `python -c RESTORE_SIGPIPE <flags>`: with SIGPIPE at its default, as a
+# program that runs the trainer may set it (Python itself ignores it), a write to a closed pipe ends the
+# process at once.
+RESTORE_SIGPIPE = ("import runpy, signal, sys; signal.signal(signal.SIGPIPE, signal.SIG_DFL); "
+                   "sys.argv[0] = 'zoo_core.train'; runpy.run_module('zoo_core.train', run_name='__main__')")
+
+
+@pytest.mark.parametrize("streams", ["stdout", "stdout_and_stderr", "sigpipe_default"])
+def test_ctrl_c_through_a_closed_pipe_still_saves_the_checkpoint(tmp_path, streams):
+    """`... | tee out.log` then Ctrl-C: tee ends first, so the run's output goes to a closed pipe. It still
+    saves its checkpoint at the step it stopped and exits 0 with no traceback (the summary line raised
+    BrokenPipeError, exit 1; with `2>&1 | tee` the progress bar's write raised inside the loop and no
+    checkpoint was saved)."""
+    work = tmp_path / "run"
+    cmd = _cmd(work, tmp_path / "data", "--config.total_steps=100000", "--config.checkpoint_every_steps=0",
+               "--config.log_every_steps=5", "--config.progress_bar=True")
+    if streams == "sigpipe_default":
+        cmd = [sys.executable, "-c", RESTORE_SIGPIPE, *cmd[3:]]
+    read, write = os.pipe()
+    err_log = open(tmp_path / "err.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=command_env(), stdout=write,
+                            stderr=err_log if streams == "stdout" else write,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.close(write)
+    os.set_blocking(read, False)
+    metrics, t0 = work / "metrics.jsonl", time.time()
+    while not (metrics.exists() and '"train/' in metrics.read_text()):
+        assert proc.poll() is None, f"exited early with {proc.returncode}"
+        assert time.time() - t0 < 300, "no training step logged"
+        try:
+            while os.read(read, 1 << 16):   # the pipe's reader (tee) while it runs
+                pass
+        except BlockingIOError:
+            pass
+        time.sleep(0.05)
+    os.close(read)   # tee ended by the Ctrl-C
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0, (proc.returncode, (tmp_path / "err.log").read_text()[-2000:])
+    err_log.close()
+    saved = [int(s) for s in os.listdir(work / "checkpoints") if s.isdigit()]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train/' in line]
+    assert len(saved) == 1 and saved[0] >= logged[-1], (saved, logged)
+    _params(str(work), saved[0])   # complete: it restores
+    if streams == "stdout":
+        err = (tmp_path / "err.log").read_text()
+        assert f"saved the checkpoint at step {saved[0]} after SIGINT" in err and "Traceback" not in err, err[-2000:]

@@ -152,6 +152,11 @@ def test_mechanism_studies_read_the_registry_at_load_time():
     (["configs/studies/samovar_fig4.py:smoke", "--set", "model.no_such_field=1"],
      "--set model.no_such_field: configs/samovar/synthetic_var.py:kind=samovar,protocol=code,smoke has no field"),
     (["configs/studies/samovar_fig4.py:smoke", "--set", "total_steps"], "give field=value"),
+    # A value that is not of the field's type stopped every run, after writing their results files.
+    (["configs/studies/samovar_fig4.py:smoke", "--set", "total_steps=abc"],
+     "--set total_steps=abc: invalid literal for int() with base 10: 'abc' (in configs/samovar/synthetic_var.py"),
+    (["configs/studies/samovar_fig4.py:smoke", "--set", "total_steps=3", "--set", "optim.learning_rate=fast"],
+     "--set optim.learning_rate=fast: could not convert string to float: 'fast'"),
     (["configs/studies/samovar_fig4.py:smoke", "--parallel", "0"], "--parallel must be >= 1"),
     (["configs/studies/samovar_fig4.py:smoke", "--only", "no such cell"], "--only 'no such cell' matches no cell"),
 ])

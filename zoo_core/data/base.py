@@ -8,9 +8,11 @@ import errno
 import hashlib
 import json
 import os
+import socket
 import struct
 import threading
-from typing import Any, TypeVar
+import time
+from typing import Any, Iterator, TypeVar
 
 import tensorflow_datasets as tfds
 from absl import logging
@@ -207,3 +209,61 @@ def explain_rebuild(builder: tfds.core.DatasetBuilder) -> str | None:
                f"(content hash {name.rsplit('_', 1)[1]} now): preparing {name}")
     logging.info("%s", message)
     return message
+
+
+def lock_path(builder: tfds.core.DatasetBuilder) -> str:
+    """The preparation lock of `builder`'s folder <data dir>/<name>/<config>/<version>: the file
+    <data dir>/.<name>-<config>-<version>.lock, outside the folders a failed preparation removes."""
+    name = builder.builder_config.name if builder.builder_config else ""
+    key = "-".join(p for p in (builder.name, name, str(builder.version)) if p)
+    return os.path.join(os.fspath(builder.data_dir_root), f".{key}.lock")
+
+
+@contextlib.contextmanager
+def preparation_lock(path: str, what: str) -> Iterator[bool]:
+    """Holds an exclusive lock on the file `path` (made, with its folder, if missing) while `what` is
+    prepared: two runs that share an unprepared data set prepare it once, the second waiting for the
+    first (one log line says so) instead of building it beside it and failing at the rename. Yields
+    whether another process held it first (then the data may be prepared now). The lock goes with its
+    process (a killed holder leaves none) and its file is removed on release; one that cannot be made
+    (a read-only data dir; a system without fcntl) is not taken.
+    """
+    try:
+        import fcntl
+    except ImportError:   # Windows: no advisory locks
+        yield False
+        return
+    waited = False
+    while True:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:   # cannot be written: preparing there fails with its own message
+            yield waited
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waited:
+                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                    logging.info("waiting for %s to finish preparing %s (lock %s)", holder, what, path)
+                waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if not same:   # its holder removed the file on release: lock the one now at `path`
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+            try:
+                yield waited
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(path)   # while still held: a waiter then finds the file gone and retries
+            return
+        finally:
+            os.close(fd)

@@ -17,20 +17,32 @@ import argparse
 import os
 import sys
 
+from zoo_core import checks
 from zoo_core.data import fetch, forecasting, pipeline, uea
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line (argv without the program name; None = sys.argv)."""
-    parser = argparse.ArgumentParser(prog="python -m zoo_core.data.download",
-                                     description=__doc__.split("\n\n")[0])
+    """The command line (argv without the program name; None = sys.argv); a mistake is one `error:` line
+    and exit status 2."""
+    parser = checks.ArgumentParser(prog="python -m zoo_core.data.download",
+                                   description=__doc__.split("\n\n")[0])
     parser.add_argument("source", choices=("uea", "ett"))
-    parser.add_argument("names", nargs="*", help="data sets (default: UEA's AGF Table 1, or the four ETT files)")
-    parser.add_argument("--data_dir", default="")
+    # default=[]: without one, argparse counts a '*' positional as required in its missing-arguments message.
+    parser.add_argument("names", nargs="*", default=[],
+                        help="data sets (default: UEA's AGF Table 1, or the four ETT files)")
+    parser.add_argument("--data_dir", default=None,
+                        help="default: $ZOO_DATA_DIR, else ~/.cache/linear_attention_zoo")
     parser.add_argument("--base_url", default="", help=f"default: {uea.BASE_URL} (uea), "
                                                        f"{forecasting.ETT_BASE_URL} (ett)")
-    parser.add_argument("--csv_dir", default="", help="ett: where the CSVs go (default: <data dir>/ETT-small)")
-    return parser.parse_args(argv)
+    parser.add_argument("--csv_dir", default=None, help="ett: where the CSVs go (default: <data dir>/ETT-small)")
+    args = parser.parse_args(argv)
+    # A file given as a folder: one line now, not a fetch error per data set advising a folder under it.
+    checks.check_output_paths(parser, args, dirs=["data_dir", "csv_dir"])
+    if args.data_dir is None and os.environ.get("ZOO_DATA_DIR"):
+        problem = checks.output_path_problem(pipeline.resolve_data_dir(None), directory=True)
+        if problem:
+            parser.error(f"$ZOO_DATA_DIR {os.environ['ZOO_DATA_DIR']!r} {problem}")
+    return args
 
 
 def main(argv=None) -> int:

@@ -140,13 +140,15 @@ def fetch(url: str, dest_dir: str, *, name: Optional[str] = None, sha256: Option
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=dest_dir)
     except OSError as e:
         raise fail(f"cannot write the cache folder: {one_line(e)}") from None
-    logging.info("fetching %s into %s", url, dest_dir)
     try:
         with os.fdopen(fd, "wb") as out:
             try:
                 request = urllib.request.Request(url, headers={"User-Agent": "linear-attention-zoo"})
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     expected = response.headers.get("Content-Length")
+                    # Once the server answers: without network the error line is all that is printed.
+                    logging.info("fetching %s%s into %s", url,
+                                 f" ({int(expected):,} bytes)" if (expected or "").isdigit() else "", dest_dir)
                     received = 0
                     for block in iter(lambda: response.read(_BLOCK), b""):
                         out.write(block)

@@ -422,6 +422,12 @@ def _check_ett_csv(path: str, name: str) -> None:
     need = sum(_ETT_HOUR_ROWS) * (4 if name.startswith("ETTm") else 1)
     if rows < need:
         raise ValueError(f"{name} has {rows} rows; the ETT split uses {need}")
+    # What every run reads it for (numbers in every column, no NaN, rows in time order): a download that
+    # fails there never reaches the cache, where each run would fail on it again.
+    try:
+        prepare_arrays(ForecastingConfig(name="check", source=path, input_length=1, horizon=1, split="ratio"))
+    except ValueError as e:   # it names the temporary file: name the download
+        raise ValueError(str(e).replace(repr(path), name).replace(path, name).removeprefix("forecasting: ")) from None
 
 
 def fetch_missing(data_dir: str, options: dict) -> None:

@@ -40,18 +40,23 @@ Splits of any size prepare without TensorFlow (`base.GeneratorBuilder`).
 from __future__ import annotations
 
 import argparse
+import bz2
+import functools
+import gzip
 import io
+import lzma
 import os
 import re
 import shutil
 import sys
 import tarfile
 import tempfile
+import zlib
 from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from zoo_core import extras
+from zoo_core import checks, extras
 from zoo_core.data import fetch
 
 LRA_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
@@ -71,32 +76,83 @@ class PrepareError(ValueError):
     """A source that lacks what a task needs; one line."""
 
 
-def local_source(source: str, *, what: str, data_dir: Optional[str] = None) -> str:
-    """`source` if it is a local file, else (a URL) the fetched file in `<data dir>/downloads/lra/`.
+class UnreadableArchive(PrepareError):
+    """A source that is not a readable (compressed) tar archive, e.g. a truncated download; `path` is it."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path
+
+
+def local_source(source: str, *, what: str, data_dir: Optional[str] = None, fetched: Optional[set] = None) -> str:
+    """`source` if it is a local file, else (a URL) the fetched file in `<data dir>/downloads/lra/`, which
+    is then added to `fetched` (a cached download that `main` drops when it cannot be read).
 
     Raises:
       PrepareError / fetch.FetchError: one line naming the file or URL.
     """
     if re.match(r"^(https?|file)://", source):
         folder = os.path.join(fetch.downloads_dir(data_dir), "lra")
-        return fetch.fetch(source, folder, put=f"put {what} in {folder} or pass its path",
-                           timeout=fetch.TIMEOUT_S)
+        path = fetch.fetch(source, folder, put=f"put {what} in {folder} or pass its path", timeout=fetch.TIMEOUT_S)
+        if fetched is not None:
+            fetched.add(path)
+        return path
     path = os.path.expanduser(source)
     if not os.path.isfile(path):
         raise PrepareError(f"{what} {source!r} is not a file (give its path or URL)")
     return path
 
 
-def _tar_members(path: str) -> Iterator[tuple[tarfile.TarInfo, Callable[[], io.BufferedIOBase]]]:
+# The compressions a source may have (by its first bytes), each read by a module that raises EOFError
+# when the stream ends early and checks the stream's checksum at its end.
+_COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
+
+
+def _open_decompressed(path: str) -> io.BufferedIOBase:
+    with open(path, "rb") as f:
+        head = f.read(6)
+    opener = next((o for magic, o in _COMPRESSED if head.startswith(magic)), None)
+    return opener(path, "rb") if opener is not None else open(path, "rb")  # noqa: SIM115 - the caller closes it
+
+
+_UNREADABLE = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
+
+
+def _unreadable(path: str, e: BaseException) -> UnreadableArchive:
+    return UnreadableArchive(f"{path}: not a readable tar archive ({fetch.one_line(e)})", path)
+
+
+class _MemberReader:
+    """A member's file of `_tar_members`: a read that meets the archive's cut or damage raises
+    `UnreadableArchive`, as the iteration does (the reads happen in the caller's code)."""
+
+    def __init__(self, f: io.BufferedIOBase, path: str):
+        self._f, self._path = f, path
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._f.read(size)
+        except _UNREADABLE as e:
+            raise _unreadable(self._path, e) from None
+
+
+def _tar_members(path: str) -> Iterator[tuple[tarfile.TarInfo, Callable[[], _MemberReader]]]:
     """(member, open) for every regular file of the (compressed) tar `path`, in one streaming pass:
-    `open()` gives the member's bytes as a file, readable until the next member."""
+    `open()` gives the member's bytes as a file, readable until the next member.
+
+    Raises:
+      UnreadableArchive: not a tar archive, damaged, or cut short. tarfile alone ends quietly at a cut
+        between members; the stream is therefore read to its end, where a cut raises.
+    """
     try:
-        with tarfile.open(path, mode="r|*") as tar:
+        with _open_decompressed(path) as raw, tarfile.open(fileobj=raw, mode="r|") as tar:
             for member in tar:
                 if member.isfile():
-                    yield member, lambda m=member, t=tar: t.extractfile(m)
-    except (tarfile.TarError, EOFError, OSError) as e:
-        raise PrepareError(f"{path}: not a readable tar archive ({fetch.one_line(e)})") from None
+                    yield member, lambda m=member, t=tar: _MemberReader(t.extractfile(m), path)
+            while raw.read(1 << 20):   # the end-of-archive blocks and, compressed, the checksum
+                pass
+    except _UNREADABLE as e:
+        raise _unreadable(path, e) from None
 
 
 class _Task:
@@ -294,8 +350,8 @@ def prepare_cifar(archive: str, out: str, log=print) -> Optional[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (argv without the program name; None = sys.argv)."""
-    parser = argparse.ArgumentParser(prog="python -m zoo_core.data.lra_prepare",
-                                     description=__doc__.split("\n\n")[0])
+    parser = checks.ArgumentParser(prog="python -m zoo_core.data.lra_prepare",
+                                   description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the folder that gets one sub-folder per task")
     parser.add_argument("--archive", default="", help=f"LRA's lra_release.gz, a path or URL ({LRA_URL})")
     parser.add_argument("--imdb", default="", help=f"aclImdb_v1.tar.gz, a path or URL ({IMDB_URL})")
@@ -304,8 +360,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                     "(default: those whose source is given)")
     parser.add_argument("--pathfinder_resolution", type=int, default=32, choices=RESOLUTIONS)
     parser.add_argument("--pathfinder_difficulty", default="curv_contour_length_14", choices=DIFFICULTIES)
-    parser.add_argument("--data_dir", default="", help="where URLs are downloaded to (<data dir>/downloads/lra)")
-    return parser.parse_args(argv)
+    parser.add_argument("--data_dir", default=None, help="where URLs are downloaded to (<data dir>/downloads/lra)")
+    args = parser.parse_args(argv)
+    # A file (or a path under one, or '') as a folder: one line now, not a traceback when it is written.
+    checks.check_output_paths(parser, args, dirs=["out", "data_dir"])
+    return args
 
 
 def main(argv=None) -> int:
@@ -314,6 +373,7 @@ def main(argv=None) -> int:
     source_of = {"listops": "archive", "retrieval": "archive", "pathfinder": "archive", "text": "imdb",
                  "image": "cifar"}
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] or [t for t in TASKS if given[source_of[t]]]
+    fetched: set[str] = set()   # the sources downloaded from a URL into the cache
     try:
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
@@ -326,18 +386,24 @@ def main(argv=None) -> int:
             raise PrepareError(f"--tasks {','.join(tasks)} needs --{' --'.join(lacking)}")
         if "pathfinder" in tasks:
             extras.require("lra", "pathfinder (its PNG images)", ("PIL",))
-        data_dir = args.data_dir or None
+        data_dir = args.data_dir
         archive_tasks = [t for t in tasks if t in ARCHIVE_TASKS]
+        source = functools.partial(local_source, data_dir=data_dir, fetched=fetched)
         if archive_tasks:
-            path = local_source(args.archive, what="lra_release.gz", data_dir=data_dir)
-            prepare_archive(path, args.out, archive_tasks, resolution=args.pathfinder_resolution,
-                            difficulty=args.pathfinder_difficulty)
+            prepare_archive(source(args.archive, what="lra_release.gz"), args.out, archive_tasks,
+                            resolution=args.pathfinder_resolution, difficulty=args.pathfinder_difficulty)
         if "text" in tasks:
-            prepare_imdb(local_source(args.imdb, what="aclImdb_v1.tar.gz", data_dir=data_dir), args.out)
+            prepare_imdb(source(args.imdb, what="aclImdb_v1.tar.gz"), args.out)
         if "image" in tasks:
-            prepare_cifar(local_source(args.cifar, what="cifar-10-binary.tar.gz", data_dir=data_dir), args.out)
+            prepare_cifar(source(args.cifar, what="cifar-10-binary.tar.gz"), args.out)
     except ValueError as e:
-        print(f"error: {fetch.one_line(e, 400)}", file=sys.stderr, flush=True)
+        message = fetch.one_line(e, 400)
+        if isinstance(e, UnreadableArchive) and e.path in fetched:
+            # A download that arrived whole but is no archive (cut short at the source): every run
+            # would read it from the cache again.
+            os.remove(e.path)
+            message += "; removed it from the download cache (the next run fetches it again)"
+        print(f"error: {message}", file=sys.stderr, flush=True)
         return 2
     for task in tasks:
         print(f"{task}: --config.data.options.source_dir={os.path.join(os.path.abspath(args.out), task)}")

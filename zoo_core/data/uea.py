@@ -23,7 +23,7 @@ Sources:
   * otherwise (no `source_dir`, not shipped): fetched on first use from `<base_url>/<Name>.zip` (the
     option `base_url`, default `BASE_URL`, the archive's per-data-set zips that aeon and sktime download)
     into `<data dir>/downloads/uea/<Name>.zip`, checked (every CRC, <Name>_TRAIN.ts and <Name>_TEST.ts at
-    the zip's root or in a <Name>/ folder) and unpacked to `<data dir>/downloads/uea/<Name>/`
+    the zip's root or in a <Name>/ folder, both loading) and unpacked to `<data dir>/downloads/uea/<Name>/`
     (`zoo_core.data.fetch`). The archive publishes no checksums, so the check is by structure; the
     prepared data are keyed by the files' contents as for any source. `base_url=''` turns fetching off.
     Offline the error is one line naming the URL and the folder to put the files in.
@@ -215,6 +215,20 @@ def _zip_members(dataset: str, names: list[str]) -> dict[str, str]:
     return found
 
 
+def _check_archive(dataset: str, path: str) -> None:
+    """Raises ValueError (one line) unless the zip `path` holds <dataset>_TRAIN.ts and _TEST.ts that load
+    (`_load`: parsed, consistent), so that a download that would fail every run never reaches the cache."""
+    import tempfile  # pylint: disable=import-outside-toplevel
+    members = _zip_members(dataset, fetch.check_zip(path))
+    with tempfile.TemporaryDirectory(prefix=".check.", dir=os.path.dirname(path)) as tmp:
+        fetch.extract(path, os.path.join(tmp, dataset), members)
+        files = [os.path.join(tmp, dataset, f"{dataset}_{split}.ts") for split in ("TRAIN", "TEST")]
+        try:
+            _load.__wrapped__(*map(_file_key, files), None, "none")
+        except ValueError as e:   # it names the unpacked file: name it as the archive's member
+            raise ValueError(str(e).replace(os.path.join(tmp, dataset) + os.sep, "")) from None
+
+
 def cached_dir(data_dir: str) -> str:
     """Where fetched UEA data sets are unpacked: `<data dir>/downloads/uea` (a `source_dir` layout)."""
     return os.path.join(fetch.downloads_dir(data_dir), "uea")
@@ -234,7 +248,7 @@ def fetch_dataset(dataset: str, data_dir: str, base_url: str = BASE_URL) -> tupl
         return paths
     put = f"put {dataset}/{names[0]} and {dataset}/{names[1]} in {folder} (or pass source_dir=DIR)"
     archive = fetch.fetch(f"{base_url.rstrip('/')}/{dataset}.zip", folder, put=put,
-                          expect=lambda path: _zip_members(dataset, fetch.check_zip(path)))
+                          expect=lambda path: _check_archive(dataset, path))
     fetch.extract(archive, os.path.join(folder, dataset), _zip_members(dataset, fetch.check_zip(archive)))
     if not all(os.path.isfile(p) for p in paths):   # a folder of that name made by hand, without them
         raise fetch.FetchError(f"{os.path.join(folder, dataset)} exists but lacks {names[0]} or {names[1]}; "
@@ -455,6 +469,7 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
     _check(config)
     # Keyed by the files' contents too: an edited or replaced .ts file is prepared again. Without the
     # files, data prepared from them with these options is still usable.
+    sources: tuple[str, ...] = ()
     try:
         sources = locate(config.dataset, config.source_dir, data_dir=os.fspath(data_dir), base_url=base_url)
     except ValueError:
@@ -464,4 +479,12 @@ def make_builder(data_dir: str, **options) -> tfds.core.DatasetBuilder:
         config = prepared
     else:
         config = base.config_from_options(UeaConfig, options, dataset="uea", sources=sources)
-    return Uea(data_dir=data_dir, config=config, file_format="array_record")
+    try:
+        return Uea(data_dir=data_dir, config=config, file_format="array_record")   # reads the files
+    except ValueError as e:
+        folder = os.path.join(cached_dir(data_dir), config.dataset)
+        if not any(os.path.dirname(p) == folder for p in sources):
+            raise
+        # Files fetched before downloads were checked (or put there by hand) stay until deleted: say which.
+        raise ValueError(f"{e}; {folder} is in the download cache: delete it and {folder}.zip to fetch "
+                         f"{config.dataset} again") from None

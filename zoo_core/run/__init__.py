@@ -16,8 +16,8 @@
   early stopping, checkpoint, signal), and the run's closing summary line.
 * `steps`: `TrainState` and the pure `train_step` / `eval_step`.
 * `evaluation`: `evaluate_params`, `evaluate_checkpoint` (`--eval_only`), `load_params`.
-* `guard` (SIGTERM / Ctrl-C, the workdir lock), `log` (what a run logs), `errors` (`ConfigError`,
-  `NonFiniteError`).
+* `guard` (SIGTERM / Ctrl-C, the workdir lock), `output` (prints that a closed pipe cannot stop), `log`
+  (what a run logs), `errors` (`ConfigError`, `NonFiniteError`).
 
 This package's `__init__` imports nothing: `zoo_core.trainer` is the public facade that re-exports the
 names a user calls (`train_and_evaluate`, `evaluate_checkpoint`, `load_params`, ...).

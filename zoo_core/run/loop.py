@@ -4,6 +4,7 @@ checkpoint and early stopping, checkpoint, signal), and the run's closing summar
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -19,6 +20,7 @@ from zoo_core.run.errors import ConfigError, NonFiniteError
 from zoo_core.run.evaluation import evaluate_params
 from zoo_core.run.guard import Terminate, lock_workdir
 from zoo_core.run.log import log_run, log_through_tqdm, mean_metrics
+from zoo_core.run.output import PipeSafe, ignore_sigpipe, write_line
 from zoo_core.run.resume import check_resume
 from zoo_core.run.setup import RunSetup, Steps, check_setup, compile_steps, restore_or_init, step_flops
 from zoo_core.run.setup_checks import check_workdir
@@ -219,15 +221,18 @@ def train_and_evaluate(config, workdir: str, build_model: Callable[..., Any], *,
     except OSError as e:   # e.g. under /proc, which os.access calls writable
         raise ConfigError(f"workdir {workdir!r} cannot be made: {e.strerror}") from None
     lock = lock_workdir(workdir)
-    try:
-        result, summary = _train_in(s, workdir, changes, evaluators, allow_config_change=allow_config_change)
-    finally:
-        if lock is not None:
-            lock.close()   # releases the lock (so does the process ending, however it ends)
-    if print_summary and jax.process_index() == 0:
-        print(summary, flush=True)   # not logged too: on the command line the log is the same terminal
-    else:
-        logging.info("%s", summary)
+    # Ctrl-C on `... | tee log` ends tee too: writing to the closed pipe must not stop the run before
+    # its checkpoint is saved, nor end it in a traceback after.
+    with ignore_sigpipe():
+        try:
+            result, summary = _train_in(s, workdir, changes, evaluators, allow_config_change=allow_config_change)
+        finally:
+            if lock is not None:
+                lock.close()   # releases the lock (so does the process ending, however it ends)
+        if print_summary and jax.process_index() == 0:
+            write_line(summary)   # not logged too: on the command line the log is the same terminal
+        else:
+            logging.info("%s", summary)
     return result
 
 
@@ -288,7 +293,7 @@ def _train_on(s: RunSetup, workdir: str, mesh, evaluators) -> tuple[dict, str]:
     if is_main and config.progress_bar:
         from tqdm.auto import tqdm
         loop.progress = tqdm(total=config.total_steps, initial=start, desc="train", unit="step",
-                             dynamic_ncols=True)
+                             dynamic_ncols=True, file=PipeSafe(sys.stderr))
         restore_logging = log_through_tqdm()
     try:
         train_loop(loop, state, train_iter)

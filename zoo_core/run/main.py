@@ -46,7 +46,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from zoo_core import configs
-from zoo_core.run import flag_errors
+from zoo_core.run import flag_errors, output
 from zoo_core.run.errors import ConfigError, NonFiniteError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file, optionally with ':args'",
@@ -174,7 +174,7 @@ def _main(argv, *, build_model: Callable[..., Any], evaluators_fn: Callable[[Any
                 if _EVAL_SPLIT.value is None or not str(e).startswith("data.eval_split "):
                     raise
                 raise ConfigError("--eval_split" + str(e)[len("data.eval_split"):]) from None
-            print(json.dumps(result, sort_keys=True))
+            output.write_line(json.dumps(result, sort_keys=True))
             return
         if _EVAL_SPLIT.value is not None or _CHECKPOINT.value is not None:
             _fail("--eval_split and --checkpoint are only used with --eval_only (training evaluates "
@@ -269,7 +269,7 @@ def _fail(message: str, status: int = 2) -> None:
     bar still shown is closed first, so that the line starts a line of its own."""
     message = " ".join(str(message).split())
     _close_progress_bars()
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    output.write_line(f"error: {message}", sys.stderr)
     sys.exit(status)
 
 
@@ -285,7 +285,10 @@ def _close_progress_bars() -> None:
     bars = sorted(list(getattr(tqdm, "_instances", ())), key=lambda bar: -abs(getattr(bar, "pos", 0)))
     for i, bar in enumerate(bars):
         bar.leave = i == len(bars) - 1
-        bar.close()
+        try:
+            bar.close()
+        except BrokenPipeError:   # its reader is gone (Ctrl-C on `| tee`): nothing to tidy
+            pass
 
 
 _HELP = ("--help", "-help", "-h", "-?", "--helpshort")

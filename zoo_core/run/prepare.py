@@ -16,6 +16,9 @@ from zoo_core.data import pipeline
 def prepare_data(config, *, builder=None) -> tuple[Any, Any]:
     """Builds the dataset on first use (process 0 first, the others wait), returns (train, eval) sources.
 
+    A run whose dataset another process is preparing (another run, a study's parallel run) waits for it
+    under the dataset's lock (`base.preparation_lock`, one log line), then reads what it prepared.
+
     `builder`: the dataset's builder for `config.data` if one was made already (`data.check_options`).
     """
     d = config.data
@@ -23,20 +26,10 @@ def prepare_data(config, *, builder=None) -> tuple[Any, Any]:
     make_builder = lambda: data_lib.make_builder(d.name, data_dir, **d.options.to_dict())
     builder = make_builder() if builder is None else builder
     failure = None
-    if jax.process_index() == 0:
-        from zoo_core.data import base as data_base
-        data_base.explain_rebuild(builder)
-        # The folders a failed preparation would leave behind (outermost first), removed on failure.
-        config_name = builder.builder_config.name if builder.builder_config else ""
-        created = [p for p in (data_dir, os.path.join(data_dir, builder.name),
-                               os.path.join(data_dir, builder.name, config_name)) if not os.path.exists(p)]
+    if jax.process_index() == 0 and not builder.is_prepared():
         try:
-            builder.download_and_prepare()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other processes
-            if created:
-                shutil.rmtree(created[0], ignore_errors=True)
-            if not isinstance(e, Exception):   # Ctrl-C: stop now, leaving no half-made folder behind
-                raise
+            builder = _prepare(builder, make_builder, data_dir)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other processes
             failure = e
             if isinstance(e, OSError):   # the data dir cannot be written (e.g. a read-only mount): name it
                 failure = ValueError(f"could not prepare {d.name} in data.data_dir {data_dir!r}: "
@@ -78,3 +71,53 @@ def prepare_data(config, *, builder=None) -> tuple[Any, Any]:
         raise ValueError(f"the prepared {d.name} in {str(builder.data_dir)!r} cannot be read ({type(e).__name__}: "
                          f"{reason}); delete that folder to prepare it again") from e
     return sources
+
+
+def _prepare(builder, make_builder, data_dir: str):
+    """Prepares `builder`'s dataset under its lock; returns the builder to read it with (made again when
+    another process held the lock first: one made before the data was written has empty info). A failure,
+    Ctrl-C included, removes the folders made for it; data_dir, when this call made it, only while it
+    holds no file (another data set may be prepared there at the same time)."""
+    from zoo_core.data import base as data_base
+    made_data_dir = not os.path.exists(data_dir)
+    try:
+        with data_base.preparation_lock(data_base.lock_path(builder), f"{builder.name} in {data_dir}") as waited:
+            if waited:
+                builder = make_builder()
+            data_base.explain_rebuild(builder)
+            config_name = builder.builder_config.name if builder.builder_config else ""
+            folders = [os.path.join(data_dir, builder.name)]
+            if config_name:
+                folders.append(os.path.join(folders[0], config_name))
+            # Under the lock no other process prepares this configuration: the folders made now are this one's.
+            created = [p for p in folders if not os.path.exists(p)]
+            try:
+                builder.download_and_prepare()
+            except BaseException:
+                if created:
+                    shutil.rmtree(created[-1], ignore_errors=True)
+                if len(created) == 2 and set(_entries(created[0])) <= {".config"}:
+                    # TFDS's .config/metadata.json of the data set, made for the configuration just removed
+                    shutil.rmtree(created[0], ignore_errors=True)
+                raise
+    except BaseException:
+        if made_data_dir:
+            _remove_if_no_file(data_dir)
+        raise
+    return builder
+
+
+def _entries(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _remove_if_no_file(folder: str) -> None:
+    """Removes `folder` if it holds no file: its empty sub-folders, innermost first, then itself."""
+    for root, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(root)
+        except OSError:   # not empty: kept
+            pass

@@ -5,7 +5,8 @@ figure go there), --parallel N (runs at a time, each its own process), --dry_run
 their commands; nothing runs), --only REGEX (run only the cells whose label matches; the results
 still cover every cell), --set field=value (repeatable: `--config.field=value` for every training
 run, e.g. --set total_steps=200). Mistakes (a study file that does not exist or does not load, a bad
-:args, a --set field that no cell's config has) end the command with one `error:` line and exit status 2;
+:args, a --set field that no cell's config has or a value not of its type there) end the command with
+one `error:` line and exit status 2, before any run;
 a run that fails is recorded in the results with its one-line error and the others go on (exit status 1
 when any failed).
 """
@@ -18,7 +19,7 @@ import re
 import shlex
 import sys
 
-from zoo_core import configs, extras
+from zoo_core import checks, configs, extras
 from zoo_core.study import Study, report, runner
 
 STUDIES = configs.ROOT / "studies"
@@ -67,7 +68,9 @@ def _set_flags(values: list[str]) -> list[str]:
 
 
 def check_set_fields(study: Study, flags: list[str]) -> None:
-    """Each --set field must exist in every training cell's config (loaded here, as the trainer would)."""
+    """Each --set field must exist in every training cell's config (loaded here, as the trainer would),
+    and its value must parse as that field's type there (as the trainer parses `--config.<field>=value`),
+    so that a mistake stops the study before its first run instead of failing every run."""
     if not flags:
         return
     specs = {c.config or study.config for c in study.cells if not c.is_benchmark}
@@ -86,6 +89,27 @@ def check_set_fields(study: Study, flags: list[str]) -> None:
                 if not hasattr(node, "keys") or part not in node.keys():
                     raise ValueError(f"--set {field}: {spec} has no field {field!r}")
                 node = node[part]
+        problem = _override_problem(config, flags)
+        if problem:
+            raise ValueError(f"--set {problem} (in {spec})")
+
+
+def _override_problem(config, flags: list[str]) -> str | None:
+    """'<field>=<value>: <why>' for the first of `flags` (`--config.<field>=value`) whose value does not
+    parse as its field of `config` (ml_collections' own parsing, as on the training command), or None."""
+    from absl import flags as absl_flags
+    from ml_collections import config_flags
+
+    from zoo_core.run import flag_errors
+    argv = ["study", *flags]
+    values = absl_flags.FlagValues()
+    try:
+        config_flags.DEFINE_config_dict("config", config, flag_values=values, lock_config=True, sys_argv=argv)
+        values(argv)
+    except Exception as e:  # noqa: BLE001 - absl's and ml_collections' parse errors have several types
+        message = flag_errors.last_line(str(e))
+        return re.sub(r"^flag --config\.", "", message)
+    return None
 
 
 def _shown(cmd: list[str]) -> str:
@@ -103,7 +127,7 @@ def default_workdir(spec: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line above (`--help` lists it)."""
-    p = argparse.ArgumentParser(prog="python -m zoo_core.study", description=__doc__.split("\n")[0])
+    p = checks.ArgumentParser(prog="python -m zoo_core.study", description=__doc__.split("\n")[0])
     p.add_argument("study", help="configs/studies/<name>.py[:args], e.g. configs/studies/agf_order.py:smoke")
     p.add_argument("--workdir", default=None, help="the study's folder (default runs/study_<name>[_<args>])")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time, each its own process")

@@ -176,6 +176,37 @@ def test_uea_broken_archive_leaves_nothing(server, tmp_path):
         "Bad/Bad_TRAIN.ts": "Bad_TRAIN.ts", "Bad_TEST.ts": "Bad_TEST.ts"}
 
 
+def test_uea_archive_with_a_malformed_ts_is_not_cached(server, tmp_path):
+    """A zip that passes its CRCs but holds a .ts that does not parse: one line naming the member and
+    line, nothing cached, so the next run fetches again (the bad files were cached and failed every run)."""
+    url, handler = server
+    bad = TS.format(name="Odd").replace("3,2,1:6,5,4:b", "3,2,1:6,5:b")   # dimensions of different lengths
+    handler.files["/uea/Odd.zip"] = _zip({"Odd_TRAIN.ts": bad.encode(), "Odd_TEST.ts": TS.format(name="Odd").encode()})
+    data_dir = str(tmp_path / "data")
+    with pytest.raises(ValueError) as e:
+        zoo_data.make_builder("uea", data_dir, dataset="Odd", base_url=f"{url}/uea")
+    message = str(e.value)
+    assert "\n" not in message and f"could not fetch {url}/uea/Odd.zip (Odd_TRAIN.ts, line 6: " in message, message
+    assert str(tmp_path) not in message.split(";")[0], message   # the member, not a temporary path
+    assert not os.path.exists(os.path.join(data_dir, "downloads"))
+    handler.files["/uea/Odd.zip"] = _uea_zip("Odd", folder=False)   # fixed on the server: fetched again
+    b = zoo_data.make_builder("uea", data_dir, dataset="Odd", base_url=f"{url}/uea")
+    assert b.builder_config.dataset == "Odd"
+
+
+def test_a_bad_file_in_the_uea_cache_names_what_to_delete(tmp_path):
+    data_dir = tmp_path / "data"
+    folder = data_dir / "downloads" / "uea" / "Odd"
+    folder.mkdir(parents=True)
+    (folder / "Odd_TRAIN.ts").write_text(TS.format(name="Odd").replace("3,2,1:6,5,4:b", "3,2,1:6,5:b"))
+    (folder / "Odd_TEST.ts").write_text(TS.format(name="Odd"))
+    with pytest.raises(ValueError) as e:
+        zoo_data.make_builder("uea", str(data_dir), dataset="Odd", base_url="")
+    assert str(e.value).startswith(f"{folder / 'Odd_TRAIN.ts'}, line 6: "), e.value
+    assert str(e.value).endswith(f"; {folder} is in the download cache: delete it and {folder}.zip to fetch Odd "
+                                 "again"), e.value
+
+
 def _ett_csv(rows: int) -> bytes:
     start = np.datetime64("2016-07-01T00:00")
     values = np.round(np.sin(np.arange(rows)[:, None] * 0.01 + np.arange(7)), 3)
@@ -183,6 +214,13 @@ def _ett_csv(rows: int) -> bytes:
         f"{str(start + np.timedelta64(i, 'h')).replace('T', ' ')}:00," + ",".join(map(str, v))
         for i, v in enumerate(values)]
     return ("\n".join(lines) + "\n").encode()
+
+
+def _ett_row_changed(rows: int, row: int, change) -> bytes:
+    """`_ett_csv(rows)` with its data row `row` (0 = the first after the header) replaced by `change(row)`."""
+    lines = _ett_csv(rows).decode().split("\n")
+    lines[row + 1] = change(lines[row + 1])
+    return "\n".join(lines).encode()
 
 
 def test_ett_fetched_into_csv_dir_on_first_use(server, tmp_path):
@@ -203,7 +241,12 @@ def test_ett_fetched_into_csv_dir_on_first_use(server, tmp_path):
     (_ett_csv(100), "ETTh1.csv has 100 rows; the ETT split uses 14400"),
     (b"a,b\n1,2\n", "does not start with the ETT header"),
     (_ett_csv(14400)[:-5], "ends in the middle of a line"),
-], ids=["short", "header", "cut"])
+    # Well-formed, but every run would fail on it (it was cached, and read again by every run).
+    (_ett_row_changed(14400, 5, lambda row: row.split(",")[0] + ",nan," + ",".join(row.split(",")[2:])),
+     "1 NaN/inf value(s) in ETTh1.csv, first in column 'HUFL' at data row 5"),
+    (_ett_row_changed(14400, 5, lambda row: row.replace("2016-07", "2016-06")),
+     "the 'date' column of ETTh1.csv goes back in time at data row 5"),
+], ids=["short", "header", "cut", "nan", "backwards"])
 def test_ett_bad_download_leaves_nothing(body, reason, server, tmp_path):
     url, handler = server
     handler.files["/ett/ETTh1.csv"] = body
@@ -266,6 +309,30 @@ def test_lra_archive_fetched_then_prepared(server, tmp_path, capsys):
     handler.truncated.clear()
 
 
+def test_an_lra_download_cut_short_at_the_source_is_dropped_from_the_cache(server, tmp_path, capsys):
+    """The server sends a cut archive whole (its Content-Length is the cut size): the download checks
+    pass, the archive does not read. One line, removed from the cache, so the next run fetches it again
+    (it was cached, and every run read the same cut file)."""
+    from tests.zoo_core.data.lra_prepare_test import lra_release
+    from zoo_core.data import lra_prepare
+    url, handler = server
+    whole = open(lra_release(tmp_path / "a.gz"), "rb").read()
+    handler.files["/lra/lra_release.gz"] = whole[:len(whole) // 2]
+    out, data_dir = tmp_path / "lra", tmp_path / "data"
+    argv = ["--archive", f"{url}/lra/lra_release.gz", "--out", str(out), "--data_dir", str(data_dir)]
+    capsys.readouterr()
+    assert lra_prepare.main(argv) == 2
+    err = capsys.readouterr().err
+    cached = data_dir / "downloads" / "lra" / "lra_release.gz"
+    assert err.count("\n") == 1 and err.startswith(f"error: {cached}: not a readable tar archive ("), err
+    assert err.endswith("; removed it from the download cache (the next run fetches it again)\n"), err
+    assert _listing(data_dir / "downloads") == []
+    assert not out.exists() or os.listdir(out) == []
+    handler.files["/lra/lra_release.gz"] = whole
+    assert lra_prepare.main(argv) == 0
+    assert sorted(os.listdir(out)) == ["listops", "pathfinder", "retrieval"]
+
+
 def test_download_command_fetches_ahead(server, tmp_path, capsys):
     from zoo_core.data import download
     url, handler = server
@@ -281,3 +348,26 @@ def test_download_command_fetches_ahead(server, tmp_path, capsys):
     # What the runs then read, with the network gone.
     del handler.files["/uea/Toy.zip"], handler.files["/ett/ETTh1.csv"]
     assert zoo_data.make_builder("uea", data_dir, dataset="Toy").builder_config.dataset == "Toy"
+
+
+@pytest.mark.parametrize("flag, under, expected", [
+    ("--data_dir", "", "is an existing file; expected a directory"),
+    ("--data_dir", "/sub", "is a file, so no directory can be made under it"),
+    ("--csv_dir", "", "is an existing file; expected a directory"),
+    ("$ZOO_DATA_DIR", "", "is an existing file; expected a directory"),
+])
+def test_download_into_a_file_is_one_error_line(flag, under, expected, tmp_path, capsys, monkeypatch):
+    """A file given as the data folder: one line saying it is a file, exit 2 (each data set's fetch
+    error advised putting the data in a folder under that file)."""
+    from zoo_core.data import download
+    (tmp_path / "file").write_text("")
+    path = f"{tmp_path / 'file'}{under}"
+    argv = ["ett", "ETTh1"] + ([] if flag.startswith("$") else [flag, path])
+    if flag.startswith("$"):
+        monkeypatch.setenv("ZOO_DATA_DIR", path)
+    with pytest.raises(SystemExit) as e:
+        download.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {flag} {path!r} ") and expected in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file"]

@@ -83,6 +83,23 @@ def test_archive_without_lra_layout_fails_in_one_line_and_writes_nothing(tmp_pat
     assert "needs --imdb" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("out, expected", [
+    ("{file}", "is an existing file; expected a directory"),
+    ("{file}/lra", "is a file, so no directory can be made under it"),
+    ("", "is empty"),
+], ids=["a file", "under a file", "empty"])
+def test_an_out_that_cannot_be_a_folder_is_one_error_line(out, expected, tmp_path, capsys):
+    archive = lra_release(tmp_path / "lra_release.gz", num_images=2)
+    (tmp_path / "file").write_text("")
+    out = out.format(file=tmp_path / "file")
+    with pytest.raises(SystemExit) as e:
+        lra_prepare.main(["--archive", archive, f"--out={out}", "--tasks", "listops"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --out {out!r} ") and expected in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file", "lra_release.gz"]
+
+
 def test_imdb_and_cifar(tmp_path):
     imdb = _tar_gz(tmp_path / "aclImdb_v1.tar.gz", {
         "aclImdb/train/pos/0_9.txt": b"great\nfilm", "aclImdb/train/neg/1_2.txt": b"bad<br />film",
