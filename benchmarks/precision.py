@@ -110,10 +110,10 @@ class Layer:
     `forward(variables, inputs) -> y`, inputs a tuple of `[B, T, E]` arrays (x, and the memory in
     cross-attention)."""
 
-    def __init__(self, case: Case, t: int, dtype: Any, param_dtype: Any):
+    def __init__(self, case: Case, t: int, dtype: Any, param_dtype: Any, chunk_size: int = CHUNK):
         opts = dict(OPTIONS.get(case.name, {}))
         if case.form == "chunked":
-            opts["chunk_size"] = CHUNK
+            opts["chunk_size"] = chunk_size
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.method, self.returns_aux, self.cross = "scan" if case.form == "scan" else "__call__", True, False
         if case.name == VAR_CHAIN:
@@ -200,8 +200,8 @@ def _cat(arrays) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in arrays])
 
 
-def measure(case: Case, t: int, *, batch: int = 2, seed: int = 0, max_bytes: Optional[int] = None
-            ) -> dict[str, Any]:
+def measure(case: Case, t: int, *, batch: int = 2, seed: int = 0, chunk_size: int = CHUNK,
+            max_bytes: Optional[int] = None) -> dict[str, Any]:
     """One record of `case` at length `t`: the errors of the module docstring ('output', 'inputs',
     'params', 'worst_leaf', ...), or status 'skipped' and the reason when a compiled program's memory
     (XLA's estimate) exceeds `max_bytes`."""
@@ -210,13 +210,13 @@ def measure(case: Case, t: int, *, batch: int = 2, seed: int = 0, max_bytes: Opt
     rng = np.random.default_rng(seed)
     inputs = tuple(rng.standard_normal((batch, t, WIDTH), dtype=np.float32)
                    for _ in range(2 if case.mode == "cross" else 1))
-    low_layer = Layer(case, t, jnp.bfloat16, jnp.float32)
+    low_layer = Layer(case, t, jnp.bfloat16, jnp.float32, chunk_size)
     variables = jax.tree.map(np.asarray, jax.jit(low_layer.init)(jax.random.PRNGKey(seed), inputs))
     y = jax.eval_shape(low_layer.forward, variables, inputs)
     cot = rng.standard_normal(y.shape, dtype=np.float32)
     low = jax.jit(functools.partial(value_and_grads, low_layer.forward)).lower(variables, inputs, cot).compile()
     with jax.enable_x64(True):
-        high_layer = Layer(case, t, jnp.float64, jnp.float64)
+        high_layer = Layer(case, t, jnp.float64, jnp.float64, chunk_size)
         args64 = jax.tree.map(_float64, (variables, inputs, cot))
         high = jax.jit(functools.partial(value_and_grads, high_layer.forward)).lower(*args64).compile()
         need = max(bench.memory_of(c)["total_bytes"] or 0 for c in (low, high))
