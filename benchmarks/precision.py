@@ -240,25 +240,25 @@ def plan(args: argparse.Namespace) -> list[tuple[Case, int]]:
 
 
 def format_table(records: list[dict[str, Any]]) -> str:
-    """The markdown table of the records: one row per (mechanism, mode, form), a column group per length."""
+    """The markdown table of the records: a row per (mechanism, mode, form), a column per length, each cell
+    'output / input gradient / parameter gradients / worst leaf (its name)' (or why the case was skipped)."""
     lengths = sorted({r["t"] for r in records})
     rows: dict[tuple, dict[int, dict]] = {}
     for r in records:
         rows.setdefault((r["name"], r["mode"], r["form"]), {})[r["t"]] = r
-    head = ["mechanism", "mode", "form"] + [f"{what} T={_k(t)}" for t in lengths
-                                            for what in ("out", "dx", "params", "worst leaf")]
+    head = ["mechanism", "mode", "form"] + [f"T = {_k(t)}" for t in lengths]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (name, mode, form), by_t in rows.items():
         cells = [name, mode, form]
         for t in lengths:
             r = by_t.get(t)
             if r is None:
-                cells += [""] * 4
+                cells.append("")
             elif r["status"] != "ok":
-                cells += [r["status"]] + [""] * 3
+                cells.append(f"{r['status']}: {r.get('reason', '')}")
             else:
-                cells += [f"{r['output']:.1e}", f"{r['inputs']:.1e}", f"{r['params']:.1e}",
-                          f"{r['worst_leaf']:.1e} ({r['worst_leaf_name']})"]
+                cells.append(f"{r['output']:.1e} / {r['inputs']:.1e} / {r['params']:.1e} / "
+                             f"{r['worst_leaf']:.1e} ({r['worst_leaf_name']})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -315,8 +315,9 @@ def main(argv=None) -> list[dict[str, Any]]:
     meta["load_after"] = bench.machine_meta()["loadavg"]
     path = bench.write_records(args.out, records, meta)
     print(format_table(records))
-    print(f"relative error = ||bf16 - float64|| / ||float64|| over the tensor; 'params' over the leaves above "
-          f"{LEAF_FRACTION:g} of the gradient's norm; load average after: {meta['load_after']}")
+    print(f"each cell: output / input gradient / parameter gradients / worst leaf, each ||bf16 - float64|| / "
+          f"||float64|| over the tensor; 'params' over the leaves above {LEAF_FRACTION:g} of the gradient's norm; "
+          f"load average after: {meta['load_after']}")
     print(f"wrote {path}")
     return records
 

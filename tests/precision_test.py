@@ -87,7 +87,7 @@ def test_the_script_writes_its_records_and_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["records"] == json.loads(json.dumps(records)) and data["meta"]["leaf_fraction"] == precision.LEAF_FRACTION
     table = capsys.readouterr().out
-    assert "| linformer | full | parallel |" in table and "worst leaf T=32" in table
+    assert "| mechanism | mode | form | T = 32 |" in table and "| linformer | full | parallel | " in table
 
 
 def test_the_long_lengths_run_the_causal_chunked_linear_forms_only():
