@@ -91,16 +91,24 @@ class _GraphAttentionBase(nn.Module):
         h = self.num_heads
         proj = dict(num_heads=h, head_dim=self.head_dim, dtype=self.dtype,
                     param_dtype=self.param_dtype, kernel_init=self.kernel_init)
+        # GAT's and GATv2's score features run in at least float32 whatever `dtype` is: a query's
+        # gradient is a sum over its neighbours of LeakyReLU slopes that nearly cancels (a row's
+        # logit gradients sum to 0), so a bf16 rounding that moves q_i + k_j across the kink flips
+        # a whole term of it (benchmarks.precision). The messages share the source projection.
+        if self.version in ("v1", "v2") and self.alpha != "attention" and self.dtype is not None:
+            score = dict(proj, dtype=jnp.promote_types(self.dtype, jnp.float32))
+        else:
+            score = proj
         if self.alpha == "attention":      # scores come from the attention layer's features
             self.source = HeadProjection(arg=self._source_arg, **proj)
         elif self.version in ("v2", "dot"):
-            self.target = HeadProjection(arg="x", **proj)
-            self.source = HeadProjection(arg=self._source_arg, **proj)
+            self.target = HeadProjection(arg="x", **score)
+            self.source = HeadProjection(arg=self._source_arg, **score)
             if self.version == "v2":
                 self.attn = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         else:
             # v1 (GAT): one projection W for both ends, two attention halves a = [a_t ; a_s].
-            self.source = HeadProjection(arg=self._source_arg, **proj)
+            self.source = HeadProjection(arg=self._source_arg, **score)
             self.attn_target = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
             self.attn_source = HeadVector(h, self.param_dtype, self.attn_init or ATTN_INIT)
         if self.use_relative_bias:
@@ -264,7 +272,8 @@ class WindowGraphAttention(_GraphAttentionBase):
       kl_weight: lambda of a stand-alone layer: > 0 adds aux['loss/kl'] = lambda * the mean KL
         (the models leave it 0 and weight the KL of all their layers at once).
       out_features: F; None means d.
-      dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32.
+      dtype: compute dtype (None: promote inputs and params). Softmax and KL are float32, and so
+        are the GAT / GATv2 score projections W_t, W_s (and with them the messages) whatever it is.
       param_dtype: parameter dtype.
       kernel_init, attn_init, bias_init: initialisers for projections, attention vectors (None:
         glorot_uniform; GAT only), and

@@ -51,7 +51,7 @@ from flax.linen.dtypes import promote_dtype
 
 from htgn_jax import context_parallel, hrpe, ops, validation
 from zoo_core.checks import check_rank, check_shape, check_tokens, fail
-from zoo_core.ops import linear_attention, masking, packing
+from zoo_core.ops import linear_attention, masking, packing, xla_forms
 from zoo_core.ops.linear_attention import LinearState
 
 Array = Any
@@ -87,9 +87,10 @@ class HeadsOutput(nn.Module):
         kernel = self.param("kernel", flat_init(self.kernel_init, 2), y.shape[-2:] + (f,),
                             self.param_dtype)
         bias = self.param("bias", self.bias_init, (f,), self.param_dtype) if self.use_bias else None
-        y, kernel, bias = promote_dtype(y, kernel, bias, dtype=self.dtype)
+        y, kernel, _ = promote_dtype(y, kernel, bias, dtype=self.dtype)
         out = jnp.einsum("...hd,hdf->...f", y, kernel)
-        return out if bias is None else out + bias
+        # `add_bias`: the bias's gradient, a sum over every token, in float32 whatever `dtype` is.
+        return out if bias is None else xla_forms.add_bias(out, bias)
 
 
 class FavorAttention(nn.Module):

@@ -191,3 +191,48 @@ def test_plain_reaches_a_function_jitted_inside_the_block():
     with xla_forms.plain("dense"):
         assert float(jax.jit(lambda x: f(x))(1.0)) == 2.0
     assert float(jax.jit(lambda x: f(x))(1.0)) == 3.0
+
+
+@pytest.mark.parametrize("y_dtype, bias_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                                 (jnp.bfloat16, jnp.bfloat16)])
+def test_add_bias_is_the_cast_add_with_its_sum_in_float32(y_dtype, bias_dtype):
+    y = jax.random.normal(jax.random.key(0), (3, 5, 4)).astype(y_dtype)
+    bias = jax.random.normal(jax.random.key(1), (4,)).astype(bias_dtype)
+    got_y = jax.jit(xla_forms.add_bias)(y, bias)
+    want = y + bias.astype(y.dtype)      # flax's promotion: the bias cast to the compute dtype, then added
+    assert got_y.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got_y, np.float32), np.asarray(want, np.float32))
+    w = jax.random.normal(jax.random.key(2), (3, 5, 4))
+    loss = lambda f: lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * w)  # noqa: E731
+    got = jax.jit(jax.grad(loss(xla_forms.add_bias), argnums=(0, 1)))(y, bias)
+    # y gets its cotangent (w in y's dtype) as is; the bias its sum over the leading axes, taken in
+    # float32 and rounded once to the bias's dtype.
+    g = np.asarray(w.astype(y_dtype), np.float32)
+    for got_g, want_g, like in zip(got, (g, g.sum((0, 1))), (y, bias)):
+        assert got_g.dtype == like.dtype
+        np.testing.assert_allclose(np.asarray(got_g, np.float32),
+                                   np.asarray(jnp.asarray(want_g).astype(like.dtype), np.float32), rtol=1e-6)
+    if y_dtype == bias_dtype == jnp.float32:   # in float32 it is autodiff's gradient
+        ref = jax.grad(loss(lambda a, b: a + b), argnums=(0, 1))(y, bias)
+        for got_g, r in zip(got, ref):
+            np.testing.assert_allclose(got_g, r, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"bias shape \(5,\) must be y's last axis, \(4,\)"):
+        xla_forms.add_bias(y, jnp.zeros(5))
+
+
+def test_add_bias_gradients_in_float64(x64):
+    y = jax.random.normal(jax.random.key(0), (2, 3, 2), jnp.float64)
+    bias = jax.random.normal(jax.random.key(1), (2,), jnp.float64)
+    check_grads(xla_forms.add_bias, (y, bias), order=2, modes=("rev",))
+
+
+def test_a_bfloat16_dense_layer_sums_its_bias_gradient_in_float32():
+    x = jax.random.normal(jax.random.key(0), (4096, 8))
+    g = jax.random.normal(jax.random.key(1), (4096, 8))
+    for cls in (xla_forms.Dense, lambda *a, **k: xla_forms.DenseGeneral(*a, axis=-1, **k)):
+        layer = cls(8, dtype=jnp.bfloat16)
+        params = layer.init(jax.random.key(2), x)
+        grad = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32) * g))(params)["params"]["bias"]
+        # The float32 sum of the bfloat16 cotangent, rounded once (a bfloat16 running sum is ~1e-2 off).
+        want = np.asarray(g.astype(jnp.bfloat16), np.float32).sum(0)
+        np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-4)

@@ -68,8 +68,9 @@ class ProjectedAttention(nn.Module):
         checks.check_optional_int("out_features", self.out_features, 1)
         checks.check_rate("dropout_rate", self.dropout_rate)
 
-    def _projection(self, name: str) -> nn.Module:
-        return xla_forms.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=self.dtype,
+    def _projection(self, name: str, dtype: Any = None) -> nn.Module:
+        """The per-head projection `name`, computing in `dtype` (None: the layer's)."""
+        return xla_forms.DenseGeneral(features=(self.num_heads, self.head_dim), dtype=dtype or self.dtype,
                                       param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                                       bias_init=self.bias_init, name=name)
 

@@ -30,7 +30,9 @@ non-finite value is replaced by 0 and the rows that attend it are set to NaN (wh
 gives), so NaN or 1e30 in padding or in the future changes no valid or past output. The causal
 softmax statistics are computed in a layout relative to the query (slot s = the key s places back
 in the sorted order), so a future token's bucket, which shifts the sorted positions, does not even
-change their float rounding. Logits, weights, log-sum-exps and outputs are float32.
+change their float rounding. Logits, weights, log-sum-exps and outputs are float32, and so is the
+shared-QK projection of the layer whatever its `dtype`: the hash is an argmax, which a bf16 rounding
+of q would move.
 
 Cost per round: O(T C) logits (blocks of C queries against 2C keys) and an O(T log T) sort.
 
@@ -255,7 +257,10 @@ class ReformerAttention(ProjectedAttention):
         checks.check_int("num_hashes", self.num_hashes, 1)
         checks.check_int("chunk_length", self.chunk_length, 1)
         checks.check_int("hash_seed", self.hash_seed, 0)
-        self.query, self.value = self._projection("query"), self._projection("value")
+        # The shared-QK projection in at least float32 whatever `dtype` is: it feeds the hash, an
+        # argmax, where a bf16 rounding of q moves tokens to other buckets (benchmarks.precision).
+        hashed = None if self.dtype is None else jnp.promote_types(self.dtype, jnp.float32)
+        self.query, self.value = self._projection("query", hashed), self._projection("value")
 
     def rotations(self) -> Array:
         """The random rotations, `[H, num_hashes, D, num_buckets // 2]` float32."""
