@@ -411,7 +411,7 @@ def format_report(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"devices  torch threads {meta['threads']}"
              f"  tiny={meta['tiny']}",
              f"load average before: {meta['load_before']}   after: {meta['load_after']}",
-             f"GLIBC_TUNABLES (both sides): {meta.get('glibc_tunables')}",
+             f"allocator (both sides): {meta.get('allocator', meta.get('glibc_tunables'))}",
              _bounds_line(meta),
              "",
              f"{'case':<14} {'status':>7} {'official_s':>10} {'ours_s':>10} {'off/ours':>8}  "
@@ -504,7 +504,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
     from zoo_core import bench
-    from zoo_core.run import sharding
+    from zoo_core.run import allocator, sharding
 
     # Our steps run on the CPU devices their configs start the training command with (one per core
     # for these cases); the count is per process, so every selected case must agree on it.
@@ -521,7 +521,7 @@ def main(argv=None) -> dict[str, Any]:
     meta = dict(bench.machine_meta(), threads=args.threads, device=args.device, precisions=args.precisions,
                 tiny=args.tiny, steps=args.steps, rounds=args.rounds,
                 warmup=args.warmup, load_before=loadavg(), agf_src=args.agf_src, samovar_src=args.samovar_src,
-                glibc_tunables=os.environ.get("GLIBC_TUNABLES"))
+                glibc_tunables=os.environ.get("GLIBC_TUNABLES"), allocator=allocator.describe())
     # The bounds are measured before the first case and after every step case; the roofline columns
     # use the best of them (`bench.best_bounds`), so a quiet moment anywhere in the run counts.
     measure_bounds = not args.no_bounds and any(c in STEP_CASES for c in args.cases)
