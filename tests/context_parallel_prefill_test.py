@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,20 +107,29 @@ def _check_drop_in(name: str, axis_type) -> None:
     assert_trees_close(np.concatenate(ys, axis=1), expected, **F32_SIMPLE)
 
 
-def _run_all() -> None:
+GROUPS = {"linear": ("linear", "favor", "favor_rotary"), "agf_var_chain": ("agf", "var_chain")}
+
+
+def _run(group: str) -> None:
+    """One group's layers, rows and packed, under `jax.make_mesh`'s default (Explicit) axes; the drop-in's
+    prompt for each of `prefills()`, and the linear layer's packed prefill under Auto axes too."""
     from zoo_core import attention
 
-    for axis_type in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
-        for name in ("linear", "favor", "favor_rotary", "agf", "var_chain"):
-            for packed in ((False,) if name == "favor_rotary" else (False, True)):
-                _check(name, packed, axis_type)
+    explicit = jax.sharding.AxisType.Explicit
+    if group == "drop_in":
         for name in attention.prefills():
-            _check_drop_in(name, axis_type)
-        print(axis_type.name)
+            _check_drop_in(name, explicit)
+        _check("linear", True, jax.sharding.AxisType.Auto)
+    else:
+        for name in GROUPS[group]:
+            for packed in ((False,) if name == "favor_rotary" else (False, True)):
+                _check(name, packed, explicit)
+    print(group)
 
 
-def test_prefill_over_four_devices_then_decoding_equals_one_device_scan():
-    assert run_on_host_devices("tests.context_parallel_prefill_test", count=4) == ["Explicit", "Auto"]
+@pytest.mark.parametrize("group", list(GROUPS) + ["drop_in"])
+def test_prefill_over_four_devices_then_decoding_equals_one_device_scan(group):
+    assert run_on_host_devices("tests.context_parallel_prefill_test", count=4, args=(group,)) == [group]
 
 
 def test_the_drop_in_prefills_the_causal_linear_forms():
@@ -130,5 +140,5 @@ def test_the_drop_in_prefills_the_causal_linear_forms():
 
 if __name__ == "__main__":
     assert_host_devices(4)
-    _run_all() if len(sys.argv) == 1 else _check(sys.argv[1], sys.argv[2] == "packed",
-                                                 getattr(jax.sharding.AxisType, sys.argv[3]))
+    _run(sys.argv[1]) if len(sys.argv) == 2 else _check(sys.argv[1], sys.argv[2] == "packed",
+                                                        getattr(jax.sharding.AxisType, sys.argv[3]))
