@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zoo_core import attention
+from zoo_core import attention, testing
 from zoo_core.testing import F32_SIMPLE, assert_trees_close
 
 B, T, E, HEADS = 2, 16, 16, 2
@@ -67,3 +67,24 @@ def test_a_missing_axis_names_the_field_to_set():
     x = np.ones((B, T, E), np.float32)
     with jax.set_mesh(_mesh("Explicit")), pytest.raises(ValueError, match="the mesh has no axis 'seq'.*sequence_axis="):
         layer.init(jax.random.PRNGKey(0), x)
+
+
+def test_prefill_over_the_shards_exports_without_loops():
+    """The context-parallel `prefill` of each causal linear form, from a state and to the replicated final one,
+    exports for cuda and tpu without a while loop (an accelerator runs a loop's control from the host)."""
+    from agf_jax.layers import AGFAttention
+    from htgn_jax.layers import FavorAttention
+    from samovar_jax.layers import LinearAttention, VARChain
+
+    x = np.ones((B, T, E), np.float32)
+    for layer in (LinearAttention(HEADS, E // HEADS, chunk_size=4, sequence_axis="sequence"),
+                  FavorAttention(HEADS, E // HEADS, causal=True, chunk_size=4, num_features=8, sequence_axis="sequence"),
+                  AGFAttention(HEADS, E // HEADS, causal=True, chunk_size=4, sequence_axis="sequence"),
+                  VARChain(E, HEADS, num_layers=2, chunk_size=4, sequence_axis="sequence")):
+        with jax.set_mesh(_mesh("Auto")):
+            params = layer.init(jax.random.PRNGKey(0), x)
+            state = layer.apply(params, B, method="init_state")
+            for platform in ("cuda", "tpu"):
+                program = testing.exported_program(lambda p, x, s: layer.apply(p, x, s, method="prefill"),
+                                                   params, x, state, platform=platform)
+                assert testing.while_loops(program) == 0 and "all_gather" in program, (type(layer).__name__, platform)

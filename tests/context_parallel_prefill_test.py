@@ -133,9 +133,16 @@ def test_prefill_over_four_devices_then_decoding_equals_one_device_scan(group):
 
 
 def test_the_drop_in_prefills_the_causal_linear_forms():
+    """Every causal linear form of the drop-in takes a prompt; a mechanism without `prefill` refuses one in a
+    line naming those that do."""
     from zoo_core import attention
 
-    assert attention.prefills() == ("agf", "favor", "linear")
+    assert {"agf", "favor", "linear"} <= set(attention.prefills()) <= set(attention.names("causal", "decode"))
+    x = jnp.ones((1, 4, 8))
+    decoder = attention.make("softmax", num_heads=2, qkv_features=8, causal=True, decode=True)
+    cache = decoder.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"takes one token .* \(prefill\): \[.*'linear'"):
+        decoder.apply(cache, x, mutable=["cache"])
 
 
 if __name__ == "__main__":

@@ -187,9 +187,10 @@ def sharded(body, mesh, axis_name: str, batch_axis: Optional[str], arrays: dict,
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     xs = [x for x, _ in given.values()]
     specs = tuple(s for _, s in given.values())
-    if is_explicit(mesh, axis_name):
-        xs = [jax.tree_util.tree_map(lambda a, s=s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s)), x)
-              for x, s in zip(xs, specs)]
+    if is_explicit(mesh, axis_name):   # a spec (P) covers the subtree of the input at its place
+        split = lambda spec, x: jax.tree_util.tree_map(                             # noqa: E731
+            lambda a: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec)), x)
+        xs = [jax.tree_util.tree_map(split, s, x, is_leaf=lambda v: isinstance(v, P)) for x, s in zip(xs, specs)]
     return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=out_specs)(*xs)
 
 
