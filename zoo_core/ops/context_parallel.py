@@ -12,6 +12,12 @@ One `all_gather` of the summaries over the sequence axis and a local fold give e
 S_in: O(P B H D M) bytes per call, independent of the length (autodiff turns the all-gather into
 a reduce-scatter of the same size). The non-causal global form needs one `psum` of the summaries.
 
+A state crosses calls: `initial_state` S_0 (the tokens before the sequence) is the fold's first
+element, S_in(p) = S_0 + sum_{i < p} S_i, and `return_state` gives the last shard's final state to
+every device (`last_shard`, one psum of `[B, H, D, M]`), so a prompt prefilled over P devices
+continues on one device with `linear_attention.causal_step` (packed: each row's first document reads
+S_0, and the final state is its last document's).
+
 Each `shard_*` function is the body to run under `jax.shard_map` with q, k, v split along T on
 `axis_name`; `causal` and `noncausal` wrap them for a jit-level caller whose inputs are (or will
 be) sharded `P(batch_axis, axis_name)`. Both give the numbers of the unsharded
