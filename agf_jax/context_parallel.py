@@ -42,8 +42,9 @@ Array = jax.Array
 def _entering(summary, cut: Array, axis_name: str, merge=None, empty=None, reverse: bool = False):
     """Inside `shard_map`: the state entering this shard, the exclusive gated fold in shard order
     (`reverse`: from the last shard down) of every shard's summary (default: (m, z, N) with the
-    max-aware merge; leaves `[B, ...]`); cut `[B]`: this shard does not continue the one before it
-    with its whole length (a document starts in it, or it is the first). One all-gather."""
+    max-aware merge; leaves `[B, ...]`) after `empty` (the incoming state; default the empty one);
+    cut `[B]`: this shard does not continue the one before it with its whole length (a document
+    starts in it, or it is the first and nothing comes in). One all-gather."""
     index = jax.lax.axis_index(axis_name)
     position = jax.lax.psum(1, axis_name) - 1 - index if reverse else index
     order = (lambda x: jnp.flip(x, axis=1)) if reverse else (lambda x: x)         # noqa: E731
@@ -57,11 +58,15 @@ def _entering(summary, cut: Array, axis_name: str, merge=None, empty=None, rever
     return tuple(jnp.take(x, position, axis=1) for x in states)                     # shards before
 
 
-def _continues(segment_ids: Optional[Array], axis_name: str, reverse: bool = False) -> Array:
+def _continues(segment_ids: Optional[Array], axis_name: str, reverse: bool = False,
+               incoming: bool = False) -> Array:
     """bool `[B]`: this shard's first token continues the previous shard's last document
-    (`reverse`: its last token is continued by the next shard's first)."""
+    (`reverse`: its last token is continued by the next shard's first); `incoming`: the first
+    shard continues a given initial state."""
     index = jax.lax.axis_index(axis_name)
     size = jax.lax.psum(1, axis_name)
+    if incoming:
+        return _continues(segment_ids, axis_name) | (index == 0)
     if segment_ids is None:
         return jnp.broadcast_to(index < size - 1 if reverse else index > 0, ())
     if reverse:
@@ -107,25 +112,36 @@ def shard_causal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: 
                  axis_name: str, chunk_size: Optional[int], basis: str = "jacobi",
                  alpha: Optional[float] = None, beta: Optional[float] = None,
                  mask: Optional[Array] = None, spectrum: Optional[Array] = None,
-                 segment_ids: Optional[Array] = None) -> Array:
+                 segment_ids: Optional[Array] = None, initial_state: Optional[AGFState] = None,
+                 return_state: bool = False):
     """Causal AGF of this shard (the body under `shard_map`): zu, zv, zs `[B, T_p, H, D]`, val
     `[B, T_p, H, M]`, mask and segment_ids `[B, T_p]` (a document may span shards), the rest as
-    in `forms.agf_chunked` (chunk_size None: min(T_p, `CHUNK`)) -> y `[B, T_p, H, M]`."""
+    in `forms.agf_chunked` (chunk_size None: min(T_p, `CHUNK`)) -> y `[B, T_p, H, M]`.
+
+    `initial_state` (an `AGFState` of the tokens before, the same on every shard; None = empty)
+    is the fold's first element, read by the first shard (packed: by each row's first document);
+    with `return_state`, (y, the state after the sequence's last token: the last shard's, on every
+    shard)."""
     inputs = forms._causal_inputs(zu, zv, zs, val, coeffs, basis=basis, alpha=alpha, beta=beta,
                                   mask=mask, segment_ids=segment_ids, spectrum=spectrum)
     start = None if segment_ids is None else forms.packing.starts(segment_ids)
     summary, keep = forms._last_document(inputs.zv, inputs.val, start, axis=1)
     reached = guard.last(inputs.poisoned)                                           # [B, H]
     summary = tuple(guard.poison(x, reached) for x in summary)
-    continues = jnp.broadcast_to(_continues(segment_ids, axis_name), zu.shape[:1])
+    incoming = initial_state is not None
+    continues = jnp.broadcast_to(_continues(segment_ids, axis_name, incoming=incoming), zu.shape[:1])
     cut = ~continues if keep is None else ~(continues & keep)
-    m, z, num = _entering(summary, cut, axis_name)
+    empty = None
+    if incoming:
+        initial = forms._as_state(initial_state, inputs.a, inputs.val)
+        empty = (initial.max, initial.den, initial.num)
+    m, z, num = _entering(summary, cut, axis_name, empty=empty)
     chunk_size = chunk_size or min(zu.shape[1], CHUNK)
     expand = lambda x: masking.expand(continues, x.ndim)                           # noqa: E731
     state = AGFState(num=jnp.where(expand(num), num, 0.0), den=jnp.where(expand(z), z, 0.0),
                      max=jnp.where(expand(m), m, -jnp.inf))
-    y, _ = forms._all_chunks(*forms._to_chunks(inputs, chunk_size, state, segment_ids))
-    return y
+    y, final = forms._all_chunks(*forms._to_chunks(inputs, chunk_size, state, segment_ids))
+    return (y, context_parallel.last_shard(final, axis_name)) if return_state else y
 
 
 def shard_noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
@@ -235,18 +251,26 @@ def shard_orthogonality(zu: Array, zv: Array, *, axis_name: str, mask: Optional[
 def causal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
            chunk_size: Optional[int], mesh=None, axis_name: str = "sequence", batch_axis: Optional[str] = None,
            mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
-           spectrum: Optional[Array] = None, **basis) -> Array:
-    """`forms.agf_chunked`'s output with the sequence split over `axis_name` of `mesh` (None: the
-    mesh of `jax.set_mesh`); T must divide by the axis size. Returns y `[B, T, H, M]`, sharded like
-    the inputs. `basis`: basis, alpha, beta; chunk_size None: min(T / P, `CHUNK`)."""
+           spectrum: Optional[Array] = None, initial_state: Optional[AGFState] = None,
+           return_state: bool = False, **basis):
+    """`forms.agf_chunked` with the sequence split over `axis_name` of `mesh` (None: the mesh of
+    `jax.set_mesh`); T must divide by the axis size. Returns y `[B, T, H, M]`, sharded like the
+    inputs, and with `return_state` the final `AGFState` (the last shard's, replicated over the
+    axis): prefill over P devices, then decode with `forms.agf_step` / the layer's `step`.
+    `initial_state`: the `AGFState` of the tokens before (None: empty), as `agf_chunked`'s `state`.
+    `basis`: basis, alpha, beta; chunk_size None: min(T / P, `CHUNK`)."""
     forms.check_arguments(zu, zv, zs, val, mask=mask, segment_ids=segment_ids, chunk_size=chunk_size or CHUNK,
-                          coeffs=coeffs, spectrum=spectrum, **basis)
+                          coeffs=coeffs, spectrum=spectrum, state=initial_state, **basis)
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
-    body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size, **basis)
-    run = lambda **x: body(coeffs=coeffs, spectrum=spectrum, **x)                   # noqa: E731
-    return context_parallel.sharded(run, mesh, axis_name, batch_axis,
+    body = functools.partial(shard_causal, axis_name=axis_name, chunk_size=chunk_size, return_state=return_state,
+                             **basis)
+    spec = P(batch_axis, axis_name)
+    # coeffs and spectrum are arguments of shard_map (replicated), never closed over.
+    return context_parallel.sharded(body, mesh, axis_name, batch_axis,
                                     dict(zu=zu, zv=zv, zs=zs, val=val, mask=mask, segment_ids=segment_ids),
-                                    P(batch_axis, axis_name))
+                                    (spec, P(batch_axis)) if return_state else spec,
+                                    dict(coeffs=(coeffs, P()), spectrum=(spectrum, P()),
+                                         initial_state=(initial_state, P(batch_axis))))
 
 
 def noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Array, *,
@@ -261,11 +285,11 @@ def noncausal(zu: Array, zv: Array, zs: Optional[Array], val: Array, coeffs: Arr
     context_parallel.check_length(jnp.shape(zu)[1], mesh, axis_name)
     body = functools.partial(shard_noncausal if segment_ids is None else shard_packed_noncausal,
                              axis_name=axis_name, count_padding=count_padding, **basis)
-    run = lambda **x: body(coeffs=coeffs, spectrum=spectrum, **x)                   # noqa: E731
-    return context_parallel.sharded(run, mesh, axis_name, batch_axis,
+    return context_parallel.sharded(body, mesh, axis_name, batch_axis,
                                     dict(zu=zu, zv=zv, zs=zs, val=val, mask=mask,
                                          **({} if segment_ids is None else dict(segment_ids=segment_ids))),
-                                    (P(batch_axis, axis_name), P(batch_axis)))
+                                    (P(batch_axis, axis_name), P(batch_axis)),
+                                    dict(coeffs=(coeffs, P()), spectrum=(spectrum, P())))
 
 
 def orthogonality(zu: Array, zv: Array, *, mesh=None, axis_name: str = "sequence",

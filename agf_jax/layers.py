@@ -171,7 +171,8 @@ class AGFAttention(_Attention):
             under `jax.shard_map`, called under `jax.set_mesh(mesh)` with x sharded along T, and
             gives the single-device numbers (T must divide by the axis size; a causal layer
             without `chunk_size` runs chunks of min(T / P, 64)). `scan` and `step` stay one
-            device's. Packed documents (`segment_ids`) may span shards.
+            device's; `prefill(x, state)` is `scan`'s numbers over the shards, its final state
+            replicated for `step`. Packed documents (`segment_ids`) may span shards.
 
     Traced inside `zoo_core.ops.xla_forms.plain(...)` (timing only; same parameters and values), the
     layer computes 'dense' (flax's DenseGeneral), 'dropout' (flax's Dropout) and 'agf_backward'
@@ -343,6 +344,27 @@ class AGFAttention(_Attention):
         zu, zv, zs, val = self._project(x)
         o, state = ops.agf_scan(zu, zv, zs, val, self.coefficients(), mask=mask, state=state,
                                 segment_ids=segment_ids, **self._basis_kwargs())
+        return self._finish(o, x, deterministic), state
+
+    def prefill(self, x: Array, state: Optional[AGFState] = None, *, mask: Optional[Array] = None,
+                segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, AGFState]:
+        """`scan`'s numbers (arguments and results as there) in `__call__`'s chunked form, over
+        `sequence_axis` when set (the fold starts from `state`; the final state is the last shard's,
+        replicated): a prompt prefilled over P devices, from which `step` decodes. No regulariser
+        (decoding has no loss); chunks of `chunk_size` (None: min(T, 64) per shard or device)."""
+        validation.require_causal(self, "prefill")
+        validation.check_inputs(x, mask)
+        packing.check_segment_ids(segment_ids, jnp.shape(x)[:2])
+        zu, zv, zs, val = self._project(x)
+        c = self.coefficients()
+        if self.sequence_axis is not None:
+            o, state = agf_context_parallel.causal(zu, zv, zs, val, c, chunk_size=self.chunk_size,
+                                                   axis_name=self.sequence_axis, mask=mask, segment_ids=segment_ids,
+                                                   initial_state=state, return_state=True, **self._basis_kwargs())
+        else:
+            o, state = ops.agf_chunked(zu, zv, zs, val, c, chunk_size=self.chunk_size or min(x.shape[1],
+                                                                                             agf_context_parallel.CHUNK),
+                                       mask=mask, state=state, segment_ids=segment_ids, **self._basis_kwargs())
         return self._finish(o, x, deterministic), state
 
     def step(self, state: AGFState, x_t: Array) -> tuple[Array, AGFState]:

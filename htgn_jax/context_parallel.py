@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from htgn_jax import ops
-from zoo_core.checks import fail
 from zoo_core.ops import context_parallel, masking, packing
+from zoo_core.ops.linear_attention import LinearState
 
 Array = Any
 
@@ -94,11 +94,15 @@ def _gated_max(keep: Array, values: Array) -> Array:
 
 def shard_favor(q: Array, k: Array, v: Array, projection: Optional[Array], *, axis_name: str,
                 feature_map: str, causal: bool, chunk_size: int, eps: float,
-                mask: Optional[Array] = None, segment_ids: Optional[Array] = None) -> Array:
+                mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                initial_state: Optional[LinearState] = None, return_state: bool = False):
     """FAVOR+ self-attention of this shard (the body under `shard_map`): q, k `[B, T_p, H, D]`, v
     `[B, T_p, H, Dv]`, mask and segment_ids `[B, T_p]` (a document may span shards), projection
-    Omega `[M, D]` (replicated) or None for 'relu'/'elu'. Returns the normalised `[B, T_p, H, Dv]`,
-    the numbers of `FavorAttention.__call__` on one device."""
+    Omega `[M, D]` (replicated) or None for 'relu'/'elu'. Causal: `initial_state` (a `LinearState`
+    `[B, H, M, Dv]` / `[B, H, M]` of the tokens before, None = zeros) starts the fold, and with
+    `return_state` the state after the sequence's last token (the last shard's, on every shard) is
+    returned too. Returns the normalised `[B, T_p, H, Dv]` (and the state), the numbers of
+    `FavorAttention.__call__` (`scan` from the state) on one device."""
     valid = None if mask is None else mask.astype(bool)
     valid = packing.valid(segment_ids, valid) if segment_ids is not None else valid
     key_max = None if causal else functools.partial(shard_key_max, axis_name=axis_name)
@@ -106,60 +110,47 @@ def shard_favor(q: Array, k: Array, v: Array, projection: Optional[Array], *, ax
     phi_q, phi_k, guard = ops._features(q, k, feature_map, projection, valid, eps,
                                         "constant" if causal else "max", segment_ids, key_max)
     v = masking.zero_padding(v, valid)
+    final = None
     if causal:
-        num, den, _ = context_parallel.shard_causal(phi_q, phi_k, v, axis_name=axis_name, chunk_size=chunk_size,
-                                                    mask=valid, denominator=True, segment_ids=segment_ids)
+        num, den, final = context_parallel.shard_causal(phi_q, phi_k, v, axis_name=axis_name, chunk_size=chunk_size,
+                                                        mask=valid, denominator=True, segment_ids=segment_ids,
+                                                        initial_state=initial_state)
     else:   # the key features are zero at padding already, as on one device
         num, den = context_parallel.shard_noncausal(phi_q, phi_k, v, axis_name=axis_name, denominator=True,
                                                     segment_ids=segment_ids)
-    return ops.normalize(num, den, guard, floor=feature_map == "trig")
+    y = ops.normalize(num, den, guard, floor=feature_map == "trig")
+    return (y, context_parallel.last_shard(final, axis_name)) if return_state else y
 
 
 def favor(q: Array, k: Array, v: Array, projection: Optional[Array], *, axis_name: str, feature_map: str,
           causal: bool, chunk_size: Optional[int], eps: float, mask: Optional[Array] = None,
-          segment_ids: Optional[Array] = None, mesh=None) -> Array:
+          segment_ids: Optional[Array] = None, mesh=None, initial_state: Optional[LinearState] = None,
+          return_state: bool = False):
     """`shard_favor` under `jax.shard_map` over `axis_name` of `mesh` (None: the mesh of
-    `jax.set_mesh`), the arrays `[B, T, ...]` split along T, Omega replicated. T must divide by the
-    axis size; `chunk_size` None = one chunk per shard. The arguments are the layer's, checked there.
-    Returns `[B, T, H, Dv]`, sharded like q."""
+    `jax.set_mesh`), the arrays `[B, T, ...]` split along T, Omega and the states replicated. T must
+    divide by the axis size; `chunk_size` None = one chunk per shard. The arguments are the layer's,
+    checked there (`initial_state` and `return_state`: causal only). Returns `[B, T, H, Dv]`, sharded
+    like q, and with `return_state` the final `LinearState` (replicated)."""
+    if not causal and (initial_state is not None or return_state):
+        raise ValueError("initial_state and return_state are for causal FAVOR+ (a state crosses from one call "
+                         "to the next only there)")
     size = _axis_size(q.shape[1], axis_name, mesh)
     body = functools.partial(shard_favor, axis_name=axis_name, feature_map=feature_map, causal=causal,
-                             chunk_size=chunk_size or q.shape[1] // size, eps=eps)
-    return _sharded(lambda omega, **a: body(projection=omega, **a), projection, axis_name, mesh,
-                    q=q, k=k, v=v, mask=mask, segment_ids=segment_ids)
+                             chunk_size=chunk_size or q.shape[1] // size, eps=eps, return_state=return_state)
+    spec = P(None, axis_name)
+    return context_parallel.sharded(body, mesh, axis_name, None, dict(q=q, k=k, v=v, mask=mask, segment_ids=segment_ids),
+                                    (spec, P()) if return_state else spec,
+                                    dict(projection=(projection, P()), initial_state=(initial_state, P())))
 
 
 def positions(segment_ids: Array, *, axis_name: str, mesh=None) -> Array:
     """`packing.positions_from_segments` `[B, T]` with T split over `axis_name` (`shard_positions`):
     no collective grows with T."""
     _axis_size(segment_ids.shape[1], axis_name, mesh)
-    return _sharded(lambda _, **a: shard_positions(axis_name=axis_name, **a), None, axis_name, mesh,
-                    segment_ids=segment_ids)
+    return context_parallel.sequence_map(functools.partial(shard_positions, axis_name=axis_name),
+                                         dict(segment_ids=segment_ids), mesh=mesh, axis_name=axis_name)
 
 
 def _axis_size(t: int, axis_name: str, mesh) -> int:
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if axis_name not in mesh.axis_names:
-        fail(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); call under "
-             f"jax.set_mesh(mesh) with a sequence axis, or set sequence_axis=None")
-    size = mesh.shape[axis_name]
-    if t % size:
-        fail(f"the sequence length {t} must divide by the {axis_name!r} axis size {size}")
-    return size
-
-
-def _sharded(body, replicated, axis_name: str, mesh, **arrays):
-    """`body(replicated, **arrays)` under `jax.shard_map`: each array `[B, T, ...]` split along T on
-    `axis_name` (None entries passed as None), `replicated` (a pytree, or None) the same on every shard."""
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    spec = P(None, axis_name)
-    given = {name: x for name, x in arrays.items() if x is not None}
-    if dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit:
-        # an explicit mesh refuses inputs not yet split along T; an Auto one reshards them itself
-        given = {n: jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec)) for n, x in given.items()}
-
-    def run(shared, *xs):
-        return body(shared, **{**dict.fromkeys(arrays), **dict(zip(given, xs))})
-
-    return jax.shard_map(run, mesh=mesh, in_specs=(P(),) + (spec,) * len(given), out_specs=spec)(
-        replicated, *given.values())
+    context_parallel.check_length(t, mesh, axis_name)
+    return (mesh if mesh is not None else jax.sharding.get_abstract_mesh()).shape[axis_name]

@@ -36,8 +36,9 @@ def check_layout(length: int, offsets: Sequence[int], axis_name: Any, mesh=None)
     stencil's reach; returns the number of shards P."""
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if not isinstance(axis_name, str) or axis_name not in mesh.axis_names:
-        fail(f"the mesh has no axis {axis_name!r} (its axes: {tuple(mesh.axis_names)}); run under "
-             f"jax.set_mesh(mesh) with a sequence axis, or set sequence_axis to one of them")
+        fail(f"the mesh has no axis {axis_name!r} (its axes: {tuple(mesh.axis_names)}); call under "
+             f"jax.set_mesh(mesh) with a mesh that has it, or name one of its axes (the layer's or "
+             f"attention.make's sequence_axis=)")
     shards = mesh.shape[axis_name]
     if length % shards:
         fail(f"the sequence length {length} must divide by the {axis_name!r} axis size {shards}")

@@ -132,7 +132,8 @@ class FavorAttention(nn.Module):
         `htgn_jax.context_parallel`): `__call__` then runs under `jax.shard_map`, called under
         `jax.set_mesh(mesh)` with T divisible by the axis size, and gives one device's numbers
         (`chunk_size` None: each shard one chunk). `scan`, `step`, `cross` and the features are one
-        device's forms whatever it is. None: one device (the program is unchanged).
+        device's forms whatever it is; `prefill(x, state)` is `scan`'s numbers over the shards, its final
+        state replicated for `step`. None: one device (the program is unchanged).
     """
 
     num_heads: int
@@ -350,6 +351,31 @@ class FavorAttention(nn.Module):
         phi_q, phi_k, guard = self._features(q, k, omega, mask, "constant")
         num, den, state = linear_attention.causal_scan(phi_q, phi_k, v, state=state, mask=mask,
                                                        denominator=True, segment_ids=segment_ids)
+        return self._read_out(num, den, guard, v, x.shape[-1]), state
+
+    def prefill(self, x: Array, state: LinearState | None = None, *, mask: Array | None = None,
+                deterministic: bool = True, feature_step: Array | int | None = None,
+                positions: Array | None = None,
+                segment_ids: Array | None = None) -> tuple[Array, LinearState]:
+        """`scan`'s numbers (arguments and results as there) in `__call__`'s chunked form: over
+        `sequence_axis` when set (the shards' fold starts from `state`; the final state is the last
+        shard's, replicated), else `linear_attention.causal_chunked` from `state` (`chunk_size` None:
+        one chunk). A prompt prefilled over P devices, from which `step` decodes."""
+        validation.check_favor_method(self, "prefill", causal=True)
+        x, mask = self._inputs(x, mask, segment_ids=segment_ids)
+        positions = self._positions(positions, x, required=state is not None, segment_ids=segment_ids)
+        omega = self._omega(feature_step, deterministic)
+        q, k, v = self._qkv(x, x, positions)
+        if self.sequence_axis is not None:
+            y, state = context_parallel.favor(q, k, v, omega, axis_name=self.sequence_axis,
+                                              feature_map=self.feature_map, causal=True, chunk_size=self.chunk_size,
+                                              eps=self.eps, mask=mask, segment_ids=segment_ids,
+                                              initial_state=state, return_state=True)
+            return self.out(y.astype(v.dtype), x.shape[-1]), state
+        phi_q, phi_k, guard = self._features(q, k, omega, mask, "constant", segment_ids)
+        num, den, state = linear_attention.causal_chunked(phi_q, phi_k, v, chunk_size=self.chunk_size or x.shape[1],
+                                                          state=state, mask=mask, denominator=True,
+                                                          segment_ids=segment_ids)
         return self._read_out(num, den, guard, v, x.shape[-1]), state
 
     def step(self, state: LinearState, x_t: Array, *, position: Array | int | None = None,

@@ -23,8 +23,9 @@ independent of the length T.
 `shard_var_chain` is the body under `jax.shard_map`; `var_chain` wraps it for a jit-level caller
 whose inputs are (or will be) split along T on `axis_name`. Both give the numbers of the unsharded
 `ops.var_chain_chunked`, NaN-safety included (a non-finite key makes its shard's summary NaN, which
-reaches every later token of its document, as the recurrence would). Decoding (`ops.var_chain_step`)
-is one device's form.
+reaches every later token of its document, as the recurrence would). A call may start from a
+state and return its final one (`initial_state`, `return_state`; layer m's fold starts from its own
+S^(m)): prefill a prompt over P devices, then decode on one device (`ops.var_chain_step`).
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from samovar_jax import ops
-from zoo_core import checks
-from zoo_core.ops import context_parallel
+from zoo_core.ops import context_parallel, linear_attention
 
 Array = jax.Array
 Operands = Union[Array, Sequence[Array]]
@@ -46,7 +46,8 @@ Operands = Union[Array, Sequence[Array]]
 
 def shard_var_chain(x0: Array, q: Operands, v: Operands, *, axis_name: str, chunk_size: int,
                     key_kernels: Optional[Array] = None, dropout_mask: Optional[Array] = None,
-                    mask: Optional[Array] = None, segment_ids: Optional[Array] = None):
+                    mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                    initial_state: Optional[Array] = None, return_state: bool = False):
     """This shard's VAR chain (the body under `shard_map`; operands checked by the caller).
 
     Args:
@@ -56,24 +57,36 @@ def shard_var_chain(x0: Array, q: Operands, v: Operands, *, axis_name: str, chun
       chunk_size: C >= 1 of each shard's chunked form.
       key_kernels: optional `[L, E, E]` (replicated); dropout_mask: optional `[L, B, T_p, H, D]`;
       mask, segment_ids: optional `[B, T_p]` (a packed document may span shards).
+      initial_state: optional `[L, B, H, D, D]` per-layer states of the tokens before (replicated
+        along T; None = zeros): layer m's fold starts from its own (`ops.var_chain_scan`'s `state`).
+      return_state: also return the state after the sequence's last token `[L, B, H, D, D]` (the
+        last shard's, on every shard; packed: each row's last document's).
 
     Returns:
-      `[L, B, T_p, H, D]` (stacked q) or a tuple of L arrays `[B, T_p, H, D]`, in x0's dtype.
+      `[L, B, T_p, H, D]` (stacked q) or a tuple of L arrays `[B, T_p, H, D]`, in x0's dtype; with
+      `return_state`, (that, the final state).
     """
-    def layer(qm, km, vm, _):
-        num, _, _ = context_parallel.shard_causal(qm, km, vm, axis_name=axis_name, chunk_size=chunk_size,
-                                                  mask=mask, segment_ids=segment_ids)
-        return num, None
+    def layer(qm, km, vm, state_m):
+        num, _, final = context_parallel.shard_causal(qm, km, vm, axis_name=axis_name, chunk_size=chunk_size,
+                                                      mask=mask, segment_ids=segment_ids, initial_state=state_m)
+        return num, final
 
     stacked = not isinstance(q, (list, tuple))
-    out = ops._chain(layer, x0, q, v, key_kernels, dropout_mask, None, stack=stacked)  # noqa: SLF001
-    return out[0] if stacked else out
+    if not return_state and initial_state is None:
+        out = ops._chain(layer, x0, q, v, key_kernels, dropout_mask, None, stack=stacked)  # noqa: SLF001
+        return out[0] if stacked else out
+    state = initial_state if initial_state is not None else ops.var_chain_init_state(
+        len(q), x0.shape[0], x0.shape[2], x0.shape[3], linear_attention.acc_dtype(x0))
+    o, final = ops._chain(layer, x0, q, v, key_kernels, dropout_mask, state, stack=True)  # noqa: SLF001
+    o = o if stacked else tuple(o)
+    return (o, context_parallel.last_shard(final, axis_name)) if return_state else o
 
 
 def var_chain(x0: Array, q: Operands, v: Operands, *, chunk_size: int, mesh=None, axis_name: str = "sequence",
               batch_axis: Optional[str] = None, key_kernels: Optional[Array] = None,
               dropout_mask: Optional[Array] = None, mask: Optional[Array] = None,
-              segment_ids: Optional[Array] = None):
+              segment_ids: Optional[Array] = None, initial_state: Optional[Array] = None,
+              return_state: bool = False):
     """`ops.var_chain_chunked`'s outputs (or `ops.var_chain_layers`' with per-layer q, v) with the
     sequence split over `axis_name` of `mesh` (None: the mesh of `jax.set_mesh`).
 
@@ -83,39 +96,31 @@ def var_chain(x0: Array, q: Operands, v: Operands, *, chunk_size: int, mesh=None
       chunk_size: C >= 1 of each shard's chunked form (clipped to the shard's length).
       mesh, axis_name: the mesh and its sequence axis; batch_axis: the axis B is split over (None: not).
       key_kernels, dropout_mask, mask, segment_ids: as in `ops.var_chain_parallel`.
+      initial_state: optional `[L, B, H, D, D]` state of the tokens before (None: zeros), as
+        `ops.var_chain_chunked`'s `state`.
+      return_state: also return the final state `[L, B, H, D, D]` (replicated over the axis): prefill
+        a prompt over P devices, then decode with `ops.var_chain_step` / `VARChain.step`.
 
     Returns:
-      `[L, B, T, H, D]` (or a tuple of L `[B, T, H, D]`), in x0's dtype, sharded like the inputs.
+      `[L, B, T, H, D]` (or a tuple of L `[B, T, H, D]`), in x0's dtype, sharded like the inputs; with
+      `return_state`, (that, the final state).
     """
     stacked = not isinstance(q, (list, tuple))
     ops.check_chain(x0, q if stacked else tuple(q), v if stacked else tuple(v), key_kernels=key_kernels,
-                    dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids, chunk_size=chunk_size)
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+                    dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids, chunk_size=chunk_size,
+                    state=initial_state)
     _check_layout(x0.shape[1], mesh, axis_name)
     tokens, layered = P(batch_axis, axis_name), P(None, batch_axis, axis_name)
     per_layer = layered if stacked else tuple(tokens for _ in q)
-    given = {name: (x, spec) for name, x, spec in (
-        ("x0", x0, tokens), ("q", q if stacked else tuple(q), per_layer), ("v", v if stacked else tuple(v), per_layer),
-        ("key_kernels", key_kernels, P()), ("dropout_mask", dropout_mask, layered), ("mask", mask, tokens),
-        ("segment_ids", segment_ids, tokens)) if x is not None}
-    xs = [x for x, _ in given.values()]
-    specs = tuple(spec for _, spec in given.values())
-    if dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit:
-        # an explicit mesh refuses inputs not yet split as the specs say; an Auto one reshards them itself
-        split = lambda a, s: jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, s))  # noqa: E731
-        xs = [tuple(map(split, x, spec)) if isinstance(x, tuple) else split(x, spec) for x, spec in zip(xs, specs)]
-    body = functools.partial(shard_var_chain, axis_name=axis_name, chunk_size=chunk_size)
-
-    def run(*args):
-        return body(**dict(zip(given, args)))
-
-    return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=per_layer)(*xs)
+    operands = dict(x0=(x0, tokens), q=(q if stacked else tuple(q), per_layer),
+                    v=(v if stacked else tuple(v), per_layer), key_kernels=(key_kernels, P()),
+                    dropout_mask=(dropout_mask, layered), mask=(mask, tokens), segment_ids=(segment_ids, tokens),
+                    initial_state=(initial_state, P(None, batch_axis)))
+    body = functools.partial(shard_var_chain, axis_name=axis_name, chunk_size=chunk_size, return_state=return_state)
+    return context_parallel.sharded(body, mesh, axis_name, batch_axis, {},
+                                    (per_layer, P(None, batch_axis)) if return_state else per_layer, operands)
 
 
 def _check_layout(t: int, mesh, axis_name: str) -> None:
     """The mesh has `axis_name` and T divides by its size (one line each)."""
-    if axis_name not in mesh.axis_names:
-        checks.fail(f"the mesh has no axis {axis_name!r} (its axes: {mesh.axis_names}); build it with a "
-                    f"sequence axis or pass axis_name=")
-    if t % mesh.shape[axis_name]:
-        checks.fail(f"the sequence length {t} must divide by the {axis_name!r} axis size {mesh.shape[axis_name]}")
+    context_parallel.check_length(t, mesh, axis_name)

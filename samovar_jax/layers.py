@@ -18,7 +18,8 @@ padded and future positions (NaN or 1e30 included) out of every valid, past outp
 Packed rows: `__call__`, `scan` (and `global_self`, `layer_outputs`) take `segment_ids` `[B, T]` (int, 0 =
 padding, `zoo_core.ops.packing`): every state is cut at each document start, so a packed row gives each
 document's own outputs (docs/samovar_packing.md). `sequence_axis` splits `__call__` over a mesh axis
-(`zoo_core.ops.context_parallel`, `samovar_jax.context_parallel` for the chain). `step` decodes one
+(`zoo_core.ops.context_parallel`, `samovar_jax.context_parallel` for the chain); `prefill(x, state)` is
+`scan`'s numbers in that form (a prompt over P devices, its final state replicated for `step`). `step` decodes one
 document: a new document is a new `init_state`. `cross` takes no segment ids (zoo_core's global form
 has no per-document cross-attention yet).
 """
@@ -84,8 +85,7 @@ class _OutProjection(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
         y, kernel, bias = nn.dtypes.promote_dtype(y, kernel, bias, dtype=self.dtype)
         # A 2-D matmul, as zoo_core.ops.xla_forms.Dense (its gradient needs no transposed copy of y).
-        out = jnp.dot(y.reshape(-1, y.shape[-1]), kernel) + bias
-        return out.reshape(y.shape[:-1] + (features,))
+        return xla_forms.matmul(y, kernel, bias=bias)
 
 
 class LinearAttention(nn.Module):
@@ -203,6 +203,23 @@ class LinearAttention(nn.Module):
         checks.check_tokens("x", x, "[B, T, E]")
         q, k, v = self._qkv(x, deterministic)
         num, _, state = linear_attention.causal_scan(q, k, v, state=state, mask=mask, segment_ids=segment_ids)
+        return self._out(num, x), state
+
+    def prefill(self, x: Array, state: Optional[LinearState] = None, *, mask: Optional[Array] = None,
+                segment_ids: Optional[Array] = None, deterministic: bool = True) -> tuple[Array, LinearState]:
+        """`scan`'s numbers in `__call__`'s form: the chunked form from `state` (zeros if None), over
+        `sequence_axis` when set (each shard's fold starts from the state, the final state is the last
+        shard's, replicated): x [B, T, E] -> (y [B, T, E_out], final state), from which `step` decodes.
+        Packed (`segment_ids`): as `scan`."""
+        checks.check_tokens("x", x, "[B, T, E]")
+        q, k, v = self._qkv(x, deterministic)
+        if self.sequence_axis is not None:
+            num, _, state = context_parallel.causal(q, k, v, chunk_size=self.chunk_size or x.shape[1],
+                                                    axis_name=self.sequence_axis, mask=mask, segment_ids=segment_ids,
+                                                    initial_state=state, return_state=True)
+        else:
+            num, _, state = linear_attention.causal_chunked(q, k, v, chunk_size=self.chunk_size or x.shape[1],
+                                                            state=state, mask=mask, segment_ids=segment_ids)
         return self._out(num, x), state
 
     def step(self, state: LinearState, x_t: Array) -> tuple[Array, LinearState]:
@@ -523,6 +540,26 @@ class VARChain(nn.Module):
         drop = _dropout_mask(self, self.dropout_rate, q.shape, deterministic)
         o, num = ops.var_chain_scan(xh, q, v, state=state.num, key_kernels=kernels, dropout_mask=drop, mask=mask,
                                     segment_ids=segment_ids)
+        return o, VARChainState(num, state.position + x0.shape[1])
+
+    def prefill(self, x0: Array, state: Optional[VARChainState] = None, *, positions: Optional[Array] = None,
+                mask: Optional[Array] = None, segment_ids: Optional[Array] = None,
+                deterministic: bool = True) -> tuple[Array, VARChainState]:
+        """`scan`'s numbers (arguments and results as there) in `__call__`'s form: the chunked chain from
+        `state`, over `sequence_axis` when set (every layer's fold starts from its state, the final
+        state is the last shard's, replicated), from which `step` decodes."""
+        if segment_ids is not None and positions is None and self.qv_source == "fixed":
+            checks.fail("a packed FixedVAR `prefill` needs `positions` [B, T] (each document's token indices)")
+        state = self.init_state(x0.shape[0]) if state is None else state
+        xh, q, v, kernels = self.project(x0, positions, state.position, segment_ids)
+        kw = dict(key_kernels=kernels, dropout_mask=_dropout_mask(self, self.dropout_rate, q.shape, deterministic),
+                  mask=mask, segment_ids=segment_ids)
+        if self.sequence_axis is not None:
+            o, num = var_context_parallel.var_chain(xh, q, v, chunk_size=self.chunk_size or xh.shape[1],
+                                                    axis_name=self.sequence_axis, initial_state=state.num,
+                                                    return_state=True, **kw)
+        else:
+            o, num = ops.var_chain_chunked(xh, q, v, self.chunk_size or xh.shape[1], state=state.num, **kw)
         return o, VARChainState(num, state.position + x0.shape[1])
 
     def step(self, state: VARChainState, x0_t: Array, *, position: Optional[Array] = None

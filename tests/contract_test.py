@@ -150,6 +150,8 @@ def _all_forms_fn(name, options):
             return out
         state = lay.apply(params, B, method="init_state")
         out["scan"] = lay.apply(params, x, state, method="scan")[0]
+        if hasattr(lay, "prefill"):   # two prompts, the second from the first's final state
+            out["prefill"] = _prefill_twice(lay, params, x, getattr(lay, "use_rotary", False))
         ys = []
         for t in range(T):
             y_t, state = lay.apply(params, state, x[:, t], method="step")
@@ -157,6 +159,17 @@ def _all_forms_fn(name, options):
         out["step"] = jnp.stack(ys, axis=1)
         return out
     return jax.jit(fn)
+
+
+def _prefill_twice(lay, params, x, rotary=False, axis=1, **kw):
+    """`prefill` of x's first half from no state, then of the rest from its final state, outputs joined."""
+    half = x.shape[1] // 2
+    positions = lambda lo, hi: {"positions": jnp.arange(lo, hi)} if rotary else {}   # noqa: E731
+    y1, state = lay.apply(params, x[:, :half], None, method="prefill", **positions(0, half),
+                          **{k: v[:, :half] for k, v in kw.items()})
+    y2, _ = lay.apply(params, x[:, half:], state, method="prefill", **positions(half, x.shape[1]),
+                      **{k: v[:, half:] for k, v in kw.items()})
+    return jnp.concatenate([y1, y2], axis=axis)
 
 
 def _all_forms(name, options, x, params):
@@ -266,6 +279,7 @@ def _chain_forms_fn(masked):
         lay = _chain()
         state = lay.apply(params, B, method="init_state")
         out["scan"] = lay.apply(params, x, state, mask=mask, method="scan")[0]
+        out["prefill"] = _prefill_twice(lay, params, x, axis=2, **({} if mask is None else {"mask": mask}))
         if mask is None:
             ys = []
             for t in range(T):

@@ -72,11 +72,11 @@ def host_devices_env(count: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_on_host_devices(module: str, count: int = 8, timeout: float = 600) -> list[str]:
-    """Runs `python -m module` from the repository root on `count` host CPU devices; asserts that it exits with 0
-    (showing its stderr's tail) and returns the words it printed. The module's `__main__` starts with
+def run_on_host_devices(module: str, count: int = 8, timeout: float = 600, args: tuple[str, ...] = ()) -> list[str]:
+    """Runs `python -m module *args` from the repository root on `count` host CPU devices; asserts that it exits
+    with 0 (showing its stderr's tail) and returns the words it printed. The module's `__main__` starts with
     `assert_host_devices(count)`."""
-    out = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=host_devices_env(count), capture_output=True,
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=host_devices_env(count), capture_output=True,
                          text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split()

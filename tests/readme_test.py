@@ -39,14 +39,36 @@ def test_the_block_takes_every_self_attention_name(capsys):
         assert "(2, 16, 64)" in capsys.readouterr().out, name
 
 
-def test_the_packed_and_long_sequences_snippet_runs(capsys):
-    """On the suite's 2 host devices: the sequence split in two."""
-    import jax
+CONTEXT_PARALLEL = re.findall(r"```python\n(.*?)```", _section("Packed and long sequences"), flags=re.S)
 
-    (snippet,) = re.findall(r"```python\n(.*?)```", _section("Packed and long sequences"), flags=re.S)
-    exec(compile(snippet, "README.md context-parallel snippet", "exec"), {"__name__": "__readme__"})
-    t = 64 * jax.device_count()
-    assert jax.device_count() == 2 and capsys.readouterr().out.strip() == f"(1, {t}, 4, 16) (1, {t}, 4)"
+
+def test_the_context_parallel_recipe_equals_one_device_for_every_name(capsys):
+    """On the suite's 2 host devices, `jax.make_mesh`'s default (Explicit) axes, `init` and `apply` jitted under
+    `jax.set_mesh`: the recipe with each name of `names('context_parallel')`, causal and not where it has both,
+    gives the parameters' one-device layer's numbers, sharded along T."""
+    import jax
+    import numpy as np
+
+    from zoo_core import attention
+    from zoo_core.testing import F32_SIMPLE, assert_trees_close
+
+    recipe = CONTEXT_PARALLEL[0]
+    assert len(CONTEXT_PARALLEL) == 2 and '"agf"' in recipe and "causal=True" in recipe and jax.device_count() == 2
+    for name in attention.names("context_parallel"):
+        caps = attention.capabilities(name)
+        for causal in [c for c, has in ((True, caps["causal"]), (False, caps["self"])) if has]:
+            scope = {"__name__": "__readme__"}
+            exec(compile(recipe.replace('"agf"', f'"{name}"').replace("causal=True", f"causal={causal}"),
+                         f"README.md context-parallel recipe with {name}", "exec"), scope)
+            assert capsys.readouterr().out.strip() == "(2, 128, 32) P(None, 'sequence', None)", name
+            one_device = attention.make(name, num_heads=4, qkv_features=32, causal=causal)
+            expected = one_device.apply(scope["params"], np.asarray(scope["x"]))
+            assert_trees_close(scope["y"], expected, **F32_SIMPLE)
+
+
+def test_the_prefill_then_decode_snippet_runs(capsys):
+    exec(compile(CONTEXT_PARALLEL[1], "README.md prefill snippet", "exec"), {"__name__": "__readme__"})
+    assert capsys.readouterr().out.strip() == "(2, 128, 32) (2, 1, 32) 144"
 
 
 def test_the_registry_table_says_what_each_mechanism_can_do():

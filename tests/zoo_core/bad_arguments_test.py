@@ -43,10 +43,10 @@ def _in_module(call):
     return lambda: Wrap().init(KEY, jnp.zeros((2, 7, 8)), jnp.zeros((2, 5, 8)))
 
 
-def _decode(x_len, cross=False, **call):
-    """A decode=True linear drop-in ([2, 7, 16] inputs, 2 heads) applied to `x_len` tokens with `call`."""
+def _decode(x_len, cross=False, name="linear", **call):
+    """A decode=True drop-in ([2, 7, 16] inputs, 2 heads) applied to `x_len` tokens with `call`."""
     x = jnp.zeros((2, 7, 16))
-    dec = attention.make("linear", num_heads=2, qkv_features=16, causal=not cross, decode=True)
+    dec = attention.make(name, num_heads=2, qkv_features=16, causal=not cross, decode=True)
     if cross:
         return lambda: dec.init(KEY, x)
     return lambda: dec.apply(dec.init(KEY, x), x[:, :x_len], mutable=["cache"], **call)
@@ -165,7 +165,9 @@ ROWS = [
     ("make-heads-0", lambda: attention.make("agf", num_heads=0, qkv_features=8), "`num_heads` must be an integer >= 1"),
     ("make-out-features", lambda: attention.make("softmax", num_heads=2, qkv_features=8, out_features=0),
      "`out_features`"),
-    ("decode-many-tokens", _decode(7), "each call takes one token [B, 1, E]; got shape (2, 7, 16)"),
+    ("decode-many-tokens", _decode(7, name="softmax"),
+     "each call of 'softmax' takes one token [B, 1, E], got shape (2, 7, 16); these also take a prompt"),
+    ("decode-prompt-dropout", _decode(7, deterministic=False), "a prompt (prefill) runs without dropout"),
     ("decode-mask", _decode(1, mask=jnp.ones((2, 1), bool)), "a self-attention step takes no mask"),
     ("decode-dropout", _decode(1, deterministic=False), "decoding steps run without dropout"),
     ("decode-noncausal-self", _decode(1, cross=True), "decode=True self-attention needs causal=True"),

@@ -19,7 +19,10 @@
   softmax, and the step index `cache_index`); each
   `apply(..., mutable=['cache'])` on `[B, 1, E]` is one token and advances it. A causal
   self-attention and a decoder's cross-attention both take it (the Cross-Graph layer reads the
-  query's position from the index).
+  query's position from the index). After init, a causal self-attention of `prefills()` also takes a
+  prompt `[B, L, E]` in one call (its sequence form from the cached state, context-parallel with
+  `sequence_axis`: a prompt prefilled over P devices), which advances the cache by L tokens; the
+  one-token calls continue from there.
 
 y has `out_features` (default: the width of inputs_q). Auxiliary losses of the mechanism (AGF's
 orthogonality term; the graph KL with `kl_weight` > 0) are sown into the collection 'losses', so a
@@ -55,10 +58,19 @@ import jax.numpy as jnp
 
 from zoo_core.attention import registry
 from zoo_core.attention.dropin import DropInAttention
-from zoo_core.attention.registry import CAPABILITIES, PACKED_ARGS, capabilities, layer, length_option, names, options
+from zoo_core.attention.registry import (
+    CAPABILITIES,
+    PACKED_ARGS,
+    capabilities,
+    layer,
+    length_option,
+    names,
+    options,
+    prefills,
+)
 
 __all__ = ["CAPABILITIES", "PACKED_ARGS", "DropInAttention", "capabilities", "layer", "length_option", "make", "names",
-           "options"]
+           "options", "prefills"]
 
 
 def make(name: str, *, num_heads: int, qkv_features: int, out_features: Optional[int] = None,

@@ -149,7 +149,8 @@ class DropInAttention(nn.Module):
 
     def _decode_step(self, entry, x: Array, mask: Optional[Array], deterministic: bool, packed: dict) -> Array:
         """Flax's decode convention: the first call (init, `[B, L, E]`) creates the cache and
-        returns the causal call; later calls take `[B, 1, E]` and advance the layer's State."""
+        returns the causal call; later calls take `[B, 1, E]` and advance the layer's State, or, for
+        a layer with `prefill` (`attention.prefills()`), a prompt `[B, L, E]` that advances it by L."""
         if not self.causal:
             raise ValueError(f"decode=True self-attention needs causal=True ({self.mechanism!r} was built "
                              f"with causal=False)")
@@ -167,15 +168,37 @@ class DropInAttention(nn.Module):
             self.variable("cache", "state", lambda: inner.init_state(x.shape[0]))
             self._index()
             return y
+        state, index = self.variable("cache", "state"), self._index()
+        if x.shape[1] > 1:
+            if not hasattr(inner, "prefill"):
+                raise ValueError(f"decode=True: after init, each call of {self.mechanism!r} takes one token "
+                                 f"[B, 1, E], got shape {tuple(x.shape)}; these also take a prompt [B, L, E] "
+                                 f"(prefill): {list(registry.prefills())}")
+            return self._prefill(inner, state, index, x, mask, deterministic, packed)
         self._token(x, deterministic)
         if mask is not None or packed:
             raise ValueError("decode=True: a self-attention step takes no mask, segment_ids or positions (every "
                              "token given is valid, the next of one document)")
-        state, index = self.variable("cache", "state"), self._index()
         position = {"position": index.value} if getattr(inner, "use_rotary", False) else {}
         y_t, state.value = inner.step(state.value, x[:, 0], **position)
         index.value = index.value + 1
         return y_t[:, None]
+
+    def _prefill(self, inner, state, index, x: Array, mask: Optional[Array], deterministic: bool,
+                 packed: dict) -> Array:
+        """A prompt `[B, L, E]` after init: the layer's `prefill` (its sequence form, context-parallel
+        with `sequence_axis`) from the cached state, which it advances by L tokens; steps continue from
+        there (the last document of each row, when packed)."""
+        if not deterministic:
+            raise ValueError("decode=True: a prompt (prefill) runs without dropout; call with deterministic=True")
+        rotary = getattr(inner, "use_rotary", False)
+        if rotary and packed:
+            raise ValueError("decode=True with rotary positions: a prompt takes no segment_ids or positions (the "
+                             "cache's index places every token)")
+        extra = {"positions": index.value + jnp.arange(x.shape[1])} if rotary else {}
+        y, state.value = inner.prefill(x, state.value, mask=mask, deterministic=True, **packed, **extra)
+        index.value = index.value + x.shape[1]
+        return y
 
     # --- cross-attention -------------------------------------------------------------------
 

@@ -180,6 +180,13 @@ def names(*required: str) -> tuple[str, ...]:
     return tuple(n for n in sorted(_REGISTRY) if all(capabilities(n)[c] for c in required))
 
 
+def prefills() -> tuple[str, ...]:
+    """The mechanisms whose causal self-attention layer has `prefill(x, state)` (its sequence form from a
+    state, returning the final one; context-parallel with `sequence_axis`): with `decode=True`, a
+    prompt `[B, L, E]` after init advances the cache by L tokens in one call."""
+    return tuple(n for n in names("causal", "decode") if hasattr(layer_class(lookup(n).self_form), "prefill"))
+
+
 def options(name: str) -> tuple[str, ...]:
     """The options (`**options` of `make`) of mechanism `name`: its layers' own fields, sorted."""
     return tuple(sorted(_options_of_entry(lookup(name))))

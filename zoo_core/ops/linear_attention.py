@@ -99,6 +99,15 @@ def _check(q: Array, k: Array, v: Array, mask: Optional[Array] = None, segment_i
         _check_state(state, qs, vs[-1], denominator)
 
 
+def check_state(state: LinearState, q_shape, m: int, denominator: bool) -> None:
+    """`state` is a `LinearState` for queries of shape `q_shape` (`[B, ..., H, D]`), M = m value
+    features and a den exactly when `denominator` (one line each)."""
+    if not isinstance(state, LinearState):
+        checks.fail(f"the state must be a LinearState(num [B, H, D, M], den [B, H, D] or None), got "
+                    f"{type(state).__name__}")
+    _check_state(state, q_shape, m, denominator)
+
+
 def _check_state(state: LinearState, q_shape, m: int, denominator: bool) -> None:
     b, h, d = q_shape[0], q_shape[-2], q_shape[-1]
     if tuple(jnp.shape(state.num)) != (b, h, d, m):

@@ -217,13 +217,9 @@ class DenseGeneral(nn.DenseGeneral):
             dot_general = self.dot_general_cls()
         else:
             dot_general = self.dot_general or jax.lax.dot_general
-        lead = inputs.shape[:inputs.ndim - n]
-        x = inputs.reshape((-1, fan_in) if _mergeable(inputs, len(lead)) else lead + (fan_in,))
-        y = dot_general(x, kernel.reshape(fan_in, fan_out), (((x.ndim - 1,), (0,)), ((), ())),
-                        precision=self.precision)
-        if bias is not None:
-            y = add_bias(y, bias.reshape(fan_out))
-        return y.reshape(lead + features)
+        y = matmul(inputs, kernel.reshape(fan_in, fan_out), n, dot_general, self.precision,
+                   None if bias is None else bias.reshape(fan_out))
+        return y.reshape(inputs.shape[:inputs.ndim - n] + features)
 
 
 class Dense(nn.Dense):
@@ -241,19 +237,27 @@ class Dense(nn.Dense):
             dot_general = self.dot_general_cls()
         else:
             dot_general = self.dot_general or jax.lax.dot_general
-        x = inputs.reshape(-1, kernel.shape[0]) if _mergeable(inputs, inputs.ndim - 1) else inputs
-        y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
-        if bias is not None:
-            y = add_bias(y, bias)
-        return y.reshape(inputs.shape[:-1] + (self.features,))
+        return matmul(inputs, kernel, 1, dot_general, self.precision, bias)
 
 
-def _mergeable(x: Array, lead: int) -> bool:
-    """Whether the `lead` leading axes of x may be merged into one: none is split over an Explicit mesh
-    axis (context parallelism under `jax.make_mesh`'s default axes), where such a reshape has no output
-    sharding and the matmul keeps them apart instead."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return spec is None or all(axis is None for axis in tuple(spec)[:lead])
+def matmul(inputs: Array, kernel: Array, n: int = 1, dot_general=jax.lax.dot_general, precision=None,
+           bias=None) -> Array:
+    """inputs `[..., *in]` (n trailing axes contracted) times kernel `[prod(in), F]` (plus bias `[F]`)
+    -> `[..., F]`, as one two-dimensional matmul of `[N, prod(in)]` (`DenseGeneral` says why). When a
+    leading axis but the first is split over an Explicit mesh axis (a sequence split along T under
+    `jax.make_mesh`'s default axes), merging them would move data, so the dot contracts the axes as
+    they are: the same values."""
+    lead = inputs.ndim - n
+    spec = tuple(getattr(getattr(jax.typeof(inputs), "sharding", None), "spec", ()) or ())
+    if any(s is not None for s in spec[1:lead]):
+        kernel = kernel.reshape(inputs.shape[lead:] + kernel.shape[-1:])
+        y = dot_general(inputs, kernel, ((tuple(range(lead, inputs.ndim)), tuple(range(n))), ((), ())),
+                        precision=precision)
+        return y if bias is None else add_bias(y, bias)
+    y = dot_general(inputs.reshape(-1, kernel.shape[0]), kernel, (((1,), (0,)), ((), ())), precision=precision)
+    if bias is not None:
+        y = add_bias(y, bias)
+    return y.reshape(inputs.shape[:lead] + kernel.shape[-1:])
 
 
 class Embed(nn.Embed):
