@@ -53,9 +53,8 @@ and decoding use the features the parameters were last trained with (frozen betw
 k = 0 it is draw 0 throughout and `feature_step` is not needed. (`step` names only one-token methods:
 `DecoderBlock.step`, `decode_step`.)
 
-Decoding (`htgn_jax.decoding`) uses the methods `encode`, `decode`, `init_cache` and
-`decode_step` of `Seq2Seq`: the FAVOR+ (S, z) state, the rolling window cache of the causal
-graph layer, and the cross-attention / Cross-Graph memory projections computed once.
+Decoding (`htgn_jax.decoding`) uses `Seq2Seq`'s `encode`, `decode`, `init_cache` and `decode_step`: the
+FAVOR+ (S, z) state, the causal graph layer's rolling window, the cross memory projections computed once.
 """
 from __future__ import annotations
 
