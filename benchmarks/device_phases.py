@@ -390,8 +390,9 @@ def _command_of(name: str, tiny: bool) -> tuple[list[str], Any]:
     config it resolves to."""
     module, arg, tiny_arg, _ = MAIN_CONFIGS[name]
     arg = tiny_arg if tiny else arg
-    package = {"agf": "agf_jax", "samovar": "samovar_jax", "htgn": "htgn_jax"}[module.split(".")[1]]
-    path = module.replace(".", "/") + ".py" + (f":{arg}" if arg else "")
+    folder = module.split(".")[-2]     # zoo_core.configs.<folder>.<file>, named configs/<folder>/<file>.py
+    package = {"agf": "agf_jax", "samovar": "samovar_jax", "htgn": "htgn_jax"}[folder]
+    path = "configs/" + "/".join(module.split(".")[-2:]) + ".py" + (f":{arg}" if arg else "")
     return [sys.executable, "-m", f"{package}.train", "--config", path], main_config(name, tiny)
 
 
