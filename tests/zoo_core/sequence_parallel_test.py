@@ -44,10 +44,8 @@ def _config(data_dir, sequence, kind):
     from zoo_core.configs.samovar import synthetic_var
     c = {"agf": uea, "htgn": number_words}.get(kind, synthetic_var).get_config("smoke")
     c.unlock()
-    if kind == "htgn":
-        # 'inputs' has 15 tokens: the trainer pads them to 16 with the pad id; no dropout, whose bits follow
-        # the padded shapes (the encoder's 2 + 16 nodes are padded again, to 18)
-        c.model.dropout_rate = 0.0
+    # htgn: 'inputs' has 15 tokens, which the trainer pads to 16 with the pad id (the encoder's 2 + 16 nodes
+    # are padded again, to 18); its dropout of 0.1 stays on, its masks keyed by position.
     c.data.data_dir = data_dir
     c.parallel.cpu_devices = 2
     c.parallel.sequence = sequence
