@@ -41,6 +41,7 @@ data (the file's content does). The embedded sources:
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import importlib.resources
 import importlib.util
@@ -137,6 +138,15 @@ def _check_time_order(frame, label: str) -> None:
                          "time order (sort the file by date)")
 
 
+def _check_utf8(path: str) -> None:
+    """Raises UnicodeDecodeError unless the file is UTF-8 (pandas >= 3.1 tokenizes before it decodes)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            decoder.decode(chunk)
+    decoder.decode(b"", final=True)
+
+
 def read_source(source: str):
     """Loads `source` as an ETT-format table.
 
@@ -164,6 +174,7 @@ def read_source(source: str):
         raise ValueError(f"forecasting: source file {path!r} is empty (expected an ETT-format CSV with a "
                          "header line and one row per time step)")
     try:
+        _check_utf8(path)
         frame = pd.read_csv(path)
     except UnicodeError as e:
         raise ValueError(f"forecasting: source file {path!r} is not UTF-8 text ({e}); expected an "
