@@ -234,8 +234,12 @@ class AGFAttention(_Attention):
         return dict(basis=self.basis, alpha=self.alpha, beta=self.beta, spectrum=self.spectrum())
 
     def _project(self, x: Array):
-        zs = self.sigma(x) if self.graph_filter == "agf" else None
-        return self.query(x), self.key(x), zs, self.value(x)
+        # One matmul on the CPU (`xla_forms.dense_group`), in the order the layers were called before.
+        if self.graph_filter == "agf":
+            zs, zu, zv, val = xla_forms.dense_group(x, (self.sigma, self.query, self.key, self.value))
+            return zu, zv, zs, val
+        zu, zv, val = xla_forms.dense_group(x, (self.query, self.key, self.value))
+        return zu, zv, None, val
 
     def _finish(self, o: Array, x: Array, deterministic: bool) -> Array:
         o = self.dropout(o.astype(self._compute_dtype(x)), deterministic=deterministic)

@@ -81,6 +81,47 @@ def test_dense_layers_are_flax_layers_with_two_dimensional_dots(cls, flax_name, 
                         len(e.params["dimension_numbers"][0][0]) == 1 for e in dots), dots
 
 
+class _Group(nn.Module):
+    """Layers reading the same x, called one by one or through `xla_forms.dense_group`."""
+    layers: tuple
+    grouped: bool = True
+
+    def setup(self):
+        self.children_ = [cls(**fields, name=f"l{i}") for i, (cls, fields) in enumerate(self.layers)]
+
+    def __call__(self, x):
+        if self.grouped:
+            return xla_forms.dense_group(x, self.children_)
+        return tuple(layer(x) for layer in self.children_)
+
+
+_GROUPS = [
+    ((xla_forms.DenseGeneral, dict(features=(2, 3))), (xla_forms.DenseGeneral, dict(features=(2, 3))),
+     (xla_forms.DenseGeneral, dict(features=(1, 4)))),
+    ((xla_forms.Dense, dict(features=5)), (xla_forms.Dense, dict(features=3))),
+    ((xla_forms.Dense, dict(features=5, use_bias=False)), (xla_forms.Dense, dict(features=2, use_bias=False))),
+    # Not fusable (a bias and none, another dtype): each layer called, the same numbers.
+    ((xla_forms.Dense, dict(features=5)), (xla_forms.Dense, dict(features=2, use_bias=False))),
+    ((xla_forms.Dense, dict(features=5)), (xla_forms.Dense, dict(features=2, dtype=jnp.bfloat16))),
+]
+
+
+@pytest.mark.parametrize("layers", _GROUPS)
+def test_dense_group_is_each_layer_called(layers, x64):
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4), jnp.float64)
+    grouped, separate = _Group(layers), _Group(layers, grouped=False)
+    params = separate.init(jax.random.key(1), x)
+    # The same parameters (initialising, every layer is called) ...
+    jax.tree_util.tree_map(np.testing.assert_array_equal, grouped.init(jax.random.key(1), x), params)
+    # ... and the same outputs and gradients, with respect to x and every parameter.
+    w = [jax.random.normal(jax.random.key(2 + i), y.shape, jnp.float64) for i, y in enumerate(separate.apply(params, x))]
+    loss = lambda m: lambda p, x: sum(jnp.sum(jnp.sin(y.astype(jnp.float64)) * wi)  # noqa: E731
+                                      for y, wi in zip(m.apply(p, x), w))
+    for f in (lambda m: m.apply, lambda m: jax.grad(loss(m), argnums=(0, 1))):
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12),
+                               jax.jit(f(grouped))(params, x), jax.jit(f(separate))(params, x))
+
+
 def test_dense_general_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="contracts trailing axes only"):
         xla_forms.DenseGeneral(3, axis=0).init(jax.random.key(0), jnp.ones((2, 4)))

@@ -25,10 +25,11 @@ parameters and values). It is read at trace time, so jit the step inside it.
 from __future__ import annotations
 
 __all__ = ["PLAIN_FORMS", "plain", "is_plain", "Dense", "DenseGeneral", "Embed", "LayerNorm", "layer_norm", "gelu",
-           "heads", "add_to_each"]
+           "heads", "add_to_each", "dense_group"]
 
 import contextlib
 import functools
+import itertools
 import math
 import threading
 from typing import Iterator
@@ -212,14 +213,7 @@ class DenseGeneral(nn.DenseGeneral):
                             in_shape + features, self.param_dtype)
         bias = (self.param("bias", _flat_init(self.bias_init, (fan_out,)), features,
                            self.param_dtype) if self.use_bias else None)
-        inputs, kernel, _ = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        if self.dot_general_cls is not None:
-            dot_general = self.dot_general_cls()
-        else:
-            dot_general = self.dot_general or jax.lax.dot_general
-        y = matmul(inputs, kernel.reshape(fan_in, fan_out), n, dot_general, self.precision,
-                   None if bias is None else bias.reshape(fan_out))
-        return y.reshape(inputs.shape[:inputs.ndim - n] + features)
+        return _layer_matmul(self, inputs, kernel, bias, n)
 
 
 class Dense(nn.Dense):
@@ -232,12 +226,7 @@ class Dense(nn.Dense):
                             self.param_dtype)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
-        inputs, kernel, _ = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        if self.dot_general_cls is not None:
-            dot_general = self.dot_general_cls()
-        else:
-            dot_general = self.dot_general or jax.lax.dot_general
-        return matmul(inputs, kernel, 1, dot_general, self.precision, bias)
+        return _layer_matmul(self, inputs, kernel, bias, 1)
 
 
 def matmul(inputs: Array, kernel: Array, n: int = 1, dot_general=jax.lax.dot_general, precision=None,
@@ -258,6 +247,73 @@ def matmul(inputs: Array, kernel: Array, n: int = 1, dot_general=jax.lax.dot_gen
     if bias is not None:
         y = add_bias(y, bias)
     return y.reshape(inputs.shape[:lead] + kernel.shape[-1:])
+
+def _layer_matmul(layer, inputs: Array, kernel: Array, bias, n: int) -> Array:
+    """`layer`'s (a `Dense` / `DenseGeneral`) output for its kernel `[*in, *out]` and bias `[*out]` (or
+    None), contracting the n trailing axes of inputs `[..., *in]` (`matmul`)."""
+    inputs, kernel, _ = layer.promote_dtype(inputs, kernel, bias, dtype=layer.dtype)
+    features = kernel.shape[n:]
+    fan_in, fan_out = math.prod(inputs.shape[inputs.ndim - n:]), math.prod(features)
+    dot_general = (layer.dot_general_cls() if layer.dot_general_cls is not None
+                   else layer.dot_general or jax.lax.dot_general)
+    y = matmul(inputs, kernel.reshape(fan_in, fan_out), n, dot_general, layer.precision,
+               None if bias is None else bias.reshape(fan_out))
+    return y.reshape(inputs.shape[:inputs.ndim - n] + features)
+
+
+def _contracted(layer) -> int:
+    """How many trailing input axes a `Dense` / `DenseGeneral` contracts."""
+    return 1 if isinstance(layer, Dense) else len((layer.axis,) if isinstance(layer.axis, int) else layer.axis)
+
+
+_SHARED_FIELDS = ("dtype", "param_dtype", "precision", "dot_general", "dot_general_cls", "promote_dtype",
+                  "use_bias")
+
+
+def dense_group(x: Array, layers) -> tuple[Array, ...]:
+    """`tuple(layer(x) for layer in layers)` for `Dense` / `DenseGeneral` layers reading the same x.
+
+    On the CPU (`jax.lax.platform_dependent`) the layers run as one matmul, x `[N, E]` times their
+    kernels side by side `[E, F_1 + F_2 + ...]`, then split: the weight gradient is then one dot
+    x^T [dY_1 | dY_2 | ...], which XLA's CPU backend runs much faster per column at the summed width
+    than as narrow separate dots that each stream the N rows of x (four `[64, 64]` weight gradients
+    over 64K rows: 4 x 12.3 ms against 27.6 ms at width 256), and x's gradient one dot. Each column
+    is the same dot product over E as in its own layer. Elsewhere each layer's own matmul, the
+    program unchanged. When the layers are initialising (their parameters do not exist yet), are
+    not all this module's with the same dtypes, precision and bias setting, each layer is called.
+
+    Args:
+      x: `[..., *in]`, the input of every layer.
+      layers: this module's `Dense` / `DenseGeneral` layers, bound (submodules of the caller).
+
+    Returns:
+      a tuple of each layer's output `[..., *out_i]`.
+    """
+    layers = tuple(layers)
+    n = _contracted(layers[0])
+    shared = {tuple(getattr(layer, f) for f in _SHARED_FIELDS) for layer in layers}
+    if (not all(isinstance(layer, (Dense, DenseGeneral)) for layer in layers) or len(shared) > 1
+            or len({_contracted(layer) for layer in layers}) > 1 or layers[0].is_initializing()):
+        return tuple(layer(x) for layer in layers)
+    params = [meta.unbox(layer.variables["params"]) for layer in layers]
+    kernels = [p["kernel"] for p in params]
+    biases = [p.get("bias") for p in params]
+
+    def separate(x, kernels, biases):
+        return tuple(_layer_matmul(layer, x, k, b, n) for layer, k, b in zip(layers, kernels, biases))
+
+    def together(x, kernels, biases):
+        layer = layers[0]
+        lead = x.shape[:x.ndim - n]
+        fan_in = math.prod(x.shape[x.ndim - n:])
+        widths = [math.prod(k.shape[n:]) for k in kernels]
+        kernel = jnp.concatenate([k.reshape(fan_in, w) for k, w in zip(kernels, widths)], axis=1)
+        bias = None if biases[0] is None else jnp.concatenate([b.reshape(w) for b, w in zip(biases, widths)])
+        y = _layer_matmul(layer, x, kernel, bias, n)                                    # [..., sum F_i]
+        ys = jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1)
+        return tuple(y.reshape(lead + k.shape[n:]) for y, k in zip(ys, kernels))
+
+    return jax.lax.platform_dependent(x, kernels, biases, cpu=together, default=separate)
 
 
 class Embed(nn.Embed):
