@@ -1,6 +1,6 @@
 """`parallel.sequence=P`: the trainer's mesh becomes data x sequence, sequence inputs are split along their
-length, and training gives the parameters of P = 1 (the zoo's models in float64, to 1e-10; a test model in float32). The runs need several devices: one
-subprocess with 2 host devices (the suite runs on 2 cores)."""
+length, and training gives the parameters of P = 1 (the zoo's models in float64, to 1e-10; a test model in
+float32). The runs need several devices: one subprocess with 2 host devices (the suite runs on 2 cores)."""
 import os
 import pathlib
 import subprocess
