@@ -25,6 +25,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "plots": {"matplotlib": "matplotlib"},
     "notebooks": {"nbclient": "nbclient", "nbformat": "nbformat", "ipykernel": "ipykernel",
                   "jupyterlab": "jupyterlab", "matplotlib": "matplotlib"},
+    "allocator": {"cmeel": "cmeel-mimalloc"},   # a library found by path (zoo_core.run.allocator), no module
     "peers": {"torch": "torch"},
 }
 
