@@ -147,17 +147,22 @@ def measure(case: str, t: int, shards: int, args) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], key: str = "case", extra: tuple[str, ...] = ()) -> str:
+    """The markdown table of `rows` (this benchmark's and `context_parallel_models`'): one line per row,
+    named by its `key` field, T, P and its `extra` fields; memory against the P = 1 row of the same key
+    and length."""
     mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"
-    out = ["| case | T | P | memory / device (MiB) | vs P=1 | moved (MiB) | median s |", "|---|---|---|---|---|---|---|"]
-    base = {(r["case"], r["length"]): r["memory"]["total_bytes"] for r in rows if r["shards"] == 1}
+    names = [key, "T", "P", *extra, "memory / device (MiB)", "vs P=1", "moved (MiB)", "median s"]
+    out = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    base = {(r[key], r["length"]): r["memory"]["total_bytes"] for r in rows if r["shards"] == 1}
     for r in rows:
         total = r["memory"]["total_bytes"]
-        ratio = base.get((r["case"], r["length"]))
+        ratio = base.get((r[key], r["length"]))
         ratio = f"{total / ratio:.3f}" if ratio else "-"
         timed = f"{r['time']['median_s']:.3f}" if "time" in r else "-"
-        out.append(f"| {r['case']} | {r['length']:,} | {r['shards']} | {mib(total)} | {ratio} | "
-                   f"{r['moved_bytes'] / 2**20:,.3f} | {timed} |")
+        cells = [r[key], f"{r['length']:,}", r["shards"], *(r[f] for f in extra), mib(total), ratio,
+                 f"{r['moved_bytes'] / 2**20:,.3f}", timed]
+        out.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(out)
 
 

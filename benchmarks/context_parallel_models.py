@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import context_parallel  # noqa: E402
 from zoo_core import bench, checks, tasks  # noqa: E402
 from zoo_core.configs import common  # noqa: E402
 from zoo_core.run import optim, sharding  # noqa: E402
@@ -120,18 +121,7 @@ def measure(name: str, t: int, shards: int, mode: str, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    mib = lambda b: f"{b / 2**20:,.1f}"   # noqa: E731
-    out = ["| model | T | P | mode | memory / device (MiB) | vs P=1 | moved (MiB) | median s |",
-           "|---|---|---|---|---|---|---|---|"]
-    base = {(r["model"], r["length"]): r["memory"]["total_bytes"] for r in rows if r["shards"] == 1}
-    for r in rows:
-        total = r["memory"]["total_bytes"]
-        ratio = base.get((r["model"], r["length"]))
-        ratio = f"{total / ratio:.3f}" if ratio else "-"
-        timed = f"{r['time']['median_s']:.3f}" if "time" in r else "-"
-        out.append(f"| {r['model']} | {r['length']:,} | {r['shards']} | {r['mode']} | {mib(total)} | {ratio} | "
-                   f"{r['moved_bytes'] / 2**20:,.3f} | {timed} |")
-    return "\n".join(out)
+    return context_parallel.table(rows, key="model", extra=("mode",))
 
 
 def main(argv=None) -> list[dict]:
