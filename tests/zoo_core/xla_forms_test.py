@@ -98,6 +98,9 @@ class _Group(nn.Module):
 _GROUPS = [
     ((xla_forms.DenseGeneral, dict(features=(2, 3))), (xla_forms.DenseGeneral, dict(features=(2, 3))),
      (xla_forms.DenseGeneral, dict(features=(1, 4)))),
+    # Two contracted axes: the kernels [3, 4, *out] side by side.
+    ((xla_forms.DenseGeneral, dict(features=(2, 3), axis=(-2, -1))),
+     (xla_forms.DenseGeneral, dict(features=5, axis=(-2, -1)))),
     ((xla_forms.Dense, dict(features=5)), (xla_forms.Dense, dict(features=3))),
     ((xla_forms.Dense, dict(features=5, use_bias=False)), (xla_forms.Dense, dict(features=2, use_bias=False))),
     # Not fusable (a bias and none, another dtype): each layer called, the same numbers.

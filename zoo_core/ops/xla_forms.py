@@ -248,6 +248,7 @@ def matmul(inputs: Array, kernel: Array, n: int = 1, dot_general=jax.lax.dot_gen
         y = add_bias(y, bias)
     return y.reshape(inputs.shape[:lead] + kernel.shape[-1:])
 
+
 def _layer_matmul(layer, inputs: Array, kernel: Array, bias, n: int) -> Array:
     """`layer`'s (a `Dense` / `DenseGeneral`) output for its kernel `[*in, *out]` and bias `[*out]` (or
     None), contracting the n trailing axes of inputs `[..., *in]` (`matmul`)."""
@@ -308,6 +309,7 @@ def dense_group(x: Array, layers) -> tuple[Array, ...]:
         fan_in = math.prod(x.shape[x.ndim - n:])
         widths = [math.prod(k.shape[n:]) for k in kernels]
         kernel = jnp.concatenate([k.reshape(fan_in, w) for k, w in zip(kernels, widths)], axis=1)
+        kernel = kernel.reshape(x.shape[x.ndim - n:] + (sum(widths),))            # [*in, sum F_i]
         bias = None if biases[0] is None else jnp.concatenate([b.reshape(w) for b, w in zip(biases, widths)])
         y = _layer_matmul(layer, x, kernel, bias, n)                                    # [..., sum F_i]
         ys = jnp.split(y, list(itertools.accumulate(widths[:-1])), axis=-1)
