@@ -1,6 +1,6 @@
 """The programs a GPU or TPU would run, read on the CPU through `jax.export` (no accelerator needed).
 
-Every main config's train step (the trainer's own, `bench.train_step_setup`) and every attention's
+Every main config's train step (the trainer's own, as `bench.train_step_setup` builds it) and every attention's
 training call, non-causal and causal (parallel and chunked), export for cuda and for tpu, and none
 holds a while loop: a loop over chunks or tokens runs its control from the host, one iteration at a
 time, on an accelerator.
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo_core import attention, bench, testing
+from zoo_core import attention, testing
 
 PLATFORMS = ("cuda", "tpu")
 # (config module, its smoke argument, the Model factory's module)
@@ -24,13 +24,28 @@ MAIN_CONFIGS = {
 }
 
 
+def _train_step(config, build_model):
+    """The step `bench.train_step_setup` builds (the trainer's setup, `run_setup.compile_steps`' jitted
+    `train_step`, parallel.mode 'jit'), with its state's shapes and one training batch, without the CPU compile
+    and the initial state that the setup makes for a benchmark and an export does not need."""
+    from zoo_core.run import setup as run_setup
+    from zoo_core.run import sharding
+
+    with config.unlocked():
+        config.parallel.mode = "jit"
+    s = run_setup.build_setup(config, build_model, has_evaluators=True)
+    mesh = sharding.config_mesh(config)
+    steps = run_setup.compile_steps(s, mesh, sharding.replicated(mesh), donate=False)
+    return steps.train, s.abstract, steps.to_device(sharding.numeric(next(s.train_batches(0))))
+
+
 @pytest.mark.parametrize("name", sorted(MAIN_CONFIGS))
 def test_main_train_steps_export_without_loops(name):
     module, arg, model_module = MAIN_CONFIGS[name]
     config = importlib.import_module(module).get_config(arg)
-    s = bench.train_step_setup(config, importlib.import_module(model_module).Model, donate=False)
+    step, state, batch = _train_step(config, importlib.import_module(model_module).Model)
     for platform in PLATFORMS:
-        program = testing.exported_program(s["step"], s["state"], s["batch"], platform=platform)
+        program = testing.exported_program(step, state, batch, platform=platform)
         assert testing.while_loops(program) == 0, (name, platform)
 
 
@@ -51,7 +66,7 @@ def test_attention_training_forms_export_without_loops(name, kw):
     block = attention.make(name, num_heads=2, qkv_features=16, causal=causal, **kw)
     x = np.random.default_rng(0).normal(size=(2, 32, 16)).astype(np.float32)
     mask = np.arange(32)[None, :] < np.array([[32], [27]])
-    params = block.init(jax.random.PRNGKey(0), x, mask=mask)
+    params = jax.jit(block.init)(jax.random.PRNGKey(0), x, mask=mask)
 
     def loss(p, x, mask):
         y = block.apply(p, x, mask=mask, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)},
@@ -92,9 +107,10 @@ def test_a_context_parallel_train_step_exports_without_loops(kind, tmp_path):
     with sharding.mesh_context(mesh):
         replicated = sharding.replicated(mesh)
         steps = run_setup.compile_steps(s, mesh, replicated, donate=False)
-        state = s.init_state(replicated)
         batch = steps.to_device(sharding.numeric(next(s.train_batches(0))))
         assert batch["inputs"].sharding.spec == jax.sharding.PartitionSpec("data", "sequence")
+        # the state as `s.init_state(replicated)` makes it (replicated), as shapes: an export needs no values
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), s.abstract)
         specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (state, batch))
         for platform in PLATFORMS:
             program = export.export(steps.train, platforms=[platform])(*specs).mlir_module()

@@ -1,7 +1,9 @@
 """Every mesh a user builds (issue 49 item 5): each name of `attention.names('context_parallel')` and SAMoVAR's
 VAR chain, with `sequence_axis='sequence'`, under `jax.make_mesh`'s default axes (Explicit) and under
-`AxisType.Auto`, `init` and `apply` eager or jitted inside `jax.set_mesh`, x split along T: one device's
-parameters and numbers (on the suite's 2 host devices)."""
+`AxisType.Auto`, `init` and `apply` jitted (and eager under Explicit) inside `jax.set_mesh`, x split along T:
+one device's parameters and numbers (on the suite's 2 host devices)."""
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -33,28 +35,45 @@ def _modes(name: str) -> tuple[bool, ...]:
     return tuple(c for c, has in ((False, caps["self"]), (True, caps["causal"])) if has)
 
 
-def _equal_under(mesh, module, params, x, expected, **kwargs) -> None:
-    """init and apply, eager and jitted, under `jax.set_mesh(mesh)` with x split along T."""
+def _equal_under(mesh, module, params, x, expected, axis_type: str) -> None:
+    """init and apply jitted (one program for both), and eager under the Explicit axis type (`jax.make_mesh`'s
+    default; eager under Auto is the same op-by-op dispatch, many times slower than jit), inside
+    `jax.set_mesh(mesh)` with x split along T."""
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
-        for init in (module.init, jax.jit(module.init)):
+        calls = [jax.jit(lambda key, p, x: (module.init(key, x), module.apply(p, x)))]
+        if axis_type == "Explicit":
+            calls.append(lambda key, p, x: (module.init(key, x), module.apply(p, x)))
+        for call in calls:
+            got_params, got = call(jax.random.PRNGKey(0), params, xs)
             # the parameters, and what init sows (AGF's regulariser); jit may round an initialiser's
             # product differently from eager (an ulp)
-            assert_trees_close(init(jax.random.PRNGKey(0), xs, **kwargs), params, **F32_SIMPLE)
-        for apply in (module.apply, jax.jit(module.apply)):
-            assert_trees_close(apply(params, xs, **kwargs), expected, **F32_SIMPLE)
+            assert_trees_close(got_params, params, **F32_SIMPLE)
+            assert_trees_close(got, expected, **F32_SIMPLE)
+
+
+@functools.cache
+def _one_device(name: str, causal: bool):
+    """The one-device module's parameters and output, shared by both axis types' tests."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, E))
+    plain = attention.make(name, num_heads=HEADS, qkv_features=E, causal=causal, **OPTIONS.get(name, {}))
+
+    def init_apply(x):
+        params = plain.init(jax.random.PRNGKey(0), x)
+        return params, plain.apply(params, x)
+
+    return x, jax.jit(init_apply)(x)
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 @pytest.mark.parametrize("name", SELF_CP)
 def test_every_context_parallel_mechanism_under_either_axis_type(name, axis_type):
-    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, E))
     assert _modes(name)
     for causal in _modes(name):
-        kw = dict(num_heads=HEADS, qkv_features=E, causal=causal, **OPTIONS.get(name, {}))
-        plain, split = attention.make(name, **kw), attention.make(name, sequence_axis="sequence", **kw)
-        params = plain.init(jax.random.PRNGKey(0), x)
-        _equal_under(_mesh(axis_type), split, params, x, plain.apply(params, x))
+        x, (params, expected) = _one_device(name, causal)
+        split = attention.make(name, num_heads=HEADS, qkv_features=E, causal=causal, sequence_axis="sequence",
+                               **OPTIONS.get(name, {}))
+        _equal_under(_mesh(axis_type), split, params, x, expected, axis_type)
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
@@ -63,8 +82,8 @@ def test_the_var_chain_under_either_axis_type(axis_type):
 
     x0 = 0.3 * jax.random.normal(jax.random.PRNGKey(2), (B, T, E))
     plain, split = (VARChain(E, HEADS, num_layers=2, chunk_size=4, sequence_axis=axis) for axis in (None, "sequence"))
-    params = plain.init(jax.random.PRNGKey(0), x0)
-    _equal_under(_mesh(axis_type), split, params, x0, plain.apply(params, x0))
+    params = jax.jit(plain.init)(jax.random.PRNGKey(0), x0)
+    _equal_under(_mesh(axis_type), split, params, x0, jax.jit(plain.apply)(params, x0), axis_type)
 
 
 def test_a_missing_axis_names_the_field_to_set():
@@ -88,9 +107,9 @@ def test_prefill_over_the_shards_exports_without_loops():
                   AGFAttention(HEADS, E // HEADS, causal=True, chunk_size=4, sequence_axis="sequence"),
                   VARChain(E, HEADS, num_layers=2, chunk_size=4, sequence_axis="sequence")):
         with jax.set_mesh(_mesh("Auto")):
-            params = layer.init(jax.random.PRNGKey(0), x)
+            params = jax.jit(layer.init)(jax.random.PRNGKey(0), x)
             state = layer.apply(params, B, method="init_state")
+            prefill = functools.partial(layer.apply, method="prefill")
             for platform in ("cuda", "tpu"):
-                program = testing.exported_program(lambda p, x, s: layer.apply(p, x, s, method="prefill"),
-                                                   params, x, state, platform=platform)
+                program = testing.exported_program(prefill, params, x, state, platform=platform)
                 assert testing.while_loops(program) == 0 and "all_gather" in program, (type(layer).__name__, platform)

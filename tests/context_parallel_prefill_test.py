@@ -56,9 +56,9 @@ def _check_layer(name: str, packed: bool, axis_type, **tolerance) -> None:
     x = jax.random.normal(jax.random.PRNGKey(len(name)), (B, T, E), jnp.float64 if name == "var_chain" else None)
     ids = _ids() if packed else None
     cut = lambda a, lo, hi: None if a is None else a[:, lo:hi]                         # noqa: E731
-    params = plain.init(jax.random.PRNGKey(0), x[:, :FIRST])
+    params = jax.jit(plain.init)(jax.random.PRNGKey(0), x[:, :FIRST])
     rotary = name == "favor_rotary"
-    expected, _ = plain.apply(params, x, segment_ids=ids, method="scan")
+    expected, _ = jax.jit(lambda p, x, i: plain.apply(p, x, segment_ids=i, method="scan"))(params, x, ids)
 
     mesh = jax.make_mesh((4,), ("sequence",), axis_types=(axis_type,))
     prefill = jax.jit(lambda p, x, s, i, pos: split.apply(p, x, s, segment_ids=i, method="prefill",
@@ -91,13 +91,13 @@ def _check_drop_in(name: str, axis_type) -> None:
     x = jax.random.normal(jax.random.PRNGKey(3), (B, FIRST + DECODED, E))
     full = attention.make(name, **kw)
     decoder = attention.make(name, decode=True, sequence_axis="sequence", **kw)
-    params = full.init(jax.random.PRNGKey(0), x)
-    expected = full.apply(params, x)
+    params = jax.jit(full.init)(jax.random.PRNGKey(0), x)
+    expected = jax.jit(full.apply)(params, x)
     mesh = jax.make_mesh((4,), ("sequence",), axis_types=(axis_type,))
     call = jax.jit(lambda c, x: decoder.apply({**params, "cache": c}, x, mutable=["cache"]))
     with jax.set_mesh(mesh):
         prompt = jax.device_put(x[:, :FIRST], NamedSharding(mesh, P(None, "sequence")))
-        cache = decoder.init(jax.random.PRNGKey(0), prompt)["cache"]
+        cache = jax.jit(decoder.init)(jax.random.PRNGKey(0), prompt)["cache"]
         y, variables = call(cache, prompt)
     ys = [np.asarray(y)]
     for t in range(FIRST, FIRST + DECODED):
@@ -127,9 +127,10 @@ def _run(group: str) -> None:
     print(group)
 
 
-@pytest.mark.parametrize("group", list(GROUPS) + ["drop_in"])
-def test_prefill_over_four_devices_then_decoding_equals_one_device_scan(group):
-    assert run_on_host_devices("tests.context_parallel_prefill_test", count=4, args=(group,)) == [group]
+def test_prefill_over_four_devices_then_decoding_equals_one_device_scan():
+    """Every group in one command: a command per group would cost a JAX import and its compiles each."""
+    groups = (*GROUPS, "drop_in")
+    assert run_on_host_devices("tests.context_parallel_prefill_test", count=4, args=groups) == list(groups)
 
 
 def test_the_drop_in_prefills_the_causal_linear_forms():
@@ -147,5 +148,8 @@ def test_the_drop_in_prefills_the_causal_linear_forms():
 
 if __name__ == "__main__":
     assert_host_devices(4)
-    _run(sys.argv[1]) if len(sys.argv) == 2 else _check(sys.argv[1], sys.argv[2] == "packed",
-                                                        getattr(jax.sharding.AxisType, sys.argv[3]))
+    if len(sys.argv) == 4 and sys.argv[2] in ("rows", "packed"):   # one layer: NAME rows|packed AXIS_TYPE
+        _check(sys.argv[1], sys.argv[2] == "packed", getattr(jax.sharding.AxisType, sys.argv[3]))
+    else:                                                           # groups: GROUP ...
+        for group in sys.argv[1:]:
+            _run(group)

@@ -31,13 +31,19 @@ def _packed(t=T):
     return packed_segment_ids(([5, 9, 2, 7], [1, 10, 3, 4]), t)
 
 
-def _assert_grads_equal(form, mesh, q, k, v, mask, segment_ids=None):
-    """Gradients in float64: the float32 sums' rounding, amplified by the loss, is not the question."""
+def _assert_grads_equal(form, mesh, q, k, v, mask, segment_ids=None, expected=None):
+    """Gradients in float64: the float32 sums' rounding, amplified by the loss, is not the question.
+    `expected`: one device's (`_grads(form, None, ...)`), where the caller has them already."""
+    if expected is None:
+        expected = _grads(form, None, q, k, v, mask, segment_ids)
+    assert_trees_close(_grads(form, mesh, q, k, v, mask, segment_ids), expected, **F64)
+
+
+def _grads(form, mesh, q, k, v, mask, segment_ids=None):
+    """The float64 gradients of `_loss` of `form` over `mesh` (None: one device)."""
     with jax.enable_x64(True):
         q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-        grads = jax.jit(jax.grad(_loss(form(mesh, mask, segment_ids)), argnums=(0, 1, 2)))(q, k, v)
-        expected = jax.jit(jax.grad(_loss(form(None, mask, segment_ids)), argnums=(0, 1, 2)))(q, k, v)
-        assert_trees_close(grads, expected, **F64)
+        return jax.jit(jax.grad(_loss(form(mesh, mask, segment_ids)), argnums=(0, 1, 2)))(q, k, v)
 
 
 def _loss(fn):
@@ -193,30 +199,32 @@ def _check_two_processes(process_id: int, port: int):
     gather = lambda tree: jax.tree_util.tree_map(
         lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
     local = jax.local_devices()[0]
+    # values and gradients in one program per side
+    both = lambda fn, q, k, v: (fn(q, k, v), jax.grad(_loss(fn), argnums=(0, 1, 2))(q, k, v))  # noqa: E731
     for form in (_causal, _noncausal):
         for ids in (None, _packed()):
             # mask and ids are arguments: a jitted function may not close over arrays of other processes
-            run = jax.jit(lambda q, k, v, m, i: form(mesh, m, i)(q, k, v))
-            grads = jax.jit(lambda q, k, v, m, i: jax.grad(_loss(form(mesh, m, i)), argnums=(0, 1, 2))(q, k, v))
+            run = jax.jit(lambda q, k, v, m, i: both(form(mesh, m, i), q, k, v))
             args = [glob(x) for x in (q, k, v)] + [glob(mask), None if ids is None else glob(ids)]
             with jax.default_device(local):
-                expected = form(None, mask, ids)
-                want = jax.jit(expected)(q, k, v)
-                want_grads = jax.jit(jax.grad(_loss(expected), argnums=(0, 1, 2)))(q, k, v)
-            assert_trees_close(gather(run(*args)), want, **F64)
-            assert_trees_close(gather(grads(*args)), want_grads, **F64)
+                want, want_grads = jax.jit(lambda q, k, v: both(form(None, mask, ids), q, k, v))(q, k, v)
+            got, got_grads = gather(run(*args))
+            assert_trees_close(got, want, **F64)
+            assert_trees_close(got_grads, want_grads, **F64)
     jax.distributed.shutdown()
     print("ok")
 
 
 def _check_all_shard_counts():
     q, k, v, mask = _inputs(2, t=48)
+    cases = [(form, ids) for form in (_causal, _noncausal) for ids in (None, _packed(48))]
+    # one device's values and gradients, the same for every P: computed once
+    expected = [(jax.jit(form(None, mask, ids))(q, k, v), _grads(form, None, q, k, v, mask, ids))
+                for form, ids in cases]
     for p in (1, 2, 4, 8):
-        for form in (_causal, _noncausal):
-            for ids in (None, _packed(48)):
-                expected = jax.jit(form(None, mask, ids))
-                assert_trees_close(jax.jit(form(sequence_mesh(p), mask, ids))(q, k, v), expected(q, k, v), **F32_SIMPLE)
-                _assert_grads_equal(form, sequence_mesh(p), q, k, v, mask, ids)
+        for (form, ids), (values, grads) in zip(cases, expected):
+            assert_trees_close(jax.jit(form(sequence_mesh(p), mask, ids))(q, k, v), values, **F32_SIMPLE)
+            _assert_grads_equal(form, sequence_mesh(p), q, k, v, mask, ids, expected=grads)
         print(f"P={p}")
 
 
