@@ -115,3 +115,28 @@ def sequence_mesh(p: int, axis_type=None):
 
     axis_type = jax.sharding.AxisType.Auto if axis_type is None else axis_type
     return jax.make_mesh((p,), ("sequence",), devices=jax.devices()[:p], axis_types=(axis_type,))
+
+
+def run_entry_in_process(prog: str, build_model, argv, capfd, evaluators_fn=None) -> tuple[int, str, str]:
+    """Runs `python -m <prog> <argv>` in this process: the function its `__main__` calls
+    (`zoo_core.run.main.run(build_model, evaluators_fn)`), flag parsing and all, without a JAX import
+    per case; returns (exit status, stdout, stderr) as `capfd` captured them."""
+    from absl import flags
+
+    from zoo_core.run import main
+
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+        delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
+    flags.FLAGS.unparse_flags()
+    old = sys.argv
+    sys.argv = [prog, *map(str, argv)]
+    capfd.readouterr()
+    try:
+        main.run(build_model, evaluators_fn=evaluators_fn)
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old
+    out, err = capfd.readouterr()
+    return status, out, err

@@ -36,9 +36,13 @@ def test_trains_and_cached_decoding_equals_recomputation(encoder, decoder, cross
     assert np.isfinite(losses).all() and losses[-1] < 0.75 * losses[0], losses
 
     length = batch["targets"].shape[1]
-    tokens, logits = jax.jit(train.greedy_decode, static_argnums=(2, 3))(params, batch["inputs"], config, length)
+    # One program (one compile) for both: the cached decoding and the recomputation of its tokens.
+    def decode_and_recompute(params, inputs):
+        tokens, logits = train.greedy_decode(params, inputs, config, length)
+        return tokens, logits, train.recomputed_logits(params, inputs, tokens, config)
+
+    tokens, logits, recomputed = jax.jit(decode_and_recompute)(params, batch["inputs"])
     assert tokens.shape == batch["targets"].shape and logits.shape == (*tokens.shape, config.output_vocab_size)
-    recomputed = jax.jit(train.recomputed_logits, static_argnums=3)(params, batch["inputs"], tokens, config)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(recomputed), **F32_MODEL)
     np.testing.assert_array_equal(np.asarray(jnp.argmax(recomputed, -1)), np.asarray(tokens))
 

@@ -1,4 +1,6 @@
-"""End-to-end runs of `python -m htgn_jax.train` (number-words seq2seq and digits smoke configs)."""
+"""End-to-end runs of `python -m htgn_jax.train` on the smoke configs: number-words (seq2seq, with its BLEU
+evaluator) as the real command in a subprocess, digits in this process through the function the command
+calls (`main.run(model.Model, evaluators_fn=decoding.evaluators_for)`: the same flags, setup and loop)."""
 import json
 import os
 import pathlib
@@ -7,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.environment import command_env
+from htgn_jax import decoding, model
+from tests.environment import command_env, run_entry_in_process
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
@@ -22,14 +25,11 @@ def _start(config, workdir, data_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both smoke runs, started together (each is mostly single-threaded compilation)."""
+    """The number-words smoke run of the real command."""
     root = tmp_path_factory.mktemp("htgn_train")
-    procs = {name: _start(name, root / name, root / "data") for name in ("number_words", "digits")}
-    out = {}
-    for name, proc in procs.items():
-        log, _ = proc.communicate(timeout=600)
-        out[name] = (proc.returncode, log, root / name)
-    return out
+    proc = _start("number_words", root / "number_words", root / "data")
+    log, _ = proc.communicate(timeout=600)
+    return {"number_words": (proc.returncode, log, root / "number_words")}
 
 
 def _final_eval(workdir):
@@ -52,6 +52,11 @@ def test_number_words_smoke_trains_checkpoints_and_scores_bleu(runs):
     assert 0.0 <= metrics["eval/bleu"] <= 100.0 and 0.0 <= metrics["eval/exact_match"] <= 1.0
 
 
-def test_digits_smoke_trains_and_checkpoints(runs):
-    metrics = _check_run(runs["digits"])
+def test_digits_smoke_trains_and_checkpoints(tmp_path, capfd):
+    workdir = tmp_path / "digits"
+    code, out, err = run_entry_in_process(
+        "htgn_jax.train", model.Model, ["--config", "configs/htgn/digits.py:smoke", "--workdir", workdir,
+                                        f"--config.data.data_dir={tmp_path / 'data'}"],
+        capfd, evaluators_fn=decoding.evaluators_for)
+    metrics = _check_run((code, out + err, workdir))
     assert "eval/accuracy" in metrics and "eval/bleu" not in metrics

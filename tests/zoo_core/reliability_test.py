@@ -13,7 +13,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.environment import command_env
+from tests.environment import command_env, run_entry_in_process
+from zoo_core import mlp_classifier
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.entry
@@ -94,35 +95,47 @@ def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
     assert steps[-1] >= 50 and steps[-1] < 300
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("--config.nope=3", "invalid config override: nope"),
-    ("--config.total_steps=abc", "bad flag"),
-    ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'"),
-    ("--config.model.hidden=-4", "hidden must be >= 1"),
-    ("--eval_split=test", "only used with --eval_only"),
+# One case of each table runs the real `python -m zoo_core.train` (REAL); the others run the function its
+# `__main__` calls in this process (tests.environment.run_entry_in_process: the same flag parsing, checks
+# and exit), with the same assertions.
+def _refusal(real: bool, argv, capfd) -> tuple[int, str]:
+    """(exit status, stderr) of `python -m zoo_core.train <argv>`: a subprocess if `real`, else in-process."""
+    if real:
+        proc = subprocess.run([sys.executable, "-m", "zoo_core.train", *map(str, argv)], cwd=ROOT,
+                              env=command_env(), capture_output=True, text=True)
+        return proc.returncode, proc.stderr
+    status, _, err = run_entry_in_process("zoo_core.train", mlp_classifier.Model, argv, capfd)
+    return status, err
+
+
+@pytest.mark.parametrize("override,expected,real", [
+    ("--config.nope=3", "invalid config override: nope", False),
+    ("--config.total_steps=abc", "bad flag", False),
+    ("--config.optim.name=sgdd", "unknown optim.name 'sgdd'", False),
+    ("--config.model.hidden=-4", "hidden must be >= 1", True),   # the deepest: refused by the model's setup
+    ("--eval_split=test", "only used with --eval_only", False),
 ])
-def test_config_mistakes_exit_2_with_one_line(tmp_path, override, expected):
-    proc = subprocess.run(_cmd(tmp_path / "w", tmp_path / "data", "--config.total_steps=2", override), cwd=ROOT,
-                          env=command_env(), capture_output=True, text=True)
-    assert proc.returncode == 2 and not (tmp_path / "data").exists() and not (tmp_path / "w").exists()
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
-    assert len(errors) == 1 and expected in errors[0], proc.stderr[-1500:]
-    assert "Traceback" not in proc.stderr
+def test_config_mistakes_exit_2_with_one_line(tmp_path, capfd, override, expected, real):
+    status, stderr = _refusal(real, _cmd(tmp_path / "w", tmp_path / "data", "--config.total_steps=2", override)[3:],
+                              capfd)
+    assert status == 2 and not (tmp_path / "data").exists() and not (tmp_path / "w").exists()
+    errors = [l for l in stderr.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1 and expected in errors[0], stderr[-1500:]
+    assert "Traceback" not in stderr
 
 
-@pytest.mark.parametrize("config,expected", [
-    ("configs/core/synthetic.py:bogus", "unknown config argument 'bogus'"),
-    ("configs/core/no_such_file.py", "No such file or directory"),
+@pytest.mark.parametrize("config,expected,real", [
+    ("configs/core/synthetic.py:bogus", "unknown config argument 'bogus'", True),
+    ("configs/core/no_such_file.py", "No such file or directory", False),
 ])
-def test_a_config_file_that_does_not_load_exits_2_with_one_line(tmp_path, config, expected):
-    cmd = [sys.executable, "-m", "zoo_core.train", "--config", config, "--workdir", str(tmp_path / "w")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and expected in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("error: bad flag:")
+def test_a_config_file_that_does_not_load_exits_2_with_one_line(tmp_path, capfd, config, expected, real):
+    status, stderr = _refusal(real, ["--config", config, "--workdir", tmp_path / "w"], capfd)
+    assert status == 2
+    assert stderr.strip().splitlines() == [stderr.strip()] and expected in stderr, stderr
+    assert stderr.startswith("error: bad flag:")
 
 
-def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_path):
+def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_path, capfd):
     full, data = uninterrupted
     cmd = _cmd(full, data, *LONG, "--eval_only", "--eval_split=test", "--checkpoint=latest")
     proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True)
@@ -132,10 +145,10 @@ def test_eval_only_scores_a_finished_run_on_another_split(uninterrupted, tmp_pat
     assert json.load(open(os.path.join(full, "eval_latest_test.json"))) == result
     # Nothing was trained: the newest checkpoint is still step 300.
     assert sorted(int(n) for n in os.listdir(os.path.join(full, "checkpoints")))[-1] == 300
-    missing = subprocess.run(_cmd(tmp_path / "none", data, "--eval_only"), cwd=ROOT, env=command_env(),
-                             capture_output=True, text=True)
-    errors = [l for l in missing.stderr.splitlines() if l.startswith("error: ")]
-    assert missing.returncode == 2 and len(errors) == 1 and "no checkpoint" in errors[0], missing.stderr[-1500:]
+    # No checkpoint: refused in one line (in-process: the same function as the command above).
+    status, stderr = _refusal(False, _cmd(tmp_path / "none", data, "--eval_only")[3:], capfd)
+    errors = [l for l in stderr.splitlines() if l.startswith("error: ")]
+    assert status == 2 and len(errors) == 1 and "no checkpoint" in errors[0], stderr[-1500:]
 
 
 def test_the_default_workdir_names_the_config_and_its_args():
