@@ -292,13 +292,17 @@ def test_every_registry_self_attention_in_the_models(kind, name):
     kwargs = {k: v for k, v in kwargs.items() if k not in model_lib.AGF_ONLY_KWARGS}
     model = Model(kind=kind, **kwargs, attention=name)
     variables = model.init(jax.random.key(1), batch)
-    out, aux = jax.jit(model.apply)(variables, batch)
+
+    def loss(params):
+        out, aux = model.apply({"params": params}, batch)
+        return jnp.sum(out["logits"] ** 2), (out, aux)
+
+    # The outputs and the gradients in one program (one compile instead of two).
+    (_, (out, aux)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     assert out["logits"].shape == (B, K) and bool(jnp.all(jnp.isfinite(out["logits"])))
     assert all(k.startswith("loss/") for k in aux)   # no AGF diagnostics; the mechanism's own losses
     blocks = variables["params"]["encoder"] if kind.startswith("lra") else variables["params"]
     assert "attention" in blocks["block_00"]          # the same place as AGF's layer
-    grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, batch)[0]["logits"] ** 2)))(
-        variables["params"])
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
 
 

@@ -69,7 +69,7 @@ def test_names():
 def test_foreign_block_jit_eager_dropout_and_optax(name, causal, options):
     x, mask, target = _data()
     model = ForeignBlock(name, causal, tuple(sorted(options.items())))
-    variables = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x, mask)
+    variables = jax.jit(model.init)({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x, mask)
     params = variables["params"]
 
     # eager == jit, with and without dropout keys
@@ -119,12 +119,15 @@ def test_foreign_block_jit_eager_dropout_and_optax(name, causal, options):
 def test_layer_returns_the_contract_layer():
     lay = attention.layer("agf", num_heads=HEADS, qkv_features=E, causal=True)
     x, mask, _ = _data()
-    params = lay.init(jax.random.PRNGKey(0), x)
-    y, aux = lay.apply(params, x, mask=mask)
+    params = jax.jit(lay.init)(jax.random.PRNGKey(0), x)
+
+    @jax.jit   # every call in one program: eagerly each op compiles on its own
+    def calls(params, x, mask):
+        state = lay.apply(params, B, method="init_state")
+        return lay.apply(params, x, mask=mask), lay.apply(params, x, state, method="scan")[0], lay.apply(params, x)[0]
+    (y, aux), y_scan, y_plain = calls(params, x, mask)
     assert y.shape == (B, T, E) and isinstance(aux, dict)
-    state = lay.apply(params, B, method="init_state")
-    y_scan, _ = lay.apply(params, x, state, method="scan")
-    np.testing.assert_allclose(np.asarray(y_scan), np.asarray(lay.apply(params, x)[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y_scan), np.asarray(y_plain), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,13 +232,14 @@ def test_cross_attention_in_the_mhdpa_call_style(name):
     fn = jax.jit(lambda p, x, m: attn.apply(p, x, m, mask=memory_mask))
     y = fn(params, x, memory)
     assert y.shape == (B, T, E + 1) and np.all(np.isfinite(np.asarray(y)))
-    for other in (attn.apply(params, x, inputs_kv=memory, mask=memory_mask),
-                  attn.apply(params, x, memory, memory, mask=memory_mask)):
+    others = jax.jit(lambda p, x, m: (attn.apply(p, x, inputs_kv=m, mask=memory_mask),
+                                      attn.apply(p, x, m, m, mask=memory_mask)))(params, x, memory)
+    for other in others:
         np.testing.assert_allclose(np.asarray(other), np.asarray(y), **testing.F32_SIMPLE)
     # a memory of another length and width than the queries
     wide = np.concatenate([memory, memory], axis=1)[..., :E - 4]
-    y_wide = attn.clone().init_with_output(jax.random.PRNGKey(0), x, wide,
-                                           mask=np.concatenate([memory_mask, memory_mask], 1))[0]
+    y_wide = jax.jit(attn.clone().init_with_output)(jax.random.PRNGKey(0), x, wide,
+                                                    mask=np.concatenate([memory_mask, memory_mask], 1))[0]
     assert y_wide.shape == (B, T, E + 1)
 
 
@@ -248,7 +252,7 @@ def test_cross_decode_step_by_step_equals_the_full_call(name):
     kw = dict(num_heads=HEADS, qkv_features=E, **SMALL.get(name, {}))
     full, dec = attention.make(name, **kw), attention.make(name, decode=True, **kw)
     variables = jax.jit(lambda: dec.init(jax.random.PRNGKey(0), x, memory, mask=memory_mask))()
-    y = full.apply({"params": variables["params"]}, x, memory, mask=memory_mask)
+    y = jax.jit(lambda p: full.apply({"params": p}, x, memory, mask=memory_mask))(variables["params"])
 
     def tokens(variables):
         def body(cache, x_t):
@@ -337,10 +341,10 @@ def test_the_drop_in_passes_segment_ids_a_packed_row_equals_its_documents_alone(
     ids[:, lengths[0]:lengths[0] + lengths[1]] = 2          # the last two tokens are padding
     x = jnp.where(ids[..., None] > 0, x, jnp.nan)            # NaN in the padding changes nothing
     attn = attention.make("linear", num_heads=HEADS, qkv_features=E, causal=causal)
-    params = attn.init(jax.random.PRNGKey(0), x, segment_ids=ids)
-    packed = attn.apply(params, x, segment_ids=ids)
-    first = attn.apply(params, x[:, :lengths[0]])
-    second = attn.apply(params, x[:, lengths[0]:sum(lengths)])
+    params = jax.jit(attn.init)(jax.random.PRNGKey(0), x, segment_ids=ids)
+    # the packed row and each document alone in one program
+    packed, first, second = jax.jit(lambda p, x: (attn.apply(p, x, segment_ids=ids), attn.apply(p, x[:, :lengths[0]]),
+                                                  attn.apply(p, x[:, lengths[0]:sum(lengths)])))(params, x)
     np.testing.assert_allclose(np.asarray(packed[:, :lengths[0]]), np.asarray(first), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(packed[:, lengths[0]:sum(lengths)]), np.asarray(second), rtol=1e-5,
                                atol=1e-6)

@@ -126,6 +126,7 @@ KV_IDS = np.array([[2, 2, 0, 1, 1, 1, 1, 3, 0],
                    [7, 7, 7, 0, 5, 5, 5, 5, 5]], np.int32)
 
 
+@jax.jit
 def _cross_inputs(seed=0):
     ks = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.nn.elu(jax.random.normal(ks[0], (B, T, H, D))) + 1
@@ -134,28 +135,39 @@ def _cross_inputs(seed=0):
     return q, k, v
 
 
+_cross_noncausal = jax.jit(functools.partial(linear_attention.noncausal, denominator=True))
+
+
+def _cross_documents():
+    return [(b, IDS[b] == doc, KV_IDS[b] == doc) for b in range(B) for doc in sorted(set(IDS[b].tolist()) - {0})]
+
+
+@jax.jit
+def _cross_alone(q, k, v):
+    """Each query document against its own memory document alone (every document in one program)."""
+    return [linear_attention.noncausal(q[b:b + 1, rows], k[b:b + 1, keys], v[b:b + 1, keys], denominator=True)
+            for b, rows, keys in _cross_documents()]
+
+
 def _cross_separate(q, k, v):
     """Each query document against its own memory document alone, scattered back; 0 at padding."""
     num, den = np.zeros((B, T, H, M), np.float32), np.zeros((B, T, H), np.float32)
-    for b in range(B):
-        for doc in set(IDS[b].tolist()) - {0}:
-            rows, keys = IDS[b] == doc, KV_IDS[b] == doc
-            n, d = linear_attention.noncausal(q[b:b + 1, rows], k[b:b + 1, keys], v[b:b + 1, keys], denominator=True)
-            num[b, rows], den[b, rows] = n[0], d[0]
+    for (b, rows, _), (n, d) in zip(_cross_documents(), _cross_alone(q, k, v)):
+        num[b, rows], den[b, rows] = n[0], d[0]
     return num, den
 
 
 def test_packed_cross_attention_equals_each_document_alone():
-    q, k, v = _cross_inputs()
-    got = linear_attention.noncausal(q, k, v, denominator=True, segment_ids=IDS, kv_segment_ids=KV_IDS)
+    q, k, v = (np.asarray(x) for x in _cross_inputs())
+    packed = functools.partial(_cross_noncausal, segment_ids=IDS, kv_segment_ids=KV_IDS)
+    got = packed(q, k, v)
     assert_trees_close(got, _cross_separate(q, k, v), **F32_SIMPLE)
     # NaN in memory padding changes nothing; NaN in document 2's memory reaches only document 2's queries.
     k_bad = np.asarray(k).copy()
     k_bad[0, 2] = np.nan
-    assert_trees_close(linear_attention.noncausal(q, k_bad, v, denominator=True, segment_ids=IDS,
-                                                  kv_segment_ids=KV_IDS), got, **F32_SIMPLE)
+    assert_trees_close(packed(q, k_bad, v), got, **F32_SIMPLE)
     k_bad[0, 0] = np.nan
-    num, _ = linear_attention.noncausal(q, k_bad, v, denominator=True, segment_ids=IDS, kv_segment_ids=KV_IDS)
+    num, _ = packed(q, k_bad, v)
     num = np.asarray(num)
     assert np.isnan(num[0, IDS[0] == 2]).all() and np.isfinite(num[0, IDS[0] != 2]).all() and np.isfinite(num[1]).all()
 
@@ -178,6 +190,7 @@ def test_packed_cross_attention_gradients_equal_each_document_alone_in_float64()
                     total = total + jnp.sum(jnp.sin(num)) + jnp.sum(jnp.cos(den))
             return total
 
-        assert_trees_close(jax.grad(packed, argnums=(0, 1, 2))(q, k, v), jax.grad(alone, argnums=(0, 1, 2))(q, k, v),
-                           **F64)
-
+        # Both gradients in one program: eagerly every op of both compiles on its own.
+        got, want = jax.jit(lambda *x: (jax.grad(packed, argnums=(0, 1, 2))(*x), jax.grad(alone, argnums=(0, 1, 2))(*x)))(
+            q, k, v)
+        assert_trees_close(got, want, **F64)
