@@ -31,12 +31,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import meta
 
 from samovar_jax import context_parallel as var_context_parallel
 from samovar_jax import ops
-from samovar_jax.modules import MLPBlock, RMSNorm, normal002
-from samovar_jax.var_operands import FixedQV, ProjectedQV, split_heads
+from samovar_jax.modules import MLPBlock, MultiHeadRMSNorm, RMSNorm, dense, normal002
 from zoo_core import checks
 from zoo_core.ops import context_parallel, linear_attention, packing, xla_forms
 from zoo_core.ops.dropout import Dropout, keep_mask
@@ -68,6 +66,10 @@ def _dropout_mask(module: nn.Module, rate: float, shape, deterministic: bool) ->
     keep = 1.0 - rate
     mask = keep_mask(module.make_rng("dropout"), keep, shape, position_axis=2)
     return jnp.where(mask, jnp.float32(1.0 / keep), 0.0)
+
+
+def _split_heads(y: Array, num_heads: int) -> Array:
+    return y.reshape(y.shape[:-1] + (num_heads, -1))
 
 
 class _OutProjection(nn.Module):
@@ -134,7 +136,7 @@ class LinearAttention(nn.Module):
         """Queries from x, keys (their input dropped out) and values from x_kv (default x), per head."""
         x_kv = x if x_kv is None else x_kv
         k = self.key(self.key_dropout(x_kv, deterministic=deterministic))
-        return tuple(split_heads(y, self.num_heads) for y in (self.query(x), k, self.value(x_kv)))
+        return tuple(_split_heads(y, self.num_heads) for y in (self.query(x), k, self.value(x_kv)))
 
     def _out(self, num: Array, x: Array) -> Array:
         dtype = self.dtype if self.dtype is not None else jnp.promote_types(x.dtype, self.param_dtype)
@@ -294,6 +296,73 @@ class LinTransBlock(nn.Module):
         return self._finish(x_t, y, True), state
 
 
+class _ProjectedQV(nn.Module):
+    """One SAMoVAR layer's q/v projections (`transformer.attn[m]`): query/value Dense E -> E with bias,
+    optional per-head norms `query_norm` / `value_norm`, optional bias-free key matrix `key` [E, E]
+    (ablation "w/ W_k", N(0, 0.02^2) init)."""
+    width: int
+    num_heads: int
+    use_qv_norm: bool = True
+    use_key_proj: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        d = self.width // self.num_heads
+        self.query = dense(self.width, name="query", **kw)
+        self.value = dense(self.width, name="value", **kw)
+        if self.use_qv_norm:
+            self.query_norm = MultiHeadRMSNorm(self.num_heads, d, **kw, name="query_norm")
+            self.value_norm = MultiHeadRMSNorm(self.num_heads, d, **kw, name="value_norm")
+        if self.use_key_proj:
+            # A bare [E, E] matrix (row-vector layout, `k = o @ key`): the chain kernels need the
+            # matrix itself, not a Dense call.
+            self.key = self.param("key", normal002, (self.width, self.width), self.param_dtype)
+
+    def __call__(self, x0: Array, positions: Optional[Array]) -> tuple[Array, Array]:
+        """x0 [B, T, E] -> q, v [B, T, H, D] (positions are not read: the caller passes None)."""
+        q, v = _split_heads(self.query(x0), self.num_heads), _split_heads(self.value(x0), self.num_heads)
+        if self.use_qv_norm:
+            q, v = self.query_norm(q), self.value_norm(v)
+        return q, v
+
+    def key_kernel(self) -> Array:
+        """[E, E] matrix of the key map (row-vector layout); only with use_key_proj."""
+        return self.key
+
+
+class _FixedQV(nn.Module):
+    """One FixedVAR layer (`transformer.attn[m].fixed_q / fixed_v`, samovar.md §8): free per-(channel,
+    token) queries and values, tables `query` / `value` [C_t, max_tokens, H, D], 0.02 N(0,1) init."""
+    num_channels: int
+    max_tokens: int
+    num_heads: int
+    head_dim: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        shape = (self.num_channels, self.max_tokens, self.num_heads, self.head_dim)
+        self.query = self.param("query", normal002, shape, self.param_dtype)
+        self.value = self.param("value", normal002, shape, self.param_dtype)
+
+    def __call__(self, x0: Array, positions: Array) -> tuple[Array, Array]:
+        """Tables at token indices `positions` [T] (every row) or [B', T] (per row, e.g. restarting at
+        each packed document) for folded rows (row = b * C_t + c): q, v [B', T, H, D]."""
+        def rows(table):
+            if positions.ndim == 1:
+                t = jnp.take(table, positions, axis=1)                             # [C_t, T, H, D]
+                t = jnp.tile(t, (x0.shape[0] // self.num_channels, 1, 1, 1))
+            else:   # out-of-table positions give NaN, as `jnp.take`'s fill mode does above
+                channel = jnp.arange(x0.shape[0]) % self.num_channels
+                inside = (positions >= 0) & (positions < self.max_tokens)
+                t = table[channel[:, None], jnp.clip(positions, 0, self.max_tokens - 1)]   # [B', T, H, D]
+                t = jnp.where(inside[..., None, None], t, jnp.asarray(jnp.nan, t.dtype))
+            return t if self.dtype is None else t.astype(self.dtype)
+        return rows(self.query), rows(self.value)
+
+
 class VARChain(nn.Module):
     """The VAR attention stack of SAMoVAR / FixedVAR (`Transformer` with `use_AR_structure=True`,
     samovar.md §2.6) around `ops.var_chain_*`.
@@ -351,13 +420,13 @@ class VARChain(nn.Module):
         _check_sequence_axis(self.sequence_axis)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         if self.qv_source == "projection":
-            self.layers = [ProjectedQV(self.width, self.num_heads, self.use_qv_norm, self.use_key_proj, **kw,
+            self.layers = [_ProjectedQV(self.width, self.num_heads, self.use_qv_norm, self.use_key_proj, **kw,
                                         name=f"layer_{m:02d}") for m in range(self.num_layers)]
         else:
             if self.use_key_proj or self.use_qv_norm:
                 checks.fail("qv_source='fixed' (FixedVAR) has no q/v norms and no key projection: "
                             "set use_qv_norm=False and use_key_proj=False")
-            self.layers = [FixedQV(self.num_channels, self.max_tokens, self.num_heads, self.head_dim, **kw,
+            self.layers = [_FixedQV(self.num_channels, self.max_tokens, self.num_heads, self.head_dim, **kw,
                                     name=f"layer_{m:02d}") for m in range(self.num_layers)]
 
     @property
@@ -415,7 +484,7 @@ class VARChain(nn.Module):
         kernels = None
         if self.use_key_proj:
             kernels = jnp.stack([layer.key_kernel() for layer in self.layers]).astype(dtype)
-        return (split_heads(x0, self.num_heads), tuple(a.astype(dtype) for a, _ in qv),
+        return (_split_heads(x0, self.num_heads), tuple(a.astype(dtype) for a, _ in qv),
                 tuple(b.astype(dtype) for _, b in qv), kernels)
 
     def init_state(self, batch_size: int) -> VARChainState:
@@ -450,34 +519,10 @@ class VARChain(nn.Module):
         same values, without stacking the layers' operands and outputs along L (for a caller that
         only sums them)."""
         self._check_x0(x0)
-        if self._heads_apart():
-            return self._projected_chain(x0, positions, mask, segment_ids, deterministic)
         xh, q, v, kernels = self._project_layers(x0, positions, 0, segment_ids)
         drop = _dropout_mask(self, self.dropout_rate, (len(q),) + q[0].shape, deterministic)
         return self._sequence_form(xh, q, v, key_kernels=kernels, dropout_mask=drop, mask=mask,
                                    segment_ids=segment_ids)
-
-    def _heads_apart(self) -> bool:
-        """Whether `layer_outputs` takes `ops.var_chain_projected` (each head's own chain on the CPU): the
-        chunked form of SAMoVAR's projections on one device, parameters existing, more than one head."""
-        return (self.qv_source == "projection" and not self.use_key_proj and self.sequence_axis is None
-                and self.chunk_size is not None and self.num_heads > 1 and not self.is_initializing())
-
-    def _projected_chain(self, x0, positions, mask, segment_ids, deterministic) -> tuple[Array, ...]:
-        """`layer_outputs` through `ops.var_chain_projected`: the same operands, masks and values."""
-        self._positions(positions, 0, x0.shape[:2], segment_ids)   # a SAMoVAR chain refuses positions
-        dtype = self.dtype if self.dtype is not None else jnp.promote_types(x0.dtype, self.param_dtype)
-        shape = (self.num_layers,) + x0.shape[:2] + (self.num_heads, self.head_dim)
-        drop = _dropout_mask(self, self.dropout_rate, shape, deterministic)
-        params = [meta.unbox(layer.variables["params"]) for layer in self.layers]
-
-        def project(params, x0, head):
-            qv = [layer.qv(p, x0, head) for layer, p in zip(self.layers, params)]
-            return tuple(q.astype(dtype) for q, _ in qv), tuple(v.astype(dtype) for _, v in qv)
-
-        return ops.var_chain_projected(x0.astype(dtype), project, params, num_heads=self.num_heads,
-                                       chunk_size=self.chunk_size, dropout_mask=drop, mask=mask,
-                                       segment_ids=segment_ids)
 
     def scan(self, x0: Array, state: Optional[VARChainState] = None, *, positions: Optional[Array] = None,
              mask: Optional[Array] = None, segment_ids: Optional[Array] = None,

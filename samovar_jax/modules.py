@@ -97,12 +97,7 @@ class MultiHeadRMSNorm(nn.Module):
         """[..., H, D] -> [..., H, D]."""
         if x.shape[-2:] != (self.num_heads, self.head_dim):
             checks.fail(f"`x` must be [..., {self.num_heads}, {self.head_dim}], got shape {tuple(x.shape)}")
-        return self.normalise(x, self.scale)
-
-    def normalise(self, x: Array, scale: Array) -> Array:
-        """The norm with gain `scale` given here: x [..., H, D] with scale [H, D], or one head's x [..., D]
-        with its row scale[h] [D] (a pure function of x and scale: no parameter is read)."""
-        x, scale = nn.dtypes.promote_dtype(x, scale, dtype=self.dtype)
+        x, scale = nn.dtypes.promote_dtype(x, self.scale, dtype=self.dtype)
         return ops.rms_norm(x, scale, self.eps)
 
 

@@ -33,11 +33,10 @@ one in that dtype; the returned outputs are in x0's dtype; states are float32 (f
 from __future__ import annotations
 
 __all__ = ["rms_norm", "instance_norm_stats", "patchify", "unpatchify", "var_chain_init_state", "var_chain_parallel",
-           "var_chain_chunked", "var_chain_chunked_batched", "var_chain_layers", "var_chain_projected",
-           "var_chain_scan", "var_chain_step",
+           "var_chain_chunked", "var_chain_chunked_batched", "var_chain_layers", "var_chain_scan", "var_chain_step",
            "lu_factors", "structural_matrix", "structural_matrix_inverse"]
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -310,54 +309,6 @@ def var_chain_layers(x0: Array, q: Sequence[Array], v: Sequence[Array], *, chunk
                 segment_ids=segment_ids, chunk_size=chunk_size)
     fn = _masked_layer(mask, segment_ids) if chunk_size is None else _chunked_layer(chunk_size, mask, segment_ids)
     return _chain(fn, x0, q, v, key_kernels, dropout_mask, None, stack=False)
-
-
-def var_chain_projected(x0: Array, project: Callable, params, *, num_heads: int, chunk_size: int,
-                        dropout_mask: Optional[Array] = None, mask: Optional[Array] = None,
-                        segment_ids: Optional[Array] = None) -> tuple[Array, ...]:
-    """`var_chain_layers`' chunked form on the q and v that `project` makes from x0, the heads apart on the CPU.
-
-    Heads never mix in the chain (W_k = I, samovar.md §2.6), so each head's outputs depend on its own D
-    columns of the projections only. On the CPU (`jax.lax.platform_dependent`) every head runs its own
-    chain from its own projections on: operands written whole by their own matmul need no strided
-    split of `[B, T, H, D]` arrays inside every layer (`zoo_core.ops.xla_forms.heads`), and no stack of
-    the heads' results. Elsewhere the chain of all heads at once, the program unchanged. The same values:
-    each head's dot products, masks and sums are the same.
-
-    Args:
-      x0: [B, T, E] (E = H D), the chain's first key.
-      project: `project(params, x0, head)` -> (q, v): with head None each a sequence of L arrays
-        [B, T, H, D]; with head h each L arrays [B, T, D], head h's alone.
-      params: what `project` reads (a pytree of arrays).
-      num_heads: H.
-      chunk_size: C >= 1 of the chunked form.
-      dropout_mask, mask, segment_ids: as in `var_chain_layers` (dropout_mask [L, B, T, H, D]).
-
-    Returns:
-      a tuple of L arrays [B, T, H, D], layer m's output in x0's dtype.
-    """
-    checks.check_rank("x0", x0, 3, "[B, T, E]")
-    checks.check_divisible("x0's width", x0.shape[-1], "num_heads", num_heads)
-    b, t, e = x0.shape
-    d = e // num_heads
-
-    def together(x0, params, dropout_mask):
-        q, v = project(params, x0, None)
-        return var_chain_layers(x0.reshape(b, t, num_heads, d), q, v, chunk_size=chunk_size,
-                                dropout_mask=dropout_mask, mask=mask, segment_ids=segment_ids)
-
-    def apart(x0, params, dropout_mask):
-        outs = []
-        for h in range(num_heads):
-            q, v = project(params, x0, h)
-            one = lambda a: a[:, :, None]  # noqa: E731  [B, T, D] -> [B, T, 1, D], a bitcast
-            outs.append(var_chain_layers(
-                one(x0[..., h * d:(h + 1) * d]), [one(a) for a in q], [one(a) for a in v], chunk_size=chunk_size,
-                dropout_mask=None if dropout_mask is None else dropout_mask[:, :, :, h:h + 1], mask=mask,
-                segment_ids=segment_ids))
-        return tuple(jnp.concatenate(layer, axis=2) for layer in zip(*outs))
-
-    return jax.lax.platform_dependent(x0, params, dropout_mask, cpu=apart, default=together)
 
 
 def var_chain_scan(x0: Array, q: Array, v: Array, *, state: Optional[Array] = None,

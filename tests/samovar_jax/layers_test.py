@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from samovar_jax.layers import LinearAttention, LinearState, LinTransBlock, VARChain, VARChainState
-from zoo_core import testing
 from zoo_core.testing import BF16, F32_SIMPLE, assert_forms_agree, param_shapes
 
 B, T, E, H = 2, 7, 8, 2
@@ -178,42 +177,3 @@ def test_parameter_names():
     assert names("fixed_var_chain") == {f"layer_{m:02d}/{p}" for m in range(3) for p in ("query", "value")}
     assert "layer_00/key" in names("var_chain_key_proj") and "layer_00/key" not in names("var_chain")
     assert "layer_02/query_norm/scale" in names("var_chain")
-
-
-def test_the_cpu_chain_with_its_heads_apart_equals_every_head_at_once(x64):
-    """`layer_outputs` (the model's training path) runs each head's chain from its own projections on the CPU
-    (`ops.var_chain_projected`): `__call__`'s outputs and gradients (every head at once), with dropout,
-    padding and packed documents."""
-    layer = VARChain(12, 3, 3, chunk_size=3, dropout_rate=0.3, param_dtype=jnp.float64)
-    x = jnp.asarray(_x((B, T, 12), seed=4), jnp.float64)
-    variables = layer.init(jax.random.PRNGKey(1), x)
-    rngs = {"dropout": jax.random.PRNGKey(2)}
-    packed = np.where(MASK, np.asarray([[1] * 4 + [2] * 3] * B), 0)
-    for kw in ({}, {"segment_ids": packed}):
-        def loss(v, method):
-            o = layer.apply(v, x, deterministic=False, rngs=rngs, method=method, **kw)
-            o = jnp.stack(o) if method == "layer_outputs" else o[0]
-            return jnp.sum(jnp.sin(o)), o
-        (_, apart), g_apart = jax.jit(jax.value_and_grad(lambda v: loss(v, "layer_outputs"), has_aux=True))(variables)
-        (_, together), g_together = jax.jit(jax.value_and_grad(lambda v: loss(v, "__call__"), has_aux=True))(variables)
-        np.testing.assert_allclose(apart, together, rtol=1e-12, atol=1e-12, err_msg=str(kw))
-        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12), g_apart, g_together)
-
-
-def test_only_the_cpu_program_takes_the_heads_apart():
-    """Exported for a GPU or a TPU, `layer_outputs` runs every head at once (its dots do not grow with H); on
-    the CPU each head has its own q and v projections: 2 L (H - 1) dots more than `__call__` has there, beyond
-    the difference the two methods have on a GPU (`__call__` also stacks the layers)."""
-    num_layers, x = 2, np.ones((B, 8, 8), np.float32)
-    dots = {}
-    for heads in (2, 4):
-        layer = VARChain(8, heads, num_layers, chunk_size=4)
-        variables = layer.init(jax.random.PRNGKey(0), x)
-        for method in ("layer_outputs", "__call__"):
-            fn = functools.partial(layer.apply, method=method)
-            for p in ("cuda", "tpu", "cpu"):
-                dots[heads, method, p] = testing.exported_program(fn, variables, x, platform=p).count("dot_general")
-    for heads in (2, 4):
-        assert dots[heads, "layer_outputs", "cuda"] == dots[2, "layer_outputs", "cuda"] == dots[heads, "layer_outputs", "tpu"]
-        cpu, gpu = (dots[heads, "layer_outputs", p] - dots[heads, "__call__", p] for p in ("cpu", "cuda"))
-        assert cpu - gpu == 2 * num_layers * (heads - 1), dots

@@ -280,20 +280,3 @@ def test_a_bfloat16_dense_layer_sums_its_bias_gradient_in_float32():
         # The float32 sum of the bfloat16 cotangent, rounded once (a bfloat16 running sum is ~1e-2 off).
         want = np.asarray(g.astype(jnp.bfloat16), np.float32).sum(0)
         np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("cls, fields, shape", [
-    (xla_forms.Dense, dict(features=6), (2, 3, 4)),
-    (xla_forms.DenseGeneral, dict(features=(2, 3), axis=(-2, -1)), (2, 3, 4)),
-])
-def test_dense_matmul_is_the_layer_on_the_parameters_given(cls, fields, shape, x64):
-    x = jax.random.normal(jax.random.key(0), shape, jnp.float64)
-    layer = cls(**fields)
-    p = layer.init(jax.random.key(1), x)["params"]
-    np.testing.assert_array_equal(xla_forms.dense_matmul(layer, x, p["kernel"], p["bias"]), layer.apply({"params": p}, x))
-    # A column slice of the parameters gives those columns of the output.
-    kernel, bias = p["kernel"][..., 1:], p["bias"][..., 1:]
-    np.testing.assert_allclose(xla_forms.dense_matmul(layer, x, kernel, bias), layer.apply({"params": p}, x)[..., 1:],
-                               rtol=1e-14, atol=1e-14)
-    with pytest.raises(ValueError, match="takes a xla_forms Dense or DenseGeneral layer, got Dense"):
-        xla_forms.dense_matmul(nn.Dense(3), x, p["kernel"], p["bias"])

@@ -25,7 +25,7 @@ parameters and values). It is read at trace time, so jit the step inside it.
 from __future__ import annotations
 
 __all__ = ["PLAIN_FORMS", "plain", "is_plain", "Dense", "DenseGeneral", "Embed", "LayerNorm", "layer_norm", "gelu",
-           "heads", "add_to_each", "dense_group", "dense_matmul"]
+           "heads", "add_to_each", "dense_group"]
 
 import contextlib
 import functools
@@ -260,25 +260,6 @@ def _layer_matmul(layer, inputs: Array, kernel: Array, bias, n: int) -> Array:
     y = matmul(inputs, kernel.reshape(fan_in, fan_out), n, dot_general, layer.precision,
                None if bias is None else bias.reshape(fan_out))
     return y.reshape(inputs.shape[:inputs.ndim - n] + features)
-
-
-def dense_matmul(layer, inputs: Array, kernel: Array, bias=None) -> Array:
-    """What `Dense` / `DenseGeneral` `layer` computes, for a kernel `[*in, *out]` and bias `[*out]` (or None)
-    given here: e.g. a column slice of its own parameters, read by a traced branch (a branch of
-    `jax.lax.platform_dependent` cannot call a submodule). The layer's dtypes, precision and dot.
-
-    Args:
-      layer: a bound or unbound `Dense` / `DenseGeneral` (only its fields are read).
-      inputs: `[..., *in]`.
-      kernel: `[*in, *out]`.
-      bias: `[*out]` or None.
-
-    Returns:
-      `[..., *out]`.
-    """
-    if not isinstance(layer, (Dense, DenseGeneral)):
-        raise ValueError(f"`dense_matmul` takes a xla_forms Dense or DenseGeneral layer, got {type(layer).__name__}")
-    return _layer_matmul(layer, inputs, kernel, bias, _contracted(layer))
 
 
 def _contracted(layer) -> int:
