@@ -26,9 +26,9 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags
 
-from zoo_core.run import loop, main
+from tests.environment import run_entry_in_process
+from zoo_core.run import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted(p for p in (ROOT / "configs").glob("*/*.py") if "def get_config(" in p.read_text())
@@ -140,20 +140,8 @@ def _run(module: str, argv: list[str], capfd, monkeypatch, *, train: bool):
     build_model, evaluators_fn = _entry(module)
     if not train:   # the evaluators are built (that checks their options); they read data only when run
         monkeypatch.setattr(loop, "train_and_evaluate", lambda *a, **k: {})
-    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-        delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
-    flags.FLAGS.unparse_flags()
-    old = sys.argv
-    sys.argv = [module, *argv]
-    capfd.readouterr()
-    try:
-        main.run(build_model, evaluators_fn)
-        status = 0
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old
-    return status, capfd.readouterr()[1]
+    status, _, err = run_entry_in_process(module, build_model, argv, capfd, evaluators_fn=evaluators_fn)
+    return status, err
 
 
 def _assert_ran(status, err, command):

@@ -17,9 +17,8 @@ import sys
 import time
 
 import pytest
-from absl import flags
 
-from tests.environment import command_env
+from tests.environment import command_env, run_entry_in_process
 from zoo_core import mlp_classifier, trainer
 from zoo_core.run import log as run_log
 from zoo_core.run import main
@@ -40,21 +39,7 @@ def _snapshot(path) -> list[str]:
 def cli(argv, capfd, build_model=mlp_classifier.Model, evaluators_fn=None):
     """Runs `python -m zoo_core.train <argv>` in this process (with another architecture's `Model` and
     evaluators: its train command); returns (exit status, stdout, stderr)."""
-    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
-        delattr(flags.FLAGS, name)     # ml_collections registers one flag per config field on parsing
-    flags.FLAGS.unparse_flags()
-    old = sys.argv
-    sys.argv = ["zoo_core.train", *map(str, argv)]
-    capfd.readouterr()
-    try:
-        main.run(build_model, evaluators_fn=evaluators_fn)
-        status = 0
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old
-    out, err = capfd.readouterr()
-    return status, out, err
+    return run_entry_in_process("zoo_core.train", build_model, argv, capfd, evaluators_fn=evaluators_fn)
 
 
 def _assert_refused(status, out, err, expected, alone=True):
