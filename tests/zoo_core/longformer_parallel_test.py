@@ -50,28 +50,24 @@ def _loss(fn):
 
 def _check(mesh, gradients=True, expected=None, **kw):
     """Values (float32) and float64 gradients of the sharded form against one device (`expected`:
-    `_one_device(gradients, **kw)`, where the caller has it already)."""
-    q, k, v, mask = _inputs()
-    want, want_grads = _one_device(gradients, **kw) if expected is None else expected
-    got = jax.jit(_form(mesh, mask=mask, **kw))(q, k, v)
+    `_results(None, gradients, **kw)`, where the caller has it already)."""
+    want, want_grads = _results(None, gradients, **kw) if expected is None else expected
+    got, grads = _results(mesh, gradients, **kw)
     assert_trees_close(got, want, **F32_SIMPLE)
-    if not gradients:
-        return
-    with jax.enable_x64(True):
-        q, k, v = (x.astype(np.float64) for x in (q, k, v))
-        grads = jax.jit(jax.grad(_loss(_form(mesh, mask=mask, **kw)), argnums=(0, 1, 2)))(q, k, v)
-    assert_trees_close(grads, want_grads, **F64)
+    if gradients:
+        assert_trees_close(grads, want_grads, **F64)
 
 
-def _one_device(gradients=True, **kw):
-    """One device's values (float32) and, with `gradients`, float64 gradients (else None)."""
+def _results(mesh, gradients=True, **kw):
+    """The form over `mesh` (None: one device): its values (float32) and, with `gradients`, its float64
+    gradients (else None)."""
     q, k, v, mask = _inputs()
-    want = jax.jit(_form(None, mask=mask, **kw))(q, k, v)
+    values = jax.jit(_form(mesh, mask=mask, **kw))(q, k, v)
     if not gradients:
-        return want, None
+        return values, None
     with jax.enable_x64(True):
         q, k, v = (x.astype(np.float64) for x in (q, k, v))
-        return want, jax.jit(jax.grad(_loss(_form(None, mask=mask, **kw)), argnums=(0, 1, 2)))(q, k, v)
+        return values, jax.jit(jax.grad(_loss(_form(mesh, mask=mask, **kw)), argnums=(0, 1, 2)))(q, k, v)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
@@ -160,7 +156,7 @@ def _check_shard_counts():
     """Values in every setting; float64 gradients in the one whose globals cross a shard boundary."""
     cases = [dict(gradients=num_global == 11, window=window, num_global=num_global, causal=causal, packed=packed)
              for window, num_global in SETTINGS for causal in (False, True) for packed in (False, True)]
-    expected = [_one_device(**kw) for kw in cases]   # the same for every P: computed once
+    expected = [_results(None, **kw) for kw in cases]   # the same for every P: computed once
     for p in (1, 2, 4):
         for kw, want in zip(cases, expected):
             _check(sequence_mesh(p), expected=want, **kw)
