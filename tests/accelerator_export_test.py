@@ -26,8 +26,9 @@ MAIN_CONFIGS = {
 
 def _train_step(config, build_model):
     """The step `bench.train_step_setup` builds (the trainer's setup, `run_setup.compile_steps`' jitted
-    `train_step`, parallel.mode 'jit'), with its state's shapes and one training batch, without the CPU compile
-    and the initial state that the setup makes for a benchmark and an export does not need."""
+    `train_step`, parallel.mode 'jit', under the run's mesh context), with its state's shapes (replicated, as
+    `s.init_state` makes it) and one training batch on the mesh, without the CPU compile and the initial values
+    that the setup makes for a benchmark and an export does not need. Returns (step, state, batch, mesh)."""
     from zoo_core.run import setup as run_setup
     from zoo_core.run import sharding
 
@@ -35,15 +36,19 @@ def _train_step(config, build_model):
         config.parallel.mode = "jit"
     s = run_setup.build_setup(config, build_model, has_evaluators=True)
     mesh = sharding.config_mesh(config)
-    steps = run_setup.compile_steps(s, mesh, sharding.replicated(mesh), donate=False)
-    return steps.train, s.abstract, steps.to_device(sharding.numeric(next(s.train_batches(0))))
+    replicated = sharding.replicated(mesh)
+    with sharding.mesh_context(mesh):
+        steps = run_setup.compile_steps(s, mesh, replicated, donate=False)
+        batch = steps.to_device(sharding.numeric(next(s.train_batches(0))))
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), s.abstract)
+    return steps.train, state, batch, mesh
 
 
 @pytest.mark.parametrize("name", sorted(MAIN_CONFIGS))
 def test_main_train_steps_export_without_loops(name):
     module, arg, model_module = MAIN_CONFIGS[name]
     config = importlib.import_module(module).get_config(arg)
-    step, state, batch = _train_step(config, importlib.import_module(model_module).Model)
+    step, state, batch, _ = _train_step(config, importlib.import_module(model_module).Model)
     for platform in PLATFORMS:
         program = testing.exported_program(step, state, batch, platform=platform)
         assert testing.while_loops(program) == 0, (name, platform)
@@ -89,7 +94,6 @@ def test_a_context_parallel_train_step_exports_without_loops(kind, tmp_path):
     from samovar_jax import model as samovar_model
     from tests.zoo_core.sequence_parallel_test import CPForecaster
     from zoo_core.configs.samovar import synthetic_var
-    from zoo_core.run import setup as run_setup
     from zoo_core.run import sharding
 
     if jax.device_count() % 2:
@@ -102,18 +106,12 @@ def test_a_context_parallel_train_step_exports_without_loops(kind, tmp_path):
     if kind == "cp_layer":
         config.model = {}
         build = lambda **kw: CPForecaster(**kw)   # noqa: E731
-    s = run_setup.build_setup(config, build, has_evaluators=True)
-    mesh = sharding.config_mesh(config)
+    step, state, batch, mesh = _train_step(config, build)
+    assert batch["inputs"].sharding.spec == jax.sharding.PartitionSpec("data", "sequence")
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (state, batch))
     with sharding.mesh_context(mesh):
-        replicated = sharding.replicated(mesh)
-        steps = run_setup.compile_steps(s, mesh, replicated, donate=False)
-        batch = steps.to_device(sharding.numeric(next(s.train_batches(0))))
-        assert batch["inputs"].sharding.spec == jax.sharding.PartitionSpec("data", "sequence")
-        # the state as `s.init_state(replicated)` makes it (replicated), as shapes: an export needs no values
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), s.abstract)
-        specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (state, batch))
         for platform in PLATFORMS:
-            program = export.export(steps.train, platforms=[platform])(*specs).mlir_module()
+            program = export.export(step, platforms=[platform])(*specs).mlir_module()
             assert testing.while_loops(program) == 0, (kind, platform)
             if kind == "cp_layer":
                 assert "all_gather" in program, platform   # the layer's fold of the shards' summaries
